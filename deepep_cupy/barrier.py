@@ -1,0 +1,47 @@
+"""Launcher for the GPU barrier kernel family (`kernels_cu/barrier.cu`)."""
+
+import numpy as np
+
+from .jit.launch import PTR, KernelSpec, Param, load_kernels
+
+# Symmetric workspace offsets used by the barrier (inside the buffer's workspace, see buffer_base.py).
+SIGNAL_OFFSET = 0
+TEST_CHECK_OFFSET = 4096
+
+
+def barrier_spec(num_ranks: int) -> KernelSpec:
+    return KernelSpec('barrier', f'deepep::barrier_kernel<{num_ranks}>', (
+        Param('peer_bases', PTR), Param('signal_offset', np.uint64), Param('rank', np.int32),
+        Param('error_record', PTR), Param('timeout_ns', np.uint64)))
+
+
+TEST_WRITE = KernelSpec('barrier', 'deepep::barrier_test_write', (
+    Param('peer_bases', PTR), Param('check_offset', np.uint64), Param('rank', np.int32), Param('num_ranks', np.int32),
+    Param('value', np.uint32), Param('delay_ns', np.uint64)))
+TEST_CHECK = KernelSpec('barrier', 'deepep::barrier_test_check', (
+    Param('peer_bases', PTR), Param('check_offset', np.uint64), Param('rank', np.int32), Param('num_ranks', np.int32),
+    Param('value', np.uint32), Param('num_mismatches', PTR)))
+
+
+def all_specs(num_ranks: int, with_tests: bool = True):
+    """Every specialisation of the family a buffer of `num_ranks` scale-up ranks may request."""
+    return [barrier_spec(num_ranks)] + ([TEST_WRITE, TEST_CHECK] if with_tests else [])
+
+
+class Barrier:
+    """The GPU barrier of one symmetric buffer (epochs in the buffer's workspace; see kernels_cu/barrier.cu)."""
+
+    def __init__(self, sym, error_record_ptr: int, timeout_ns: int, with_tests: bool = False):
+        self.sym = sym
+        self.error_record_ptr = error_record_ptr
+        self.timeout_ns = int(timeout_ns)
+        kernels = load_kernels(all_specs(sym.num_peers, with_tests))
+        self.kernel = kernels[barrier_spec(sym.num_peers).name]
+        self.test_write = kernels.get(TEST_WRITE.name)
+        self.test_check = kernels.get(TEST_CHECK.name)
+
+        self._launch = self.kernel.prepare(1, 32, (self.sym.peer_bases_ptr, SIGNAL_OFFSET, self.sym.local_idx,
+                                                   self.error_record_ptr, self.timeout_ns))
+
+    def __call__(self, stream):
+        self._launch(stream)

@@ -1,0 +1,183 @@
+"""`BufferBase`: what every deepep_cupy buffer stands on.
+
+Builds, in order: the host process group, a configuration check across ranks (before any CUDA work, so a
+misconfigured rank fails with a clear error on every rank instead of hanging), the rank → GPU binding, the topology,
+the symmetric memory `[workspace | num_bytes]`, a host-mapped error record, the communication stream and the GPU
+barrier (compiled here, never inside a timed or collective region).
+"""
+
+from typing import Any, Dict, Optional
+
+from .barrier import Barrier
+from .constants import BUFFER_ALIGNMENT
+from .runtime import errors, interop
+from .runtime.event import EventHandle
+from .runtime.group import ProcessGroup, get_group
+from .runtime.symmetric import HostMappedMemory, SymmetricMemory
+from .runtime.topology import Topology, detect_topology, select_device
+
+# The first 2 MiB of every symmetric buffer hold signals and small control data (barrier epochs, counters).
+WORKSPACE_BYTES = BUFFER_ALIGNMENT
+HOST_MAPPED_BYTES = 64 * 1024
+
+
+def _check_int(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f'{name} must be an int, got {type(value).__name__} ({value!r})')
+    if value < minimum:
+        raise ValueError(f'{name} must be >= {minimum}, got {value}')
+    return value
+
+
+class BufferBase:
+    """Symmetric memory, streams and a GPU barrier over a group of ranks.
+
+    Args:
+        group: a `torch.distributed` ProcessGroup (or a deepep_cupy `ProcessGroup`); `comm`: an mpi4py communicator.
+            Neither: `MPI.COMM_WORLD` when started by mpirun, else a single process.
+        num_bytes: bytes of symmetric memory per rank beyond the workspace; a multiple of 2 MiB, the same on every rank.
+        allow_hybrid_mode: NVLink inside a scale-up domain and NCCL between domains (False: one direct domain).
+        num_cpu_timeout_secs: bound on host waits; num_gpu_timeout_secs: bound on GPU spin-waits.
+        explicitly_destroy: if True, memory is released only by `destroy()` (recommended; destroy is collective).
+        device: CUDA device of this rank (default: `DEEPEP_CUPY_DEVICE`, else local rank modulo the device count).
+        config: further settings that must be identical on every rank (checked at construction).
+    """
+
+    def __init__(self, group=None, comm=None, num_bytes: int = 0, allow_hybrid_mode: bool = True,
+                 num_cpu_timeout_secs: float = 300, num_gpu_timeout_secs: float = 100,
+                 explicitly_destroy: bool = False, device: Optional[int] = None,
+                 config: Optional[Dict[str, Any]] = None):
+        _check_int('num_bytes', num_bytes)
+        if num_bytes % BUFFER_ALIGNMENT != 0:
+            raise ValueError(f'num_bytes must be a multiple of {BUFFER_ALIGNMENT} (2 MiB), got {num_bytes}')
+        if not num_gpu_timeout_secs > 0 or not num_cpu_timeout_secs > 0:
+            raise ValueError('num_gpu_timeout_secs and num_cpu_timeout_secs must be positive')
+        self._destroyed = True      # until construction completes
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.num_bytes = num_bytes
+        self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
+        self.num_gpu_timeout_secs = float(num_gpu_timeout_secs)
+        self.allow_hybrid_mode = bool(allow_hybrid_mode)
+
+        self.group: ProcessGroup = get_group(group, comm, timeout=self.num_cpu_timeout_secs)
+        self.rank_idx, self.num_ranks = self.group.rank, self.group.size
+        settings = {'class': type(self).__name__, 'num_bytes': num_bytes, 'allow_hybrid_mode': self.allow_hybrid_mode,
+                    'num_gpu_timeout_secs': self.num_gpu_timeout_secs, **(config or {})}
+        self.group.check_same(f'{type(self).__name__} configuration', settings, timeout=self.num_cpu_timeout_secs)
+
+        import cupy
+        self.device = select_device(self.group, device)
+        self.topology: Topology = detect_topology(self.group, self.device, self.allow_hybrid_mode)
+        t = self.topology
+        self.num_scaleup_ranks, self.num_scaleout_ranks = t.num_scaleup_ranks, t.num_scaleout_ranks
+        self.scaleup_rank_idx, self.scaleout_rank_idx = t.scaleup_rank_idx, t.scaleout_rank_idx
+
+        self.host_mapped = HostMappedMemory(HOST_MAPPED_BYTES)
+        self.error_record = self.host_mapped.view('int32', errors.ERROR_RECORD_WORDS)
+        try:
+            self.sym = SymmetricMemory(self.group, t.scaleup_peers, WORKSPACE_BYTES + num_bytes)
+        except BaseException:
+            self.host_mapped.free()
+            raise
+        self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+        self._barrier = Barrier(self.sym, self.host_mapped.ptr, self.timeout_ns, with_tests=True)
+        self._failed: Optional[str] = None
+        self._destroyed = False
+        self.group.barrier(timeout=self.num_cpu_timeout_secs)
+
+    # Properties and small helpers
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.num_gpu_timeout_secs * 1e9)
+
+    @property
+    def data_offset(self) -> int:
+        """Byte offset of the user region (after the workspace) inside the symmetric buffer."""
+        return WORKSPACE_BYTES
+
+    def get_comm_stream(self):
+        """The buffer's communication stream (a `cupy.cuda.Stream`; `torch.cuda.ExternalStream(s.ptr)` for torch)."""
+        return self.comm_stream
+
+    @staticmethod
+    def capture() -> EventHandle:
+        """An event recorded on the current stream (pass it as `previous_event`)."""
+        return EventHandle()
+
+    def get_physical_domain_size(self):
+        """`(num_scaleout, num_scaleup)` of the hardware (before `DEEPEP_CUPY_SCALEUP_SIZE`)."""
+        p = self.topology.physical_scaleup
+        return self.num_ranks // p, p
+
+    def get_logical_domain_size(self):
+        """`(num_scaleout, num_scaleup)` this buffer uses."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+    def check_usable(self) -> None:
+        """Raise if the buffer was destroyed or a GPU wait timed out earlier; check the error record."""
+        if self._destroyed:
+            raise RuntimeError('this deepep_cupy buffer was destroyed')
+        if self._failed is not None:
+            raise RuntimeError(f'this deepep_cupy buffer is unusable after an earlier failure: {self._failed}')
+        try:
+            errors.raise_if_timed_out(self.error_record, self.num_gpu_timeout_secs, self.rank_idx)
+        except TimeoutError as e:
+            self._failed = str(e)
+            raise
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False) -> None:
+        """GPU barrier over every rank of the scale-up domain (the domains of several hosts are joined through the
+        host group when `with_cpu_sync`). On the communication stream (which first waits for the current stream)
+        or the current stream. With `with_cpu_sync` the host waits and raises `TimeoutError` on a GPU timeout."""
+        self.check_usable()
+        current = interop.current_stream()
+        if use_comm_stream:
+            self.comm_stream.wait_event(current.record())
+            stream = self.comm_stream
+        else:
+            stream = current
+        self._barrier(stream)
+        if use_comm_stream:
+            current.wait_event(stream.record())
+        if with_cpu_sync:
+            self.synchronize(stream)
+            if self.num_scaleout_ranks > 1:
+                self.group.barrier(timeout=self.num_cpu_timeout_secs)
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for `stream` (default: the communication stream) on the host, bounded: raises `TimeoutError` if a
+        kernel reported a GPU timeout, or if the stream is still busy after the GPU timeout plus a margin."""
+        import time
+        stream = stream or self.comm_stream
+        event = stream.record()
+        deadline = time.monotonic() + self.num_gpu_timeout_secs + 30
+        sleep = 1e-5
+        while not event.done:
+            if int(self.error_record[0]) != 0:
+                break
+            if time.monotonic() > deadline:
+                self._failed = 'host wait for the GPU timed out'
+                raise TimeoutError(f'deepep_cupy rank {self.rank_idx}: the GPU did not finish within '
+                                   f'{self.num_gpu_timeout_secs + 30:g} s and reported no timeout')
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 1e-3)
+        event.synchronize()
+        self.check_usable()
+
+    def destroy(self) -> None:
+        """Release all GPU memory (collective: every rank must call it). Idempotent."""
+        if self._destroyed:
+            return
+        import cupy
+        self._destroyed = True
+        try:
+            cupy.cuda.runtime.deviceSynchronize()
+        finally:
+            self.sym.destroy(timeout=self.num_cpu_timeout_secs)
+            self.host_mapped.free()
+            self.comm_stream = None
+
+    def __del__(self):
+        # Without explicitly_destroy, memory is reclaimed when the process exits (a collective teardown from a
+        # garbage-collector callback could deadlock, as upstream warns); nothing to do here.
+        pass

@@ -1,0 +1,78 @@
+"""Every environment variable deepep_cupy reads, in one place (documented in the README).
+
+Values are read when asked for, never at import, so tests can change them in-process.
+"""
+
+import os
+from typing import Optional
+
+_TRUE = ('1', 'true', 'yes', 'on')
+
+
+def _get_bool(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    return default if value is None or value == '' else value.strip().lower() in _TRUE
+
+
+def _get_int(name: str, default: Optional[int] = None) -> Optional[int]:
+    value = os.environ.get(name)
+    if value is None or value.strip() == '':
+        return default
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ValueError(f'environment variable {name}={value!r} must be an integer') from e
+
+
+def jit_debug() -> bool:
+    """`DEEPEP_CUPY_JIT_DEBUG` (bool, default off): print every compile, cache hit and its timing."""
+    return _get_bool('DEEPEP_CUPY_JIT_DEBUG')
+
+
+def jit_cache_dir() -> str:
+    """`DEEPEP_CUPY_JIT_CACHE_DIR` (path, default `~/.cache/deepep_cupy/jit`): compiled kernel cache."""
+    value = os.environ.get('DEEPEP_CUPY_JIT_CACHE_DIR')
+    if value:
+        return os.path.abspath(os.path.expanduser(value))
+    xdg = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+    return os.path.join(xdg, 'deepep_cupy', 'jit')
+
+
+def jit_disable_cache() -> bool:
+    """`DEEPEP_CUPY_JIT_DISABLE_CACHE` (bool, default off): always compile, never read or write the disk cache."""
+    return _get_bool('DEEPEP_CUPY_JIT_DISABLE_CACHE')
+
+
+def jit_lineinfo() -> bool:
+    """`DEEPEP_CUPY_JIT_LINEINFO` (bool, default off): compile with `-lineinfo` (for profilers and sanitizers)."""
+    return _get_bool('DEEPEP_CUPY_JIT_LINEINFO')
+
+
+def scaleup_size() -> Optional[int]:
+    """`DEEPEP_CUPY_SCALEUP_SIZE` (int, default: all NVLink-reachable GPUs of a host): force a smaller scale-up
+    domain, e.g. 1 to run the scale-out path between the GPUs of one host."""
+    return _get_int('DEEPEP_CUPY_SCALEUP_SIZE')
+
+
+def device_override() -> Optional[int]:
+    """`DEEPEP_CUPY_DEVICE` (int, default `local_rank % num_visible_devices`): the CUDA device of this rank."""
+    return _get_int('DEEPEP_CUPY_DEVICE')
+
+
+def host_override() -> Optional[str]:
+    """`DEEPEP_CUPY_HOST` (str, default the hostname): host identity used to group ranks into hosts; ranks that set
+    different values act as different hosts (for testing several-host logic on one machine)."""
+    return os.environ.get('DEEPEP_CUPY_HOST') or None
+
+
+def cpu_timeout_secs(default: float) -> float:
+    """`DEEPEP_CUPY_CPU_TIMEOUT_SECS` (float, default per call): bound on host-side collective waits."""
+    value = os.environ.get('DEEPEP_CUPY_CPU_TIMEOUT_SECS')
+    return float(value) if value else default
+
+
+def use_nvidia_tools() -> bool:
+    """`DEEPEP_CUPY_USE_NVIDIA_TOOLS` (bool, default off): the process runs under an external NVIDIA profiler (Nsight
+    Systems / Compute), so `utils.testing.bench_kineto` skips torch's profiler and returns 1 s placeholders
+    (upstream's `EP_USE_NVIDIA_TOOLS`)."""
+    return _get_bool('DEEPEP_CUPY_USE_NVIDIA_TOOLS')

@@ -1,0 +1,161 @@
+"""Typed kernel launches.
+
+Every kernel is declared once with its parameter list (`Param(name, 'ptr')` or a numpy dtype). The launcher checks
+the argument count, converts each argument to its exact type (CuPy would pass a Python `int` as 64-bit and a `float`
+as double without complaint), checks cooperative grids against co-residency (CuPy would not) and raises the dynamic
+shared-memory limit explicitly when a launch needs more than 48 KiB.
+"""
+
+import threading
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import compiler
+
+PTR = 'ptr'
+_SMEM_DEFAULT_LIMIT = 48 * 1024
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter: `kind` is `'ptr'` (a device address) or a numpy scalar type (`np.int32`, ...)."""
+    name: str
+    kind: Union[str, type]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel: its family (`.cu` file), the C++ name expression that instantiates it, and its parameters."""
+    family: str
+    name: str
+    params: Tuple[Param, ...]
+
+
+def _to_ptr(value, param: Param, kernel: str) -> np.uint64:
+    if isinstance(value, (bool, float)) or value is None:
+        raise TypeError(f'{kernel}: argument {param.name!r} must be a device pointer, got {value!r}')
+    if isinstance(value, (int, np.integer)):
+        return np.uint64(int(value))
+    ptr = getattr(value, 'data_ptr', None)
+    if callable(ptr):      # torch tensor
+        return np.uint64(ptr())
+    data = getattr(value, 'data', None)
+    if data is not None and hasattr(data, 'ptr'):   # cupy ndarray
+        return np.uint64(data.ptr)
+    if hasattr(value, 'ptr'):   # cupy MemoryPointer and friends
+        return np.uint64(value.ptr)
+    raise TypeError(f'{kernel}: argument {param.name!r} must be a device pointer, got {type(value).__name__}')
+
+
+def _to_scalar(value, param: Param, kernel: str):
+    kind = np.dtype(param.kind)
+    if isinstance(value, np.generic):
+        if value.dtype != kind:
+            raise TypeError(f'{kernel}: argument {param.name!r} must be {kind.name}, got {value.dtype.name}')
+        return value
+    if kind.kind in 'iu':
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f'{kernel}: argument {param.name!r} must be an integer ({kind.name}), got {value!r}')
+        info = np.iinfo(kind)
+        if not info.min <= int(value) <= info.max:
+            raise ValueError(f'{kernel}: argument {param.name!r}={value} does not fit in {kind.name}')
+        return kind.type(value)
+    if kind.kind == 'f':
+        if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+            raise TypeError(f'{kernel}: argument {param.name!r} must be a number ({kind.name}), got {value!r}')
+        return kind.type(value)
+    raise TypeError(f'{kernel}: unsupported parameter kind {kind} for {param.name!r}')
+
+
+def pack_args(spec: KernelSpec, args: Sequence) -> Tuple:
+    """Convert launch arguments to their exact types, checking count and kinds."""
+    if len(args) != len(spec.params):
+        names = [p.name for p in spec.params]
+        raise TypeError(f'{spec.name}: expected {len(spec.params)} arguments {names}, got {len(args)}')
+    return tuple(_to_ptr(a, p, spec.name) if p.kind == PTR else _to_scalar(a, p, spec.name)
+                 for a, p in zip(args, spec.params))
+
+
+class Kernel:
+    """A loaded kernel bound to one device. Call `launch(grid, block, args, stream=..., shared_mem=...)`."""
+
+    def __init__(self, spec: KernelSpec, function, device: int):
+        self.spec = spec
+        self.function = function
+        self.device = device
+        self._smem_limit = _SMEM_DEFAULT_LIMIT
+        self._num_sms = None
+
+    def max_active_blocks_per_sm(self, block: int, shared_mem: int = 0) -> int:
+        from cupy_backends.cuda.api import driver
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.ptr, block, shared_mem)
+
+    def launch(self, grid, block, args: Sequence, stream=None, shared_mem: int = 0, cooperative: bool = False):
+        self.prepare(grid, block, args, shared_mem, cooperative)(stream)
+
+    def prepare(self, grid, block, args: Sequence, shared_mem: int = 0, cooperative: bool = False):
+        """Check and pack a launch once; returns `launch(stream)` for hot paths whose arguments never change."""
+        grid = (grid,) if isinstance(grid, int) else tuple(grid)
+        block = (block,) if isinstance(block, int) else tuple(block)
+        packed = pack_args(self.spec, args)
+        if shared_mem > self._smem_limit:
+            from cupy_backends.cuda.api import driver
+            driver.funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+            self._smem_limit = shared_mem
+        if cooperative:
+            if self._num_sms is None:
+                import cupy
+                self._num_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
+            num_blocks = int(np.prod(grid))
+            capacity = self.max_active_blocks_per_sm(int(np.prod(block)), shared_mem) * self._num_sms
+            if num_blocks > capacity:
+                raise ValueError(f'{self.spec.name}: cooperative grid of {num_blocks} blocks exceeds the '
+                                 f'{capacity} blocks that can be co-resident on this device')
+        function = self.function
+        return lambda stream: function(grid, block, packed, shared_mem=shared_mem, stream=stream,
+                                       enable_cooperative_groups=cooperative)
+
+
+_lock = threading.Lock()
+_loaded: Dict[Tuple, Kernel] = {}
+
+
+def load_kernels(specs: Sequence[KernelSpec], defines: Optional[Dict[str, object]] = None,
+                 device: Optional[int] = None) -> Dict[str, Kernel]:
+    """Compile (disk-cached) and load every kernel of `specs` on `device`; all specs must share one family.
+    Memoised in-process, so asking again is a dictionary lookup.
+
+    Returns:
+        dict from each spec's name expression to its `Kernel`.
+    """
+    import cupy
+    if not specs:
+        return {}
+    family = specs[0].family
+    if any(s.family != family for s in specs):
+        raise ValueError('load_kernels: all specs must belong to one kernel family')
+    device = cupy.cuda.Device().id if device is None else device
+    defines = dict(defines or {})
+    key = (device, family, tuple(s.name for s in specs), tuple(sorted(defines.items())))
+    with _lock:
+        cached = [_loaded.get(key + (s.name,)) for s in specs]
+        if all(k is not None for k in cached):
+            return {s.name: k for s, k in zip(specs, cached)}
+        with cupy.cuda.Device(device):
+            compiled = compiler.compile_cubin(family, [s.name for s in specs], arch=compiler.device_arch(device),
+                                              defines=defines)
+            module = cupy.cuda.function.Module()
+            module.load(compiled.cubin)
+            out = {}
+            for s in specs:
+                kernel = Kernel(s, module.get_function(compiled.lowered[s.name]), device)
+                kernel._module = module   # the module must outlive its functions
+                _loaded[key + (s.name,)] = out[s.name] = kernel
+        return out
+
+
+def load_kernel(spec: KernelSpec, defines: Optional[Dict[str, object]] = None, device: Optional[int] = None) -> Kernel:
+    return load_kernels([spec], defines, device)[spec.name]

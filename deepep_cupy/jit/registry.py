@@ -1,0 +1,16 @@
+"""Every kernel specialisation the package can request, by family (CI compiles all of them for sm_90)."""
+
+from typing import Dict, List
+
+from ..constants import NUM_MAX_SCALEUP_RANKS
+from .launch import KernelSpec
+
+
+def shipped_specs() -> Dict[str, List[KernelSpec]]:
+    """Family name → every `KernelSpec` the library may load (all template arguments it may use)."""
+    from .. import barrier
+    specs: Dict[str, List[KernelSpec]] = {'barrier': []}
+    for n in range(1, NUM_MAX_SCALEUP_RANKS + 1):
+        specs['barrier'].append(barrier.barrier_spec(n))
+    specs['barrier'] += [barrier.TEST_WRITE, barrier.TEST_CHECK]
+    return specs

@@ -1,0 +1,1 @@
+"""Runtime substrate: process group, topology, device binding, symmetric memory, NCCL, streams/events, interop."""

@@ -1,0 +1,24 @@
+"""Turning the kernels' host-mapped error record into Python exceptions (layout in kernels_cu/common/types.cuh)."""
+
+import numpy as np
+
+ERROR_RECORD_WORDS = 8
+PHASES = {1: 'barrier', 2: 'test ring', 3: 'notify', 4: 'dispatch', 5: 'combine'}
+
+
+def describe(record: np.ndarray) -> str:
+    phase = PHASES.get(int(record[1]), f'phase {int(record[1])}')
+    return (f'{phase}: rank {int(record[2])} waited for rank {int(record[3])} and gave up '
+            f'(expected signal {int(record[4])}, last seen {int(record[5])}, aux {int(record[6])})')
+
+
+def raise_if_timed_out(record: np.ndarray, timeout_secs: float, rank: int) -> None:
+    """Raise `TimeoutError` if a kernel reported a timeout in `record` (int32 `[8]`, host-mapped)."""
+    state = int(record[0])
+    if state == 0:
+        return
+    if state == -1:     # the writer is still filling the record in; it finishes within microseconds
+        import time
+        time.sleep(0.01)
+    raise TimeoutError(f'deepep_cupy rank {rank}: GPU wait timed out after {timeout_secs:g} s in {describe(record)}. '
+                       f'A peer rank is missing, hung or called a different operation; destroy this buffer.')

@@ -1,0 +1,86 @@
+"""CUDA events for compute/communication overlap (DeepEP's `EventHandle` and `EventOverlap`)."""
+
+from typing import Any, Callable, Optional, Sequence
+
+from . import interop
+
+
+class EventHandle:
+    """A CUDA event recorded on a stream (default: the current stream, torch's when torch is in use).
+
+    Args:
+        stream: a CuPy stream object to record on; default `interop.current_stream()`.
+    """
+
+    def __init__(self, stream=None):
+        import cupy
+        self.stream = stream if stream is not None else interop.current_stream()
+        self.event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+        self.event.record(self.stream)
+
+    def current_stream_wait(self, like: Any = None) -> None:
+        """Make the current stream (torch's if `like` is a torch tensor or torch is in use) wait for this event."""
+        interop.current_stream(like).wait_event(self.event)
+
+    def stream_wait(self, stream) -> None:
+        """Make `stream` (a CuPy stream object) wait for this event."""
+        stream.wait_event(self.event)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return self.event.done
+
+
+class EventOverlap:
+    """An event plus the arrays that must stay alive until the current stream has waited on it.
+
+    `current_stream_wait()` makes the current stream wait, then runs the hook registered with
+    `register_hook_after_wait` once (e.g. a deferred deterministic sort). `with ev:` runs the body concurrently with
+    the communication and waits on exit. `wait()` waits and returns the hook's result (V2.5).
+
+    Args:
+        event: an `EventHandle` (None: nothing to wait for).
+        extra_tensors: arrays kept alive until the wait.
+    """
+
+    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Sequence[Any]] = None):
+        self.event = event
+        self.extra_tensors = tuple(extra_tensors) if extra_tensors is not None else None
+        self.hook_after_wait: Optional[Callable] = None
+        self._release_handle_by_call = False
+
+    def register_hook_after_wait(self, hook: Callable) -> None:
+        if self.hook_after_wait is not None:
+            raise ValueError('register_hook_after_wait: a hook is already registered on this event')
+        self.hook_after_wait = hook
+
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
+        if self.event is None:
+            raise ValueError('current_stream_wait: this EventOverlap holds no event (it was released or is empty)')
+        self.event.current_stream_wait()
+        result = None
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            result = hook()
+        if release_handle:
+            self.event = None
+            self.extra_tensors = None
+        return result
+
+    def wait(self) -> Any:
+        """Wait on the current stream and return the registered hook's result (None without a hook)."""
+        return self.current_stream_wait()
+
+    def __call__(self, release_handle: bool = True) -> 'EventOverlap':
+        self._release_handle_by_call = release_handle
+        return self
+
+    def __enter__(self) -> 'EventOverlap':
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        if self.event is not None:
+            self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False

@@ -1,0 +1,189 @@
+"""Host-side process group: one small interface over mpi4py, torch.distributed or a single process.
+
+Every buffer talks to its peers on the host through this interface only (bootstrap, handle exchange, config checks),
+so the rest of the library does not care how the job was launched.
+"""
+
+import os
+import pickle
+import socket
+import time
+from typing import Any, List, Optional
+
+from .. import envs
+
+DEFAULT_CPU_TIMEOUT_SECS = 300.0
+
+
+class ProcessGroup:
+    """The host collectives deepep_cupy needs, plus rank, host and local-rank information.
+
+    Attributes:
+        rank: this process's rank in the group.
+        size: number of ranks.
+        backend: `'mpi'`, `'torch'` or `'single'`.
+        host_idx: index of this rank's host (hosts numbered by their lowest rank).
+        num_hosts: number of hosts.
+        local_rank: index of this rank among the ranks of its host.
+        local_size: number of ranks on this host.
+        host_of_rank: host index of every rank.
+    """
+
+    backend = 'abstract'
+
+    def __init__(self, rank: int, size: int):
+        self.rank = rank
+        self.size = size
+        self.host_idx = 0
+        self.num_hosts = 1
+        self.local_rank = 0
+        self.local_size = 1
+        self.host_of_rank = [0] * size
+
+    def _init_hosts(self, timeout: Optional[float] = None):
+        host = envs.host_override() or socket.gethostname()
+        hosts = self.allgather_object(host, timeout=timeout)
+        order: List[str] = []
+        for h in hosts:
+            if h not in order:
+                order.append(h)
+        self.host_of_rank = [order.index(h) for h in hosts]
+        self.host_idx = self.host_of_rank[self.rank]
+        self.num_hosts = len(order)
+        same_host = [r for r in range(self.size) if self.host_of_rank[r] == self.host_idx]
+        self.local_rank = same_host.index(self.rank)
+        self.local_size = len(same_host)
+
+    # Collectives (every rank of the group must call them in the same order)
+    def allgather_object(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
+        raise NotImplementedError
+
+    def broadcast_object(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:
+        return self.allgather_object(obj if self.rank == root else None, timeout=timeout)[root]
+
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        self.allgather_object(None, timeout=timeout)
+
+    def check_same(self, what: str, value: Any, timeout: Optional[float] = None) -> None:
+        """Raise `ValueError` on every rank when `value` differs between ranks (a misconfigured job)."""
+        values = self.allgather_object(value, timeout=timeout)
+        if any(v != values[0] for v in values):
+            groups = {}
+            for r, v in enumerate(values):
+                groups.setdefault(repr(v), []).append(r)
+            detail = '; '.join(f'ranks {ranks}: {v}' for v, ranks in groups.items())
+            raise ValueError(f'{what} must be identical on every rank, got {detail} (this is rank {self.rank})')
+
+    def __repr__(self):
+        return (f'{type(self).__name__}(rank={self.rank}, size={self.size}, host={self.host_idx}/{self.num_hosts}, '
+                f'local={self.local_rank}/{self.local_size})')
+
+
+class SingleProcessGroup(ProcessGroup):
+    """A group of one process (no MPI, no torch.distributed)."""
+
+    backend = 'single'
+
+    def __init__(self):
+        super().__init__(0, 1)
+        self._init_hosts()
+
+    def allgather_object(self, obj, timeout=None):
+        return [obj]
+
+
+class MPIProcessGroup(ProcessGroup):
+    """A group over an mpi4py communicator. Waits are non-blocking polls bounded by a timeout, so a rank that never
+    arrives makes the others raise `TimeoutError` instead of hanging."""
+
+    backend = 'mpi'
+
+    def __init__(self, comm=None, timeout: Optional[float] = None):
+        from mpi4py import MPI
+        self._MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.default_timeout = envs.cpu_timeout_secs(timeout or DEFAULT_CPU_TIMEOUT_SECS)
+        super().__init__(self.comm.Get_rank(), self.comm.Get_size())
+        self._init_hosts()
+
+    def _wait(self, request, what: str, timeout: Optional[float]):
+        limit = self.default_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        sleep = 1e-5
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f'rank {self.rank}: host {what} did not complete within {limit:.1f} s '
+                                   f'(a peer rank is missing, hung or called a different collective)')
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 1e-3)
+
+    def allgather_object(self, obj, timeout=None):
+        import numpy as np
+        MPI = self._MPI
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        self._wait(self.comm.Iallgather(np.array([data.size], dtype=np.int64), sizes), 'all-gather (sizes)', timeout)
+        displs = np.zeros(self.size, dtype=np.int64)
+        displs[1:] = np.cumsum(sizes)[:-1]
+        recv = np.empty(int(sizes.sum()), dtype=np.uint8)
+        req = self.comm.Iallgatherv(data, [recv, sizes.tolist(), displs.tolist(), MPI.BYTE])
+        self._wait(req, 'all-gather (data)', timeout)
+        return [pickle.loads(recv[displs[r]:displs[r] + sizes[r]].tobytes()) for r in range(self.size)]
+
+    def barrier(self, timeout=None):
+        self._wait(self.comm.Ibarrier(), 'barrier', timeout)
+
+
+class TorchProcessGroup(ProcessGroup):
+    """A group over a `torch.distributed` ProcessGroup (for users inside torch jobs). Its waits are bounded by the
+    timeout the torch group was created with."""
+
+    backend = 'torch'
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+        self._dist = dist
+        self.group = group if group is not None else dist.group.WORLD
+        super().__init__(dist.get_rank(self.group), dist.get_world_size(self.group))
+        self._init_hosts()
+
+    def allgather_object(self, obj, timeout=None):
+        out = [None] * self.size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj, root=0, timeout=None):
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=self._dist.get_global_rank(self.group, root), group=self.group)
+        return box[0]
+
+    def barrier(self, timeout=None):
+        self._dist.barrier(group=self.group)
+
+
+def _launched_by_mpi() -> bool:
+    markers = ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'PMIX_RANK', 'MV2_COMM_WORLD_SIZE', 'MPI_LOCALNRANKS')
+    return any(k in os.environ for k in markers)
+
+
+def get_group(group=None, comm=None, timeout: Optional[float] = None) -> ProcessGroup:
+    """Build the process group from what the user passed.
+
+    Args:
+        group: a `torch.distributed` ProcessGroup, or an existing `ProcessGroup` (returned as is).
+        comm: an mpi4py communicator.
+        timeout: bound in seconds for host collectives (MPI backend).
+
+    Returns:
+        `ProcessGroup`: torch if `group` is given, MPI if `comm` is given or the process was started by `mpirun`,
+        else a single-process group.
+    """
+    if group is not None and comm is not None:
+        raise ValueError('pass either group= (torch.distributed) or comm= (mpi4py), not both')
+    if isinstance(group, ProcessGroup):
+        return group
+    if group is not None:
+        return TorchProcessGroup(group)
+    if comm is not None or _launched_by_mpi():
+        return MPIProcessGroup(comm, timeout=timeout)
+    return SingleProcessGroup()

@@ -1,0 +1,200 @@
+"""Torch ↔ CuPy interop: a uniform view of user arrays (pointer, shape, strides, dtype), streams and allocation.
+
+CuPy has no bfloat16 or float8 dtypes, so kernels never need a CuPy view of a torch tensor: they take raw pointers.
+`TensorInfo` describes an array of either kind without copying, and `Allocator` makes new arrays of the input's kind
+(torch in, torch out; CuPy in, CuPy out). CuPy users hold bfloat16 data as `uint16` arrays and float8 as `uint8`.
+"""
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+# Canonical dtype names shared by the torch and CuPy sides. CuPy spells bfloat16 as uint16 and fp8 as uint8.
+_TORCH_NAMES = {
+    'bfloat16': 'bfloat16', 'float8_e4m3fn': 'float8_e4m3fn', 'float32': 'float32', 'float16': 'float16',
+    'float64': 'float64', 'int32': 'int32', 'int64': 'int64', 'int16': 'int16', 'int8': 'int8', 'uint8': 'uint8',
+    'bool': 'bool', 'uint16': 'uint16', 'uint32': 'uint32', 'uint64': 'uint64',
+}
+_ITEMSIZE = {
+    'bfloat16': 2, 'float8_e4m3fn': 1, 'float32': 4, 'float16': 2, 'float64': 8, 'int32': 4, 'int64': 8, 'int16': 2,
+    'int8': 1, 'uint8': 1, 'bool': 1, 'uint16': 2, 'uint32': 4, 'uint64': 8,
+}
+# What a CuPy array of this numpy dtype may stand for.
+_CUPY_ALIASES = {'uint16': ('uint16', 'bfloat16'), 'uint8': ('uint8', 'float8_e4m3fn', 'bool')}
+
+
+def itemsize(dtype_name: str) -> int:
+    return _ITEMSIZE[dtype_name]
+
+
+def is_torch(x: Any) -> bool:
+    torch = sys.modules.get('torch')
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_cupy(x: Any) -> bool:
+    cupy = sys.modules.get('cupy')
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A zero-copy description of a torch tensor or CuPy array.
+
+    Attributes:
+        kind: `'torch'` or `'cupy'`.
+        ptr: device address of element 0.
+        shape, strides: in elements.
+        dtype: canonical name (`'bfloat16'`, `'float8_e4m3fn'`, `'float32'`, ...); for CuPy the numpy name.
+        device: CUDA device index, or -1 for host memory.
+        obj: the array itself (kept alive by whoever holds this info).
+    """
+    kind: str
+    ptr: int
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    dtype: str
+    device: int
+    obj: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def dtype_matches(self, name: str) -> bool:
+        """Whether this array can hold `name` data (CuPy `uint16` stands for bfloat16, `uint8` for float8)."""
+        if self.kind == 'cupy':
+            return name in _CUPY_ALIASES.get(self.dtype, (self.dtype,))
+        return self.dtype == name
+
+
+def tensor_info(x: Any, name: str = 'tensor') -> TensorInfo:
+    """Describe `x` (torch tensor or CuPy array) without copying; `TypeError` naming `name` otherwise."""
+    if is_torch(x):
+        dtype = str(x.dtype).replace('torch.', '')
+        if dtype not in _TORCH_NAMES:
+            raise TypeError(f'{name}: unsupported dtype {x.dtype}')
+        device = x.device.index if x.is_cuda else -1
+        return TensorInfo('torch', x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, device, x)
+    if is_cupy(x):
+        dtype = np.dtype(x.dtype).name
+        if dtype not in _ITEMSIZE:
+            raise TypeError(f'{name}: unsupported dtype {x.dtype}')
+        strides = tuple(s // x.itemsize for s in x.strides)
+        return TensorInfo('cupy', int(x.data.ptr), tuple(x.shape), strides, dtype, x.data.device_id, x)
+    raise TypeError(f'{name} must be a torch.Tensor or a cupy.ndarray, got {type(x).__name__}')
+
+
+def to_cupy(x: Any):
+    """A CuPy view of a torch CUDA tensor (DLPack, no copy) or `x` itself if it is CuPy. bfloat16 tensors come out
+    as `uint16` and float8 as `uint8` (CuPy has neither dtype)."""
+    import cupy
+    if is_cupy(x):
+        return x
+    if is_torch(x):
+        import torch
+        if x.dtype == torch.bfloat16:
+            x = x.view(torch.uint16) if hasattr(torch, 'uint16') else x.view(torch.int16)
+        elif x.dtype == torch.float8_e4m3fn:
+            x = x.view(torch.uint8)
+        elif x.dtype == torch.bool:
+            x = x.view(torch.uint8)
+        return cupy.from_dlpack(x)
+    raise TypeError(f'expected a torch.Tensor or a cupy.ndarray, got {type(x).__name__}')
+
+
+def to_torch(x: Any, dtype: Optional[str] = None):
+    """A torch view of a CuPy array (DLPack, no copy), reinterpreted as `dtype` (e.g. `'bfloat16'`) if given."""
+    import torch
+    if is_torch(x):
+        return x if dtype is None else x.view(getattr(torch, dtype))
+    t = torch.from_dlpack(x)
+    return t if dtype is None else t.view(getattr(torch, dtype))
+
+
+def current_stream(like: Any = None):
+    """The stream kernels for `like` run on, as a `cupy.cuda.Stream`-like object: torch's current stream when `like`
+    is a torch tensor (or None and torch has initialised CUDA), else CuPy's current stream."""
+    import cupy
+    torch = sys.modules.get('torch')
+    use_torch = is_torch(like) or (like is None and torch is not None and torch.cuda.is_initialized())
+    if use_torch:
+        s = torch.cuda.current_stream()
+        return external_stream(s.cuda_stream)
+    return cupy.cuda.get_current_stream()
+
+
+_EXTERNAL_STREAMS = {}
+
+
+def external_stream(handle: int):
+    """A cached `cupy.cuda.ExternalStream` for a raw `cudaStream_t` value."""
+    import cupy
+    s = _EXTERNAL_STREAMS.get(handle)
+    if s is None:
+        s = _EXTERNAL_STREAMS[handle] = cupy.cuda.ExternalStream(handle)
+    return s
+
+
+class Allocator:
+    """Allocates arrays of one kind (`'torch'` or `'cupy'`) on the current device; `stream` (a `cupy` stream) is the
+    stream the allocation is ordered on (torch's caching allocator is told through `torch.cuda.stream`)."""
+
+    def __init__(self, kind: str):
+        assert kind in ('torch', 'cupy'), kind
+        self.kind = kind
+
+    def empty(self, shape, dtype: str, stream=None):
+        if self.kind == 'torch':
+            import torch
+            if stream is None:
+                return torch.empty(shape, dtype=getattr(torch, dtype), device='cuda')
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+                return torch.empty(shape, dtype=getattr(torch, dtype), device='cuda')
+        import cupy
+        np_dtype = {'bfloat16': np.uint16, 'float8_e4m3fn': np.uint8, 'bool': np.bool_}.get(dtype, dtype)
+        if stream is None:
+            return cupy.empty(shape, dtype=np_dtype)
+        with stream:
+            return cupy.empty(shape, dtype=np_dtype)
+
+    def zeros(self, shape, dtype: str, stream=None):
+        x = self.empty(shape, dtype, stream)
+        if self.kind == 'torch':
+            import torch
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)) if stream is not None else _nullcontext():
+                x.zero_()
+        else:
+            with stream if stream is not None else _nullcontext():
+                x.fill(0)
+        return x
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

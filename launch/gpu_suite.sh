@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU suite, for the GPU machine: install this checkout (no deps: the packages are preinstalled there), run every
+# rank program with 1 GPU, with all GPUs (one rank per GPU), and with 4 and 8 ranks sharing the GPUs (logic only),
+# then the benchmarks. Logs go under $OUT (default ./out): suite.log (everything), summary.txt (one line per step).
+#
+#   bash launch/gpu_suite.sh [STAGE...]      STAGE in: info jit barrier pytest ep bench (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG=$OUT/suite.log
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_jit}
+PY=${PYTHON:-python3}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(info jit barrier pytest ep bench)
+want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+
+# step NAME TIMEOUT_S COMMAND...: run, log, record PASS/FAIL with the wall time.
+step() {
+    local name=$1 limit=$2; shift 2
+    echo "=== [$name] $*" | tee -a "$LOG"
+    local t0=$(date +%s%N)
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    local dt=$(( ($(date +%s%N) - t0) / 1000000 ))
+    local verdict=PASS; [ "$rc" -ne 0 ] && verdict="FAIL(rc=$rc)"
+    printf '%-40s %-12s %8d ms\n' "$name" "$verdict" "$dt" | tee -a "$SUMMARY" "$LOG"
+}
+
+$PY -m pip install -q -e . --no-deps --no-build-isolation 2>&1 | tail -2 | tee -a "$LOG"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+R="launch/run_local.sh"
+
+if want info; then
+    { nvidia-smi; nvidia-smi topo -m; $PY -c "import cupy, numpy, sys; print('python', sys.version.split()[0],
+'cupy', cupy.__version__, 'numpy', numpy.__version__); import torch; print('torch', torch.__version__);
+import mpi4py; print('mpi4py', mpi4py.__version__); from cupy.cuda import nccl; print('nccl', nccl.get_version());
+from cupy_backends.cuda.libs import nvrtc; print('nvrtc', nvrtc.getVersion())"; mpirun --version | head -1; } \
+        >> "$LOG" 2>&1
+    tail -n 12 "$LOG"
+fi
+if want jit; then
+    rm -rf "$DEEPEP_CUPY_JIT_CACHE_DIR"
+    step "jit timing (cold/warm)" 300 $PY -m deepep_cupy.tests.jit_timing
+fi
+if want barrier; then
+    step "barrier np=1" 120 $R 1 $PY -m deepep_cupy.tests.barrier
+    [ "$NGPU" -ge 2 ] && step "barrier np=$NGPU (1 rank/GPU)" 180 $R "$NGPU" $PY -m deepep_cupy.tests.barrier
+    step "barrier np=4 (shared GPUs)" 300 $R 4 $PY -m deepep_cupy.tests.barrier --num-barriers 200 --num-rounds 16
+    step "barrier np=8 (shared GPUs)" 300 $R 8 $PY -m deepep_cupy.tests.barrier --num-barriers 100 --num-rounds 16
+fi
+if want pytest; then
+    step "pytest (GPU machine)" 600 $PY -m pytest -q -x tests
+fi
+if want ep && [ -f deepep_cupy/tests/ep.py ]; then
+    step "ep np=1" 600 $R 1 $PY -m deepep_cupy.tests.ep
+    [ "$NGPU" -ge 2 ] && step "ep np=$NGPU (1 rank/GPU)" 600 $R "$NGPU" $PY -m deepep_cupy.tests.ep
+    step "ep np=4 (shared GPUs)" 600 $R 4 $PY -m deepep_cupy.tests.ep --num-tokens 512 --hidden 2048 --skip-perf-test
+    step "ep np=8 (shared GPUs)" 600 $R 8 $PY -m deepep_cupy.tests.ep --num-tokens 256 --hidden 2048 --skip-perf-test
+fi
+if want bench && [ -f perf/ep_bench.py ] && [ "$NGPU" -ge 2 ]; then
+    step "ep_bench np=$NGPU" 600 $R "$NGPU" $PY perf/ep_bench.py --out "$OUT"
+fi
+echo "=== summary" | tee -a "$LOG"
+cat "$SUMMARY"
+! grep -q FAIL "$SUMMARY"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Start N ranks of a deepep_cupy program on this host with mpirun.
+#
+#   launch/run_local.sh N python -m deepep_cupy.tests.ep [args...]
+#
+# Works with Open MPI (root flags, oversubscription when ranks > cores) and MPICH (pip install mpich).
+# Each rank binds to GPU (local rank % GPU count) itself; more ranks than GPUs share GPUs (logic tests only).
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0) unless the caller set it explicitly.
+set -euo pipefail
+if [ $# -lt 2 ]; then
+    echo "usage: $0 NUM_RANKS COMMAND [ARGS...]" >&2
+    exit 2
+fi
+n=$1; shift
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+export PYTHONUNBUFFERED=1
+mpirun=${MPIRUN:-mpirun}
+extra=()
+if "$mpirun" --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+    # Local runs: no CPU binding (ranks may outnumber cores), shared-memory transport only.
+    extra=(--bind-to none --mca btl self,vader,tcp)
+fi
+exec "$mpirun" "${extra[@]}" -np "$n" "$@"
