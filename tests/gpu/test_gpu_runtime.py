@@ -1,0 +1,79 @@
+"""Single-process GPU tests of the runtime (skipped without a GPU)."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_dlpack_views_share_memory():
+    torch = pytest.importorskip('torch')
+    from deepep_cupy.runtime import interop
+    x = torch.randn(8, 16, device='cuda').to(torch.bfloat16)
+    c = interop.to_cupy(x)
+    assert c.data.ptr == x.data_ptr() and c.dtype == np.uint16 and c.shape == (8, 16)
+    back = interop.to_torch(c, 'bfloat16')
+    assert back.data_ptr() == x.data_ptr() and torch.equal(back, x)
+
+
+def test_allocator_kinds():
+    import cupy
+    from deepep_cupy.runtime import interop
+    a = interop.Allocator('cupy').zeros((3, 4), 'bfloat16')
+    assert isinstance(a, cupy.ndarray) and a.dtype == np.uint16 and int(a.sum()) == 0
+    torch = pytest.importorskip('torch')
+    t = interop.Allocator('torch').empty((3, 4), 'float8_e4m3fn', stream=cupy.cuda.Stream())
+    assert t.dtype == torch.float8_e4m3fn and t.is_cuda
+
+
+def test_event_overlap_waits_and_runs_hook_once():
+    import cupy
+    from deepep_cupy.runtime.event import EventHandle, EventOverlap
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.arange(1 << 20, dtype=cupy.float32) * 2
+    calls = []
+    ev = EventOverlap(EventHandle(s), extra_tensors=(x,))
+    ev.register_hook_after_wait(lambda: calls.append(1) or 'done')
+    with pytest.raises(ValueError, match='already registered'):
+        ev.register_hook_after_wait(lambda: None)
+    assert ev.wait() == 'done'
+    assert float(x[-1]) == 2 * ((1 << 20) - 1)
+    ev.current_stream_wait()
+    assert calls == [1]
+    with EventOverlap(EventHandle(s))(release_handle=True) as ev2:
+        pass
+    assert ev2.event is None
+
+
+def test_cooperative_grid_too_large_is_rejected():
+    from deepep_cupy import barrier
+    from deepep_cupy.jit.launch import load_kernel
+    k = load_kernel(barrier.TEST_WRITE)
+    with pytest.raises(ValueError, match='cooperative grid'):
+        k.launch(1_000_000, 32, (0, 0, 0, 1, 0, 0), cooperative=True)
+
+
+def test_single_rank_buffer_barrier_and_memory_returns():
+    import cupy
+    from deepep_cupy.buffer_base import BufferBase
+    free0 = cupy.cuda.runtime.memGetInfo()[0]
+    for _ in range(10):
+        buf = BufferBase(num_bytes=64 << 20, explicitly_destroy=True)
+        buf.barrier(with_cpu_sync=True)
+        buf.barrier(use_comm_stream=False)
+        buf.synchronize(cupy.cuda.get_current_stream())
+        buf.destroy()
+        buf.destroy()   # idempotent
+        with pytest.raises(RuntimeError, match='destroyed'):
+            buf.barrier()
+    free1 = cupy.cuda.runtime.memGetInfo()[0]
+    assert abs(free0 - free1) < (32 << 20), (free0, free1)
+
+
+def test_bad_buffer_arguments():
+    from deepep_cupy.buffer_base import BufferBase
+    with pytest.raises(ValueError, match='multiple of 2097152'):
+        BufferBase(num_bytes=1000)
+    with pytest.raises(TypeError, match='num_bytes must be an int'):
+        BufferBase(num_bytes=2.0)

@@ -1,0 +1,120 @@
+"""JIT: every shipped kernel specialisation compiles for sm_90 without a GPU; the cache key follows the sources;
+compile errors carry file:line; launches are type-checked."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepep_cupy.jit import compiler, launch, registry
+
+
+@pytest.fixture()
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv('DEEPEP_CUPY_JIT_CACHE_DIR', str(tmp_path / 'cache'))
+    return tmp_path / 'cache'
+
+
+@pytest.mark.parametrize('family', sorted(registry.shipped_specs()))
+def test_every_shipped_specialisation_compiles_for_sm90(family):
+    specs = registry.shipped_specs()[family]
+    module = compiler.compile_cubin(family, [s.name for s in specs], arch='90', use_cache=False)
+    assert module.cubin[:4] == b'\x7fELF'
+    assert set(module.lowered) == {s.name for s in specs}
+
+
+def test_disk_cache_hit_and_integrity(tmp_cache):
+    names = ['deepep::barrier_kernel<2>']
+    first = compiler.compile_cubin('barrier', names, arch='90')
+    second = compiler.compile_cubin('barrier', names, arch='90')
+    assert not first.from_cache and second.from_cache
+    assert first.cubin == second.cubin and first.key == second.key
+    # A corrupted entry is detected (checksum) and rebuilt.
+    cubin = next(tmp_cache.glob('barrier-*.cubin'))
+    cubin.write_bytes(b'garbage')
+    third = compiler.compile_cubin('barrier', names, arch='90')
+    assert not third.from_cache and third.cubin == first.cubin
+
+
+def test_cache_key_covers_options_arch_and_names():
+    opts90 = compiler._options('90', {}, ())
+    opts100 = compiler._options('100', {}, ())
+    key = compiler.cache_key('barrier', ['a'], opts90)
+    assert key != compiler.cache_key('barrier', ['a'], opts100)
+    assert key != compiler.cache_key('barrier', ['b'], opts90)
+    assert key != compiler.cache_key('barrier', ['a'], compiler._options('90', {'X': 1}, ()))
+
+
+def test_cache_key_changes_when_any_kernel_file_changes(tmp_path, monkeypatch):
+    tree = tmp_path / 'kernels_cu'
+    shutil.copytree(compiler.kernels_dir(), tree)
+    monkeypatch.setattr(compiler, 'kernels_dir', lambda: tree)
+    opts = compiler._options('90', {}, ())
+    base = compiler.cache_key('barrier', ['deepep::barrier_kernel<2>'], opts)
+    header = tree / 'common' / 'sync.cuh'
+    header.write_text(header.read_text() + '\n// edited\n')
+    edited = compiler.cache_key('barrier', ['deepep::barrier_kernel<2>'], opts)
+    assert edited != base
+    (tree / 'common' / 'new.cuh').write_text('#pragma once\n')
+    assert compiler.cache_key('barrier', ['deepep::barrier_kernel<2>'], opts) != edited
+
+
+def test_compile_error_names_file_line_and_specialisation(tmp_path, monkeypatch):
+    tree = tmp_path / 'kernels_cu'
+    shutil.copytree(compiler.kernels_dir(), tree)
+    (tree / 'broken.cu').write_text('#include "common/types.cuh"\n'
+                                    'template <int kN> __global__ void k(int* x) {\n'
+                                    '    x[0] = undefined_symbol + kN;\n'
+                                    '}\n')
+    monkeypatch.setattr(compiler, 'kernels_dir', lambda: tree)
+    with pytest.raises(compiler.JITCompileError) as info:
+        compiler.compile_cubin('broken', ['k<3>'], arch='90', use_cache=False)
+    msg = str(info.value)
+    assert 'broken.cu(3)' in msg and 'undefined_symbol' in msg and "['k<3>']" in msg and '-arch=sm_90' in msg
+
+
+def test_unknown_family_is_a_value_error():
+    with pytest.raises(ValueError, match='family'):
+        compiler.compile_cubin('no_such_family', ['x'], arch='90')
+
+
+def test_kernel_sources_found():
+    root = compiler.kernels_dir()
+    assert (root / 'barrier.cu').is_file() and (root / 'common' / 'sync.cuh').is_file()
+    assert len(compiler.tree_hash()) == 64
+
+
+SPEC = launch.KernelSpec('barrier', 'k', (launch.Param('ptr', launch.PTR), launch.Param('n', np.int32),
+                                          launch.Param('scale', np.float32), launch.Param('t', np.uint64)))
+
+
+def test_pack_args_converts_to_exact_types():
+    packed = launch.pack_args(SPEC, (0x1000, 7, 0.5, 3))
+    assert [type(p) for p in packed] == [np.uint64, np.int32, np.float32, np.uint64]
+    assert int(packed[0]) == 0x1000
+
+
+@pytest.mark.parametrize('args, err, match', [
+    ((0x1000, 7, 0.5), TypeError, 'expected 4 arguments'),
+    ((0x1000, 7.0, 0.5, 3), TypeError, "'n' must be an integer"),
+    ((0x1000, 2 ** 31, 0.5, 3), ValueError, "'n'=2147483648 does not fit in int32"),
+    ((0x1000, np.int64(7), 0.5, 3), TypeError, "'n' must be int32, got int64"),
+    ((None, 7, 0.5, 3), TypeError, "'ptr' must be a device pointer"),
+    ((1.5, 7, 0.5, 3), TypeError, "'ptr' must be a device pointer"),
+    ((0x1000, 7, 'x', 3), TypeError, "'scale' must be a number"),
+    ((0x1000, True, 0.5, 3), TypeError, "'n' must be an integer"),
+])
+def test_pack_args_rejects_bad_arguments(args, err, match):
+    with pytest.raises(err, match=match):
+        launch.pack_args(SPEC, args)
+
+
+def test_pointer_from_torch_tensor():
+    torch = pytest.importorskip('torch')
+    t = torch.zeros(4)
+    assert int(launch.pack_args(SPEC, (t, 1, 1.0, 1))[0]) == t.data_ptr()
+
+
+def test_kernels_dir_is_a_path():
+    assert isinstance(compiler.kernels_dir(), Path)

@@ -1,0 +1,47 @@
+"""Packaging: a built wheel (non-editable install) carries the kernel sources and finds them at run time."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope='module')
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp('wheel')
+    proc = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q',
+                           '-w', str(out), str(ROOT)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f'pip wheel failed:\n{proc.stdout}\n{proc.stderr}')
+    wheels = list(out.glob('deepep_cupy-*.whl'))
+    assert len(wheels) == 1
+    return wheels[0]
+
+
+def test_wheel_contains_every_kernel_source(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {p.relative_to(ROOT / 'kernels_cu').as_posix() for p in (ROOT / 'kernels_cu').rglob('*')
+               if p.suffix in ('.cu', '.cuh')}
+    assert sources, 'no kernel sources in the checkout'
+    for s in sources:
+        assert f'deepep_cupy/kernels_cu/{s}' in names, s
+
+
+def test_installed_wheel_finds_and_compiles_kernels(wheel, tmp_path):
+    site = tmp_path / 'site'
+    subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--target', str(site), str(wheel)],
+                   check=True, capture_output=True)
+    code = ('import deepep_cupy.jit.compiler as c; d = c.kernels_dir(); print(d); '
+            "m = c.compile_cubin('barrier', ['deepep::barrier_kernel<4>'], arch='90', use_cache=False); "
+            'print(len(m.cubin) > 0)')
+    # Run from an unrelated directory so the checkout cannot shadow the installed package.
+    env = {'PYTHONPATH': str(site), 'PATH': '/usr/bin:/bin', 'HOME': str(tmp_path)}
+    proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    found, ok = proc.stdout.split()
+    assert Path(found).resolve() == (site / 'deepep_cupy' / 'kernels_cu').resolve()
+    assert ok == 'True'
