@@ -45,7 +45,8 @@ def test_check_same_message_names_ranks():
     class Fake(group.ProcessGroup):
         def allgather_object(self, obj, timeout=None):
             return [obj, obj + 1, obj]
-    with pytest.raises(ValueError, match=r'num_bytes must be identical on every rank.*ranks \[0, 2\]: 4; ranks \[1\]: 5'):
+    pattern = r'num_bytes must be identical on every rank.*ranks \[0, 2\]: 4; ranks \[1\]: 5'
+    with pytest.raises(ValueError, match=pattern):
         Fake(0, 3).check_same('num_bytes', 4)
 
 

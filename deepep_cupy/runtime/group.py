@@ -161,7 +161,8 @@ class TorchProcessGroup(ProcessGroup):
         self._dist.barrier(group=self.group)
 
 
-def _launched_by_mpi() -> bool:
+def launched_by_mpi() -> bool:
+    """Whether this process was started by mpirun/mpiexec (Open MPI, MPICH, MVAPICH, PMIx)."""
     markers = ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'PMIX_RANK', 'MV2_COMM_WORLD_SIZE', 'MPI_LOCALNRANKS')
     return any(k in os.environ for k in markers)
 
@@ -184,6 +185,6 @@ def get_group(group=None, comm=None, timeout: Optional[float] = None) -> Process
         return group
     if group is not None:
         return TorchProcessGroup(group)
-    if comm is not None or _launched_by_mpi():
+    if comm is not None or launched_by_mpi():
         return MPIProcessGroup(comm, timeout=timeout)
     return SingleProcessGroup()

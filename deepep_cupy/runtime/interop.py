@@ -154,7 +154,7 @@ def external_stream(handle: int):
     import cupy
     s = _EXTERNAL_STREAMS.get(handle)
     if s is None:
-        s = _EXTERNAL_STREAMS[handle] = cupy.cuda.ExternalStream(handle)
+        s = _EXTERNAL_STREAMS[handle] = cupy.cuda.Stream.from_external(handle)
     return s
 
 

@@ -18,6 +18,7 @@ def test_dlpack_views_share_memory():
 
 def test_allocator_kinds():
     import cupy
+
     from deepep_cupy.runtime import interop
     a = interop.Allocator('cupy').zeros((3, 4), 'bfloat16')
     assert isinstance(a, cupy.ndarray) and a.dtype == np.uint16 and int(a.sum()) == 0
@@ -28,6 +29,7 @@ def test_allocator_kinds():
 
 def test_event_overlap_waits_and_runs_hook_once():
     import cupy
+
     from deepep_cupy.runtime.event import EventHandle, EventOverlap
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
@@ -56,6 +58,7 @@ def test_cooperative_grid_too_large_is_rejected():
 
 def test_single_rank_buffer_barrier_and_memory_returns():
     import cupy
+
     from deepep_cupy.buffer_base import BufferBase
     free0 = cupy.cuda.runtime.memGetInfo()[0]
     for _ in range(10):

@@ -1,0 +1,207 @@
+// Shared pieces of the EP kernels (notify, dispatch, combine): the control area of the workspace, message layout,
+// vector copies, bfloat16 conversions and the send/receive completion protocol.
+//
+// Control area (byte offset kCtrlOffset of every rank's workspace; uint32 words):
+//   local, written only by this rank's kernels (stream-ordered):
+//     [0] notify epoch   [1] dispatch data epoch   [2] combine epoch
+//     [4] dispatch send ticket   [5] combine send ticket   [6] dispatch recv ticket   [7] combine recv ticket
+//     [8] grid barrier arrivals  [9] grid barrier generation
+//   signals, written by peers (index = the peer's scale-up rank), epochs that only grow:
+//     notify_signal[src]     at +256: src published its counts for notify epoch e into our notify area
+//     data_signal[src]       at +384: src finished writing its dispatch messages of data epoch e into our slots
+//     data_consumed[dst]     at +512: dst copied our messages of epoch e out of its slots (we may overwrite them)
+//     combine_signal[src]    at +640: src finished writing its combine rows of combine epoch e into our slots
+//     combine_consumed[dst]  at +768: dst reduced our rows of combine epoch e (we may overwrite them)
+// Notify counts (byte offset kNotifyOffset of the workspace): int32 [src][1 + num_local_experts]:
+//   [0] tokens src sends us, [1 + j] (token, slot) pairs src sends to our local expert j.
+#pragma once
+#include "common/timeout.cuh"
+
+namespace deepep {
+
+constexpr uint64_t kCtrlOffset = 8192;
+constexpr uint64_t kNotifyOffset = 65536;
+constexpr int kCtrlNotifyEpoch = 0, kCtrlDataEpoch = 1, kCtrlCombineEpoch = 2;
+constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
+constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;
+constexpr int kCtrlGridCount = 8, kCtrlGridGen = 9;
+constexpr int kSigNotify = 64, kSigData = 96, kSigDataConsumed = 128, kSigCombine = 160, kSigCombineConsumed = 192;
+
+struct Peers {
+    const uint64_t* bases;   // device table of peer base addresses
+    int rank;                // scale-up index of this rank
+    __device__ __forceinline__ uint8_t* base(int peer) const { return reinterpret_cast<uint8_t*>(bases[peer]); }
+    __device__ __forceinline__ uint8_t* local() const { return base(rank); }
+    __device__ __forceinline__ uint32_t* ctrl(int peer) const {
+        return reinterpret_cast<uint32_t*>(base(peer) + kCtrlOffset);
+    }
+    __device__ __forceinline__ uint32_t* local_ctrl() const { return ctrl(rank); }
+    // Signal slot `kind` of `peer`'s control area that names this rank.
+    __device__ __forceinline__ uint32_t* remote_signal(int peer, int kind) const { return ctrl(peer) + kind + rank; }
+    __device__ __forceinline__ const uint32_t* my_signal(int kind, int src) const { return local_ctrl() + kind + src; }
+};
+
+// Read a local epoch counter (written by earlier kernels on the stream).
+__device__ __forceinline__ uint32_t read_local(const uint32_t* p) { return *reinterpret_cast<const volatile uint32_t*>(p); }
+
+// The last block of a launch to finish gets `true` (after every block published its writes at system scope).
+// The ticket is reset by the last block, so launches with different grid sizes can follow each other.
+__device__ __forceinline__ bool last_block_done(uint32_t* ticket) {
+    __syncthreads();
+    __shared__ bool s_last;
+    if (threadIdx.x == 0) {
+        fence_acq_rel_sys();
+        const uint32_t prev = atomicAdd(ticket, 1u);
+        s_last = (prev == gridDim.x - 1);
+        if (s_last) {
+            *reinterpret_cast<volatile uint32_t*>(ticket) = 0;
+            fence_acq_rel_sys();
+        }
+    }
+    __syncthreads();
+    return s_last;
+}
+
+// Software grid barrier for cooperative launches (all blocks co-resident).
+__device__ __forceinline__ void grid_sync(uint32_t* ctrl) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile uint32_t* gen = ctrl + kCtrlGridGen;
+        const uint32_t g = *gen;
+        __threadfence();
+        if (atomicAdd(ctrl + kCtrlGridCount, 1u) == gridDim.x - 1) {
+            *reinterpret_cast<volatile uint32_t*>(ctrl + kCtrlGridCount) = 0;
+            __threadfence();
+            atomicExch(ctrl + kCtrlGridGen, g + 1);
+        } else {
+            while (*gen == g) {
+            }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// Threads [0, num_ranks) each wait for one peer's signal of `kind` to reach `epoch`; then the block syncs.
+// Returns false (in every thread) if any wait timed out.
+__device__ __forceinline__ bool wait_all_peers(const Peers& peers, int kind, int num_ranks, uint32_t epoch,
+                                               uint64_t timeout_ns, const ErrorSink& sink, int phase) {
+    __shared__ int s_ok;
+    if (threadIdx.x == 0)
+        s_ok = 1;
+    __syncthreads();
+    if (threadIdx.x < num_ranks) {
+        if (!wait_epoch(peers.my_signal(kind, threadIdx.x), epoch, timeout_ns, sink, phase, peers.rank, threadIdx.x,
+                        kind))
+            s_ok = 0;
+    }
+    __syncthreads();
+    return s_ok != 0;
+}
+
+// ---- vector memory helpers ----------------------------------------------------------------------------------
+struct alignas(16) Vec16 {
+    uint32_t x, y, z, w;
+};
+
+__device__ __forceinline__ Vec16 ld_nc_v4(const void* p) {
+    Vec16 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Coherent load (data written by peers during this kernel's lifetime, after an acquire).
+__device__ __forceinline__ Vec16 ld_v4(const void* p) {
+    Vec16 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void st_v4(void* p, const Vec16& v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_na_v4(void* p, const Vec16& v) {
+    asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// A warp copies `num_bytes` (a multiple of 16, both pointers 16-byte aligned).
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int num_bytes, int lane) {
+    auto* d = reinterpret_cast<uint8_t*>(dst);
+    const auto* s = reinterpret_cast<const uint8_t*>(src);
+    for (int off = lane * 16; off < num_bytes; off += 32 * 16)
+        st_v4(d + off, ld_v4(s + off));
+}
+
+// ---- bfloat16 ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float bf16_lo(uint32_t packed) { return __uint_as_float(packed << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t packed) { return __uint_as_float(packed & 0xffff0000u); }
+
+// Round two floats to bfloat16 (round to nearest even, as torch does) and pack them (lo in the low half).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Accumulate the 8 bfloat16 values of a 16-byte vector into 8 floats.
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const Vec16& v) {
+    acc[0] += bf16_lo(v.x); acc[1] += bf16_hi(v.x);
+    acc[2] += bf16_lo(v.y); acc[3] += bf16_hi(v.y);
+    acc[4] += bf16_lo(v.z); acc[5] += bf16_hi(v.z);
+    acc[6] += bf16_lo(v.w); acc[7] += bf16_hi(v.w);
+}
+
+__device__ __forceinline__ Vec16 round_bf16x8(const float (&acc)[8]) {
+    return {pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
+            pack_bf16x2(acc[6], acc[7])};
+}
+
+// ---- dispatch message layout ------------------------------------------------------------------------------------
+// [src token index | global expert ids (K) | weights (K) | position among the source's tokens of that expert (K)]
+// padded to 16 bytes, then scale factors, then hidden bytes.
+struct MessageLayout {
+    int num_topk;
+    int meta_bytes;
+    int sf_offset;
+    int hidden_offset;
+    int bytes;
+    __device__ __forceinline__ MessageLayout(int num_topk_, int num_sf, int hidden_bytes) : num_topk(num_topk_) {
+        meta_bytes = (4 + 12 * num_topk + 15) / 16 * 16;
+        sf_offset = meta_bytes;
+        hidden_offset = sf_offset + (4 * num_sf + 15) / 16 * 16;
+        bytes = hidden_offset + (hidden_bytes + 15) / 16 * 16;
+    }
+    __device__ __forceinline__ int32_t* src_idx(uint8_t* msg) const { return reinterpret_cast<int32_t*>(msg); }
+    __device__ __forceinline__ int32_t* expert_ids(uint8_t* msg) const { return reinterpret_cast<int32_t*>(msg) + 1; }
+    __device__ __forceinline__ float* weights(uint8_t* msg) const {
+        return reinterpret_cast<float*>(msg) + 1 + num_topk;
+    }
+    __device__ __forceinline__ int32_t* expert_pos(uint8_t* msg) const {
+        return reinterpret_cast<int32_t*>(msg) + 1 + 2 * num_topk;
+    }
+};
+
+// ---- receive layout blob ----------------------------------------------------------------------------------------
+// Written by the notify kernel into a handle tensor; read by the dispatch epilogue and combine (int32 words):
+//   [0, R)                 psum_src: inclusive prefix over sources of tokens received
+//   [R, R+L)               count: (token, slot) pairs received per local expert (unaligned)
+//   [R+L, R+2L)            start: first expanded row of each local expert (aligned)
+//   [R+2L, R+2L+R*L)       src_base: exclusive prefix over sources of each expert's pairs ([src][expert])
+//   [R+2L+R*L]             num_recv_tokens, then num_expanded_tokens
+struct RecvLayout {
+    int32_t* blob;
+    int num_ranks, num_local_experts;
+    __device__ __forceinline__ int32_t* psum_src() const { return blob; }
+    __device__ __forceinline__ int32_t* count() const { return blob + num_ranks; }
+    __device__ __forceinline__ int32_t* start() const { return blob + num_ranks + num_local_experts; }
+    __device__ __forceinline__ int32_t* src_base() const { return blob + num_ranks + 2 * num_local_experts; }
+    __device__ __forceinline__ int32_t* totals() const {
+        return blob + num_ranks + 2 * num_local_experts + num_ranks * num_local_experts;
+    }
+};
+
+}  // namespace deepep
