@@ -81,6 +81,12 @@ class BufferBase:
             raise
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
         self._barrier = Barrier(self.sym, self.host_mapped.ptr, self.timeout_ns, with_tests=True)
+        # Between scale-up domains the barrier goes through NCCL (an all-reduce of one word on the same stream).
+        self.nccl = None
+        if self.num_scaleout_ranks > 1:
+            from .runtime.nccl import create_nccl_comm
+            self.nccl = create_nccl_comm(self.group)
+            self._nccl_word = cupy.zeros(1, dtype=cupy.int32)
         self._failed: Optional[str] = None
         self._destroyed = False
         self.group.barrier(timeout=self.num_cpu_timeout_secs)
@@ -126,9 +132,10 @@ class BufferBase:
             raise
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False) -> None:
-        """GPU barrier over every rank of the scale-up domain (the domains of several hosts are joined through the
-        host group when `with_cpu_sync`). On the communication stream (which first waits for the current stream)
-        or the current stream. With `with_cpu_sync` the host waits and raises `TimeoutError` on a GPU timeout."""
+        """GPU barrier over every rank: the IPC barrier kernel inside the scale-up domain, then (several domains) an
+        NCCL all-reduce of one word across all ranks on the same stream. Runs on the communication stream (which
+        first waits for the current stream, and which the current stream then waits for) or on the current stream.
+        With `with_cpu_sync` the host also waits, and raises `TimeoutError` on a GPU timeout."""
         self.check_usable()
         current = interop.current_stream()
         if use_comm_stream:
@@ -137,12 +144,13 @@ class BufferBase:
         else:
             stream = current
         self._barrier(stream)
+        if self.nccl is not None:
+            self.nccl.all_reduce(self._nccl_word, self._nccl_word, stream=stream)
+            self._barrier(stream)
         if use_comm_stream:
             current.wait_event(stream.record())
         if with_cpu_sync:
             self.synchronize(stream)
-            if self.num_scaleout_ranks > 1:
-                self.group.barrier(timeout=self.num_cpu_timeout_secs)
 
     def synchronize(self, stream=None) -> None:
         """Wait for `stream` (default: the communication stream) on the host, bounded: raises `TimeoutError` if a
@@ -173,6 +181,9 @@ class BufferBase:
         try:
             cupy.cuda.runtime.deviceSynchronize()
         finally:
+            if self.nccl is not None:
+                self.nccl.destroy()
+                self.nccl = None
             self.sym.destroy(timeout=self.num_cpu_timeout_secs)
             self.host_mapped.free()
             self.comm_stream = None

@@ -49,6 +49,8 @@ fi
 if want barrier; then
     step "barrier np=1" 120 $R 1 $PY -m deepep_cupy.tests.barrier
     [ "$NGPU" -ge 2 ] && step "barrier np=$NGPU (1 rank/GPU)" 180 $R "$NGPU" $PY -m deepep_cupy.tests.barrier
+    [ "$NGPU" -ge 2 ] && step "barrier np=$NGPU scale-up 1 (NCCL between domains)" 180 \
+        env DEEPEP_CUPY_SCALEUP_SIZE=1 $R "$NGPU" $PY -m deepep_cupy.tests.barrier
     step "barrier np=4 (shared GPUs)" 300 $R 4 $PY -m deepep_cupy.tests.barrier --num-barriers 200 --num-rounds 16
     step "barrier np=8 (shared GPUs)" 300 $R 8 $PY -m deepep_cupy.tests.barrier --num-barriers 100 --num-rounds 16
 fi

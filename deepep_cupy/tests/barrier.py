@@ -46,9 +46,11 @@ def test_correctness(buf: BufferBase, num_rounds: int, delay_ns: int) -> int:
 
 def bench_barrier(buf: BufferBase, num_barriers: int):
     """Average µs per barrier: (GPU time from a CUDA-graph replay of `num_barriers` barriers, time per barrier
-    issued one by one from Python, i.e. including the host launch cost)."""
+    issued one by one from Python, i.e. including the host launch cost). With several scale-up domains the graph
+    holds the intra-domain kernel only and the one-by-one figure is the full `buf.barrier()` (with NCCL)."""
     import cupy
     stream = buf.comm_stream
+    full = buf.nccl is not None
     for _ in range(50):
         buf._barrier(stream)
     buf.synchronize()
@@ -58,7 +60,10 @@ def bench_barrier(buf: BufferBase, num_barriers: int):
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     start.record(stream)
     for _ in range(num_barriers):
-        buf._barrier(stream)
+        if full:
+            buf.barrier(use_comm_stream=True)
+        else:
+            buf._barrier(stream)
     end.record(stream)
     buf.synchronize()
     issued_us = cupy.cuda.get_elapsed_time(start, end) * 1e3 / num_barriers
@@ -155,7 +160,8 @@ def main(argv=None) -> int:
                    f'{issued_us:.2f} us per barrier launched one by one from Python')
     buf.destroy()
 
-    if not args.skip_timeout_test and group.size > 1:
+    # NCCL waits between scale-up domains cannot be bounded from the GPU side: the timeout test covers the IPC barrier.
+    if not args.skip_timeout_test and group.size > 1 and buf.num_scaleout_ranks == 1:
         good = test_timeout(group, args.timeout_test_secs)
         log(group, f'[timeout] missing rank reported as TimeoutError on every other rank: {"OK" if good else "FAILED"}')
         ok &= good
