@@ -7,18 +7,28 @@ __version__ = '0.1.0'
 
 # Public name -> module that defines it; resolved lazily (PEP 562) so `import deepep_cupy` stays cheap.
 _LAZY = {
+    'ElasticBuffer': 'deepep_cupy.ep.buffer',
+    'EPBuffer': 'deepep_cupy.ep.buffer',
+    'EPHandle': 'deepep_cupy.ep.handle',
     'BufferBase': 'deepep_cupy.buffer_base',
     'EventOverlap': 'deepep_cupy.runtime.event',
     'EventHandle': 'deepep_cupy.runtime.event',
     'ProcessGroup': 'deepep_cupy.runtime.group',
     'get_group': 'deepep_cupy.runtime.group',
-    'topk_idx_t': 'deepep_cupy.constants',
 }
 
-__all__ = ['__version__', *_LAZY]
+__all__ = ['__version__', 'topk_idx_t', *_LAZY]
 
 
 def __getattr__(name):
+    if name == 'topk_idx_t':
+        # torch.int64 when torch is installed (DeepEP's default build), else numpy's int64.
+        try:
+            import torch
+            return torch.int64
+        except ImportError:
+            import numpy
+            return numpy.int64
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -58,10 +58,12 @@ if want pytest; then
     step "pytest (GPU machine)" 600 $PY -m pytest -q -x tests
 fi
 if want ep && [ -f deepep_cupy/tests/ep.py ]; then
-    step "ep np=1" 600 $R 1 $PY -m deepep_cupy.tests.ep
-    [ "$NGPU" -ge 2 ] && step "ep np=$NGPU (1 rank/GPU)" 600 $R "$NGPU" $PY -m deepep_cupy.tests.ep
-    step "ep np=4 (shared GPUs)" 600 $R 4 $PY -m deepep_cupy.tests.ep --num-tokens 512 --hidden 2048 --skip-perf-test
-    step "ep np=8 (shared GPUs)" 600 $R 8 $PY -m deepep_cupy.tests.ep --num-tokens 256 --hidden 2048 --skip-perf-test
+    EP="$PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60"
+    [ "$NGPU" -ge 2 ] && step "ep np=$NGPU (1 rank/GPU)" 420 $R "$NGPU" $EP
+    step "ep np=1" 300 $R 1 $EP --num-create-destroy 20
+    step "ep np=4 (shared GPUs)" 300 $R 4 $EP --num-tokens 256 --hidden 2048 --skip-perf-test --num-create-destroy 5
+    step "ep np=8 (shared GPUs)" 400 $R 8 $EP --num-tokens 128 --hidden 1024 --skip-perf-test --num-create-destroy 2 \
+        --test-first-only
 fi
 if want bench && [ -f perf/ep_bench.py ] && [ "$NGPU" -ge 2 ]; then
     step "ep_bench np=$NGPU" 600 $R "$NGPU" $PY perf/ep_bench.py --out "$OUT"

@@ -1,9 +1,10 @@
-"""JIT and start-up timings: `import deepep_cupy`, cold compile of every shipped kernel family (empty cache), and a
-warm start (a second process that finds everything in the cache).
+"""JIT and start-up timings: `import deepep_cupy`, cold compile of the kernels one buffer needs (empty cache), and a
+warm start (a second process that finds them in the cache).
 
-    python -m deepep_cupy.tests.jit_timing
+    python -m deepep_cupy.tests.jit_timing [--num-ranks 2 --num-topk 8]
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,13 +17,17 @@ import json, sys, time
 t0 = time.perf_counter()
 import deepep_cupy
 t_import = time.perf_counter() - t0
-from deepep_cupy.jit import launch, registry, compiler
+from deepep_cupy import barrier
+from deepep_cupy.ep import kernels as ep_kernels
+from deepep_cupy.jit import launch
 import cupy
 cupy.cuda.Device(0).use()
 cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))   # create the CUDA context outside the timed region
+num_ranks, num_topk = int(sys.argv[1]), int(sys.argv[2])
+families = {'barrier': barrier.all_specs(num_ranks), **ep_kernels.specs_for(num_ranks, num_topk)}
 out = {'import_s': t_import, 'families': {}}
 t_all = time.perf_counter()
-for family, specs in registry.shipped_specs().items():
+for family, specs in families.items():
     t = time.perf_counter()
     launch.load_kernels(specs)
     out['families'][family] = {'seconds': time.perf_counter() - t, 'num_kernels': len(specs)}
@@ -32,10 +37,11 @@ print('RESULT ' + json.dumps(out))
 '''
 
 
-def run_child(cache_dir: str) -> dict:
+def run_child(cache_dir: str, num_ranks: int, num_topk: int) -> dict:
     env = dict(os.environ, DEEPEP_CUPY_JIT_CACHE_DIR=cache_dir)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, '-c', _CHILD], env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, '-c', _CHILD, str(num_ranks), str(num_topk)], env=env,
+                          capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f'child failed:\n{proc.stdout}\n{proc.stderr}')
@@ -45,7 +51,11 @@ def run_child(cache_dir: str) -> dict:
     return result
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description='deepep_cupy JIT timings')
+    parser.add_argument('--num-ranks', type=int, default=2)
+    parser.add_argument('--num-topk', type=int, default=8)
+    args = parser.parse_args(argv)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, '-c', 'import time; t = time.perf_counter(); import deepep_cupy; '
                            'import sys; print(time.perf_counter() - t); '
@@ -55,8 +65,9 @@ def main() -> int:
     print(f'[import] import deepep_cupy: {float(import_s) * 1e3:.1f} ms (cupy, torch imported: {heavy.split()}); '
           f'whole interpreter {1e3 * (time.perf_counter() - t0):.0f} ms')
     with tempfile.TemporaryDirectory(prefix='deepep_cupy_jit_') as cache:
-        cold = run_child(cache)
-        warm = run_child(cache)
+        cold = run_child(cache, args.num_ranks, args.num_topk)
+        warm = run_child(cache, args.num_ranks, args.num_topk)
+    print(f'[jit] kernels of a buffer with {args.num_ranks} ranks and top-{args.num_topk}:')
     for name, r in (('cold', cold), ('warm', warm)):
         fams = ', '.join(f'{f} {v["num_kernels"]} kernels {v["seconds"] * 1e3:.1f} ms'
                          for f, v in r['families'].items())

@@ -1,0 +1,1 @@
+"""Expert-parallel dispatch and combine inside one scale-up (NVLink) domain."""

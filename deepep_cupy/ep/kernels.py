@@ -1,0 +1,88 @@
+"""Kernel declarations and launchers of the EP families (`kernels_cu/ep_notify.cu`, `ep_dispatch.cu`,
+`ep_combine.cu`), plus the list of every specialisation the buffers can request."""
+
+import numpy as np
+
+from ..jit.launch import PTR, KernelSpec, Param, load_kernels
+
+NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
+SEND_THREADS = 512
+RECV_THREADS = 512
+SUPPORTED_TOPK = tuple(range(1, 33))
+
+_P = Param
+_COMMON_TAIL = (_P('peer_bases', PTR), _P('rank', np.int32))
+_ERR = (_P('error_record', PTR), _P('timeout_ns', np.uint64))
+
+
+def notify_spec(num_ranks: int, num_topk: int) -> KernelSpec:
+    return KernelSpec('ep_notify', f'deepep::notify_kernel<{num_ranks}, {num_topk}>', (
+        _P('topk_idx', PTR), _P('num_tokens', np.int32), _P('num_experts', np.int32),
+        _P('num_max_tokens_per_rank', np.int32), _P('expert_alignment', np.int32), *_COMMON_TAIL, *_ERR,
+        _P('scratch', PTR), _P('send_pos', PTR), _P('send_expert_pos', PTR), _P('recv_layout', PTR),
+        _P('psum_recv_per_expert', PTR), _P('do_expand', np.int32), _P('cumulative_stats', PTR),
+        _P('host_counts', PTR), _P('host_seq', np.int32)))
+
+
+def dispatch_send_spec(num_ranks: int, num_topk: int) -> KernelSpec:
+    return KernelSpec('ep_dispatch', f'deepep::dispatch_send_kernel<{num_ranks}, {num_topk}>', (
+        _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32),
+        _P('sf', PTR), _P('sf_stride_token', np.int64), _P('sf_stride_col', np.int64), _P('num_sf', np.int32),
+        _P('topk_idx', PTR), _P('topk_weights', PTR), _P('send_pos', PTR), _P('send_expert_pos', PTR),
+        _P('num_tokens', np.int32), _P('num_max_tokens_per_rank', np.int32), *_COMMON_TAIL,
+        _P('recv_offset', np.uint64), *_ERR))
+
+
+def dispatch_recv_spec(num_ranks: int, num_topk: int) -> KernelSpec:
+    return KernelSpec('ep_dispatch', f'deepep::dispatch_recv_kernel<{num_ranks}, {num_topk}>', (
+        _P('hidden_bytes', np.int32), _P('num_sf', np.int32), _P('num_experts', np.int32),
+        _P('num_max_tokens_per_rank', np.int32), _P('recv_layout', PTR), _P('do_expand', np.int32),
+        _P('do_zero_padding', np.int32), _P('num_out_rows', np.int32), _P('num_meta_rows', np.int32),
+        _P('recv_x', PTR), _P('recv_sf', PTR), _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64),
+        _P('recv_topk_idx', PTR), _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), *_COMMON_TAIL,
+        _P('recv_offset', np.uint64), *_ERR))
+
+
+def _b(flag: bool) -> str:
+    return 'true' if flag else 'false'
+
+
+def combine_send_spec(num_ranks: int, num_topk: int, local_reduce: bool) -> KernelSpec:
+    return KernelSpec('ep_combine', f'deepep::combine_send_kernel<{num_ranks}, {num_topk}, {_b(local_reduce)}>', (
+        _P('x', PTR), _P('hidden', np.int32), _P('topk_weights', PTR), _P('do_expand', np.int32),
+        _P('recv_src_metadata', PTR), _P('recv_layout', PTR), _P('num_experts', np.int32),
+        _P('num_max_tokens_per_rank', np.int32), _P('num_slots', np.int32), *_COMMON_TAIL,
+        _P('combine_offset', np.uint64), *_ERR))
+
+
+def combine_recv_spec(num_ranks: int, num_topk: int, local_reduce: bool) -> KernelSpec:
+    return KernelSpec('ep_combine', f'deepep::combine_recv_kernel<{num_ranks}, {num_topk}, {_b(local_reduce)}>', (
+        _P('topk_idx', PTR), _P('num_tokens', np.int32), _P('hidden', np.int32), _P('num_experts', np.int32),
+        _P('num_slots', np.int32), _P('bias0', PTR), _P('bias1', PTR), _P('combined_x', PTR),
+        _P('combined_topk_weights', PTR), _P('with_weights', np.int32), *_COMMON_TAIL, _P('combine_offset', np.uint64),
+        *_ERR))
+
+
+def specs_for(num_ranks: int, num_topk: int):
+    """Every EP kernel a buffer of `num_ranks` ranks needs for top-k `num_topk`, by family."""
+    return {
+        'ep_notify': [notify_spec(num_ranks, num_topk)],
+        'ep_dispatch': [dispatch_send_spec(num_ranks, num_topk), dispatch_recv_spec(num_ranks, num_topk)],
+        'ep_combine': [combine_send_spec(num_ranks, num_topk, lr) for lr in (True, False)]
+                      + [combine_recv_spec(num_ranks, num_topk, lr) for lr in (True, False)],
+    }
+
+
+class EPKernels:
+    """The loaded EP kernels for one (num_ranks, num_topk)."""
+
+    def __init__(self, num_ranks: int, num_topk: int):
+        specs = specs_for(num_ranks, num_topk)
+        loaded = {}
+        for family_specs in specs.values():
+            loaded.update(load_kernels(family_specs))
+        self.notify = loaded[notify_spec(num_ranks, num_topk).name]
+        self.dispatch_send = loaded[dispatch_send_spec(num_ranks, num_topk).name]
+        self.dispatch_recv = loaded[dispatch_recv_spec(num_ranks, num_topk).name]
+        self.combine_send = {lr: loaded[combine_send_spec(num_ranks, num_topk, lr).name] for lr in (True, False)}
+        self.combine_recv = {lr: loaded[combine_recv_spec(num_ranks, num_topk, lr).name] for lr in (True, False)}

@@ -1,0 +1,193 @@
+// EP combine: the reverse of dispatch. Every rank sends, for each token it received, its partial result back into a
+// slot at the token's origin; the origin reduces the slots in a fixed order (bitwise equal to refs.combine).
+//
+// Slots at the origin: [token][num_slots] rows of [hidden bfloat16 | K float32 weights].
+//   kLocalReduce = true  (num_slots = min(R, K)): one row per destination rank, already reduced over that rank's
+//     local experts (non-expanded input is that sum; expanded input is summed here in ascending top-k order in FP32
+//     and rounded to bfloat16 once). Slot index = the rank's ordinal among the token's destination ranks in order
+//     of first top-k appearance (metadata column 1). At the origin, a rank's row enters the final sum at the
+//     position of the rank's LAST top-k slot (DeepEP's refs.combine keeps a group's sum in its last slot).
+//   kLocalReduce = false (num_slots = K, expanded input with allow_multiple_reduction=False): top-k slot k's row goes
+//     to slot k unreduced; the origin adds slots in ascending k.
+// Final sum at the origin: FP32 accumulator = bias_0 + bias_1 (as floats), then the surviving partials in ascending
+// top-k order, rounded to bfloat16 once. Weights: combined_topk_weights[t][k] = the weight the owner of top-k slot k
+// sent back for slot k (0 where topk_idx is -1).
+//
+// Protocol (combine epoch e bumped by the send kernel's last block): send waits combine_consumed[d] >= e - 1,
+// writes, publishes combine_signal[me] = e at every rank; recv waits combine_signal[s] >= e, reduces, publishes
+// combine_consumed[me] = e at every rank.
+#include "common/ep.cuh"
+
+namespace deepep {
+
+constexpr int kCombineSendThreads = 512;
+constexpr int kCombineRecvThreads = 512;
+
+template <int kNumRanks, int kNumTopk, bool kLocalReduce>
+__global__ void __launch_bounds__(kCombineSendThreads, 1)
+combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int do_expand,
+                    const int32_t* recv_src_metadata, const int32_t* recv_layout, int num_experts,
+                    int num_max_tokens_per_rank, int num_slots, const uint64_t* peer_bases, int rank,
+                    uint64_t combine_offset, int32_t* error_record, uint64_t timeout_ns) {
+    const Peers peers{peer_bases, rank};
+    uint32_t* ctrl = peers.local_ctrl();
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    const uint32_t epoch = read_local(ctrl + kCtrlCombineEpoch) + 1;
+    if (!wait_all_peers(peers, kSigCombineConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseCombine))
+        return;
+
+    const int num_local_experts = num_experts / kNumRanks;
+    const RecvLayout layout{const_cast<int32_t*>(recv_layout), kNumRanks, num_local_experts};
+    const int num_recv = layout.totals()[0];
+    const int row_bytes = hidden * 2;
+    const int slot_bytes = (row_bytes + 15) / 16 * 16 + (4 * kNumTopk + 15) / 16 * 16;
+    const int weights_offset = (row_bytes + 15) / 16 * 16;
+    const int num_chunks = row_bytes / 16;
+    const int meta_cols = kNumTopk + 2;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int num_warps = kCombineSendThreads / 32;
+
+    for (int i = blockIdx.x * num_warps + warp; i < num_recv; i += gridDim.x * num_warps) {
+        const int32_t* meta = recv_src_metadata + static_cast<int64_t>(i) * meta_cols;
+        const int g = meta[0];
+        const int s = g / num_max_tokens_per_rank, t = g % num_max_tokens_per_rank;
+        // Expanded row of each top-k slot (lane k), -1 if not local.
+        const int row = (do_expand && lane < kNumTopk) ? meta[2 + lane] : -1;
+        const uint32_t rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+        uint8_t* origin = peers.base(s) + combine_offset;
+
+        if (kLocalReduce) {
+            const int slot = meta[1] % kNumTopk;
+            uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + slot) * slot_bytes;
+            if (!do_expand) {
+                const uint8_t* src = x + static_cast<int64_t>(i) * row_bytes;
+                for (int c = lane; c < num_chunks; c += 32)
+                    st_na_v4(dst + c * 16, ld_nc_v4(src + c * 16));
+            } else {
+                // Uniform trip count so every lane takes part in the shuffles.
+                for (int c0 = 0; c0 < num_chunks; c0 += 32) {
+                    const int c = c0 + lane;
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    uint32_t pending = rows_mask;
+                    while (pending) {
+                        const int k = __ffs(pending) - 1;
+                        pending &= pending - 1;
+                        const int r = __shfl_sync(0xffffffffu, row, k);
+                        if (c < num_chunks)
+                            add_bf16x8(acc, ld_nc_v4(x + static_cast<int64_t>(r) * row_bytes + c * 16));
+                    }
+                    if (c < num_chunks)
+                        st_na_v4(dst + c * 16, round_bf16x8(acc));
+                }
+            }
+            if (topk_weights != nullptr && lane < kNumTopk) {
+                float w = 0.f;
+                if (!do_expand)
+                    w = topk_weights[static_cast<int64_t>(i) * kNumTopk + lane];
+                else if (row >= 0)
+                    w = topk_weights[row];
+                reinterpret_cast<float*>(dst + weights_offset)[lane] = w;
+            }
+        } else {
+            uint32_t pending = rows_mask;
+            while (pending) {
+                const int k = __ffs(pending) - 1;
+                pending &= pending - 1;
+                const int r = __shfl_sync(0xffffffffu, row, k);
+                uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + k) * slot_bytes;
+                const uint8_t* src = x + static_cast<int64_t>(r) * row_bytes;
+                for (int c = lane; c < num_chunks; c += 32)
+                    st_na_v4(dst + c * 16, ld_nc_v4(src + c * 16));
+                if (topk_weights != nullptr && lane == k)
+                    reinterpret_cast<float*>(dst + weights_offset)[k] = topk_weights[r];
+            }
+        }
+    }
+
+    if (last_block_done(ctrl + kCtrlCombineSendTicket)) {
+        if (threadIdx.x == 0)
+            ctrl[kCtrlCombineEpoch] = epoch;
+        if (threadIdx.x < kNumRanks)
+            st_release_sys(peers.remote_signal(threadIdx.x, kSigCombine), epoch);
+    }
+}
+
+template <int kNumRanks, int kNumTopk, bool kLocalReduce>
+__global__ void __launch_bounds__(kCombineRecvThreads)
+combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num_experts, int num_slots,
+                    const uint8_t* bias0, const uint8_t* bias1, uint8_t* combined_x, float* combined_topk_weights,
+                    int with_weights, const uint64_t* peer_bases, int rank, uint64_t combine_offset,
+                    int32_t* error_record, uint64_t timeout_ns) {
+    const Peers peers{peer_bases, rank};
+    uint32_t* ctrl = peers.local_ctrl();
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    const uint32_t epoch = read_local(ctrl + kCtrlCombineEpoch);
+    if (!wait_all_peers(peers, kSigCombine, kNumRanks, epoch, timeout_ns, sink, kPhaseCombine))
+        return;
+
+    const int num_local_experts = num_experts / kNumRanks;
+    const int row_bytes = hidden * 2;
+    const int slot_bytes = (row_bytes + 15) / 16 * 16 + (4 * kNumTopk + 15) / 16 * 16;
+    const int weights_offset = (row_bytes + 15) / 16 * 16;
+    const int num_chunks = row_bytes / 16;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int num_warps = blockDim.x / 32;
+    const uint8_t* slots = peers.local() + combine_offset;
+
+    for (int t = blockIdx.x * num_warps + warp; t < num_tokens; t += gridDim.x * num_warps) {
+        // Lane k: slot k's owner rank, whether slot k is the owner's last slot, and the owner's combine slot.
+        const int64_t e = lane < kNumTopk ? topk_idx[static_cast<int64_t>(t) * kNumTopk + lane] : -1;
+        const int owner = (e >= 0 && e < num_experts) ? static_cast<int>(e) / num_local_experts : -1;
+        bool first = owner >= 0, last = owner >= 0;
+        int first_k = lane;
+        for (int k2 = 0; k2 < kNumTopk; ++k2) {
+            const int o2 = __shfl_sync(0xffffffffu, owner, k2);
+            if (o2 == owner && owner >= 0) {
+                if (k2 < lane) {
+                    first = false;
+                    first_k = min(first_k, k2);
+                }
+                if (k2 > lane)
+                    last = false;
+            }
+        }
+        const uint32_t firsts = __ballot_sync(0xffffffffu, first && lane < kNumTopk);
+        const int ordinal = __popc(firsts & ((1u << first_k) - 1));
+        const int src_slot = kLocalReduce ? ordinal : lane;
+        // Slots that enter the final sum, in ascending top-k order.
+        const uint32_t adds = __ballot_sync(0xffffffffu, lane < kNumTopk && (kLocalReduce ? last : owner >= 0));
+
+        const uint8_t* token_slots = slots + static_cast<int64_t>(t) * num_slots * slot_bytes;
+        // The slot of each top-k position (resolved once per token; compile-time indices keep it in registers).
+        int slot_of[kNumTopk];
+        #pragma unroll
+        for (int k = 0; k < kNumTopk; ++k)
+            slot_of[k] = __shfl_sync(0xffffffffu, src_slot, k);
+        for (int c = lane; c < num_chunks; c += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (bias0 != nullptr)
+                add_bf16x8(acc, ld_nc_v4(bias0 + static_cast<int64_t>(t) * row_bytes + c * 16));
+            if (bias1 != nullptr)
+                add_bf16x8(acc, ld_nc_v4(bias1 + static_cast<int64_t>(t) * row_bytes + c * 16));
+            #pragma unroll
+            for (int k = 0; k < kNumTopk; ++k)
+                if ((adds >> k) & 1u)
+                    add_bf16x8(acc, ld_v4(token_slots + static_cast<int64_t>(slot_of[k]) * slot_bytes + c * 16));
+            st_v4(combined_x + static_cast<int64_t>(t) * row_bytes + c * 16, round_bf16x8(acc));
+        }
+        if (with_weights && lane < kNumTopk) {
+            float w = 0.f;
+            if (owner >= 0)
+                w = reinterpret_cast<const volatile float*>(token_slots + static_cast<int64_t>(src_slot) * slot_bytes +
+                                                            weights_offset)[lane];
+            combined_topk_weights[static_cast<int64_t>(t) * kNumTopk + lane] = w;
+        }
+    }
+
+    if (last_block_done(ctrl + kCtrlCombineRecvTicket)) {
+        if (threadIdx.x < kNumRanks)
+            st_release_sys(peers.remote_signal(threadIdx.x, kSigCombineConsumed), epoch);
+    }
+}
+
+}  // namespace deepep

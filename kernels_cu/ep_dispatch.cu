@@ -1,0 +1,232 @@
+// EP dispatch: send (every token straight into its slot at each destination rank, over NVLink) and the receive
+// epilogue (slots → the user's tensors, in the order and layout asked for).
+//
+// Protocol per dispatch (data epoch e = the local count of dispatches, bumped by the send kernel's last block):
+//   send:  threads [0, R) of every block first wait for data_consumed[d] >= e - 1 at this rank (destination d has
+//          copied our previous messages out); warps then write messages into slot [me][send_pos[t][d]] of every
+//          destination d; the last block to finish publishes data_signal[me] = e at every destination (release).
+//   recv:  waits for data_signal[s] >= e from every source, copies messages out, and the last block publishes
+//          data_consumed[me] = e at every source.
+#include "common/ep.cuh"
+
+namespace deepep {
+
+constexpr int kSendThreads = 512;
+constexpr int kRecvThreads = 512;
+
+template <int kNumRanks, int kNumTopk>
+__global__ void __launch_bounds__(kSendThreads, 1)
+dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
+                     const uint8_t* sf, int64_t sf_stride_token, int64_t sf_stride_col, int num_sf,
+                     const int64_t* topk_idx, const float* topk_weights, const int32_t* send_pos,
+                     const int32_t* send_expert_pos, int num_tokens, int num_max_tokens_per_rank,
+                     const uint64_t* peer_bases, int rank, uint64_t recv_offset, int32_t* error_record,
+                     uint64_t timeout_ns) {
+    const Peers peers{peer_bases, rank};
+    uint32_t* ctrl = peers.local_ctrl();
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    const uint32_t epoch = read_local(ctrl + kCtrlDataEpoch) + 1;
+    if (!wait_all_peers(peers, kSigDataConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseDispatch))
+        return;
+
+    const MessageLayout msg(kNumTopk, num_sf, hidden_bytes);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int num_warps = kSendThreads / 32;
+    const int num_chunks = hidden_bytes / 16;
+    for (int t = blockIdx.x * num_warps + warp; t < num_tokens; t += gridDim.x * num_warps) {
+        // Destination message addresses (uniform across the warp).
+        uint8_t* dst[kNumRanks];
+        #pragma unroll
+        for (int d = 0; d < kNumRanks; ++d) {
+            const int slot = send_pos[static_cast<int64_t>(t) * kNumRanks + d];
+            dst[d] = slot < 0 ? nullptr
+                              : peers.base(d) + recv_offset +
+                                    (static_cast<int64_t>(rank) * num_max_tokens_per_rank + slot) * msg.bytes;
+        }
+        // Meta: lane k < K writes slot k's expert, weight and expert position; lane 0 the source index.
+        if (lane < kNumTopk) {
+            const int64_t e = topk_idx[static_cast<int64_t>(t) * kNumTopk + lane];
+            const float w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * kNumTopk + lane] : 0.f;
+            const int32_t pos = send_expert_pos[static_cast<int64_t>(t) * kNumTopk + lane];
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d) {
+                if (dst[d] != nullptr) {
+                    msg.expert_ids(dst[d])[lane] = static_cast<int32_t>(e);
+                    msg.weights(dst[d])[lane] = w;
+                    msg.expert_pos(dst[d])[lane] = pos;
+                }
+            }
+        }
+        if (lane == 0) {
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d)
+                if (dst[d] != nullptr)
+                    *msg.src_idx(dst[d]) = t;
+        }
+        // Scale factors (4 bytes each, any strides).
+        for (int p = lane; p < num_sf; p += 32) {
+            const uint32_t v = *reinterpret_cast<const uint32_t*>(sf + (t * sf_stride_token + p * sf_stride_col) * 4);
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d)
+                if (dst[d] != nullptr)
+                    reinterpret_cast<uint32_t*>(dst[d] + msg.sf_offset)[p] = v;
+        }
+        // Hidden: each 16-byte chunk read once, stored to every destination; 4 chunks in flight per lane.
+        const uint8_t* src = x + t * x_row_bytes;
+        constexpr int kUnroll = 4;
+        for (int base = lane; base < num_chunks; base += 32 * kUnroll) {
+            Vec16 v[kUnroll];
+            #pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (base + u * 32 < num_chunks)
+                    v[u] = ld_nc_v4(src + static_cast<int64_t>(base + u * 32) * 16);
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d) {
+                if (dst[d] == nullptr)
+                    continue;
+                #pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (base + u * 32 < num_chunks)
+                        st_na_v4(dst[d] + msg.hidden_offset + static_cast<int64_t>(base + u * 32) * 16, v[u]);
+            }
+        }
+    }
+
+    if (last_block_done(ctrl + kCtrlDispatchSendTicket)) {
+        if (threadIdx.x == 0)
+            ctrl[kCtrlDataEpoch] = epoch;
+        if (threadIdx.x < kNumRanks)
+            st_release_sys(peers.remote_signal(threadIdx.x, kSigData), epoch);
+    }
+}
+
+// Copy the received messages into the user's tensors.
+//   Non-expanded (do_expand = 0): row i of recv_x / recv_sf / recv_topk_idx / recv_topk_weights / metadata is the
+//     i-th received token (sources ascending, then token index at the source). recv_topk_idx holds the local expert
+//     id or -1; recv_topk_weights the weight or 0 where not local. Rows [num_recv, num_out_rows) get topk -1 and
+//     metadata -1 (worst-case outputs without a CPU sync).
+//   Expanded (do_expand = 1): one row per (token, local expert) pair, expert j's rows from layout start[j], in
+//     (source, token) order; recv_topk_weights is 1-D. With do_zero_padding the alignment gaps get zeros.
+//   Metadata [num_recv][K + 2]: src_rank * M + src token index; src_rank * K + combine slot (the ordinal of this rank
+//   among the token's destination ranks in order of first top-k appearance); then per top-k slot the expanded row
+//   (expanded mode) or -1.
+template <int kNumRanks, int kNumTopk>
+__global__ void __launch_bounds__(kRecvThreads)
+dispatch_recv_kernel(int hidden_bytes, int num_sf, int num_experts, int num_max_tokens_per_rank,
+                     const int32_t* recv_layout, int do_expand, int do_zero_padding, int num_out_rows,
+                     int num_meta_rows,
+                     uint8_t* recv_x, uint8_t* recv_sf, int64_t recv_sf_stride_row, int64_t recv_sf_stride_col,
+                     int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_metadata,
+                     const uint64_t* peer_bases, int rank, uint64_t recv_offset, int32_t* error_record,
+                     uint64_t timeout_ns) {
+    const Peers peers{peer_bases, rank};
+    uint32_t* ctrl = peers.local_ctrl();
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    const uint32_t epoch = read_local(ctrl + kCtrlDataEpoch);
+    if (!wait_all_peers(peers, kSigData, kNumRanks, epoch, timeout_ns, sink, kPhaseDispatch))
+        return;
+
+    const int num_local_experts = num_experts / kNumRanks;
+    const RecvLayout layout{const_cast<int32_t*>(recv_layout), kNumRanks, num_local_experts};
+    const int num_recv = layout.totals()[0];
+    const MessageLayout msg(kNumTopk, num_sf, hidden_bytes);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int num_warps = blockDim.x / 32;
+    const int global_warp = blockIdx.x * num_warps + warp, total_warps = gridDim.x * num_warps;
+    const int meta_cols = kNumTopk + 2;
+
+    for (int i = global_warp; i < num_recv; i += total_warps) {
+        int s = 0;
+        #pragma unroll
+        for (int r = 0; r < kNumRanks - 1; ++r)
+            s += (i >= layout.psum_src()[r]) ? 1 : 0;
+        const int slot = i - (s > 0 ? layout.psum_src()[s - 1] : 0);
+        uint8_t* m = peers.local() + recv_offset + (static_cast<int64_t>(s) * num_max_tokens_per_rank + slot) * msg.bytes;
+
+        // Per top-k slot: global expert, whether local, owner rank.
+        const int e = lane < kNumTopk ? msg.expert_ids(m)[lane] : -1;
+        const int owner = e >= 0 ? e / num_local_experts : -1;
+        const bool local = owner == rank;
+        const float w = lane < kNumTopk ? msg.weights(m)[lane] : 0.f;
+        // Combine slot: number of distinct owners among top-k slots before this rank's first slot.
+        const uint32_t local_mask = __ballot_sync(0xffffffffu, local);
+        const int first_local = __ffs(local_mask) - 1;
+        bool first_of_owner = owner >= 0;
+        for (int k2 = 0; k2 < kNumTopk; ++k2) {
+            const int o2 = __shfl_sync(0xffffffffu, owner, k2);
+            if (k2 < lane && o2 == owner)
+                first_of_owner = false;
+        }
+        const uint32_t firsts = __ballot_sync(0xffffffffu, first_of_owner && lane < kNumTopk);
+        const int combine_slot = __popc(firsts & ((1u << first_local) - 1));
+        if (lane == 0) {
+            recv_src_metadata[static_cast<int64_t>(i) * meta_cols] = s * num_max_tokens_per_rank + *msg.src_idx(m);
+            recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 1] = s * kNumTopk + combine_slot;
+        }
+
+        if (!do_expand) {
+            if (lane < kNumTopk) {
+                recv_topk_idx[static_cast<int64_t>(i) * kNumTopk + lane] = local ? e - rank * num_local_experts : -1;
+                if (recv_topk_weights != nullptr)
+                    recv_topk_weights[static_cast<int64_t>(i) * kNumTopk + lane] = local ? w : 0.f;
+                recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = -1;
+            }
+            for (int p = lane; p < num_sf; p += 32)
+                reinterpret_cast<uint32_t*>(recv_sf)[i * recv_sf_stride_row + p * recv_sf_stride_col] =
+                    reinterpret_cast<const uint32_t*>(m + msg.sf_offset)[p];
+            warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes, m + msg.hidden_offset, hidden_bytes, lane);
+        } else {
+            int row = -1;
+            if (local) {
+                const int j = e - rank * num_local_experts;
+                row = layout.start()[j] + layout.src_base()[s * num_local_experts + j] + msg.expert_pos(m)[lane];
+                if (recv_topk_weights != nullptr)
+                    recv_topk_weights[row] = w;
+            }
+            if (lane < kNumTopk)
+                recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = row;
+            uint32_t pending = local_mask;
+            while (pending) {
+                const int k = __ffs(pending) - 1;
+                pending &= pending - 1;
+                const int r = __shfl_sync(0xffffffffu, row, k);
+                for (int p = lane; p < num_sf; p += 32)
+                    reinterpret_cast<uint32_t*>(recv_sf)[r * recv_sf_stride_row + p * recv_sf_stride_col] =
+                        reinterpret_cast<const uint32_t*>(m + msg.sf_offset)[p];
+                warp_copy(recv_x + static_cast<int64_t>(r) * hidden_bytes, m + msg.hidden_offset, hidden_bytes, lane);
+            }
+        }
+    }
+
+    // Worst-case outputs (no CPU sync): mark the token rows past the real count (top-k ids and metadata -1).
+    const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    if (!do_expand) {
+        for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * kNumTopk; idx += num_threads)
+            recv_topk_idx[static_cast<int64_t>(num_recv) * kNumTopk + idx] = -1;
+    }
+    for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * meta_cols; idx += num_threads)
+        recv_src_metadata[static_cast<int64_t>(num_recv) * meta_cols + idx] = -1;
+    // Zero the alignment gaps of the expanded layout.
+    if (do_expand && do_zero_padding) {
+        for (int j = global_warp; j < num_local_experts; j += total_warps) {
+            const int begin = layout.start()[j] + layout.count()[j];
+            const int end = j + 1 < num_local_experts ? layout.start()[j + 1] : layout.totals()[1];
+            for (int r = begin; r < end && r < num_out_rows; ++r) {
+                for (int off = lane * 16; off < hidden_bytes; off += 32 * 16)
+                    st_v4(recv_x + static_cast<int64_t>(r) * hidden_bytes + off, Vec16{0, 0, 0, 0});
+                for (int p = lane; p < num_sf; p += 32)
+                    reinterpret_cast<uint32_t*>(recv_sf)[r * recv_sf_stride_row + p * recv_sf_stride_col] = 0;
+                if (lane == 0 && recv_topk_weights != nullptr)
+                    recv_topk_weights[r] = 0.f;
+            }
+        }
+    }
+
+    if (last_block_done(ctrl + kCtrlDispatchRecvTicket)) {
+        if (threadIdx.x < kNumRanks)
+            st_release_sys(peers.remote_signal(threadIdx.x, kSigDataConsumed), epoch);
+    }
+}
+
+}  // namespace deepep

@@ -1,0 +1,219 @@
+// EP notify: the send layout of this rank's tokens and the exchange of counts with the peers of the scale-up domain.
+//
+// Cooperative launch, one block per kTokensPerBlock tokens (a warp per 32 tokens).
+//   1. Every token: the destination ranks it goes to (once per rank owning >= 1 of its experts), its slot at each
+//      destination = its position among this rank's tokens going there (so received rows are ordered by source rank,
+//      then token index: deterministic), and, per top-k slot, its position among this rank's tokens choosing that
+//      expert (the expanded layout uses it, again in token order).
+//      Positions = position inside the warp (brute force over the 32 tokens) + earlier warps of the block + earlier
+//      blocks (per-block counts exchanged through scratch memory and a grid barrier).
+//   2. Block 0 writes, into every peer d, the number of tokens going to d and the (token, slot) pairs going to each
+//      of d's local experts, then releases notify_signal[me] at d with the new notify epoch; waits for every peer's
+//      signal; derives the receive layout (prefix sums over sources, per-expert counts, aligned expanded starts) into
+//      the handle's layout blob; and publishes the totals to host-mapped memory for the optional CPU wait.
+#include "common/ep.cuh"
+
+namespace deepep {
+
+constexpr int kNotifyThreads = 256;
+constexpr int kTokensPerBlock = kNotifyThreads;   // one token per thread
+constexpr int kNotifyWarps = kNotifyThreads / 32;
+
+template <int kNumRanks, int kNumTopk>
+__global__ void __launch_bounds__(kNotifyThreads, 1)
+notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_max_tokens_per_rank,
+              int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
+              int32_t* scratch,                 // [gridDim.x][num_experts + kNumRanks], local
+              int32_t* send_pos,                // [num_tokens][kNumRanks] out: slot at each destination or -1
+              int32_t* send_expert_pos,         // [num_tokens][kNumTopk] out: position among tokens of that expert
+              int32_t* recv_layout,             // layout blob (see RecvLayout) out
+              int32_t* psum_recv_per_expert,    // [L] out, or null (see ep/handle.py for the two conventions)
+              int do_expand,
+              int32_t* cumulative_stats,        // [L] += unaligned counts, or null
+              int32_t* host_counts,             // host-mapped [3 + L]: seq, num_recv, num_expanded, aligned counts
+              int host_seq) {
+    extern __shared__ int32_t smem[];           // [kNotifyWarps][num_keys] per-warp counts, then block bases
+    const int num_keys = num_experts + kNumRanks;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = blockIdx.x * kTokensPerBlock + threadIdx.x;
+    const bool valid = t < num_tokens;
+    const int num_local_experts = num_experts / kNumRanks;
+    const Peers peers{peer_bases, rank};
+    uint32_t* ctrl = peers.local_ctrl();
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+
+    int32_t* warp_counts = smem;                              // [kNotifyWarps][num_keys]
+    for (int i = threadIdx.x; i < kNotifyWarps * num_keys; i += blockDim.x)
+        warp_counts[i] = 0;
+
+    // Experts of this thread's token (-1 = none).
+    int expert[kNumTopk];
+    #pragma unroll
+    for (int k = 0; k < kNumTopk; ++k) {
+        const int64_t e = valid ? topk_idx[static_cast<int64_t>(t) * kNumTopk + k] : -1;
+        expert[k] = (e >= 0 && e < num_experts) ? static_cast<int>(e) : -1;
+    }
+    // Destination mask.
+    uint32_t dst_mask = 0;
+    #pragma unroll
+    for (int k = 0; k < kNumTopk; ++k)
+        if (expert[k] >= 0)
+            dst_mask |= 1u << (expert[k] / num_local_experts);
+    __syncthreads();
+
+    // Position inside the warp: destinations via ballots, experts by comparing with earlier lanes' experts.
+    const uint32_t lt_mask = (1u << lane) - 1;
+    int dst_pos[kNumRanks];
+    #pragma unroll
+    for (int d = 0; d < kNumRanks; ++d) {
+        const uint32_t ballot = __ballot_sync(0xffffffffu, (dst_mask >> d) & 1u);
+        dst_pos[d] = __popc(ballot & lt_mask);
+        if (lane == 0)
+            warp_counts[warp * num_keys + num_experts + d] = __popc(ballot);
+    }
+    int expert_pos[kNumTopk];
+    #pragma unroll
+    for (int k = 0; k < kNumTopk; ++k)
+        expert_pos[k] = 0;
+    #pragma unroll 1
+    for (int src_lane = 0; src_lane < 31; ++src_lane) {
+        #pragma unroll
+        for (int k2 = 0; k2 < kNumTopk; ++k2) {
+            const int other = __shfl_sync(0xffffffffu, expert[k2], src_lane);
+            #pragma unroll
+            for (int k = 0; k < kNumTopk; ++k)
+                expert_pos[k] += (src_lane < lane && other >= 0 && other == expert[k]) ? 1 : 0;
+        }
+    }
+    #pragma unroll
+    for (int k = 0; k < kNumTopk; ++k)
+        if (expert[k] >= 0)
+            atomicAdd(&warp_counts[warp * num_keys + expert[k]], 1);
+    __syncthreads();
+
+    // Exclusive scan over the block's warps per key; block totals to scratch.
+    for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+        int running = 0;
+        for (int w = 0; w < kNotifyWarps; ++w) {
+            const int c = warp_counts[w * num_keys + key];
+            warp_counts[w * num_keys + key] = running;
+            running += c;
+        }
+        scratch[static_cast<int64_t>(blockIdx.x) * num_keys + key] = running;
+    }
+    grid_sync(ctrl);
+
+    // Bases from earlier blocks (and, in block 0, the totals over all blocks into smem after the warp bases).
+    int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
+    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
+    for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+        int running = 0, base = 0;
+        for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+            if (b == static_cast<int>(blockIdx.x))
+                base = running;
+            running += __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+        }
+        block_base[key] = base;
+        totals[key] = running;
+    }
+    __syncthreads();
+
+    if (valid) {
+        #pragma unroll
+        for (int d = 0; d < kNumRanks; ++d) {
+            const int key = num_experts + d;
+            send_pos[static_cast<int64_t>(t) * kNumRanks + d] =
+                ((dst_mask >> d) & 1u) ? block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] : -1;
+        }
+        #pragma unroll
+        for (int k = 0; k < kNumTopk; ++k) {
+            const int e = expert[k];
+            send_expert_pos[static_cast<int64_t>(t) * kNumTopk + k] =
+                e >= 0 ? block_base[e] + warp_counts[warp * num_keys + e] + expert_pos[k] : -1;
+        }
+    }
+    if (blockIdx.x != 0)
+        return;
+
+    // ---- block 0: exchange counts with the peers --------------------------------------------------------------
+    __shared__ uint32_t s_epoch;
+    if (threadIdx.x == 0) {
+        s_epoch = read_local(ctrl + kCtrlNotifyEpoch) + 1;
+        ctrl[kCtrlNotifyEpoch] = s_epoch;
+    }
+    __syncthreads();
+    const uint32_t epoch = s_epoch;
+    const int row_words = 1 + num_local_experts;
+    for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x) {
+        const int d = i / row_words, j = i % row_words;
+        const int value = j == 0 ? totals[num_experts + d] : totals[d * num_local_experts + j - 1];
+        auto* area = reinterpret_cast<int32_t*>(peers.base(d) + kNotifyOffset);
+        area[rank * row_words + j] = value;
+    }
+    __syncthreads();
+    if (threadIdx.x < kNumRanks) {
+        fence_acq_rel_sys();
+        st_release_sys(peers.remote_signal(threadIdx.x, kSigNotify), epoch);
+    }
+    if (!wait_all_peers(peers, kSigNotify, kNumRanks, epoch, timeout_ns, sink, kPhaseNotify))
+        return;
+
+    // Receive layout.
+    const auto* area = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyOffset);
+    RecvLayout layout{recv_layout, kNumRanks, num_local_experts};
+    if (threadIdx.x == 0) {
+        int running = 0;
+        for (int s = 0; s < kNumRanks; ++s) {
+            running += area[s * row_words];
+            layout.psum_src()[s] = running;
+        }
+        layout.totals()[0] = running;
+    }
+    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
+        int running = 0;
+        for (int s = 0; s < kNumRanks; ++s) {
+            layout.src_base()[s * num_local_experts + j] = running;
+            running += area[s * row_words + 1 + j];
+        }
+        layout.count()[j] = running;
+        if (cumulative_stats != nullptr)
+            cumulative_stats[j] += running;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        // Expanded starts: expert j begins at the aligned end of expert j - 1.
+        int start = 0;
+        for (int j = 0; j < num_local_experts; ++j) {
+            layout.start()[j] = start;
+            start = (start + layout.count()[j] + expert_alignment - 1) / expert_alignment * expert_alignment;
+        }
+        layout.totals()[1] = start;
+    }
+    __syncthreads();
+    if (psum_recv_per_expert != nullptr && threadIdx.x == 0) {
+        // Non-expanded: inclusive prefix of aligned counts. Expanded: aligned start + actual count.
+        int running = 0;
+        for (int j = 0; j < num_local_experts; ++j) {
+            const int c = layout.count()[j];
+            running += (c + expert_alignment - 1) / expert_alignment * expert_alignment;
+            psum_recv_per_expert[j] = do_expand ? layout.start()[j] + c : running;
+        }
+    }
+    if (host_counts != nullptr) {
+        volatile int32_t* host = host_counts;
+        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
+            const int c = layout.count()[j];
+            host[3 + j] = (c + expert_alignment - 1) / expert_alignment * expert_alignment;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            host[1] = layout.totals()[0];
+            host[2] = layout.totals()[1];
+            __threadfence_system();
+            host[0] = host_seq;
+            __threadfence_system();
+        }
+    }
+}
+
+}  // namespace deepep
