@@ -50,6 +50,18 @@ def check_equal(got: torch.Tensor, want: torch.Tensor, what: str):
                       f'expected {b[idx].item()} (as {a.dtype} bits)')
 
 
+def gather_tensors(group, tensors):
+    """Every rank's copy of `tensors` (CPU torch tensors), through the host process group. Tensors travel as numpy
+    arrays of their raw bytes (torch cannot unpickle float8 tensors everywhere)."""
+    packed = tuple((str(t.dtype).replace('torch.', ''), t.view(torch.uint8).cpu().numpy() if t.element_size() == 1
+                    else t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+                    .cpu().numpy()) for t in tensors)
+    out = []
+    for rank_tensors in group.allgather_object(packed):
+        out.append(tuple(torch.from_numpy(a).view(getattr(torch, d)) for d, a in rank_tensors))
+    return out
+
+
 def enumerate_ep_modes(first_only: bool):
     for do_handle_copy in (1, 0):
         for expert_alignment in (128, 1):
@@ -91,8 +103,7 @@ class Case:
                        .to(torch.bfloat16) for _ in range(2)]
 
         # Host-gathered references.
-        gathered = group.allgather_object((self.x.cpu(), x_fp8.cpu(), sf.cpu(), self.topk_idx.cpu(),
-                                           self.topk_weights.cpu()))
+        gathered = gather_tensors(group, (self.x, x_fp8, sf, self.topk_idx, self.topk_weights))
         xs, fp8s, sfs, idxs, ws = zip(*gathered)
         self.ref = refs.dispatch_from_gathered(xs, None, idxs, ws, rank, self.M, self.E)
         self.ref_fp8 = refs.dispatch_from_gathered(fp8s, sfs, idxs, ws, rank, self.M, self.E)
