@@ -16,9 +16,31 @@ from .runtime.group import ProcessGroup, get_group
 from .runtime.symmetric import HostMappedMemory, SymmetricMemory
 from .runtime.topology import Topology, detect_topology, select_device
 
-# The first 2 MiB of every symmetric buffer hold signals and small control data (barrier epochs, counters).
+# The first 2 MiB of every symmetric buffer hold signals and small control data. Map (byte offsets; each user
+# documents its words in the file named):
+#   0        barrier epoch and arrivals               kernels_cu/barrier.cu
+#   512      error claim word                         kernels_cu/common/timeout.cuh
+#   4096     barrier test check slots                 kernels_cu/barrier.cu
+#   8192     EP control: epochs, tickets, signals     kernels_cu/common/ep.cuh
+#   16384    peer-copy floor control words            kernels_cu/peer_copy.cu
+#   65536    EP notify counts [src][1 + L]            kernels_cu/common/ep.cuh (up to ~33 KB)
 WORKSPACE_BYTES = BUFFER_ALIGNMENT
 HOST_MAPPED_BYTES = 64 * 1024
+
+# Communication streams of destroyed buffers, per device, for reuse. Streams are never destroyed: torch may still hold
+# events recorded on them for tensors it frees later (record_stream), and destroying the stream first would make
+# those frees fail at exit.
+_STREAM_POOL = {}
+
+
+def _acquire_stream(device: int):
+    import cupy
+    pool = _STREAM_POOL.setdefault(device, [])
+    return pool.pop() if pool else cupy.cuda.Stream(non_blocking=True)
+
+
+def _release_stream(device: int, stream) -> None:
+    _STREAM_POOL.setdefault(device, []).append(stream)
 
 
 def _check_int(name: str, value: Any, minimum: int = 0) -> int:
@@ -79,7 +101,7 @@ class BufferBase:
         except BaseException:
             self.host_mapped.free()
             raise
-        self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+        self.comm_stream = _acquire_stream(self.device)
         self._barrier = Barrier(self.sym, self.host_mapped.ptr, self.timeout_ns, with_tests=True)
         # Between scale-up domains the barrier goes through NCCL (an all-reduce of one word on the same stream).
         self.nccl = None
@@ -186,6 +208,7 @@ class BufferBase:
                 self.nccl = None
             self.sym.destroy(timeout=self.num_cpu_timeout_secs)
             self.host_mapped.free()
+            _release_stream(self.device, self.comm_stream)
             self.comm_stream = None
 
     def __del__(self):

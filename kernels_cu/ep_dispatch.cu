@@ -73,7 +73,7 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
         }
         // Hidden: each 16-byte chunk read once, stored to every destination; 4 chunks in flight per lane.
         const uint8_t* src = x + t * x_row_bytes;
-        constexpr int kUnroll = 4;
+        constexpr int kUnroll = 8;
         for (int base = lane; base < num_chunks; base += 32 * kUnroll) {
             Vec16 v[kUnroll];
             #pragma unroll

@@ -158,61 +158,63 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
     if (!wait_all_peers(peers, kSigNotify, kNumRanks, epoch, timeout_ns, sink, kPhaseNotify))
         return;
 
-    // Receive layout.
+    // Receive layout, computed in shared memory (the block's per-warp count area is free again).
     const auto* area = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyOffset);
+    int32_t* s_area = smem;                                   // [kNumRanks][row_words]
+    for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x)
+        s_area[i] = area[i];
+    __syncthreads();
     RecvLayout layout{recv_layout, kNumRanks, num_local_experts};
     if (threadIdx.x == 0) {
         int running = 0;
+        #pragma unroll
         for (int s = 0; s < kNumRanks; ++s) {
-            running += area[s * row_words];
+            running += s_area[s * row_words];
             layout.psum_src()[s] = running;
         }
         layout.totals()[0] = running;
+        if (host_counts != nullptr)
+            reinterpret_cast<volatile int32_t*>(host_counts)[1] = running;
     }
-    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
-        int running = 0;
-        for (int s = 0; s < kNumRanks; ++s) {
-            layout.src_base()[s * num_local_experts + j] = running;
-            running += area[s * row_words + 1 + j];
+    // Experts in chunks of blockDim.x: counts, per-source bases, aligned starts (block scan with a carry).
+    int carry = 0;
+    for (int j0 = 0; j0 < num_local_experts; j0 += blockDim.x) {
+        const int j = j0 + threadIdx.x;
+        int count = 0;
+        if (j < num_local_experts) {
+            #pragma unroll
+            for (int s = 0; s < kNumRanks; ++s) {
+                layout.src_base()[s * num_local_experts + j] = count;
+                count += s_area[s * row_words + 1 + j];
+            }
         }
-        layout.count()[j] = running;
-        if (cumulative_stats != nullptr)
-            cumulative_stats[j] += running;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        // Expanded starts: expert j begins at the aligned end of expert j - 1.
-        int start = 0;
-        for (int j = 0; j < num_local_experts; ++j) {
+        const int aligned = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
+        int chunk_total;
+        const int start = carry + block_exclusive_scan(j < num_local_experts ? aligned : 0, chunk_total);
+        if (j < num_local_experts) {
+            layout.count()[j] = count;
             layout.start()[j] = start;
-            start = (start + layout.count()[j] + expert_alignment - 1) / expert_alignment * expert_alignment;
+            if (psum_recv_per_expert != nullptr)
+                psum_recv_per_expert[j] = do_expand ? start + count : start + aligned;
+            if (cumulative_stats != nullptr)
+                cumulative_stats[j] += count;
+            if (host_counts != nullptr)
+                reinterpret_cast<volatile int32_t*>(host_counts)[3 + j] = aligned;
         }
-        layout.totals()[1] = start;
+        carry += chunk_total;
+    }
+    if (threadIdx.x == 0) {
+        layout.totals()[1] = carry;
+        if (host_counts != nullptr) {
+            volatile int32_t* host = host_counts;
+            host[2] = carry;
+        }
     }
     __syncthreads();
-    if (psum_recv_per_expert != nullptr && threadIdx.x == 0) {
-        // Non-expanded: inclusive prefix of aligned counts. Expanded: aligned start + actual count.
-        int running = 0;
-        for (int j = 0; j < num_local_experts; ++j) {
-            const int c = layout.count()[j];
-            running += (c + expert_alignment - 1) / expert_alignment * expert_alignment;
-            psum_recv_per_expert[j] = do_expand ? layout.start()[j] + c : running;
-        }
-    }
-    if (host_counts != nullptr) {
-        volatile int32_t* host = host_counts;
-        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
-            const int c = layout.count()[j];
-            host[3 + j] = (c + expert_alignment - 1) / expert_alignment * expert_alignment;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            host[1] = layout.totals()[0];
-            host[2] = layout.totals()[1];
-            __threadfence_system();
-            host[0] = host_seq;
-            __threadfence_system();
-        }
+    if (threadIdx.x == 0 && host_counts != nullptr) {
+        __threadfence_system();
+        reinterpret_cast<volatile int32_t*>(host_counts)[0] = host_seq;
+        __threadfence_system();
     }
 }
 

@@ -59,10 +59,20 @@ if want pytest; then
 fi
 if want ep && [ -f deepep_cupy/tests/ep.py ]; then
     EP="$PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60"
-    [ "$NGPU" -ge 2 ] && step "ep np=$NGPU (1 rank/GPU)" 420 $R "$NGPU" $EP
-    step "ep np=1" 300 $R 1 $EP --num-create-destroy 20
-    step "ep np=4 (shared GPUs)" 300 $R 4 $EP --num-tokens 256 --hidden 2048 --skip-perf-test --num-create-destroy 5
-    step "ep np=8 (shared GPUs)" 400 $R 8 $EP --num-tokens 128 --hidden 1024 --skip-perf-test --num-create-destroy 2 \
+    # Smoke first (small, first mode only): when it fails, the long runs would only repeat the failure.
+    step "ep smoke np=$NGPU" 120 $R "$NGPU" $EP --num-tokens 256 --hidden 2048 --test-first-only --skip-perf-test \
+        --skip-timeout-test --num-create-destroy 0
+    if grep -q "ep smoke.*FAIL" "$SUMMARY"; then stages=(); fi
+    [ "$NGPU" -ge 2 ] && want ep && step "ep np=$NGPU (1 rank/GPU)" 420 $R "$NGPU" $EP
+    [ "$NGPU" -ge 2 ] && want ep && step "ep np=$NGPU allow_multiple_reduction=0" 300 $R "$NGPU" $EP \
+        --allow-multiple-reduction 0 --num-tokens 1024 --hidden 4096 --skip-perf-test --skip-timeout-test \
+        --num-create-destroy 0 --masked-ratio 0.2
+    [ "$NGPU" -ge 2 ] && want ep && step "ep np=$NGPU pressure (100 seeds)" 300 $R "$NGPU" $EP --num-tokens 512 \
+        --hidden 2048 --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0 --unbalanced-ratio 2 \
+        --precise-unbalanced-ratio --num-topk 8
+    want ep && step "ep np=1" 300 $R 1 $EP --num-create-destroy 20
+    want ep && step "ep np=4 (shared GPUs)" 300 $R 4 $EP --num-tokens 256 --hidden 2048 --skip-perf-test --num-create-destroy 5
+    want ep && step "ep np=8 (shared GPUs)" 400 $R 8 $EP --num-tokens 128 --hidden 1024 --skip-perf-test --num-create-destroy 2 \
         --test-first-only
 fi
 if want bench && [ -f perf/ep_bench.py ] && [ "$NGPU" -ge 2 ]; then

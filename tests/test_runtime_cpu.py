@@ -82,3 +82,9 @@ def test_error_record_message():
     with pytest.raises(TimeoutError, match='barrier: rank 0 waited for rank 3 .*expected signal 7, last seen 6'):
         errors.raise_if_timed_out(record, 5.0, 0)
     errors.raise_if_timed_out(np.zeros(8, dtype=np.int32), 5.0, 0)
+
+
+def test_external_stream_wraps_a_raw_handle():
+    pytest.importorskip('cupy')
+    s = interop.external_stream(0x1234)
+    assert s.ptr == 0x1234 and interop.external_stream(0x1234) is s

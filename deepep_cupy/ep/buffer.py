@@ -103,7 +103,10 @@ class ElasticBuffer(BufferBase):
         self._host_seq = 0
         self.host_counts = self.host_mapped.view('int32', 3 + layout.NUM_MAX_LOCAL_EXPERTS, HOST_COUNTS_OFFSET)
         import cupy
-        self._num_device_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
+        self.num_device_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
+        # Read the NVLink bandwidth now (it runs nvidia-smi once per process), never inside a timed or captured call.
+        from ..utils.envs import get_nvlink_gbs
+        self._nvlink_gbs = get_nvlink_gbs() or 450.0
 
     # ---- static helpers ------------------------------------------------------------------------------------------
     @staticmethod
@@ -122,9 +125,7 @@ class ElasticBuffer(BufferBase):
         num_ranks = self.num_ranks
         if num_ranks == 1:
             return 4
-        if not nvlink_gbs:
-            from ..utils.envs import get_nvlink_gbs
-            nvlink_gbs = get_nvlink_gbs() or 450.0
+        nvlink_gbs = nvlink_gbs or self._nvlink_gbs
         # Expected distinct destination ranks of a token: R * (1 - C(E - E/R, K) / C(E, K)).
         per_rank = num_experts // num_ranks
         miss = math.comb(num_experts - per_rank, num_topk) / math.comb(num_experts, num_topk)
@@ -137,7 +138,7 @@ class ElasticBuffer(BufferBase):
         sms = layout.align(max(4, math.ceil(1.25 * sms)), 2)
         if not self.prefer_overlap_with_compute:
             sms = max(sms, 64)
-        return min(sms, self._num_device_sms)
+        return min(sms, self.num_device_sms)
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _set_layout(self, num_max_tokens_per_rank: int, hidden: int, num_topk: int):
@@ -170,7 +171,8 @@ class ElasticBuffer(BufferBase):
             ev.stream_wait(comm)
         else:
             comm.wait_event(current.record())
-        return current, comm, (comm if allocate_on_comm_stream else current)
+        # None: allocate on the current stream (the allocators' default).
+        return current, comm, (comm if allocate_on_comm_stream else None)
 
     def _finish(self, kind: str, current, comm, async_with_compute_stream: bool, tensors: Sequence[Any]):
         """Either make the current stream wait for the communication stream, or return an event for the caller."""
@@ -361,7 +363,7 @@ class ElasticBuffer(BufferBase):
             if lo < -1 or hi >= num_experts:
                 raise ValueError(f'topk_idx values must be in [-1, {num_experts}), got min {lo}, max {hi}')
         num_sms = num_sms or self.get_theoretical_num_sms(num_experts, K)
-        num_sms = min(num_sms, self._num_device_sms)
+        num_sms = min(num_sms, self.num_device_sms)
         kernels = self._get_kernels(K)
 
         # ---- launch ------------------------------------------------------------------------------------------
@@ -428,7 +430,7 @@ class ElasticBuffer(BufferBase):
         if topk_weights is not None:
             recv_topk_weights = alloc.empty((num_out_rows,) if do_expand else (num_recv, K), 'float32', alloc_stream)
         recv_src_metadata = alloc.empty((num_recv, K + 2), 'int32', alloc_stream)
-        kernels.dispatch_recv.launch(self._num_device_sms, 512, (
+        kernels.dispatch_recv.launch(self.num_device_sms, 512, (
             hidden_bytes, num_sf, num_experts, num_max_tokens_per_rank, recv_layout, int(do_expand),
             int(do_zero_padding), num_out_rows, num_recv, recv_x, _ptr(recv_sf),
             sf_strides[0], sf_strides[1], _ptr(recv_topk_idx), _ptr(recv_topk_weights), recv_src_metadata, *common,
@@ -519,7 +521,7 @@ class ElasticBuffer(BufferBase):
             checks.check_shape(bi, f'bias[{j}]', (N, hidden))
             checks.check_contiguous(bi, f'bias[{j}]')
         checks.check_int('num_sms', num_sms, 0)
-        num_sms = min(num_sms or handle.num_sms, self._num_device_sms)
+        num_sms = min(num_sms or handle.num_sms, self.num_device_sms)
         kernels = self._get_kernels(K)
 
         current, comm, alloc_stream = self._streams(x, previous_event, allocate_on_comm_stream)
@@ -532,7 +534,7 @@ class ElasticBuffer(BufferBase):
             x, hidden, _ptr(topk_weights), int(handle.do_expand), handle.recv_src_metadata, handle.recv_layout,
             handle.num_experts, handle.num_max_tokens_per_rank, num_slots, *common, lay.combine_recv_offset, *err),
             stream=comm)
-        kernels.combine_recv[local_reduce].launch(self._num_device_sms, 512, (
+        kernels.combine_recv[local_reduce].launch(self.num_device_sms, 512, (
             handle.topk_idx, N, hidden, handle.num_experts, num_slots, biases[0] if biases else 0,
             biases[1] if len(biases) > 1 else 0, combined_x, _ptr(combined_w), int(topk_weights is not None),
             *common, lay.combine_recv_offset, *err), stream=comm)

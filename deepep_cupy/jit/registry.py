@@ -13,4 +13,11 @@ def shipped_specs() -> Dict[str, List[KernelSpec]]:
     for n in range(1, NUM_MAX_SCALEUP_RANKS + 1):
         specs['barrier'].append(barrier.barrier_spec(n))
     specs['barrier'] += [barrier.TEST_WRITE, barrier.TEST_CHECK]
+    from ..ep import kernels as ep_kernels
+    for n in range(1, NUM_MAX_SCALEUP_RANKS + 1):
+        for k in ep_kernels.SUPPORTED_TOPK:
+            for family, family_specs in ep_kernels.specs_for(n, k).items():
+                specs.setdefault(family, []).extend(family_specs)
+    from .. import peer_copy
+    specs['peer_copy'] = [peer_copy.peer_copy_spec(n) for n in range(1, NUM_MAX_SCALEUP_RANKS + 1)]
     return specs

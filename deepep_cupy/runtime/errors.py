@@ -3,7 +3,7 @@
 import numpy as np
 
 ERROR_RECORD_WORDS = 8
-PHASES = {1: 'barrier', 2: 'test ring', 3: 'notify', 4: 'dispatch', 5: 'combine'}
+PHASES = {1: 'barrier', 2: 'test ring', 3: 'notify', 4: 'dispatch', 5: 'combine', 6: 'peer copy'}
 
 
 def describe(record: np.ndarray) -> str:

@@ -6,6 +6,7 @@ CuPy has no bfloat16 or float8 dtypes, so kernels never need a CuPy view of a to
 """
 
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -154,7 +155,10 @@ def external_stream(handle: int):
     import cupy
     s = _EXTERNAL_STREAMS.get(handle)
     if s is None:
-        s = _EXTERNAL_STREAMS[handle] = cupy.cuda.Stream.from_external(handle)
+        # Stream.from_external wants an object with __cuda_stream__; a raw handle still needs ExternalStream.
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', DeprecationWarning)
+            s = _EXTERNAL_STREAMS[handle] = cupy.cuda.ExternalStream(handle)
     return s
 
 

@@ -20,7 +20,7 @@ import torch
 from ..ep.buffer import ElasticBuffer
 from ..utils import gate, refs
 from ..utils.envs import init_dist
-from ..utils.math import per_token_cast_to_fp8
+from ..utils.math import align, per_token_cast_to_fp8
 from ..utils.testing import bench
 
 
@@ -212,6 +212,14 @@ def run_modes(buf: ElasticBuffer, case: Case, first_only: bool) -> int:
                    expert_alignment=alignment, do_expand=True)
         check_dispatch(case, exp, use_fp8, alignment, True, True, f'{tag} expanded dispatch')
 
+        if use_fp8:
+            # TMA-aligned column-major scale factors, and an explicit SM count.
+            tma = call(buf.dispatch, x, case.topk_idx, case.topk_weights, num_experts=case.E,
+                       expert_alignment=alignment, use_tma_aligned_col_major_sf=True, num_sms=4)
+            sf = tma[0][1]
+            check(sf.stride() == (1, align(sf.shape[0], 4)), f'{tag} column-major sf strides {sf.stride()}')
+            check_dispatch(case, tma, use_fp8, alignment, False, True, f'{tag} dispatch with column-major sf')
+            num_checked += 1
         cached = call(buf.dispatch, x, handle=handle, topk_weights=case.topk_weights)
         check_dispatch(case, cached, use_fp8, alignment, False, True, f'{tag} cached dispatch')
         cached_exp = call(buf.dispatch, x, handle=exp[3], topk_weights=case.topk_weights, do_expand=True,
@@ -222,7 +230,8 @@ def run_modes(buf: ElasticBuffer, case: Case, first_only: bool) -> int:
 
         # Combine of the non-expanded output (each row = this rank's local sum) and of the expanded output.
         bias = tuple(case.biases[:num_bias]) if num_bias == 2 else (case.biases[0] if num_bias == 1 else None)
-        combined, combined_w, _ = call(buf.combine, case.combine_x, handle, topk_weights=out[2], bias=bias)
+        combined, combined_w, _ = call(buf.combine, case.combine_x, handle, topk_weights=out[2], bias=bias,
+                                       num_sms=0 if copy else 6)
         check_equal(combined, case.expected_combined(num_bias, True), f'{tag} combine')
         check_equal(combined_w, case.topk_weights, f'{tag} combined_topk_weights')
         lay = case.layouts[alignment]
@@ -305,6 +314,21 @@ def test_cupy(buf: ElasticBuffer, case: Case):
     check(isinstance(combined, cupy.ndarray), 'CuPy combine returns CuPy arrays')
     check_equal(to_torch(combined, 'bfloat16'), case.expected_combined(0, True), 'CuPy combine')
     check_equal(to_torch(combined_w), case.topk_weights, 'CuPy combined_topk_weights')
+
+
+def test_misc(buf: ElasticBuffer, case: Case):
+    """The rest of the buffer API: streams, barrier, domain sizes, the SM heuristic, the V2.5 class name."""
+    from .. import EPBuffer
+    check(buf.get_comm_stream() is buf.comm_stream, 'get_comm_stream')
+    buf.barrier()
+    buf.barrier(use_comm_stream=False, with_cpu_sync=True)
+    check(buf.get_physical_domain_size() == (1, case.num_ranks), 'get_physical_domain_size')
+    check(buf.get_logical_domain_size() == (1, case.num_ranks), 'get_logical_domain_size')
+    num_sms = buf.get_theoretical_num_sms(case.E, case.K)
+    check(2 <= num_sms <= 132 and num_sms % 2 == 0, f'get_theoretical_num_sms {num_sms}')
+    hint = ElasticBuffer.get_buffer_size_hint(buf.group, case.M, case.H, case.K)
+    check(hint % (2 << 20) == 0 and hint <= buf.num_bytes or case.K < buf.num_topk, 'get_buffer_size_hint')
+    check(issubclass(EPBuffer, ElasticBuffer), 'EPBuffer')
 
 
 def test_timeout(args, group, case: Case) -> bool:
@@ -416,6 +440,7 @@ def main(argv=None) -> int:
             log(f'[check] {n} dispatch/combine calls bitwise equal to the references '
                 f'({time.perf_counter() - t0:.1f} s)')
         if not args.skip_check:
+            test_misc(buf, case)
             test_cupy(buf, case)
             log('[check] CuPy arrays in, CuPy arrays out: bitwise equal')
         if not args.skip_error_test:

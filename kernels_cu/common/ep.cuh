@@ -99,6 +99,39 @@ __device__ __forceinline__ bool wait_all_peers(const Peers& peers, int kind, int
     return s_ok != 0;
 }
 
+// Block-wide exclusive prefix sum of one int per thread (blockDim.x a multiple of 32, at most 1024); `total` gets
+// the block's sum. Every thread of the block must call it.
+__device__ __forceinline__ int block_exclusive_scan(int value, int& total) {
+    __shared__ int s_warp[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_warps = blockDim.x / 32;
+    int inclusive = value;
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d)
+            inclusive += other;
+    }
+    if (lane == 31)
+        s_warp[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < num_warps ? s_warp[lane] : 0;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int other = __shfl_up_sync(0xffffffffu, w, d);
+            if (lane >= d)
+                w += other;
+        }
+        if (lane < num_warps)
+            s_warp[lane] = w;     // inclusive over warps
+    }
+    __syncthreads();
+    total = s_warp[num_warps - 1];
+    const int result = inclusive - value + (warp > 0 ? s_warp[warp - 1] : 0);
+    __syncthreads();              // s_warp may be reused by the next call
+    return result;
+}
+
 // ---- vector memory helpers ----------------------------------------------------------------------------------
 struct alignas(16) Vec16 {
     uint32_t x, y, z, w;

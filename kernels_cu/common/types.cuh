@@ -25,6 +25,7 @@ enum Phase : int {
     kPhaseNotify = 3,
     kPhaseDispatch = 4,
     kPhaseCombine = 5,
+    kPhasePeerCopy = 6,
 };
 
 template <typename T>
