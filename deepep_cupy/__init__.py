@@ -14,6 +14,8 @@ _LAZY = {
     'EventOverlap': 'deepep_cupy.runtime.event',
     'EventHandle': 'deepep_cupy.runtime.event',
     'ProcessGroup': 'deepep_cupy.runtime.group',
+    'get_physical_domain_size': 'deepep_cupy.runtime.topology',
+    'get_logical_domain_size': 'deepep_cupy.runtime.topology',
     'get_group': 'deepep_cupy.runtime.group',
 }
 

@@ -60,25 +60,35 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
             const int slot = meta[1] % kNumTopk;
             uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + slot) * slot_bytes;
             if (!do_expand) {
-                const uint8_t* src = x + static_cast<int64_t>(i) * row_bytes;
-                for (int c = lane; c < num_chunks; c += 32)
-                    st_na_v4(dst + c * 16, ld_nc_v4(src + c * 16));
+                warp_copy<true>(dst, x + static_cast<int64_t>(i) * row_bytes, row_bytes, lane);
             } else {
-                // Uniform trip count so every lane takes part in the shuffles.
-                for (int c0 = 0; c0 < num_chunks; c0 += 32) {
-                    const int c = c0 + lane;
-                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                    uint32_t pending = rows_mask;
-                    while (pending) {
-                        const int k = __ffs(pending) - 1;
-                        pending &= pending - 1;
-                        const int r = __shfl_sync(0xffffffffu, row, k);
-                        if (c < num_chunks)
-                            add_bf16x8(acc, ld_nc_v4(x + static_cast<int64_t>(r) * row_bytes + c * 16));
-                    }
-                    if (c < num_chunks)
-                        st_na_v4(dst + c * 16, round_bf16x8(acc));
+                // Local rows of this token in ascending top-k order (compile-time indices keep them in registers).
+                int local_row[kNumTopk];
+                int num_local = 0;
+                #pragma unroll
+                for (int k = 0; k < kNumTopk; ++k) {
+                    const int r = __shfl_sync(0xffffffffu, row, k);
+                    local_row[k] = r;
+                    num_local += r >= 0 ? 1 : 0;
                 }
+                for (int c = lane; c < num_chunks; c += 32) {
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    // Loads in batches of 8 rows before the additions (kept in ascending k order).
+                    #pragma unroll
+                    for (int k0 = 0; k0 < kNumTopk; k0 += 8) {
+                        Vec16 v[8];
+                        #pragma unroll
+                        for (int u = 0; u < 8; ++u)
+                            if (k0 + u < kNumTopk && local_row[k0 + u] >= 0)
+                                v[u] = ld_nc_v4(x + static_cast<int64_t>(local_row[k0 + u]) * row_bytes + c * 16);
+                        #pragma unroll
+                        for (int u = 0; u < 8; ++u)
+                            if (k0 + u < kNumTopk && local_row[k0 + u] >= 0)
+                                add_bf16x8(acc, v[u]);
+                    }
+                    st_na_v4(dst + c * 16, round_bf16x8(acc));
+                }
+                (void)num_local;
             }
             if (topk_weights != nullptr && lane < kNumTopk) {
                 float w = 0.f;
@@ -95,9 +105,7 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
                 pending &= pending - 1;
                 const int r = __shfl_sync(0xffffffffu, row, k);
                 uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + k) * slot_bytes;
-                const uint8_t* src = x + static_cast<int64_t>(r) * row_bytes;
-                for (int c = lane; c < num_chunks; c += 32)
-                    st_na_v4(dst + c * 16, ld_nc_v4(src + c * 16));
+                warp_copy<true>(dst, x + static_cast<int64_t>(r) * row_bytes, row_bytes, lane);
                 if (topk_weights != nullptr && lane == k)
                     reinterpret_cast<float*>(dst + weights_offset)[k] = topk_weights[r];
             }
@@ -164,15 +172,31 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
         for (int k = 0; k < kNumTopk; ++k)
             slot_of[k] = __shfl_sync(0xffffffffu, src_slot, k);
         for (int c = lane; c < num_chunks; c += 32) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            // Issue every load of this chunk first (biases, then partials in batches of 8), then add in order.
+            Vec16 b0, b1;
             if (bias0 != nullptr)
-                add_bf16x8(acc, ld_nc_v4(bias0 + static_cast<int64_t>(t) * row_bytes + c * 16));
+                b0 = ld_nc_v4(bias0 + static_cast<int64_t>(t) * row_bytes + c * 16);
             if (bias1 != nullptr)
-                add_bf16x8(acc, ld_nc_v4(bias1 + static_cast<int64_t>(t) * row_bytes + c * 16));
+                b1 = ld_nc_v4(bias1 + static_cast<int64_t>(t) * row_bytes + c * 16);
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             #pragma unroll
-            for (int k = 0; k < kNumTopk; ++k)
-                if ((adds >> k) & 1u)
-                    add_bf16x8(acc, ld_v4(token_slots + static_cast<int64_t>(slot_of[k]) * slot_bytes + c * 16));
+            for (int k0 = 0; k0 < kNumTopk; k0 += 8) {
+                Vec16 v[8];
+                #pragma unroll
+                for (int u = 0; u < 8; ++u)
+                    if (k0 + u < kNumTopk && ((adds >> (k0 + u)) & 1u))
+                        v[u] = ld_v4(token_slots + static_cast<int64_t>(slot_of[k0 + u]) * slot_bytes + c * 16);
+                if (k0 == 0) {
+                    if (bias0 != nullptr)
+                        add_bf16x8(acc, b0);
+                    if (bias1 != nullptr)
+                        add_bf16x8(acc, b1);
+                }
+                #pragma unroll
+                for (int u = 0; u < 8; ++u)
+                    if (k0 + u < kNumTopk && ((adds >> (k0 + u)) & 1u))
+                        add_bf16x8(acc, v[u]);
+            }
             st_v4(combined_x + static_cast<int64_t>(t) * row_bytes + c * 16, round_bf16x8(acc));
         }
         if (with_weights && lane < kNumTopk) {

@@ -82,7 +82,8 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
                     v[u] = ld_nc_v4(src + static_cast<int64_t>(base + u * 32) * 16);
             #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
-                if (dst[d] == nullptr)
+                // Our own rows skip the staging slots: the receive epilogue reads them straight from x.
+                if (dst[d] == nullptr || d == rank)
                     continue;
                 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u)
@@ -100,7 +101,7 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
     }
 }
 
-// Copy the received messages into the user's tensors.
+// Copy the received messages into the user's tensors (our own tokens' hidden bytes come straight from x).
 //   Non-expanded (do_expand = 0): row i of recv_x / recv_sf / recv_topk_idx / recv_topk_weights / metadata is the
 //     i-th received token (sources ascending, then token index at the source). recv_topk_idx holds the local expert
 //     id or -1; recv_topk_weights the weight or 0 where not local. Rows [num_recv, num_out_rows) get topk -1 and
@@ -112,7 +113,8 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
 //   (expanded mode) or -1.
 template <int kNumRanks, int kNumTopk>
 __global__ void __launch_bounds__(kRecvThreads)
-dispatch_recv_kernel(int hidden_bytes, int num_sf, int num_experts, int num_max_tokens_per_rank,
+dispatch_recv_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, int num_sf, int num_experts,
+                     int num_max_tokens_per_rank,
                      const int32_t* recv_layout, int do_expand, int do_zero_padding, int num_out_rows,
                      int num_meta_rows,
                      uint8_t* recv_x, uint8_t* recv_sf, int64_t recv_sf_stride_row, int64_t recv_sf_stride_col,
@@ -142,6 +144,9 @@ dispatch_recv_kernel(int hidden_bytes, int num_sf, int num_experts, int num_max_
             s += (i >= layout.psum_src()[r]) ? 1 : 0;
         const int slot = i - (s > 0 ? layout.psum_src()[s - 1] : 0);
         uint8_t* m = peers.local() + recv_offset + (static_cast<int64_t>(s) * num_max_tokens_per_rank + slot) * msg.bytes;
+        // Hidden bytes: from the slot, or for our own tokens from x (the send kernel skipped them).
+        const uint8_t* hidden_src = s == rank ? x + static_cast<int64_t>(*msg.src_idx(m)) * x_row_bytes
+                                              : m + msg.hidden_offset;
 
         // Per top-k slot: global expert, whether local, owner rank.
         const int e = lane < kNumTopk ? msg.expert_ids(m)[lane] : -1;
@@ -174,7 +179,7 @@ dispatch_recv_kernel(int hidden_bytes, int num_sf, int num_experts, int num_max_
             for (int p = lane; p < num_sf; p += 32)
                 reinterpret_cast<uint32_t*>(recv_sf)[i * recv_sf_stride_row + p * recv_sf_stride_col] =
                     reinterpret_cast<const uint32_t*>(m + msg.sf_offset)[p];
-            warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes, m + msg.hidden_offset, hidden_bytes, lane);
+            warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes, hidden_src, hidden_bytes, lane);
         } else {
             int row = -1;
             if (local) {
@@ -193,7 +198,7 @@ dispatch_recv_kernel(int hidden_bytes, int num_sf, int num_experts, int num_max_
                 for (int p = lane; p < num_sf; p += 32)
                     reinterpret_cast<uint32_t*>(recv_sf)[r * recv_sf_stride_row + p * recv_sf_stride_col] =
                         reinterpret_cast<const uint32_t*>(m + msg.sf_offset)[p];
-                warp_copy(recv_x + static_cast<int64_t>(r) * hidden_bytes, m + msg.hidden_offset, hidden_bytes, lane);
+                warp_copy(recv_x + static_cast<int64_t>(r) * hidden_bytes, hidden_src, hidden_bytes, lane);
             }
         }
     }

@@ -51,11 +51,12 @@ if want barrier; then
     [ "$NGPU" -ge 2 ] && step "barrier np=$NGPU (1 rank/GPU)" 180 $R "$NGPU" $PY -m deepep_cupy.tests.barrier
     [ "$NGPU" -ge 2 ] && step "barrier np=$NGPU scale-up 1 (NCCL between domains)" 180 \
         env DEEPEP_CUPY_SCALEUP_SIZE=1 $R "$NGPU" $PY -m deepep_cupy.tests.barrier
+    step "barrier np=2 on 1 GPU" 180 env CUDA_VISIBLE_DEVICES=0 $R 2 $PY -m deepep_cupy.tests.barrier
     step "barrier np=4 (shared GPUs)" 300 $R 4 $PY -m deepep_cupy.tests.barrier --num-barriers 200 --num-rounds 16
     step "barrier np=8 (shared GPUs)" 300 $R 8 $PY -m deepep_cupy.tests.barrier --num-barriers 100 --num-rounds 16
 fi
 if want pytest; then
-    step "pytest (GPU machine)" 600 $PY -m pytest -q -x tests
+    step "pytest GPU tests" 300 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
 fi
 if want ep && [ -f deepep_cupy/tests/ep.py ]; then
     EP="$PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60"

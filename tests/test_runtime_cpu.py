@@ -88,3 +88,22 @@ def test_external_stream_wraps_a_raw_handle():
     pytest.importorskip('cupy')
     s = interop.external_stream(0x1234)
     assert s.ptr == 0x1234 and interop.external_stream(0x1234) is s
+
+
+def test_torch_process_group_backend(tmp_path):
+    """The torch.distributed backend (gloo, one process) behind the same interface."""
+    torch = pytest.importorskip('torch')
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip('torch.distributed already initialised')
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path}/rdzv', world_size=1, rank=0)
+    try:
+        g = group.get_group(group=dist.group.WORLD)
+        assert isinstance(g, group.TorchProcessGroup) and g.backend == 'torch'
+        assert (g.rank, g.size, g.local_rank, g.local_size) == (0, 1, 0, 1)
+        assert g.allgather_object({'k': torch.tensor([1, 2])})[0]['k'].tolist() == [1, 2]
+        assert g.broadcast_object('id') == 'id'
+        g.barrier()
+        g.check_same('num_bytes', 2 << 20)
+    finally:
+        dist.destroy_process_group()

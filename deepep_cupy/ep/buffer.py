@@ -329,6 +329,8 @@ class ElasticBuffer(BufferBase):
         if ti.ndim != 2 or ti.shape[0] != num_tokens:
             raise ValueError(f'topk_idx must be [num_tokens={num_tokens}, num_topk], got {list(ti.shape)}')
         checks.check_contiguous(ti, 'topk_idx')
+        # The value range needs the GPU: start it now, read it after the other checks.
+        range_check = checks.value_range_async(topk_idx, kind) if do_cpu_sync and not cached else None
         K = ti.shape[1]
         if not 1 <= K <= layout.NUM_MAX_TOPK:
             raise ValueError(f'topk_idx: num_topk must be in [1, {layout.NUM_MAX_TOPK}], got {K}')
@@ -358,13 +360,13 @@ class ElasticBuffer(BufferBase):
         if layout.ceil_div(num_max_tokens_per_rank, NOTIFY_THREADS) * (num_experts + R) * 4 > \
                 lay.scratch_bytes(R * layout.NUM_MAX_LOCAL_EXPERTS):
             raise ValueError('num_max_tokens_per_rank is larger than the buffer was built for')
-        if do_cpu_sync and not cached:
-            lo, hi = checks.value_range(topk_idx, kind)
-            if lo < -1 or hi >= num_experts:
-                raise ValueError(f'topk_idx values must be in [-1, {num_experts}), got min {lo}, max {hi}')
         num_sms = num_sms or self.get_theoretical_num_sms(num_experts, K)
         num_sms = min(num_sms, self.num_device_sms)
         kernels = self._get_kernels(K)
+        if range_check is not None:
+            lo, hi = range_check()
+            if lo < -1 or hi >= num_experts:
+                raise ValueError(f'topk_idx values must be in [-1, {num_experts}), got min {lo}, max {hi}')
 
         # ---- launch ------------------------------------------------------------------------------------------
         current, comm, alloc_stream = self._streams(x, previous_event, allocate_on_comm_stream)
@@ -431,7 +433,8 @@ class ElasticBuffer(BufferBase):
             recv_topk_weights = alloc.empty((num_out_rows,) if do_expand else (num_recv, K), 'float32', alloc_stream)
         recv_src_metadata = alloc.empty((num_recv, K + 2), 'int32', alloc_stream)
         kernels.dispatch_recv.launch(self.num_device_sms, 512, (
-            hidden_bytes, num_sf, num_experts, num_max_tokens_per_rank, recv_layout, int(do_expand),
+            x, xi.strides[0] * xi.itemsize, hidden_bytes, num_sf, num_experts, num_max_tokens_per_rank, recv_layout,
+            int(do_expand),
             int(do_zero_padding), num_out_rows, num_recv, recv_x, _ptr(recv_sf),
             sf_strides[0], sf_strides[1], _ptr(recv_topk_idx), _ptr(recv_topk_weights), recv_src_metadata, *common,
             lay.dispatch_recv_offset, *err), stream=comm)

@@ -44,18 +44,32 @@ def check_int(name: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
-def value_range(x: Any, kind: str) -> Tuple[int, int]:
-    """(min, max) of an integer array, read back to the host (one small reduction and a sync)."""
-    if x is None:
-        return 0, 0
+def value_range_async(x: Any, kind: str):
+    """Start reading (min, max) of an integer array back to the host; returns a function that waits for it.
+    Started early, the reduction and copy overlap the rest of the host-side checks."""
+    if x is None or (x.numel() if kind == 'torch' else x.size) == 0:
+        return lambda: (0, 0)
     if kind == 'torch':
-        if x.numel() == 0:
-            return 0, 0
+        import torch
         lo, hi = x.aminmax()
-        both = __import__('torch').stack([lo, hi]).cpu()
-        return int(both[0]), int(both[1])
-    if x.size == 0:
-        return 0, 0
+        host = torch.empty(2, dtype=x.dtype, pin_memory=True)
+        host.copy_(torch.stack([lo, hi]), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+
+        def wait_torch():
+            event.synchronize()
+            return int(host[0]), int(host[1])
+        return wait_torch
     import cupy
-    both = cupy.stack([x.min(), x.max()]).get()
-    return int(both[0]), int(both[1])
+    both = cupy.stack([x.min(), x.max()])
+    host = cupy.cuda.alloc_pinned_memory(16)
+    import numpy as np
+    out = np.frombuffer(host, dtype=np.int64, count=2)
+    both.get(out=out, blocking=False)
+    event = cupy.cuda.get_current_stream().record()
+
+    def wait_cupy():
+        event.synchronize()
+        return int(out[0]), int(out[1])
+    return wait_cupy

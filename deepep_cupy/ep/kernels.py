@@ -35,7 +35,8 @@ def dispatch_send_spec(num_ranks: int, num_topk: int) -> KernelSpec:
 
 def dispatch_recv_spec(num_ranks: int, num_topk: int) -> KernelSpec:
     return KernelSpec('ep_dispatch', f'deepep::dispatch_recv_kernel<{num_ranks}, {num_topk}>', (
-        _P('hidden_bytes', np.int32), _P('num_sf', np.int32), _P('num_experts', np.int32),
+        _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('num_sf', np.int32),
+        _P('num_experts', np.int32),
         _P('num_max_tokens_per_rank', np.int32), _P('recv_layout', PTR), _P('do_expand', np.int32),
         _P('do_zero_padding', np.int32), _P('num_out_rows', np.int32), _P('num_meta_rows', np.int32),
         _P('recv_x', PTR), _P('recv_sf', PTR), _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64),

@@ -70,13 +70,40 @@ def _to_scalar(value, param: Param, kernel: str):
     raise TypeError(f'{kernel}: unsupported parameter kind {kind} for {param.name!r}')
 
 
+def _converter(param: Param, kernel: str):
+    """A fast converter for one parameter: plain Python ints (the common case) take a short path with a cached
+    range; everything else goes through the full checks above."""
+    if param.kind == PTR:
+        def ptr(value, _uint64=np.uint64):
+            if type(value) is int and value >= 0:
+                return _uint64(value)
+            return _to_ptr(value, param, kernel)
+        return ptr
+    kind = np.dtype(param.kind)
+    if kind.kind in 'iu':
+        info = np.iinfo(kind)
+        lo, hi, typ = int(info.min), int(info.max), kind.type
+
+        def integer(value):
+            if type(value) is int and lo <= value <= hi:
+                return typ(value)
+            return _to_scalar(value, param, kernel)
+        return integer
+    return lambda value: _to_scalar(value, param, kernel)
+
+
+_CONVERTERS: Dict[KernelSpec, Tuple] = {}
+
+
 def pack_args(spec: KernelSpec, args: Sequence) -> Tuple:
     """Convert launch arguments to their exact types, checking count and kinds."""
-    if len(args) != len(spec.params):
+    converters = _CONVERTERS.get(spec)
+    if converters is None:
+        converters = _CONVERTERS[spec] = tuple(_converter(p, spec.name) for p in spec.params)
+    if len(args) != len(converters):
         names = [p.name for p in spec.params]
         raise TypeError(f'{spec.name}: expected {len(spec.params)} arguments {names}, got {len(args)}')
-    return tuple(_to_ptr(a, p, spec.name) if p.kind == PTR else _to_scalar(a, p, spec.name)
-                 for a, p in zip(args, spec.params))
+    return tuple(c(a) for c, a in zip(converters, args))
 
 
 class Kernel:

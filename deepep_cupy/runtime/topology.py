@@ -112,3 +112,21 @@ def detect_topology(group: ProcessGroup, device: int, allow_hybrid_mode: bool = 
                     num_scaleout_ranks=group.size // scaleup, scaleup_rank_idx=group.rank % scaleup,
                     scaleout_rank_idx=group.rank // scaleup, physical_scaleup=physical, device=device,
                     pci_bus_ids=pci_ids)
+
+
+def get_physical_domain_size(group=None, comm=None):
+    """`(num_scaleout, num_scaleup)` of the hardware for a group (a collective: every rank calls it). Binds this
+    process to its GPU like a buffer would."""
+    from .group import get_group
+    pg = get_group(group, comm)
+    topo = detect_topology(pg, select_device(pg))
+    return pg.size // topo.physical_scaleup, topo.physical_scaleup
+
+
+def get_logical_domain_size(group=None, allow_hybrid_mode: bool = True, comm=None):
+    """`(num_scaleout, num_scaleup)` a buffer with `allow_hybrid_mode` would use (honours
+    `DEEPEP_CUPY_SCALEUP_SIZE`; direct mode is one domain)."""
+    from .group import get_group
+    pg = get_group(group, comm)
+    topo = detect_topology(pg, select_device(pg), allow_hybrid_mode)
+    return topo.num_scaleout_ranks, topo.num_scaleup_ranks

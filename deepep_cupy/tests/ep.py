@@ -294,7 +294,7 @@ def test_errors(buf: ElasticBuffer, case: Case) -> list:
     expect('combine x dtype', TypeError, lambda: buf.combine(case.combine_x.float(), handle))
     expect('combine bias shape', ValueError, lambda: buf.combine(case.combine_x, handle, bias=case.biases[0][:, :8]))
     expect('combine three biases', ValueError, lambda: buf.combine(case.combine_x, handle, bias=tuple(case.biases) * 2))
-    expect('combine weights shape', ValueError, lambda: buf.combine(case.combine_x, handle, topk_weights=w))
+    expect('combine weights shape', ValueError, lambda: buf.combine(case.combine_x, handle, topk_weights=w[:, :1]))
     expect('handle of the wrong type', TypeError, lambda: buf.combine(case.combine_x, (1, 2)))
     return tried
 
@@ -328,7 +328,21 @@ def test_misc(buf: ElasticBuffer, case: Case):
     check(2 <= num_sms <= 132 and num_sms % 2 == 0, f'get_theoretical_num_sms {num_sms}')
     hint = ElasticBuffer.get_buffer_size_hint(buf.group, case.M, case.H, case.K)
     check(hint % (2 << 20) == 0 and hint <= buf.num_bytes or case.K < buf.num_topk, 'get_buffer_size_hint')
-    check(issubclass(EPBuffer, ElasticBuffer), 'EPBuffer')
+    import deepep_cupy
+    check(deepep_cupy.get_physical_domain_size(buf.group) == (1, case.num_ranks), 'module get_physical_domain_size')
+    check(deepep_cupy.get_logical_domain_size(buf.group) == (1, case.num_ranks), 'module get_logical_domain_size')
+    # The V2.5 class name, and the SM heuristic when compute overlap does not matter (at least 64 SMs).
+    other = EPBuffer(buf.group, num_max_tokens_per_rank=case.M, hidden=case.H, num_topk=case.K,
+                     prefer_overlap_with_compute=False, use_fp8_dispatch=True, explicitly_destroy=True)
+    try:
+        check(isinstance(other, ElasticBuffer), 'EPBuffer is an ElasticBuffer')
+        if case.num_ranks > 1:
+            sms = other.get_theoretical_num_sms(case.E, case.K)
+            check(sms >= min(64, other.num_device_sms), f'prefer_overlap_with_compute=False gives {sms} SMs')
+        out = other.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E)
+        check_dispatch(case, out, False, 1, False, True, 'EPBuffer dispatch')
+    finally:
+        other.destroy()
 
 
 def test_timeout(args, group, case: Case) -> bool:

@@ -161,12 +161,27 @@ __device__ __forceinline__ void st_na_v4(void* p, const Vec16& v) {
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// A warp copies `num_bytes` (a multiple of 16, both pointers 16-byte aligned).
+// A warp copies `num_bytes` (a multiple of 16, both pointers 16-byte aligned), kCopyUnroll loads in flight per
+// lane before the stores (a load followed at once by its store leaves the copy latency-bound).
+constexpr int kCopyUnroll = 8;
+
+template <bool kNonCoherentSrc = false>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int num_bytes, int lane) {
     auto* d = reinterpret_cast<uint8_t*>(dst);
     const auto* s = reinterpret_cast<const uint8_t*>(src);
-    for (int off = lane * 16; off < num_bytes; off += 32 * 16)
-        st_v4(d + off, ld_v4(s + off));
+    const int num_chunks = num_bytes / 16;
+    for (int base = lane; base < num_chunks; base += 32 * kCopyUnroll) {
+        Vec16 v[kCopyUnroll];
+        #pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u)
+            if (base + u * 32 < num_chunks)
+                v[u] = kNonCoherentSrc ? ld_nc_v4(s + static_cast<int64_t>(base + u * 32) * 16)
+                                       : ld_v4(s + static_cast<int64_t>(base + u * 32) * 16);
+        #pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u)
+            if (base + u * 32 < num_chunks)
+                st_na_v4(d + static_cast<int64_t>(base + u * 32) * 16, v[u]);
+    }
 }
 
 // ---- bfloat16 ---------------------------------------------------------------------------------------------------
