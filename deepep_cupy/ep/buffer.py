@@ -432,7 +432,10 @@ class ElasticBuffer(BufferBase):
         if topk_weights is not None:
             recv_topk_weights = alloc.empty((num_out_rows,) if do_expand else (num_recv, K), 'float32', alloc_stream)
         recv_src_metadata = alloc.empty((num_recv, K + 2), 'int32', alloc_stream)
-        kernels.dispatch_recv.launch(self.num_device_sms, 512, (
+        # The epilogue is a local copy: every SM for large inputs, one block per 16 rows (a warp each) for small ones,
+        # so decode-size calls do not pay for 132 blocks' fences and tickets.
+        recv_blocks = min(self.num_device_sms, max(1, layout.ceil_div(max(num_recv, num_out_rows), 16)))
+        kernels.dispatch_recv.launch(recv_blocks, 512, (
             x, xi.strides[0] * xi.itemsize, hidden_bytes, num_sf, num_experts, num_max_tokens_per_rank, recv_layout,
             int(do_expand),
             int(do_zero_padding), num_out_rows, num_recv, recv_x, _ptr(recv_sf),
@@ -537,7 +540,7 @@ class ElasticBuffer(BufferBase):
             x, hidden, _ptr(topk_weights), int(handle.do_expand), handle.recv_src_metadata, handle.recv_layout,
             handle.num_experts, handle.num_max_tokens_per_rank, num_slots, *common, lay.combine_recv_offset, *err),
             stream=comm)
-        kernels.combine_recv[local_reduce].launch(self.num_device_sms, 512, (
+        kernels.combine_recv[local_reduce].launch(min(self.num_device_sms, max(1, layout.ceil_div(N, 16))), 512, (
             handle.topk_idx, N, hidden, handle.num_experts, num_slots, biases[0] if biases else 0,
             biases[1] if len(biases) > 1 else 0, combined_x, _ptr(combined_w), int(topk_weights is not None),
             *common, lay.combine_recv_offset, *err), stream=comm)
