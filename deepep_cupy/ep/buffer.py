@@ -98,6 +98,7 @@ class ElasticBuffer(BufferBase):
         if num_max_tokens_per_rank and hidden:
             self._set_layout(num_max_tokens_per_rank, hidden, num_topk or layout.NUM_MAX_TOPK)
         self._kernels = {}
+        self._order_events = None
         if num_topk:
             self._get_kernels(num_topk)      # compile now, never inside a timed or collective region
         self._host_seq = 0
@@ -162,6 +163,9 @@ class ElasticBuffer(BufferBase):
         stream). Returns (current, comm, alloc stream)."""
         current = interop.current_stream(like)
         comm = self.comm_stream
+        if self._order_events is None:
+            import cupy
+            self._order_events = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
         if previous_event is not None:
             if not allocate_on_comm_stream:
                 raise ValueError('previous_event requires allocate_on_comm_stream=True (DeepEP V2 rule)')
@@ -170,7 +174,9 @@ class ElasticBuffer(BufferBase):
                 raise TypeError(f'previous_event must be an EventHandle (buffer.capture()), got {type(ev).__name__}')
             ev.stream_wait(comm)
         else:
-            comm.wait_event(current.record())
+            # One reusable event per direction: a wait captures the event's state when it is enqueued.
+            self._order_events[0].record(current)
+            comm.wait_event(self._order_events[0])
         # None: allocate on the current stream (the allocators' default).
         return current, comm, (comm if allocate_on_comm_stream else None)
 
@@ -184,7 +190,8 @@ class ElasticBuffer(BufferBase):
                 for t in live:
                     t.record_stream(s)
             return EventOverlap(EventHandle(comm), extra_tensors=live)
-        current.wait_event(comm.record())
+        self._order_events[1].record(comm)
+        current.wait_event(self._order_events[1])
         return EventOverlap(None)
 
     def _wait_host_counts(self, seq: int, num_local_experts: int):

@@ -92,14 +92,15 @@ def _converter(param: Param, kernel: str):
     return lambda value: _to_scalar(value, param, kernel)
 
 
-_CONVERTERS: Dict[KernelSpec, Tuple] = {}
+def converters_for(spec: KernelSpec) -> Tuple:
+    return tuple(_converter(p, spec.name) for p in spec.params)
 
 
-def pack_args(spec: KernelSpec, args: Sequence) -> Tuple:
-    """Convert launch arguments to their exact types, checking count and kinds."""
-    converters = _CONVERTERS.get(spec)
+def pack_args(spec: KernelSpec, args: Sequence, converters: Optional[Tuple] = None) -> Tuple:
+    """Convert launch arguments to their exact types, checking count and kinds (`converters`: from
+    `converters_for(spec)`, cached by the caller; hashing a spec per launch costs more than the conversion)."""
     if converters is None:
-        converters = _CONVERTERS[spec] = tuple(_converter(p, spec.name) for p in spec.params)
+        converters = converters_for(spec)
     if len(args) != len(converters):
         names = [p.name for p in spec.params]
         raise TypeError(f'{spec.name}: expected {len(spec.params)} arguments {names}, got {len(args)}')
@@ -115,6 +116,7 @@ class Kernel:
         self.device = device
         self._smem_limit = _SMEM_DEFAULT_LIMIT
         self._num_sms = None
+        self._converters = converters_for(spec)
 
     def max_active_blocks_per_sm(self, block: int, shared_mem: int = 0) -> int:
         from cupy_backends.cuda.api import driver
@@ -127,7 +129,7 @@ class Kernel:
         """Check and pack a launch once; returns `launch(stream)` for hot paths whose arguments never change."""
         grid = (grid,) if isinstance(grid, int) else tuple(grid)
         block = (block,) if isinstance(block, int) else tuple(block)
-        packed = pack_args(self.spec, args)
+        packed = pack_args(self.spec, args, self._converters)
         if shared_mem > self._smem_limit:
             from cupy_backends.cuda.api import driver
             driver.funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
