@@ -131,3 +131,33 @@ def test_pointer_from_torch_tensor():
 
 def test_kernels_dir_is_a_path():
     assert isinstance(compiler.kernels_dir(), Path)
+
+
+def test_struct_layout_matches_c_alignment():
+    spec = launch.KernelSpec('barrier', 'k', (launch.Param('a', np.int32), launch.Param('p', launch.PTR),
+                                              launch.Param('b', np.int32), launch.Param('c', np.int64),
+                                              launch.Param('f', np.float32)))
+    layout, offsets = launch.arg_struct(spec)
+    assert offsets == (0, 8, 16, 24, 32) and layout.size == 36
+    buf = launch._ArgBuffer(layout, offsets)
+    layout.pack_into(buf.data, 0, -3, 0x1234, 7, -(2 ** 40), 0.5)
+    raw = buf.data.tobytes()
+    assert np.frombuffer(raw[0:4], np.int32)[0] == -3 and np.frombuffer(raw[8:16], np.uint64)[0] == 0x1234
+    assert np.frombuffer(raw[24:32], np.int64)[0] == -(2 ** 40) and np.frombuffer(raw[32:36], np.float32)[0] == 0.5
+    assert [int(p) - buf.data.ctypes.data for p in buf.pointers] == list(offsets)
+
+
+def test_fast_packing_reports_bad_arguments_like_pack_args():
+    kernel = launch.Kernel.__new__(launch.Kernel)
+    kernel.spec = SPEC
+    kernel._converters = launch.converters_for(SPEC)
+    kernel._struct, kernel._offsets = launch.arg_struct(SPEC)
+    kernel._ptr_params = (0,)
+    buf = launch._ArgBuffer(kernel._struct, kernel._offsets)
+    kernel._pack_into(buf, (0x1000, 7, 0.5, 3))
+    with pytest.raises(ValueError, match="'n'=2147483648 does not fit in int32"):
+        kernel._pack_into(buf, (0x1000, 2 ** 31, 0.5, 3))
+    with pytest.raises(TypeError, match="'n' must be an integer"):
+        kernel._pack_into(buf, (0x1000, 7.5, 0.5, 3))
+    with pytest.raises(TypeError, match='expected 4 arguments'):
+        kernel._pack_into(buf, (0x1000, 7))

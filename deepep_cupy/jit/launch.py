@@ -6,6 +6,7 @@ as double without complaint), checks cooperative grids against co-residency (CuP
 shared-memory limit explicitly when a launch needs more than 48 KiB.
 """
 
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple, Union
@@ -107,8 +108,40 @@ def pack_args(spec: KernelSpec, args: Sequence, converters: Optional[Tuple] = No
     return tuple(c(a) for c, a in zip(converters, args))
 
 
+_STRUCT_CODES = {'int8': 'b', 'uint8': 'B', 'int16': 'h', 'uint16': 'H', 'int32': 'i', 'uint32': 'I', 'int64': 'q',
+                 'uint64': 'Q', 'float32': 'f', 'float64': 'd'}
+
+
+def arg_struct(spec: KernelSpec) -> Tuple[struct.Struct, Tuple[int, ...]]:
+    """The C layout of a kernel's parameters: each at its natural alignment (pointers as 8-byte integers), and the
+    byte offset of each, for `cuLaunchKernel`'s array of parameter pointers."""
+    fmt, offsets, offset = ['='], [], 0
+    for p in spec.params:
+        code = 'Q' if p.kind == PTR else _STRUCT_CODES[np.dtype(p.kind).name]
+        size = struct.calcsize('=' + code)
+        pad = (-offset) % size
+        fmt.append('x' * pad + code)
+        offset += pad
+        offsets.append(offset)
+        offset += size
+    return struct.Struct(''.join(fmt)), tuple(offsets)
+
+
+class _ArgBuffer:
+    """Parameter storage for one launch and the array of pointers to each parameter."""
+
+    def __init__(self, layout: struct.Struct, offsets: Tuple[int, ...]):
+        self.data = np.zeros(max(8, layout.size), dtype=np.uint8)
+        base = self.data.ctypes.data
+        self.pointers = np.array([base + o for o in offsets] or [0], dtype=np.uint64)
+        self.pointers_addr = self.pointers.ctypes.data
+
+
 class Kernel:
-    """A loaded kernel bound to one device. Call `launch(grid, block, args, stream=..., shared_mem=...)`."""
+    """A loaded kernel bound to one device. Call `launch(grid, block, args, stream=..., shared_mem=...)`.
+
+    Launches go straight to `cuLaunchKernel` with the parameters packed by one `struct.pack_into` (a few µs from
+    Python); any argument `struct` rejects is re-checked by `pack_args` for a clear error."""
 
     def __init__(self, spec: KernelSpec, function, device: int):
         self.spec = spec
@@ -116,36 +149,81 @@ class Kernel:
         self.device = device
         self._smem_limit = _SMEM_DEFAULT_LIMIT
         self._num_sms = None
+        self._capacity = {}
         self._converters = converters_for(spec)
+        self._struct, self._offsets = arg_struct(spec)
+        self._ptr_params = tuple(i for i, p in enumerate(spec.params) if p.kind == PTR)
+        self._scratch = _ArgBuffer(self._struct, self._offsets)
 
     def max_active_blocks_per_sm(self, block: int, shared_mem: int = 0) -> int:
         from cupy_backends.cuda.api import driver
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.ptr, block, shared_mem)
 
-    def launch(self, grid, block, args: Sequence, stream=None, shared_mem: int = 0, cooperative: bool = False):
-        self.prepare(grid, block, args, shared_mem, cooperative)(stream)
+    def _pack_into(self, buffer: _ArgBuffer, args: Sequence) -> None:
+        if len(args) != len(self._converters):
+            pack_args(self.spec, args, self._converters)     # raises with the expected parameter names
+        values = list(args)
+        for i in self._ptr_params:
+            v = values[i]
+            if type(v) is not int:
+                values[i] = 0 if v is None else int(_to_ptr(v, self.spec.params[i], self.spec.name))
+        try:
+            self._struct.pack_into(buffer.data, 0, *values)
+        except (struct.error, TypeError) as e:
+            pack_args(self.spec, args, self._converters)     # raises the detailed TypeError / ValueError
+            raise TypeError(f'{self.spec.name}: bad launch arguments: {e}') from e
 
-    def prepare(self, grid, block, args: Sequence, shared_mem: int = 0, cooperative: bool = False):
-        """Check and pack a launch once; returns `launch(stream)` for hot paths whose arguments never change."""
-        grid = (grid,) if isinstance(grid, int) else tuple(grid)
-        block = (block,) if isinstance(block, int) else tuple(block)
-        packed = pack_args(self.spec, args, self._converters)
+    def _check_launch(self, grid: Tuple[int, ...], block: Tuple[int, ...], shared_mem: int, cooperative: bool):
         if shared_mem > self._smem_limit:
             from cupy_backends.cuda.api import driver
             driver.funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
             self._smem_limit = shared_mem
         if cooperative:
-            if self._num_sms is None:
-                import cupy
-                self._num_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
-            num_blocks = int(np.prod(grid))
-            capacity = self.max_active_blocks_per_sm(int(np.prod(block)), shared_mem) * self._num_sms
+            num_threads = block[0] * block[1] * block[2]
+            capacity = self._capacity.get((num_threads, shared_mem))
+            if capacity is None:
+                if self._num_sms is None:
+                    import cupy
+                    self._num_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
+                capacity = self.max_active_blocks_per_sm(num_threads, shared_mem) * self._num_sms
+                self._capacity[(num_threads, shared_mem)] = capacity
+            num_blocks = grid[0] * grid[1] * grid[2]
             if num_blocks > capacity:
                 raise ValueError(f'{self.spec.name}: cooperative grid of {num_blocks} blocks exceeds the '
                                  f'{capacity} blocks that can be co-resident on this device')
-        function = self.function
-        return lambda stream: function(grid, block, packed, shared_mem=shared_mem, stream=stream,
-                                       enable_cooperative_groups=cooperative)
+
+    def _go(self, grid, block, shared_mem: int, cooperative: bool, stream, buffer: _ArgBuffer):
+        from cupy_backends.cuda.api import driver
+        if stream is None:
+            import cupy
+            stream = cupy.cuda.get_current_stream()
+        if cooperative:
+            driver.launchCooperativeKernel(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1],
+                                           block[2], shared_mem, stream.ptr, buffer.pointers_addr)
+        else:
+            driver.launchKernel(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                shared_mem, stream.ptr, buffer.pointers_addr, 0)
+
+    def launch(self, grid, block, args: Sequence, stream=None, shared_mem: int = 0, cooperative: bool = False):
+        grid, block = _dim3(grid), _dim3(block)
+        self._pack_into(self._scratch, args)
+        self._check_launch(grid, block, shared_mem, cooperative)
+        self._go(grid, block, shared_mem, cooperative, stream, self._scratch)
+
+    def prepare(self, grid, block, args: Sequence, shared_mem: int = 0, cooperative: bool = False):
+        """Check and pack a launch once; returns `launch(stream)` for hot paths whose arguments never change."""
+        grid, block = _dim3(grid), _dim3(block)
+        buffer = _ArgBuffer(self._struct, self._offsets)
+        self._pack_into(buffer, args)
+        self._check_launch(grid, block, shared_mem, cooperative)
+        return lambda stream: self._go(grid, block, shared_mem, cooperative, stream, buffer)
+
+
+def _dim3(dims) -> Tuple[int, int, int]:
+    dims = (dims,) if isinstance(dims, (int, np.integer)) else tuple(dims)
+    if not 1 <= len(dims) <= 3 or any(int(d) < 1 for d in dims):
+        raise ValueError(f'launch dimensions must be 1 to 3 positive integers, got {dims}')
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
 
 
 _lock = threading.Lock()
