@@ -15,6 +15,7 @@ from .runtime.event import EventHandle
 from .runtime.group import ProcessGroup, get_group
 from .runtime.symmetric import HostMappedMemory, SymmetricMemory
 from .runtime.topology import Topology, detect_topology, select_device
+from .validation import check_int
 
 # The first 2 MiB of every symmetric buffer hold signals and small control data. Map (byte offsets; each user
 # documents its words in the file named):
@@ -43,14 +44,6 @@ def _release_stream(device: int, stream) -> None:
     _STREAM_POOL.setdefault(device, []).append(stream)
 
 
-def _check_int(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f'{name} must be an int, got {type(value).__name__} ({value!r})')
-    if value < minimum:
-        raise ValueError(f'{name} must be >= {minimum}, got {value}')
-    return value
-
-
 class BufferBase:
     """Symmetric memory, streams and a GPU barrier over a group of ranks.
 
@@ -69,7 +62,7 @@ class BufferBase:
                  num_cpu_timeout_secs: float = 300, num_gpu_timeout_secs: float = 100,
                  explicitly_destroy: bool = False, device: Optional[int] = None,
                  config: Optional[Dict[str, Any]] = None):
-        _check_int('num_bytes', num_bytes)
+        check_int('num_bytes', num_bytes)
         if num_bytes % BUFFER_ALIGNMENT != 0:
             raise ValueError(f'num_bytes must be a multiple of {BUFFER_ALIGNMENT} (2 MiB), got {num_bytes}')
         if not num_gpu_timeout_secs > 0 or not num_cpu_timeout_secs > 0:

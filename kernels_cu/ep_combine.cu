@@ -64,13 +64,9 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
             } else {
                 // Local rows of this token in ascending top-k order (compile-time indices keep them in registers).
                 int local_row[kNumTopk];
-                int num_local = 0;
                 #pragma unroll
-                for (int k = 0; k < kNumTopk; ++k) {
-                    const int r = __shfl_sync(0xffffffffu, row, k);
-                    local_row[k] = r;
-                    num_local += r >= 0 ? 1 : 0;
-                }
+                for (int k = 0; k < kNumTopk; ++k)
+                    local_row[k] = __shfl_sync(0xffffffffu, row, k);
                 for (int c = lane; c < num_chunks; c += 32) {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                     // Loads in batches of 8 rows before the additions (kept in ascending k order).
@@ -88,7 +84,6 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
                     }
                     st_na_v4(dst + c * 16, round_bf16x8(acc));
                 }
-                (void)num_local;
             }
             if (topk_weights != nullptr && lane < kNumTopk) {
                 float w = 0.f;

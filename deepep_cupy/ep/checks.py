@@ -4,6 +4,7 @@ before any kernel runs, so the buffer stays usable."""
 from typing import Any, Optional, Tuple
 
 from ..runtime.interop import TensorInfo, tensor_info
+from ..validation import check_int  # noqa: F401  (re-exported for the EP API)
 
 
 def info(x: Any, name: str, device: int) -> TensorInfo:
@@ -34,14 +35,6 @@ def check_contiguous(t: TensorInfo, name: str) -> None:
 def check_same_kind(kind: str, t: TensorInfo, name: str) -> None:
     if t.kind != kind:
         raise TypeError(f'{name} is a {t.kind} array but the other inputs are {kind} arrays; pass one kind')
-
-
-def check_int(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f'{name} must be an int, got {type(value).__name__} ({value!r})')
-    if value < minimum:
-        raise ValueError(f'{name} must be >= {minimum}, got {value}')
-    return value
 
 
 def value_range_async(x: Any, kind: str):

@@ -5,6 +5,7 @@ CuPy has no bfloat16 or float8 dtypes, so kernels never need a CuPy view of a to
 (torch in, torch out; CuPy in, CuPy out). CuPy users hold bfloat16 data as `uint16` arrays and float8 as `uint8`.
 """
 
+import contextlib
 import sys
 import warnings
 from dataclasses import dataclass
@@ -188,17 +189,10 @@ class Allocator:
         x = self.empty(shape, dtype, stream)
         if self.kind == 'torch':
             import torch
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)) if stream is not None else _nullcontext():
+            ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)) if stream is not None else None
+            with ctx or contextlib.nullcontext():
                 x.zero_()
         else:
-            with stream if stream is not None else _nullcontext():
+            with stream if stream is not None else contextlib.nullcontext():
                 x.fill(0)
         return x
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

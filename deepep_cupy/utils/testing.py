@@ -5,6 +5,7 @@ Works for torch and CuPy users alike: timing events are CuPy events recorded on 
 current stream once torch has initialised CUDA, else CuPy's). torch is imported lazily and only where it is needed.
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -148,14 +149,6 @@ class suppress_stdout_stderr:
         return False
 
 
-class _no_suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _flush_c_stdio() -> None:
     try:
         ctypes.CDLL(None).fflush(None)
@@ -238,7 +231,7 @@ def bench_kineto(fn: Callable[[], object], kernel_names: Union[str, Tuple[str, .
         avg = _time_calls(fn, num_tests, before_call)
         return pack([avg if num_kernels_per_period == 1 else (avg,) * num_kernels_per_period for _ in names])
 
-    with suppress_stdout_stderr() if suppress_kineto_output else _no_suppress():
+    with suppress_stdout_stderr() if suppress_kineto_output else contextlib.nullcontext():
         schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=schedule) as prof:
             for _ in range(2):
