@@ -24,6 +24,10 @@ from .validation import check_int
 #   4096     barrier test check slots                 kernels_cu/barrier.cu
 #   8192     EP control: epochs, tickets, signals     kernels_cu/common/ep.cuh
 #   16384    peer-copy floor control words            kernels_cu/peer_copy.cu
+#   20480    PP send/recv control words               kernels_cu/pp.cu
+#   24576    all-gather / reduce-scatter sessions     kernels_cu/agrs.cu
+#   28672    engram control words                     kernels_cu/engram.cu
+#   30720    load-balancing control words             kernels_cu/lb.cu
 #   65536    EP notify counts [src][1 + L]            kernels_cu/common/ep.cuh (up to ~33 KB)
 WORKSPACE_BYTES = BUFFER_ALIGNMENT
 HOST_MAPPED_BYTES = 64 * 1024
@@ -102,6 +106,8 @@ class BufferBase:
             from .runtime.nccl import create_nccl_comm
             self.nccl = create_nccl_comm(self.group)
             self._nccl_word = cupy.zeros(1, dtype=cupy.int32)
+        self.num_device_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
+        self._data_region_owner: Optional[str] = None
         self._failed: Optional[str] = None
         self._destroyed = False
         self.group.barrier(timeout=self.num_cpu_timeout_secs)
@@ -133,6 +139,15 @@ class BufferBase:
     def get_logical_domain_size(self):
         """`(num_scaleout, num_scaleup)` this buffer uses."""
         return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+    def claim_data_region(self, owner: str) -> None:
+        """Reserve the data region `[data_offset, data_offset + num_bytes)` for one feature (EP dispatch/combine,
+        PP, all-gather sessions, engram, load balancing): features lay out their slots from `data_offset` and cannot
+        share one buffer. Raises `RuntimeError` naming the current owner when another feature holds it."""
+        if self._data_region_owner not in (None, owner):
+            raise RuntimeError(f'this buffer\'s symmetric memory is already used by {self._data_region_owner}; '
+                               f'{owner} needs a buffer of its own')
+        self._data_region_owner = owner
 
     def check_usable(self) -> None:
         """Raise if the buffer was destroyed or a GPU wait timed out earlier; check the error record."""

@@ -103,8 +103,6 @@ class ElasticBuffer(BufferBase):
             self._get_kernels(num_topk)      # compile now, never inside a timed or collective region
         self._host_seq = 0
         self.host_counts = self.host_mapped.view('int32', 3 + layout.NUM_MAX_LOCAL_EXPERTS, HOST_COUNTS_OFFSET)
-        import cupy
-        self.num_device_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
         # Read the NVLink bandwidth now (it runs nvidia-smi once per process), never inside a timed or captured call.
         from ..utils.envs import get_nvlink_gbs
         self._nvlink_gbs = get_nvlink_gbs() or 450.0
@@ -143,6 +141,7 @@ class ElasticBuffer(BufferBase):
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _set_layout(self, num_max_tokens_per_rank: int, hidden: int, num_topk: int):
+        self.claim_data_region('EP dispatch/combine')
         lay = layout.EPLayout(self.num_scaleup_ranks, num_max_tokens_per_rank, hidden, num_topk,
                               self.allow_multiple_reduction, self.data_offset)
         if lay.end_offset > self.sym.num_bytes:

@@ -26,6 +26,10 @@ enum Phase : int {
     kPhaseDispatch = 4,
     kPhaseCombine = 5,
     kPhasePeerCopy = 6,
+    kPhasePP = 7,
+    kPhaseAGRS = 8,
+    kPhaseEngram = 9,
+    kPhaseLB = 10,
 };
 
 template <typename T>
