@@ -341,6 +341,11 @@ def test_misc(buf: ElasticBuffer, case: Case):
             check(sms >= min(64, other.num_device_sms), f'prefer_overlap_with_compute=False gives {sms} SMs')
         out = other.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E)
         check_dispatch(case, out, False, 1, False, True, 'EPBuffer dispatch')
+        try:
+            buf.combine(case.combine_x, out[3])
+            raise Failure('a handle from another buffer was accepted')
+        except ValueError:
+            pass
     finally:
         other.destroy()
 
