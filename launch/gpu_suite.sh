@@ -3,7 +3,7 @@
 # rank program with 1 GPU, with all GPUs (one rank per GPU), and with 4 and 8 ranks sharing the GPUs (logic only),
 # then the benchmarks. Logs go under $OUT (default ./out): suite.log (everything), summary.txt (one line per step).
 #
-#   bash launch/gpu_suite.sh [STAGE...]      STAGE in: info jit barrier pytest ep bench (default: all)
+#   bash launch/gpu_suite.sh [STAGE...]      STAGE in: info jit barrier pytest ep bench coll (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -15,7 +15,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_jit}
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(info jit barrier pytest ep bench)
+[ ${#stages[@]} -eq 0 ] && stages=(info jit barrier pytest ep bench coll)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # step NAME TIMEOUT_S COMMAND...: run, log, record PASS/FAIL with the wall time.
@@ -78,6 +78,16 @@ if want ep && [ -f deepep_cupy/tests/ep.py ]; then
 fi
 if want bench && [ -f perf/ep_bench.py ] && [ "$NGPU" -ge 2 ]; then
     step "ep_bench np=$NGPU" 600 $R "$NGPU" $PY perf/ep_bench.py --out "$OUT"
+fi
+if want coll; then
+    # Collectives, PP, engram and load balancing (issue 3): 2 ranks on 2 GPUs with performance, then 4 ranks sharing.
+    for prog in allocation pp agrs engram reduce_grads prefetch_weights; do
+        step "$prog np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.$prog
+    done
+    step "engram fp8 np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.engram --use-fp8
+    for prog in pp agrs engram reduce_grads; do
+        step "$prog np=4 (shared GPUs)" 300 $R 4 $PY -m deepep_cupy.tests.$prog --skip-perf-test
+    done
 fi
 echo "=== summary" | tee -a "$LOG"
 cat "$SUMMARY"

@@ -15,7 +15,11 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import constants
+from ..agrs import AGRSMixin
 from ..buffer_base import BufferBase
+from ..engram import EngramMixin
+from ..lb import LBMixin
+from ..pp import PPMixin
 from ..runtime import interop
 from ..runtime.event import EventHandle, EventOverlap
 from ..runtime.group import get_group
@@ -36,8 +40,10 @@ def _bias_list(bias) -> Tuple[Any, ...]:
     return (bias,)
 
 
-class ElasticBuffer(BufferBase):
-    """Buffer for MoE dispatch / combine over the ranks of one scale-up (NVLink) domain.
+class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
+    """Buffer for MoE dispatch / combine over the ranks of one scale-up (NVLink) domain, plus DeepEP V2's other
+    features on the same symmetric memory (one feature per buffer): PP send/recv (`pp_*`), all-gather sessions,
+    reduce-scatter and all-reduce (`agrs_*`, `all_gather`, ...), engram (`engram_*`) and load balancing (`lb_*`).
 
     Args:
         group: torch.distributed ProcessGroup; `comm`: mpi4py communicator (neither: MPI world under mpirun, else one

@@ -20,4 +20,8 @@ def shipped_specs() -> Dict[str, List[KernelSpec]]:
                 specs.setdefault(family, []).extend(family_specs)
     from .. import peer_copy
     specs['peer_copy'] = [peer_copy.peer_copy_spec(n) for n in range(1, NUM_MAX_SCALEUP_RANKS + 1)]
+    from .. import agrs, engram, lb, pp
+    for module in (pp, agrs, engram, lb):
+        for family, family_specs in module.shipped_specs().items():
+            specs.setdefault(family, []).extend(family_specs)
     return specs

@@ -32,3 +32,17 @@ def test_barrier_program(n):
         pytest.skip('needs 2 GPUs')
     out = run_ranks(n, 'deepep_cupy.tests.barrier', '--num-barriers', '100', '--num-rounds', '8')
     assert 'barrier test: PASSED' in out
+
+
+@pytest.mark.parametrize('module, args', [
+    ('deepep_cupy.tests.pp', ('--num-tokens', '1024', '--hidden', '1024', '--num-sends', '64', '--skip-perf-test')),
+    ('deepep_cupy.tests.agrs', ('--num-stress-iterations', '2', '--skip-perf-test')),
+    ('deepep_cupy.tests.engram', ('--skip-perf-test',)),
+    ('deepep_cupy.tests.reduce_grads', ('--skip-perf-test',)),
+    ('deepep_cupy.tests.prefetch_weights', ('--skip-perf-test',)),
+    ('deepep_cupy.tests.allocation', ()),
+])
+def test_collective_programs(module, args):
+    """Issue 3's rank programs on 2 ranks (sharing one GPU when only one is present)."""
+    out = run_ranks(2, module, *args, timeout=600)
+    assert 'test: PASSED' in out

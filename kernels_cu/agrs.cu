@@ -1,0 +1,431 @@
+// All-gather sessions, reduce-scatter and all-reduce over the ranks of one NVLink domain (CUDA IPC, SM-driven
+// copies). deepep_cupy/agrs.py lays out the memory and launches these kernels; offsets below are bytes from each
+// rank's symmetric base and are identical on every rank, because every rank makes the same calls in the same order.
+//
+// Data region:
+//   [data_offset, data_offset + session_bytes)       all-gather session. Regions are reserved one after another, each
+//       align(R * num_bytes, 32); rank r's tensor sits at region + r * num_bytes, so a region is a [R, *shape] view.
+//   [data_offset + align(session_bytes, 4096), end)  reduction area of the current reduce-scatter / all-reduce:
+//       recv slots [src] of slot_bytes (src's piece for this rank, in the staging precision), then, for all-reduce,
+//       gather slots [src] of gather_slot_bytes (src's reduced shard, FP32).
+//
+// Control words: workspace bytes [24576, 28672) of every rank's buffer (barrier.cu uses [0, 8192) with the claim word
+// of timeout.cuh at 512, common/ep.cuh 8192 and 65536, peer_copy.cu 16384, pp.cu 20480). uint32 words, epochs that
+// only grow, nothing is ever cleared:
+//   [0] gather ticket, [1] reduce ticket, [2] unpack ticket   local, for last_block_done
+//   gather_signal[src]   word 32 + src   src finished writing its tensors of gather epoch e into this rank's region
+//   shard_signal[src]    word 64 + src   src finished writing its reduced shard of all-reduce epoch e into our gather
+//                                        slot [src]
+//   done[src]            word 96 + src   src finished reduction epoch e entirely: it read everything we wrote into
+//                                        its recv / gather slots, which we may now overwrite
+//   gather_meta[src][32] word 128        meta[src][e % 32] = end of src's regions of gather epoch e (32-byte units)
+//   chunk_flag[src][32]  word 384        chunk_flag[src][b] = (e << 16) + round + 1: src's sender block b finished its
+//                                        chunk of round `round` for this rank in reduction epoch e
+//
+// All-gather (gather epoch e = the host's count of all_gather calls): one agrs_gather_kernel per tensor on the
+// communication stream stores this rank's bytes into slot [me] of the tensor's region at every rank (16-byte vector
+// stores; the local store is skipped when the source already is that slot, the in-place case). The last launch of a
+// call (earlier launches are complete by stream order) publishes, from its last block, meta[me][e % 32] and then
+// gather_signal[me] = e at every rank, itself included (release). agrs_wait_kernel, launched by the wait handle on
+// the user's stream, waits gather_signal[p] >= e for every p (acquire) and checks meta[p][e % 32] against its own
+// (ranks that disagree on sizes are reported instead of returning garbage). A session holds at most 32 calls and its
+// destroy is a barrier ordered after the user's stream, so a peer is never 32 gather epochs ahead of a waiter and the
+// meta slot is still the one of epoch e.
+//
+// Reduce-scatter / all-reduce (reduction epoch e = the host's count of those calls), one cooperative kernel with two
+// roles; element groups of 8 (shards start at multiples of 8 elements):
+//   sender blocks b < S wait done[p] >= e - 1 for every peer p, then for chunk k = round * S + b of every peer d's
+//     piece convert it to the staging precision, store it into recv slot [me] at d and publish chunk_flag[me][b] =
+//     (e << 16) + round + 1 at d (release after the block's stores).
+//   reducer blocks take this rank's chunks k in turn, wait chunk_flag[p][k % S] >= (e << 16) + k / S + 1 for every
+//     peer p, then sum the R pieces in rank order 0..R-1 in FP32 (this rank's own piece read from the input, rounded
+//     to the staging precision like the others), multiply by `scale` and store the result in the output precision;
+//     all-reduce also stores the FP32 result into gather slot [me] of every peer.
+//   The grid's last block publishes done[me] = e (reduce-scatter) or shard_signal[me] = e (all-reduce) at every peer.
+// All-reduce then runs agrs_unpack_kernel: wait shard_signal[p] >= e, copy the gather slots into the input in place,
+// and publish done[me] = e from the last block. A sender of epoch e + 1 waits for done of epoch e, so recv and gather
+// slots are never overwritten while read; reducers wait only on senders, so the cooperative launch cannot deadlock.
+#include "common/ep.cuh"
+
+namespace deepep {
+
+constexpr uint64_t kAgrsCtrlOffset = 24576;
+constexpr uint64_t kAgrsCtrlBytes = 4096;
+constexpr int kAgrsMaxRanks = 8;
+constexpr int kAgrsMetaSlots = 32;
+constexpr int kAgrsMaxSenders = 32;
+constexpr int kAgrsThreads = 512;
+constexpr int kAgrsGatherUnroll = 4;
+constexpr int kAgrsSendUnroll = 2;
+
+constexpr int kAgrsTicketGather = 0, kAgrsTicketReduce = 1, kAgrsTicketUnpack = 2;
+constexpr int kAgrsSigGather = 32, kAgrsSigShard = 64, kAgrsSigDone = 96;
+constexpr int kAgrsGatherMeta = 128;
+constexpr int kAgrsChunkFlags = kAgrsGatherMeta + kAgrsMaxRanks * kAgrsMetaSlots;
+static_assert((kAgrsChunkFlags + kAgrsMaxRanks * kAgrsMaxSenders) * 4 <= kAgrsCtrlBytes,
+              "all-gather / reduce-scatter control words overflow their workspace range");
+
+// `aux` of an error record: which wait gave up (deepep_cupy/agrs.py mirrors these).
+constexpr int kAgrsAuxGatherWait = 1, kAgrsAuxSizeMismatch = 2, kAgrsAuxDoneWait = 3, kAgrsAuxChunkWait = 4,
+              kAgrsAuxShardWait = 5;
+
+struct AgrsCtrl {
+    const uint64_t* bases;
+    int rank;
+    __device__ __forceinline__ uint8_t* base(int peer) const { return reinterpret_cast<uint8_t*>(bases[peer]); }
+    __device__ __forceinline__ uint32_t* words(int peer) const {
+        return reinterpret_cast<uint32_t*>(base(peer) + kAgrsCtrlOffset);
+    }
+    __device__ __forceinline__ uint32_t* local() const { return words(rank); }
+};
+
+// Threads p < kNumRanks, p != rank, wait until this rank's control word [first + p * stride] reaches `target`
+// (acquire), then the block syncs. Returns false in every thread if a wait timed out. Every thread must call it.
+template <int kNumRanks>
+__device__ __forceinline__ bool agrs_wait_peers(const AgrsCtrl& ctrl, int first, int stride, uint32_t target,
+                                                uint64_t timeout_ns, const ErrorSink& sink, int aux) {
+    __shared__ int s_ok;
+    if (threadIdx.x == 0)
+        s_ok = 1;
+    __syncthreads();
+    const int p = threadIdx.x;
+    if (p < kNumRanks && p != ctrl.rank) {
+        if (!wait_epoch(ctrl.local() + first + p * stride, target, timeout_ns, sink, kPhaseAGRS, ctrl.rank, p, aux))
+            s_ok = 0;
+    }
+    __syncthreads();
+    const bool ok = s_ok != 0;
+    __syncthreads();    // s_ok is reused by the next call
+    return ok;
+}
+
+__device__ __forceinline__ int64_t shard_len(int64_t num_elems, int64_t shard_elems, int idx) {
+    const int64_t left = num_elems - static_cast<int64_t>(idx) * shard_elems;
+    return left <= 0 ? 0 : (left < shard_elems ? left : shard_elems);
+}
+
+__device__ __forceinline__ uint32_t chunk_flag(uint32_t epoch, int64_t round) {
+    return (epoch << 16) + static_cast<uint32_t>(round) + 1u;
+}
+
+// ---- 8-element groups in FP32 or bfloat16 ------------------------------------------------------------------------
+__device__ __forceinline__ void unpack_f32x4(const Vec16& a, float* v) {
+    v[0] = __uint_as_float(a.x); v[1] = __uint_as_float(a.y); v[2] = __uint_as_float(a.z); v[3] = __uint_as_float(a.w);
+}
+
+__device__ __forceinline__ Vec16 pack_f32x4(const float* v) {
+    return {__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3])};
+}
+
+template <bool kBF16, bool kNonCoherent>
+__device__ __forceinline__ void load8(const uint8_t* p, float (&v)[8]) {
+    if (kBF16) {
+        const Vec16 a = kNonCoherent ? ld_nc_v4(p) : ld_v4(p);
+        v[0] = bf16_lo(a.x); v[1] = bf16_hi(a.x); v[2] = bf16_lo(a.y); v[3] = bf16_hi(a.y);
+        v[4] = bf16_lo(a.z); v[5] = bf16_hi(a.z); v[6] = bf16_lo(a.w); v[7] = bf16_hi(a.w);
+    } else {
+        const Vec16 a = kNonCoherent ? ld_nc_v4(p) : ld_v4(p);
+        const Vec16 b = kNonCoherent ? ld_nc_v4(p + 16) : ld_v4(p + 16);
+        unpack_f32x4(a, v);
+        unpack_f32x4(b, v + 4);
+    }
+}
+
+template <bool kBF16>
+__device__ __forceinline__ void store8(uint8_t* p, const float (&v)[8]) {
+    if (kBF16) {
+        st_na_v4(p, round_bf16x8(v));
+    } else {
+        st_na_v4(p, pack_f32x4(v));
+        st_na_v4(p + 16, pack_f32x4(v + 4));
+    }
+}
+
+template <bool kBF16>
+__device__ __forceinline__ float load1(const uint8_t* p) {
+    if (kBF16)
+        return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
+    return *reinterpret_cast<const float*>(p);
+}
+
+template <bool kBF16>
+__device__ __forceinline__ void store1(uint8_t* p, float v) {
+    if (kBF16)
+        *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(pack_bf16x2(v, 0.f) & 0xffffu);
+    else
+        *reinterpret_cast<float*>(p) = v;
+}
+
+// Round to bfloat16 (nearest even) and back: the value a bfloat16 staging slot would hold.
+__device__ __forceinline__ float round_bf16(float v) { return bf16_lo(pack_bf16x2(v, 0.f)); }
+
+// ---- all-gather ---------------------------------------------------------------------------------------------------
+
+// Store `num_bytes` bytes of `src` into slot [rank] (at region_offset + rank * num_bytes) of every rank's buffer, the
+// local one only if `write_local`; with `do_signal`, publish meta and gather_signal[rank] = epoch at every rank.
+template <int kNumRanks>
+__global__ void __launch_bounds__(kAgrsThreads, 1)
+agrs_gather_kernel(const uint8_t* src, int64_t num_bytes, uint64_t region_offset, const uint64_t* peer_bases, int rank,
+                   int write_local, int do_signal, uint32_t epoch, uint32_t meta) {
+    static_assert(kNumRanks >= 1 && kNumRanks <= kAgrsMaxRanks, "all-gather supports up to 8 ranks");
+    const AgrsCtrl ctrl{peer_bases, rank};
+    const uint64_t slot_offset = region_offset + static_cast<uint64_t>(rank) * static_cast<uint64_t>(num_bytes);
+    uint8_t* dst[kNumRanks];
+    #pragma unroll
+    for (int p = 0; p < kNumRanks; ++p)
+        dst[p] = (p != rank || write_local) ? ctrl.base(p) + slot_offset : nullptr;
+
+    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kAgrsThreads;
+    const int64_t tid = static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x;
+    const bool vec = (num_bytes % 16 == 0) && (reinterpret_cast<uint64_t>(src) % 16 == 0) && (slot_offset % 16 == 0);
+    if (vec) {
+        const int64_t num_vectors = num_bytes / 16;
+        for (int64_t base = tid; base < num_vectors; base += num_threads * kAgrsGatherUnroll) {
+            Vec16 v[kAgrsGatherUnroll];
+            #pragma unroll
+            for (int u = 0; u < kAgrsGatherUnroll; ++u) {
+                const int64_t i = base + u * num_threads;
+                if (i < num_vectors)
+                    v[u] = ld_nc_v4(src + i * 16);
+            }
+            #pragma unroll
+            for (int u = 0; u < kAgrsGatherUnroll; ++u) {
+                const int64_t i = base + u * num_threads;
+                if (i < num_vectors) {
+                    #pragma unroll
+                    for (int p = 0; p < kNumRanks; ++p)
+                        if (dst[p] != nullptr)
+                            st_na_v4(dst[p] + i * 16, v[u]);
+                }
+            }
+        }
+    } else {
+        // Unaligned sizes or sources: byte stores (correct, slow; the API documents the 16-byte fast path).
+        for (int64_t i = tid; i < num_bytes; i += num_threads) {
+            const uint8_t b = src[i];
+            #pragma unroll
+            for (int p = 0; p < kNumRanks; ++p)
+                if (dst[p] != nullptr)
+                    dst[p][i] = b;
+        }
+    }
+
+    if (!do_signal || !last_block_done(ctrl.local() + kAgrsTicketGather))
+        return;
+    const int p = threadIdx.x;
+    if (p < kNumRanks) {
+        uint32_t* remote = ctrl.words(p);
+        remote[kAgrsGatherMeta + rank * kAgrsMetaSlots + epoch % kAgrsMetaSlots] = meta;  // ordered by the release
+        st_release_sys(remote + kAgrsSigGather + rank, epoch);
+    }
+}
+
+// One block of 32 threads on the user's stream: thread p waits for rank p's gather epoch `epoch` and checks its meta.
+template <int kNumRanks>
+__global__ void __launch_bounds__(32, 1)
+agrs_wait_kernel(const uint64_t* peer_bases, int rank, uint32_t epoch, uint32_t meta, int32_t* error_record,
+                 uint64_t timeout_ns) {
+    const AgrsCtrl ctrl{peer_bases, rank};
+    const int p = threadIdx.x;
+    if (p >= kNumRanks)
+        return;
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    const uint32_t* words = ctrl.local();
+    if (!wait_epoch(words + kAgrsSigGather + p, epoch, timeout_ns, sink, kPhaseAGRS, rank, p, kAgrsAuxGatherWait))
+        return;
+    const uint32_t seen = ld_acquire_sys(words + kAgrsGatherMeta + p * kAgrsMetaSlots + epoch % kAgrsMetaSlots);
+    if (seen != meta)
+        report_timeout(sink, kPhaseAGRS, rank, p, meta, seen, kAgrsAuxSizeMismatch);
+}
+
+// ---- reduce-scatter / all-reduce ----------------------------------------------------------------------------------
+
+// `num` elements of `src` (input precision) into `dst` (staging precision); both start at a multiple of 8 elements.
+template <bool kInBF16, bool kStageBF16>
+__device__ __forceinline__ void stage_copy(uint8_t* dst, const uint8_t* src, int64_t num) {
+    constexpr int kIn = kInBF16 ? 2 : 4, kStage = kStageBF16 ? 2 : 4;
+    const int64_t num_groups = num / 8;
+    for (int64_t base = threadIdx.x; base < num_groups; base += kAgrsThreads * kAgrsSendUnroll) {
+        float v[kAgrsSendUnroll][8];
+        #pragma unroll
+        for (int u = 0; u < kAgrsSendUnroll; ++u) {
+            const int64_t g = base + u * kAgrsThreads;
+            if (g < num_groups)
+                load8<kInBF16, true>(src + g * 8 * kIn, v[u]);
+        }
+        #pragma unroll
+        for (int u = 0; u < kAgrsSendUnroll; ++u) {
+            const int64_t g = base + u * kAgrsThreads;
+            if (g < num_groups)
+                store8<kStageBF16>(dst + g * 8 * kStage, v[u]);
+        }
+    }
+    for (int64_t i = num_groups * 8 + threadIdx.x; i < num; i += kAgrsThreads)
+        store1<kStageBF16>(dst + i * kStage, load1<kInBF16>(src + i * kIn));
+}
+
+// x: this rank's input, `num_elems` elements (input precision); piece d = elements [d * shard_elems, ...) of at most
+// shard_elems. out: where this rank's reduced shard goes (output precision = input precision). Blocks [0, num_senders)
+// send, the others reduce. All-reduce (`is_all_reduce`, FP32 only) also pushes the result into the peers' gather slots.
+template <int kNumRanks, bool kInBF16, bool kStageBF16>
+__global__ void __launch_bounds__(kAgrsThreads, 1)
+agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t shard_elems, int64_t chunk_elems,
+                   float scale, int num_senders, const uint64_t* peer_bases, int rank, uint64_t recv_offset,
+                   uint64_t slot_bytes, uint64_t gather_offset, uint64_t gather_slot_bytes, int is_all_reduce,
+                   uint32_t epoch, int32_t* error_record, uint64_t timeout_ns) {
+    static_assert(kNumRanks >= 1 && kNumRanks <= kAgrsMaxRanks, "reduce-scatter supports up to 8 ranks");
+    static_assert(!kInBF16 || kStageBF16, "bfloat16 inputs are staged as bfloat16");
+    constexpr int kIn = kInBF16 ? 2 : 4, kStage = kStageBF16 ? 2 : 4;
+    const AgrsCtrl ctrl{peer_bases, rank};
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+
+    if (static_cast<int>(blockIdx.x) < num_senders) {
+        const int b = blockIdx.x;
+        if (!agrs_wait_peers<kNumRanks>(ctrl, kAgrsSigDone, 1, epoch - 1, timeout_ns, sink, kAgrsAuxDoneWait))
+            return;
+        for (int64_t round = 0;; ++round) {
+            const int64_t begin = (round * num_senders + b) * chunk_elems;
+            bool any = false;
+            #pragma unroll
+            for (int j = 1; j < kNumRanks; ++j) {
+                const int d = (rank + j) % kNumRanks;
+                const int64_t len = shard_len(num_elems, shard_elems, d);
+                if (begin >= len)
+                    continue;
+                any = true;
+                const int64_t n = len - begin < chunk_elems ? len - begin : chunk_elems;
+                uint8_t* dst = ctrl.base(d) + recv_offset + static_cast<uint64_t>(rank) * slot_bytes + begin * kStage;
+                stage_copy<kInBF16, kStageBF16>(dst, x + (d * shard_elems + begin) * kIn, n);
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    fence_acq_rel_sys();
+                    st_release_sys(ctrl.words(d) + kAgrsChunkFlags + rank * kAgrsMaxSenders + b,
+                                   chunk_flag(epoch, round));
+                }
+            }
+            if (!any)
+                break;
+        }
+    } else {
+        const int q = blockIdx.x - num_senders, num_reducers = gridDim.x - num_senders;
+        const int64_t len = shard_len(num_elems, shard_elems, rank);
+        const int64_t num_chunks = (len + chunk_elems - 1) / chunk_elems;
+        const uint8_t* own = x + static_cast<int64_t>(rank) * shard_elems * kIn;
+        const uint8_t* slots = ctrl.base(rank) + recv_offset;
+        for (int64_t k = q; k < num_chunks; k += num_reducers) {
+            if (!agrs_wait_peers<kNumRanks>(ctrl, kAgrsChunkFlags + static_cast<int>(k % num_senders),
+                                            kAgrsMaxSenders, chunk_flag(epoch, k / num_senders), timeout_ns, sink,
+                                            kAgrsAuxChunkWait))
+                return;
+            const int64_t begin = k * chunk_elems;
+            const int64_t n = len - begin < chunk_elems ? len - begin : chunk_elems;
+            const int64_t num_groups = n / 8;
+            for (int64_t g = threadIdx.x; g < num_groups; g += kAgrsThreads) {
+                const int64_t e = begin + g * 8;
+                // One load per rank through a selected pointer (loads on divergent branches would put v in local
+                // memory). When the staging is narrower than the input, this rank's piece is loaded separately and
+                // rounded, and v[rank] (the first half of it, read as bfloat16) is ignored.
+                float own_v[8];
+                if (kStageBF16 && !kInBF16) {
+                    load8<false, false>(own + e * kIn, own_v);
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        own_v[i] = round_bf16(own_v[i]);
+                }
+                float v[kNumRanks][8];
+                #pragma unroll
+                for (int r = 0; r < kNumRanks; ++r)
+                    load8<kStageBF16, false>(r == rank ? own + e * kIn : slots + r * slot_bytes + e * kStage, v[r]);
+                float acc[8];
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    float s = 0.f;
+                    #pragma unroll
+                    for (int r = 0; r < kNumRanks; ++r) {
+                        const float t = (r == rank && kStageBF16 && !kInBF16) ? own_v[i] : v[r][i];
+                        s = r == 0 ? t : __fadd_rn(s, t);
+                    }
+                    acc[i] = __fmul_rn(s, scale);
+                }
+                store8<kInBF16>(out + e * kIn, acc);
+                if (is_all_reduce) {
+                    #pragma unroll
+                    for (int p = 0; p < kNumRanks; ++p)
+                        if (p != rank)
+                            store8<false>(ctrl.base(p) + gather_offset + rank * gather_slot_bytes + e * 4, acc);
+                }
+            }
+            for (int64_t e = begin + num_groups * 8 + threadIdx.x; e < begin + n; e += kAgrsThreads) {
+                float s = 0.f;
+                #pragma unroll
+                for (int r = 0; r < kNumRanks; ++r) {
+                    float t = r == rank ? load1<kInBF16>(own + e * kIn) : load1<kStageBF16>(slots + r * slot_bytes +
+                                                                                             e * kStage);
+                    if (r == rank && kStageBF16 && !kInBF16)
+                        t = round_bf16(t);
+                    s = r == 0 ? t : __fadd_rn(s, t);
+                }
+                const float result = __fmul_rn(s, scale);
+                store1<kInBF16>(out + e * kIn, result);
+                if (is_all_reduce) {
+                    #pragma unroll
+                    for (int p = 0; p < kNumRanks; ++p)
+                        if (p != rank)
+                            store1<false>(ctrl.base(p) + gather_offset + rank * gather_slot_bytes + e * 4, result);
+                }
+            }
+        }
+    }
+
+    if (!last_block_done(ctrl.local() + kAgrsTicketReduce))
+        return;
+    const int p = threadIdx.x;
+    if (p < kNumRanks && p != rank)
+        st_release_sys(ctrl.words(p) + (is_all_reduce ? kAgrsSigShard : kAgrsSigDone) + rank, epoch);
+}
+
+// All-reduce, second step: copy every peer's reduced shard from this rank's gather slots into x (FP32, in place).
+template <int kNumRanks>
+__global__ void __launch_bounds__(kAgrsThreads, 1)
+agrs_unpack_kernel(uint8_t* x, int64_t num_elems, int64_t shard_elems, const uint64_t* peer_bases, int rank,
+                   uint64_t gather_offset, uint64_t gather_slot_bytes, uint32_t epoch, int32_t* error_record,
+                   uint64_t timeout_ns) {
+    const AgrsCtrl ctrl{peer_bases, rank};
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    if (!agrs_wait_peers<kNumRanks>(ctrl, kAgrsSigShard, 1, epoch, timeout_ns, sink, kAgrsAuxShardWait))
+        return;
+    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kAgrsThreads;
+    const int64_t tid = static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x;
+    #pragma unroll
+    for (int j = 1; j < kNumRanks; ++j) {
+        const int d = (rank + j) % kNumRanks;
+        const int64_t len = shard_len(num_elems, shard_elems, d);
+        const uint8_t* src = ctrl.base(rank) + gather_offset + d * gather_slot_bytes;
+        uint8_t* dst = x + d * shard_elems * 4;
+        const int64_t num_vectors = len / 4;
+        for (int64_t base = tid; base < num_vectors; base += num_threads * kAgrsGatherUnroll) {
+            Vec16 v[kAgrsGatherUnroll];
+            #pragma unroll
+            for (int u = 0; u < kAgrsGatherUnroll; ++u) {
+                const int64_t i = base + u * num_threads;
+                if (i < num_vectors)
+                    v[u] = ld_v4(src + i * 16);
+            }
+            #pragma unroll
+            for (int u = 0; u < kAgrsGatherUnroll; ++u) {
+                const int64_t i = base + u * num_threads;
+                if (i < num_vectors)
+                    st_na_v4(dst + i * 16, v[u]);
+            }
+        }
+        for (int64_t i = num_vectors * 4 + tid; i < len; i += num_threads)
+            reinterpret_cast<float*>(dst)[i] = reinterpret_cast<const float*>(src)[i];
+    }
+    if (!last_block_done(ctrl.local() + kAgrsTicketUnpack))
+        return;
+    const int p = threadIdx.x;
+    if (p < kNumRanks && p != rank)
+        st_release_sys(ctrl.words(p) + kAgrsSigDone + rank, epoch);
+}
+
+}  // namespace deepep

@@ -1,0 +1,711 @@
+"""All-gather sessions / reduce-scatter / all-reduce without a GPU: the kernel family compiles for sm_90, every launch
+declaration matches its kernel's signature, the control words stay in their workspace range, the size hints follow
+DeepEP, the session bookkeeping and reduction layout are right, the numpy references sum in the kernels' order, the
+stress-op generator keeps its invariants, and the buffer methods validate arguments and pack launches correctly
+(kernels, streams and memory replaced by fakes)."""
+
+import random
+import re
+
+import numpy as np
+import pytest
+
+from deepep_cupy import agrs
+from deepep_cupy.jit import compiler, launch
+from deepep_cupy.runtime import interop
+from deepep_cupy.runtime.group import ProcessGroup
+
+MiB = 1 << 20
+
+
+# ---- kernels ---------------------------------------------------------------------------------------------------------
+def test_agrs_family_compiles_for_sm90():
+    specs = agrs.shipped_specs()['agrs']
+    assert len(specs) == 6 * 8 and len({s.name for s in specs}) == len(specs)
+    module = compiler.compile_cubin('agrs', [s.name for s in specs], arch='90', use_cache=False)
+    assert module.cubin[:4] == b'\x7fELF' and set(module.lowered) == {s.name for s in specs}
+
+
+def test_agrs_launch_declarations_match_kernel_signatures():
+    # The signature probe of test_peer_copy.py: NVRTC static_asserts of each parameter's kind against the kernel.
+    from test_peer_copy import compile_probe
+    compile_probe('agrs', agrs.shipped_specs()['agrs'])
+
+
+def test_control_words_and_constants_match_the_kernel():
+    source = (compiler.kernels_dir() / 'agrs.cu').read_text()
+    for name, value in (('kAgrsCtrlOffset', agrs.CTRL_OFFSET), ('kAgrsCtrlBytes', agrs.CTRL_BYTES),
+                        ('kAgrsThreads', agrs.THREADS), ('kAgrsGatherUnroll', agrs.GATHER_UNROLL),
+                        ('kAgrsMetaSlots', agrs.MAX_GATHERS_PER_SESSION), ('kAgrsMaxSenders', agrs.MAX_SENDERS)):
+        assert re.search(rf'\b{name} = {value};', source), name
+    for aux, _ in agrs.AUX_NAMES.items():
+        assert re.search(rf'kAgrsAux\w+ = {aux}\b', source)
+    # The workspace range assigned to this feature (buffer_base.py's map): [24576, 28672).
+    base = (compiler.kernels_dir().parent / 'deepep_cupy' / 'buffer_base.py').read_text()
+    assert re.search(r'24576\s+all-gather / reduce-scatter sessions\s+kernels_cu/agrs.cu', base)
+    assert agrs.CTRL_OFFSET == 24576 and agrs.CTRL_OFFSET + agrs.CTRL_BYTES <= 28672
+
+
+# ---- size hints --------------------------------------------------------------------------------------------------
+class _Group(ProcessGroup):
+    """Every rank agrees with this one."""
+
+    def allgather_object(self, obj, timeout=None):
+        return [obj] * self.size
+
+
+def test_session_bytes_hint_follows_deepep():
+    torch = pytest.importorskip('torch')
+    shape = (32, 64, 2048)
+    for group, r in ((_Group(0, 2), 2), (8, 8), (_Group(0, 3), 3)):
+        got = agrs.AGRSMixin.get_agrs_num_max_session_bytes(group, [shape] * 4, torch.bfloat16)
+        assert got == 4 * r * 32 * 64 * 2048 * 2
+    # Each region is aligned to 32 bytes on its own.
+    assert agrs.AGRSMixin.get_agrs_num_max_session_bytes(3, [(3,), (5, 1)], torch.bfloat16) == 32 + 32
+    assert agrs.AGRSMixin.get_agrs_num_max_session_bytes(3, [(3,), (5, 1)], np.float32) == 64 + 64
+    assert agrs.AGRSMixin.get_agrs_num_max_session_bytes(2, [(7,)], 'bfloat16') == 32
+    assert agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 1) == 2 * MiB
+    assert agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 2 * MiB) == 2 * MiB
+    assert agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 2 * MiB + 1, 8) == 4 * MiB
+    assert agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 2 * MiB - 4096, 4096) == 2 * MiB
+    with pytest.raises(ValueError):
+        agrs.AGRSMixin.get_agrs_num_max_session_bytes(2, [], torch.bfloat16)
+    with pytest.raises(TypeError):
+        agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 1.5)
+
+
+def test_group_size_forms():
+    class TorchLike:
+        def size(self):
+            return 4
+
+    class MpiLike:
+        def Get_size(self):
+            return 5
+    assert agrs.group_size(6) == 6 and agrs.group_size(_Group(0, 3)) == 3
+    assert agrs.group_size(TorchLike()) == 4 and agrs.group_size(MpiLike()) == 5
+
+
+def test_reduce_bytes_hint_covers_the_layouts():
+    for r in (1, 2, 3, 8):
+        for n in (8, 1000, 123457, 1 << 22):
+            ar = agrs.AGRSMixin.get_agrs_reduce_num_bytes(r, n)
+            shard = agrs.all_reduce_shard_elems(r, n)
+            assert ar == agrs.reduce_layout(r, n, shard, 4, True, 48).num_bytes >= 2 * n * 4 - 1
+            rs = agrs.AGRSMixin.get_agrs_reduce_num_bytes(r, r * 8 * n, 'reduce_scatter')
+            assert rs == agrs.reduce_layout(r, r * 8 * n, 8 * n, 4, False, 48).num_bytes
+            assert agrs.AGRSMixin.get_agrs_reduce_num_bytes(r, r * 8 * n, 'reduce_scatter', 'bf16') <= rs // 2 + 32 * r
+    with pytest.raises(ValueError):
+        agrs.AGRSMixin.get_agrs_reduce_num_bytes(2, 8, 'gather')
+
+
+# ---- session bookkeeping -------------------------------------------------------------------------------------------
+def test_session_plan_reserves_regions_in_order():
+    plan = agrs.SessionPlan(3, 1000, 3)
+    with pytest.raises(RuntimeError):
+        plan.peek([8])
+    plan.open()
+    with pytest.raises(RuntimeError):
+        plan.open()
+    peeked = plan.peek([10, 20])
+    assert plan.used_bytes == 0 and plan.num_gathers == 0          # peeking reserves nothing
+    regions = plan.reserve([10, 20])
+    assert regions == peeked
+    assert [(g.offset, g.region_bytes) for g in regions] == [(0, 32), (32, 64)]
+    assert regions[1].slot_offset(2) == 32 + 40 and regions[1].end == 96
+    with pytest.raises(ValueError, match='num_max_all_gathers_per_session=3'):
+        plan.reserve([1, 1])
+    with pytest.raises(ValueError, match='num_max_session_bytes=1000'):
+        plan.reserve([300])                                         # align(900, 32) = 928 > 1000 - 96
+    assert plan.used_bytes == 96 and plan.num_gathers == 2          # failed reservations change nothing
+    plan.reserve([0])
+    plan.close()
+    with pytest.raises(RuntimeError):
+        plan.close()
+    plan.open()
+    assert plan.used_bytes == 0 and plan.num_gathers == 0
+
+
+def test_gather_meta_tells_disagreeing_ranks_apart():
+    a, b = agrs.SessionPlan(2, 1 << 20, 32), agrs.SessionPlan(2, 1 << 20, 32)
+    a.open()
+    b.open()
+    assert agrs.gather_meta(a.reserve([4096])[-1].end) != agrs.gather_meta(b.reserve([8192])[-1].end)
+    # One batched call of two tensors versus two calls: the first epochs' metas differ.
+    a, b = agrs.SessionPlan(2, 1 << 20, 32), agrs.SessionPlan(2, 1 << 20, 32)
+    a.open()
+    b.open()
+    assert agrs.gather_meta(a.reserve([64, 64])[-1].end) != agrs.gather_meta(b.reserve([64])[-1].end)
+
+
+def test_gather_grid():
+    assert agrs.gather_grid(0, True, 32) == 1
+    assert agrs.gather_grid(16, True, 32) == 1
+    assert agrs.gather_grid(agrs.THREADS * agrs.GATHER_UNROLL * 16 * 5, True, 32) == 5
+    assert agrs.gather_grid(64 * MiB, True, 32) == 32
+    assert agrs.gather_grid(agrs.THREADS * 3, False, 32) == 3
+
+
+@pytest.mark.parametrize('num_ranks', [1, 2, 3, 8])
+@pytest.mark.parametrize('shard', [0, 8, 2048, 6000 * 8, 1 << 21, 1 << 24])
+@pytest.mark.parametrize('num_sms', [2, 3, 48, 132])
+def test_reduce_layout_covers_every_shard(num_ranks, shard, num_sms):
+    for stage in (2, 4):
+        lay = agrs.reduce_layout(num_ranks, num_ranks * shard, shard, stage, stage == 4, num_sms)
+        assert lay.chunk_elems % agrs.GROUP_ELEMS == 0 and lay.chunk_elems >= agrs.CHUNK_MIN_ELEMS
+        assert 1 <= lay.num_senders <= agrs.MAX_SENDERS and lay.num_reducers >= 1
+        assert lay.num_senders + lay.num_reducers <= max(num_sms, 2)
+        num_chunks = -(-shard // lay.chunk_elems)
+        assert num_chunks <= max(1, lay.num_senders) * agrs.MAX_ROUNDS
+        assert lay.slot_bytes % 32 == 0 and lay.slot_bytes >= shard * stage
+        assert lay.gather_offset % 32 == 0 and lay.gather_slot_bytes % 32 == 0
+        assert lay.num_bytes == num_ranks * (lay.slot_bytes + lay.gather_slot_bytes)
+        if stage == 4:
+            assert lay.gather_offset == num_ranks * lay.slot_bytes and lay.gather_slot_bytes >= shard * 4
+
+
+def test_all_reduce_shards_cover_any_size():
+    for r in (1, 2, 3, 8):
+        for n in (1, 7, 8, 9, 100, 12345):
+            c = agrs.all_reduce_shard_elems(r, n)
+            assert c % 8 == 0 and r * c >= n and (r - 1) * c < n + 8 * r
+
+
+# ---- references ------------------------------------------------------------------------------------------------------
+def test_bf16_rounding_matches_torch():
+    torch = pytest.importorskip('torch')
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 1e3,
+                        np.array([0.0, -0.0, 1.0, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40, 1.00390625,
+                                  1.01171875, 1.0 + 2 ** -8 + 2 ** -20], dtype=np.float32),
+                        # exact ties between two bfloat16 values: nearest even wins
+                        (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32)])
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(agrs.f32_to_bf16_bits(x), want)
+    assert agrs.f32_to_bf16_bits(np.array([np.nan], dtype=np.float32))[0] == 0x7FFF
+    assert np.array_equal(agrs.bf16_bits_to_f32(want), torch.from_numpy(want.view(np.int16)).view(torch.bfloat16)
+                          .float().numpy())
+
+
+def _ordered_sum(values, scale):
+    acc = np.float32(values[0])
+    for v in values[1:]:
+        acc = np.float32(acc + np.float32(v))
+    return np.float32(acc * np.float32(scale))
+
+
+def test_reduce_scatter_reference_sums_in_rank_order():
+    rng = np.random.default_rng(1)
+    num_ranks, n = 4, 16
+    inputs = [rng.standard_normal(num_ranks * n).astype(np.float32) * 10 ** rng.integers(-3, 8) for _ in range(4)]
+    for rank in range(num_ranks):
+        got = agrs.reduce_scatter_reference(inputs, rank, 'fp32', 0.5)
+        assert got.dtype == np.float32 and got.shape == (n,)
+        for i in range(n):
+            assert got[i] == _ordered_sum([x[rank * n + i] for x in inputs], 0.5)
+    # Order matters in FP32, and the reference keeps rank order: (1e8 + 1) - 1e8 = 0, not 1.
+    cancel = [np.array([v] * 3, dtype=np.float32) for v in (1e8, 1.0, -1e8)]
+    assert agrs.reduce_scatter_reference(cancel, 0)[0] == 0.0
+    assert agrs.all_reduce_reference([cancel[0], cancel[2], cancel[1]])[0] == 1.0
+
+
+def test_reduce_references_bf16_paths():
+    rng = np.random.default_rng(2)
+    num_ranks, n = 3, 8
+    fp32 = [rng.standard_normal(num_ranks * n).astype(np.float32) for _ in range(num_ranks)]
+    got = agrs.reduce_scatter_reference(fp32, 1, 'bf16', 2.0)
+    rounded = [agrs.bf16_bits_to_f32(agrs.f32_to_bf16_bits(x)) for x in fp32]
+    assert got.dtype == np.float32
+    assert np.array_equal(got, np.array([_ordered_sum([x[n + i] for x in rounded], 2.0) for i in range(n)]))
+    bf16 = [agrs.f32_to_bf16_bits(x) for x in fp32]
+    got = agrs.reduce_scatter_reference(bf16, 2, 'fp32', 1.0)       # bf16 inputs travel as bf16, come back bf16
+    assert got.dtype == np.uint16
+    want = [_ordered_sum([agrs.bf16_bits_to_f32(x)[2 * n + i] for x in bf16], 1.0) for i in range(n)]
+    assert np.array_equal(got, agrs.f32_to_bf16_bits(np.array(want, dtype=np.float32)))
+    x = [rng.standard_normal(13).astype(np.float32) for _ in range(num_ranks)]
+    assert np.array_equal(agrs.all_reduce_reference(x, 0.25),
+                          np.array([_ordered_sum([v[i] for v in x], 0.25) for i in range(13)]))
+
+
+# ---- the stress-op generator -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize('seed', range(6))
+def test_stress_ops_invariants(seed):
+    pytest.importorskip('torch')
+    from deepep_cupy.tests import agrs as prog
+    limit, num_gathers, num_reductions = 4, 16, 8
+    ops = prog.generate_stress_ops(random.Random(seed), num_gathers, limit, num_reductions, 4)
+    assert ops[0] == ('create',) and ops[-1] == ('destroy',)
+    in_session, inflight, issued, fetched, reductions, waited = 0, set(), [], [], set(), []
+    session_open = False
+    kinds = set()
+    for op in ops:
+        if op[0] == 'create':
+            assert not session_open
+            session_open, in_session = True, 0
+        elif op[0] == 'destroy':
+            assert session_open and not inflight
+            session_open = False
+        elif op[0] == 'ag':
+            _, ids, inplace, batched = op
+            kinds.add((inplace, batched, len(ids) > 1))
+            assert session_open and ids
+            in_session += len(ids)
+            assert in_session <= limit
+            inflight.update(ids)
+            issued.extend(ids)
+        elif op[0] == 'fetch':
+            assert op[1] in inflight
+            inflight.remove(op[1])
+            fetched.append(op[1])
+        elif op[0] == 'reduce':
+            reductions.add(op[1])
+            p = op[2]
+            if p['kind'] == 'rs':
+                assert p['num_elems'] % (4 * 8) == 0 and p['comm_precision'] in agrs.COMM_PRECISIONS
+        else:
+            assert op[1] in reductions and op[1] not in waited
+            waited.append(op[1])
+    assert sorted(issued) == sorted(fetched) == list(range(num_gathers))
+    assert sorted(waited) == list(range(num_reductions)) and not session_open
+    assert len(kinds) >= 2
+
+
+# ---- the buffer methods, with fakes for the GPU ----------------------------------------------------------------
+class _FakeKernel:
+    def __init__(self, spec, log):
+        self.spec, self.log = spec, log
+
+    def launch(self, grid, block, args, stream=None, shared_mem=0, cooperative=False):
+        launch.pack_args(self.spec, args)       # count and kinds must match the declaration
+        self.log.append((self.spec.name.split('<')[0].split('::')[1], grid, block, dict(
+            zip([p.name for p in self.spec.params], args)), stream, cooperative))
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name, self.ptr, self.waits = name, id(self), 0
+
+    def record(self):
+        return object()
+
+    def wait_event(self, event):
+        self.waits += 1
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+
+class _FakeState:
+    """_AGRSState without CUDA: fake kernels that check their arguments, views as descriptions."""
+
+    def __init__(self, buf):
+        n = buf.num_scaleup_ranks
+        self.log = []
+        self.kernels = {'gather': _FakeKernel(agrs.gather_spec(n), self.log),
+                        'wait': _FakeKernel(agrs.wait_spec(n), self.log),
+                        'unpack': _FakeKernel(agrs.unpack_spec(n), self.log)}
+        for i, s in agrs.REDUCE_VARIANTS:
+            self.kernels[('reduce', i, s)] = _FakeKernel(agrs.reduce_spec(n, i, s), self.log)
+        self.plan, self.session_capacity, self.session_idx = None, 0, 0
+        self.gather_epoch = self.reduce_epoch = 0
+        self.num_sms = 32
+        self.data_base = buf.sym.base + buf.data_offset
+        self.order_event = _FakeEvent()
+
+    def view(self, kind, offset, num_bytes, dtype_name, shape):
+        return ('view', kind, offset, num_bytes, dtype_name, shape)
+
+
+class _FakeSym:
+    base, peer_bases_ptr = 0x7000_0000_0000, 0x1000
+
+    def __init__(self, rank):
+        self.local_idx = rank
+
+
+class _FakeArray:
+    _next = 0x10_0000_0000
+
+    def __init__(self, shape, dtype='float32', ptr=None, device=0, strides=None):
+        if ptr is None:
+            ptr = _FakeArray._next
+            _FakeArray._next += 1 << 32
+        size = interop.itemsize(dtype)
+        strides = strides or tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+        self.info = interop.TensorInfo('cupy', ptr, tuple(shape), strides, dtype, device, self)
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) * size
+
+
+class _FakeEventHandle:
+    def __init__(self, stream=None):
+        self.stream = stream
+
+    def stream_wait(self, stream):
+        stream.wait_event(self)
+
+    def current_stream_wait(self, like=None):
+        interop.current_stream(like).wait_event(self)
+
+
+class _FakeAllocator:
+    def __init__(self, kind):
+        self.kind = kind
+
+    def empty(self, shape, dtype, stream=None):
+        return _FakeArray(shape, dtype)
+
+
+class _Buf(agrs.AGRSMixin):
+    def __init__(self, num_ranks=2, rank=0, num_bytes=64 * MiB):
+        self.num_ranks = self.num_scaleup_ranks = num_ranks
+        self.num_scaleout_ranks, self.rank_idx, self.device = 1, rank, 0
+        self.num_bytes, self.data_offset, self.num_device_sms = num_bytes, 2 * MiB, 132
+        self.sym, self.group = _FakeSym(rank), _Group(rank, num_ranks)
+        self.comm_stream = _FakeStream('comm')
+        self.host_mapped = type('HM', (), {'ptr': 0x2000})()
+        self.timeout_ns, self.num_cpu_timeout_secs = 10 ** 9, 10.0
+        self._failed, self._destroyed = None, False
+        self.barriers, self.claimed = 0, []
+
+    def check_usable(self):
+        pass
+
+    def claim_data_region(self, owner):
+        self.claimed.append(owner)
+
+    def barrier(self, use_comm_stream=True, with_cpu_sync=False):
+        self.barriers += 1
+
+
+@pytest.fixture()
+def fakes(monkeypatch):
+    from deepep_cupy.ep import checks
+    from deepep_cupy.runtime import event
+    current = _FakeStream('current')
+    real_info = interop.tensor_info
+
+    def fake_info(x, name='tensor'):
+        return x.info if isinstance(x, _FakeArray) else real_info(x, name)
+    monkeypatch.setattr(agrs, '_AGRSState', _FakeState)
+    monkeypatch.setattr(checks, 'tensor_info', fake_info)
+    monkeypatch.setattr(interop, 'tensor_info', fake_info)
+    monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
+    monkeypatch.setattr(interop, 'Allocator', _FakeAllocator)
+    monkeypatch.setattr(event, 'EventHandle', _FakeEventHandle)
+    return current
+
+
+def test_set_config_checks_before_any_work(fakes):
+    buf = _Buf()
+    with pytest.raises(ValueError, match='<= 32'):
+        buf.agrs_set_config(MiB, 33)
+    with pytest.raises(ValueError, match='exceeds'):
+        buf.agrs_set_config(buf.num_bytes + 1)
+    with pytest.raises(TypeError):
+        buf.agrs_set_config(MiB, 4, num_sms=1.0)
+    assert not buf.claimed and buf.barriers == 0
+    with pytest.raises(RuntimeError, match='agrs_set_config'):
+        buf.create_agrs_session()
+    buf.agrs_set_config(8 * MiB, 4)
+    assert buf.claimed and buf.barriers == 1 and buf._agrs.num_sms == 32
+    buf.create_agrs_session()
+    with pytest.raises(RuntimeError, match='destroy'):
+        buf.agrs_set_config(8 * MiB, 4)
+    with pytest.raises(RuntimeError, match='already open'):
+        buf.create_agrs_session()
+    buf.destroy_agrs_session()
+    assert buf.barriers == 2
+    with pytest.raises(RuntimeError, match='no all-gather session'):
+        buf.destroy_agrs_session()
+
+
+def test_all_gather_launches_and_outputs(fakes):
+    buf = _Buf(num_ranks=4, rank=2)
+    buf.agrs_set_config(8 * MiB, 4)
+    st = buf._agrs
+    with pytest.raises(RuntimeError, match='open session'):
+        buf.all_gather(_FakeArray((16,)))
+    with buf.agrs_new_session():
+        a, b = _FakeArray((32, 64), 'uint16'), _FakeArray((10,), 'float32')
+        out, handle = buf.all_gather(a)
+        assert out == ('view', 'cupy', 0, 4 * 4096, 'uint16', (4, 32, 64))
+        (g,) = st.log
+        assert g[0] == 'agrs_gather_kernel' and g[4] is buf.comm_stream and not g[5]
+        assert g[3]['region_offset'] == buf.data_offset and g[3]['write_local'] == 1 and g[3]['do_signal'] == 1
+        assert g[3]['epoch'] == 1 and g[3]['meta'] == 4 * 4096 // 32 and g[3]['rank'] == 2
+        assert fakes.waits == 0 and buf.comm_stream.waits == 1
+        handle()
+        w = st.log[-1]
+        assert w[0] == 'agrs_wait_kernel' and w[4] is fakes and (w[1], w[2]) == (1, 32)
+        assert (w[3]['epoch'], w[3]['meta']) == (1, 4 * 4096 // 32)
+
+        # Batched: one launch per tensor, only the last one signals; one epoch and meta for the call.
+        st.log.clear()
+        *outs, handle = buf.all_gather([b, a])
+        assert [o[2] for o in outs] == [4 * 4096, 4 * 4096 + 160] and len(st.log) == 2
+        assert [e[3]['do_signal'] for e in st.log] == [0, 1] and {e[3]['epoch'] for e in st.log} == {2}
+        assert st.log[0][3]['meta'] == st.log[1][3]['meta'] == (4 * 4096 + 160 + 4 * 4096) // 32
+        with pytest.raises(ValueError, match='num_max_all_gathers_per_session=4'):
+            buf.all_gather([a, a])
+    with pytest.raises(RuntimeError, match='destroyed'):
+        handle()
+    assert buf.barriers == 2
+
+
+def test_all_gather_in_place_and_overlap_checks(fakes):
+    buf = _Buf(num_ranks=2, rank=1)
+    buf.agrs_set_config(MiB, 8)
+    st = buf._agrs
+    base = buf.sym.base + buf.data_offset
+    with buf.agrs_new_session():
+        views = buf.agrs_get_inplace_tensor([(8, 4), (3,)], np.float32)
+        assert views == [('view', 'cupy', 128, 128, 'float32', (8, 4)), ('view', 'cupy', 256 + 12, 12, 'float32',
+                                                                          (3,))]
+        assert buf.agrs_get_inplace_tensor((8, 4), 'bfloat16') == ('view', 'cupy', 64, 64, 'uint16', (8, 4))
+        first = _FakeArray((8, 4), 'float32', ptr=base + 128)
+        second = _FakeArray((3,), 'float32', ptr=base + 256 + 12)
+        with pytest.raises(ValueError, match='agrs_get_inplace_tensor in order'):
+            buf.all_gather(second)
+        with pytest.raises(ValueError, match='contiguous'):
+            buf.all_gather(_FakeArray((4, 8), 'float32', strides=(1, 4)))
+        with pytest.raises(ValueError, match='cuda:0'):
+            buf.all_gather(_FakeArray((4,), 'float32', device=1))
+        assert not st.log and st.plan.used_bytes == 0          # nothing launched or reserved by the failures
+        buf.all_gather([first, second])
+        assert [e[3]['write_local'] for e in st.log] == [0, 0]
+        assert [e[3]['src'] for e in st.log] == [base + 128, base + 268]
+        # Reading an earlier region (a gathered output) is fine and copies.
+        st.log.clear()
+        buf.all_gather(_FakeArray((8, 4), 'float32', ptr=base))
+        assert st.log[0][3]['write_local'] == 1 and st.log[0][3]['region_offset'] == buf.data_offset + 288
+
+
+def test_reduce_scatter_checks_and_launch(fakes):
+    buf = _Buf(num_ranks=4, rank=3, num_bytes=4 * MiB)
+    buf.agrs_set_config(2 * MiB, 4)
+    st = buf._agrs
+    st.log.clear()
+    with pytest.raises(TypeError, match='float32 or bfloat16'):
+        buf.reduce_scatter(_FakeArray((64,), 'int32'))
+    with pytest.raises(ValueError, match='multiple of 8'):
+        buf.reduce_scatter(_FakeArray((4 * 12,), 'float32'))
+    with pytest.raises(ValueError, match='divisible'):
+        buf.reduce_scatter(_FakeArray((66,), 'float32'))
+    with pytest.raises(ValueError, match='comm_precision'):
+        buf.reduce_scatter(_FakeArray((64,), 'float32'), comm_precision='fp16')
+    with pytest.raises(TypeError, match='scale'):
+        buf.reduce_scatter(_FakeArray((64,), 'float32'), scale=None)
+    with pytest.raises(ValueError, match='reduction area'):
+        buf.reduce_scatter(_FakeArray((4 * 2 ** 19,), 'float32'))      # 8 MiB of slots, 2 MiB free
+    assert not st.log and st.reduce_epoch == 0 and buf.comm_stream.waits == 0
+
+    x = _FakeArray((4, 1024), 'float32')
+    event = buf.reduce_scatter(x, comm_precision='bf16', scale=0.5)
+    (r,) = st.log
+    assert r[0] == 'agrs_reduce_kernel' and r[5] and r[4] is buf.comm_stream
+    assert launch.pack_args(agrs.reduce_spec(4, False, True), list(r[3].values()))     # the bf16-staging variant
+    a = r[3]
+    assert (a['num_elems'], a['shard_elems'], a['scale'], a['epoch'], a['is_all_reduce']) == (4096, 1024, 0.5, 1, 0)
+    assert a['recv_offset'] == buf.data_offset + 2 * MiB and a['slot_bytes'] == 2048 and a['rank'] == 3
+    assert r[1] == a['num_senders'] + 1                         # one chunk: one sender and one reducer
+    out = event.wait()
+    assert out.info.shape == (1024,) and out.info.dtype == 'float32' and a['out'] == out.info.ptr
+    assert event.extra_tensors == (x, out)
+    out = buf.reduce_scatter(_FakeArray((8 * 4,), 'bfloat16')).wait()
+    assert out.info.shape == (8,) and out.info.dtype == 'bfloat16' and st.log[-1][3]['epoch'] == 2
+    assert buf.reduce_scatter(_FakeArray((8, 16), 'float32')).wait().info.shape == (2, 16)
+
+
+def test_all_reduce_launches_reduce_then_unpack(fakes):
+    buf = _Buf(num_ranks=3, rank=1, num_bytes=4 * MiB)
+    st = buf._agrs_get()
+    with pytest.raises(TypeError, match='float32'):
+        buf.all_reduce(_FakeArray((10,), 'bfloat16'))
+    x = _FakeArray((1001,), 'float32')
+    assert buf.all_reduce(x, scale=0.25).wait() is x
+    reduce, unpack = st.log
+    shard = agrs.all_reduce_shard_elems(3, 1001)
+    assert shard == 336 and reduce[3]['shard_elems'] == unpack[3]['shard_elems'] == shard
+    assert reduce[3]['out'] == x.info.ptr + shard * 4 and reduce[3]['is_all_reduce'] == 1
+    assert reduce[3]['recv_offset'] == buf.data_offset                # no session configured: the area starts at 0
+    assert unpack[3]['gather_offset'] == reduce[3]['gather_offset'] == buf.data_offset + 3 * reduce[3]['slot_bytes']
+    assert unpack[3]['epoch'] == reduce[3]['epoch'] == 1 and not unpack[5]
+    assert buf.claimed == ['all-gather / reduce-scatter']
+
+
+# ---- the rank program's stress and error checks, against the real host code with emulated kernels -----------------
+class _Exchange:
+    """allgather_object for ranks running as threads of this process."""
+
+    def __init__(self, size):
+        import threading
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.slots = [None] * size
+
+    def allgather(self, rank, obj):
+        self.barrier.wait()         # everyone has read the previous round
+        self.slots[rank] = obj
+        self.barrier.wait()         # everyone has written this round
+        return list(self.slots)
+
+
+class _ThreadGroup(ProcessGroup):
+    def __init__(self, rank, size, exchange):
+        super().__init__(rank, size)
+        self.exchange = exchange
+
+    def allgather_object(self, obj, timeout=None):
+        return self.exchange.allgather(self.rank, obj)
+
+
+class _EmuKernel:
+    """Runs a kernel's effect on host memory at launch (gathers and reductions exchange data collectively, so every
+    rank must launch them in the same order, as on the GPU)."""
+
+    def __init__(self, spec, fn):
+        self.spec, self.fn = spec, fn
+
+    def launch(self, grid, block, args, stream=None, shared_mem=0, cooperative=False):
+        launch.pack_args(self.spec, args)
+        self.fn(dict(zip([p.name for p in self.spec.params], args)))
+
+
+class _HostState(agrs._AGRSState):
+    def __init__(self, buf):
+        n, rank = buf.num_scaleup_ranks, buf.sym.local_idx
+        self.kernels = {'gather': _EmuKernel(agrs.gather_spec(n), lambda a: self._gather(buf, a)),
+                        'wait': _EmuKernel(agrs.wait_spec(n), lambda a: self._wait(buf, a)),
+                        'unpack': _EmuKernel(agrs.unpack_spec(n), lambda a: self._unpack(buf, a))}
+        for i, s in agrs.REDUCE_VARIANTS:
+            self.kernels[('reduce', i, s)] = _EmuKernel(agrs.reduce_spec(n, i, s),
+                                                        lambda a, i=i, s=s: self._reduce(buf, a, i, s))
+        self.plan, self.session_capacity, self.session_idx = None, 0, 0
+        self.gather_epoch = self.reduce_epoch = 0
+        self.num_sms = 32
+        self.data_base = buf.sym.base + buf.data_offset
+        self.cupy_bytes = None
+        import torch
+        self._torch_bytes = torch.from_numpy(buf.mem[buf.data_offset:])
+        self.order_event = _FakeEvent()
+        self.signal, self.meta, self.shards, self.rank = {}, {}, {}, rank
+
+    @staticmethod
+    def _gather(buf, a):
+        import ctypes
+        data = ctypes.string_at(a['src'], a['num_bytes'])
+        rows = buf.group.allgather_object((a['region_offset'], a['num_bytes'], data, a['do_signal'], a['epoch'],
+                                           a['meta']))
+        st = buf._agrs
+        for r, (offset, n, d, signal, epoch, meta) in enumerate(rows):
+            if r != st.rank or a['write_local']:
+                buf.mem[offset + r * n:offset + (r + 1) * n] = np.frombuffer(d, np.uint8)
+            if signal:
+                st.signal[r], st.meta[(r, epoch % 32)] = epoch, meta
+
+    @staticmethod
+    def _wait(buf, a):
+        st = buf._agrs
+        for p in range(buf.num_ranks):
+            if st.signal.get(p, 0) < a['epoch'] or st.meta[(p, a['epoch'] % 32)] != a['meta']:
+                raise TimeoutError(f'emulated GPU wait: rank {p} did not signal epoch {a["epoch"]} with the same '
+                                   f'meta ({st.signal.get(p)}, {st.meta.get((p, a["epoch"] % 32))} != {a["meta"]})')
+
+    @staticmethod
+    def _reduce(buf, a, in_bf16, stage_bf16):
+        import ctypes
+        st = buf._agrs
+        dtype = np.uint16 if in_bf16 else np.float32
+        num_elems, c = a['num_elems'], a['shard_elems']
+        x = np.frombuffer(ctypes.string_at(a['x'], num_elems * np.dtype(dtype).itemsize), dtype=dtype).copy()
+        xs = buf.group.allgather_object(x)
+        lo = min(num_elems, st.rank * c)
+        hi = min(num_elems, lo + c)
+        result = agrs.reduce_reference([v[lo:hi] for v in xs], stage_bf16, a['scale'], in_bf16)
+        ctypes.memmove(a['out'], result.tobytes(), result.nbytes)
+        st.shards[a['epoch']] = buf.group.allgather_object(result) if a['is_all_reduce'] else None
+
+    @staticmethod
+    def _unpack(buf, a):
+        import ctypes
+        st = buf._agrs
+        for p, shard in enumerate(st.shards.pop(a['epoch'])):
+            if p != st.rank and shard.size:
+                ctypes.memmove(a['x'] + p * a['shard_elems'] * 4, shard.tobytes(), shard.nbytes)
+
+
+class _HostBuffer(agrs.AGRSMixin):
+    def __init__(self, group, num_bytes):
+        from types import SimpleNamespace
+        self.group, self.rank_idx = group, group.rank
+        self.num_ranks = self.num_scaleup_ranks = group.size
+        self.num_scaleout_ranks, self.device, self.num_device_sms = 1, -1, 132
+        self.num_bytes, self.data_offset = num_bytes, 65536
+        self.mem = np.zeros(self.data_offset + num_bytes, dtype=np.uint8)
+        self.sym = SimpleNamespace(base=self.mem.ctypes.data, local_idx=group.rank, peer_bases_ptr=0x1000)
+        self.comm_stream = _FakeStream('comm')
+        self.host_mapped = SimpleNamespace(ptr=0x2000)
+        self.timeout_ns, self.num_cpu_timeout_secs = 10 ** 9, 60.0
+        self._failed, self._destroyed = None, False
+
+    def check_usable(self):
+        pass
+
+    def claim_data_region(self, owner):
+        pass
+
+    def barrier(self, use_comm_stream=True, with_cpu_sync=False):
+        self.group.barrier()
+
+    def synchronize(self, stream=None):
+        pass
+
+
+@pytest.mark.parametrize('num_ranks', [2, 3])
+def test_rank_program_stress_on_emulated_kernels(num_ranks, monkeypatch):
+    torch = pytest.importorskip('torch')
+    from argparse import Namespace
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepep_cupy.runtime import event
+    from deepep_cupy.tests import agrs as prog
+    current = _FakeStream('current')
+    monkeypatch.setattr(agrs, '_AGRSState', _HostState)
+    monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
+    monkeypatch.setattr(interop, 'Allocator', lambda kind: type('A', (), {'empty': staticmethod(
+        lambda shape, dtype, stream=None: torch.empty(shape, dtype=getattr(torch, dtype)))})())
+    monkeypatch.setattr(event, 'EventHandle', _FakeEventHandle)
+    monkeypatch.setattr(torch.cuda, 'ExternalStream', lambda ptr: None)
+    monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: None)
+    monkeypatch.setattr(prog, 'DEVICE', 'cpu')
+    monkeypatch.setattr(prog, 'STRESS_SHAPE', (4, 8, 64))
+    args = Namespace(seed=7, num_stress_gathers=12, num_stress_reductions=10, num_max_inflight_agrs=4, num_sms=0)
+    exchange = _Exchange(num_ranks)
+
+    def rank_main(rank):
+        group = _ThreadGroup(rank, num_ranks, exchange)
+        session = agrs.AGRSMixin.get_agrs_num_max_session_bytes(group, [prog.STRESS_SHAPE] * 4, torch.bfloat16)
+        reduce_bytes = max(agrs.AGRSMixin.get_agrs_reduce_num_bytes(group, 100_000),
+                           agrs.AGRSMixin.get_agrs_reduce_num_bytes(group, num_ranks * 8 * 6000, 'reduce_scatter'))
+        buf = _HostBuffer(group, agrs.AGRSMixin.get_agrs_buffer_size_hint(group, session, reduce_bytes))
+        buf.agrs_set_config(session, 4)
+        checked = sum(prog.run_stress(buf, args, it) for it in range(2))
+        tried = prog.test_errors(buf, args)
+        return checked, tried
+
+    with ThreadPoolExecutor(num_ranks) as pool:
+        results = list(pool.map(rank_main, range(num_ranks)))
+    for checked, tried in results:
+        assert checked == 2 * (12 + 10)
+        assert len(tried) >= 15 and all(': ' in line for line in tried)
+
+
+def test_emulation_catches_a_wrong_reference(monkeypatch):
+    """The emulated stress really compares: a corrupted reference must fail."""
+    pytest.importorskip('torch')
+    from deepep_cupy.tests import agrs as prog
+    real = agrs.all_reduce_reference
+    monkeypatch.setattr(agrs, 'all_reduce_reference', lambda inputs, scale=1.0: real(inputs, scale) + 1)
+    with pytest.raises(prog.Failure, match='mismatch'):
+        test_rank_program_stress_on_emulated_kernels(2, monkeypatch)
