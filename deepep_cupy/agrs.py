@@ -32,7 +32,7 @@ REGION_ALIGNMENT = 32           # each gather region is align(R * num_bytes, 32)
 REDUCE_AREA_ALIGNMENT = 4096    # the reduction area starts at align(num_max_session_bytes, 4096)
 MAX_GATHERS_PER_SESSION = 32    # kAgrsMetaSlots: a session never spans more gather epochs than meta slots
 MAX_SENDERS = 32                # kAgrsMaxSenders
-MAX_ROUNDS = 65535              # chunk flags hold (epoch << 16) + round + 1
+MAX_ROUNDS = 65535              # rounds per sender block (chunk flags hold (epoch << 32) + round + 1)
 GROUP_ELEMS = 8                 # reductions work on groups of 8 elements; shards start at multiples of 8
 CHUNK_MIN_ELEMS, CHUNK_MAX_ELEMS = 2048, 32768
 DEFAULT_GATHER_SMS = 32
@@ -638,9 +638,9 @@ class AGRSMixin:
         return event
 
     def _agrs_launch_reduce(self, st, kernel_key, x_ptr, out_ptr, layout, scale, area, is_all_reduce, comm):
+        # Wraps to 0 like every epoch (wrap-safe compares); skipping 0 would make the next senders wait for a `done`
+        # of epoch 0, which no rank publishes.
         st.reduce_epoch = (st.reduce_epoch + 1) & 0xFFFFFFFF
-        if st.reduce_epoch == 0:
-            st.reduce_epoch = 1
         grid = layout.num_senders + layout.num_reducers
         st.kernels[kernel_key].launch(grid, THREADS, (
             x_ptr, out_ptr, layout.num_elems, layout.shard_elems, layout.chunk_elems, float(scale),
@@ -700,7 +700,14 @@ class AGRSMixin:
                                min(num_sms or DEFAULT_REDUCE_SMS, self.num_device_sms))
         area = self._agrs_reduce_area(st, layout)
         current, comm = self._agrs_reduce_streams(x, previous_event)
-        out = interop.Allocator(info.kind).empty(out_shape, 'bfloat16' if in_bf16 else 'float32')
+        # With previous_event the communication stream does not wait for the current stream, so memory just freed on
+        # the current stream (still in use by its queued kernels) must not become `out`: allocate on the
+        # communication stream then, and let torch's allocator also wait for the current stream's uses of `out`.
+        alloc_stream = comm if previous_event is not None else None
+        out = interop.Allocator(info.kind).empty(out_shape, 'bfloat16' if in_bf16 else 'float32', alloc_stream)
+        if alloc_stream is not None and info.kind == 'torch':
+            import torch
+            out.record_stream(torch.cuda.current_stream())      # `current` (the stream of a torch `x`)
         out_ptr = interop.tensor_info(out, 'out').ptr
         self._agrs_launch_reduce(st, ('reduce', in_bf16, stage_bf16), info.ptr, out_ptr, layout, scale, area, False,
                                  comm)

@@ -19,8 +19,12 @@
 //   done[src]            word 96 + src   src finished reduction epoch e entirely: it read everything we wrote into
 //                                        its recv / gather slots, which we may now overwrite
 //   gather_meta[src][32] word 128        meta[src][e % 32] = end of src's regions of gather epoch e (32-byte units)
-//   chunk_flag[src][32]  word 384        chunk_flag[src][b] = (e << 16) + round + 1: src's sender block b finished its
-//                                        chunk of round `round` for this rank in reduction epoch e
+//   chunk_flag[src][32]  word 384        uint64 (byte 1536): chunk_flag[src][b] = (e << 32) + round + 1: src's
+//                                        sender block b finished its chunk of round `round` for this rank in reduction
+//                                        epoch e. 64 bits because a slot may go unwritten for many epochs (calls with
+//                                        fewer senders or shorter shards): a 32-bit (e << 16) word would compare
+//                                        wrongly (wrap-safe >= fails) after 32768 epochs and a reducer would read
+//                                        stale data.
 //
 // All-gather (gather epoch e = the host's count of all_gather calls): one agrs_gather_kernel per tensor on the
 // communication stream stores this rank's bytes into slot [me] of the tensor's region at every rank (16-byte vector
@@ -36,8 +40,8 @@
 // roles; element groups of 8 (shards start at multiples of 8 elements):
 //   sender blocks b < S wait done[p] >= e - 1 for every peer p, then for chunk k = round * S + b of every peer d's
 //     piece convert it to the staging precision, store it into recv slot [me] at d and publish chunk_flag[me][b] =
-//     (e << 16) + round + 1 at d (release after the block's stores).
-//   reducer blocks take this rank's chunks k in turn, wait chunk_flag[p][k % S] >= (e << 16) + k / S + 1 for every
+//     (e << 32) + round + 1 at d (release after the block's stores).
+//   reducer blocks take this rank's chunks k in turn, wait chunk_flag[p][k % S] >= (e << 32) + k / S + 1 for every
 //     peer p, then sum the R pieces in rank order 0..R-1 in FP32 (this rank's own piece read from the input, rounded
 //     to the staging precision like the others), multiply by `scale` and store the result in the output precision;
 //     all-reduce also stores the FP32 result into gather slot [me] of every peer.
@@ -61,8 +65,9 @@ constexpr int kAgrsSendUnroll = 2;
 constexpr int kAgrsTicketGather = 0, kAgrsTicketReduce = 1, kAgrsTicketUnpack = 2;
 constexpr int kAgrsSigGather = 32, kAgrsSigShard = 64, kAgrsSigDone = 96;
 constexpr int kAgrsGatherMeta = 128;
-constexpr int kAgrsChunkFlags = kAgrsGatherMeta + kAgrsMaxRanks * kAgrsMetaSlots;
-static_assert((kAgrsChunkFlags + kAgrsMaxRanks * kAgrsMaxSenders) * 4 <= kAgrsCtrlBytes,
+constexpr int kAgrsChunkFlags = kAgrsGatherMeta + kAgrsMaxRanks * kAgrsMetaSlots;  // uint32 index of uint64 flags
+static_assert(kAgrsChunkFlags % 2 == 0, "64-bit chunk flags must be 8-byte aligned");
+static_assert(kAgrsChunkFlags * 4 + kAgrsMaxRanks * kAgrsMaxSenders * 8 <= kAgrsCtrlBytes,
               "all-gather / reduce-scatter control words overflow their workspace range");
 
 // `aux` of an error record: which wait gave up (deepep_cupy/agrs.py mirrors these).
@@ -77,12 +82,39 @@ struct AgrsCtrl {
         return reinterpret_cast<uint32_t*>(base(peer) + kAgrsCtrlOffset);
     }
     __device__ __forceinline__ uint32_t* local() const { return words(rank); }
+    // chunk_flag[0][0] of `peer` (64-bit words).
+    __device__ __forceinline__ uint64_t* chunk_flags(int peer) const {
+        return reinterpret_cast<uint64_t*>(words(peer) + kAgrsChunkFlags);
+    }
 };
 
-// Threads p < kNumRanks, p != rank, wait until this rank's control word [first + p * stride] reaches `target`
+// wait_epoch for a 64-bit flag (wrap-safe >=); the error record keeps the low 32 bits (round + 1) of both values.
+__device__ __forceinline__ bool wait_epoch(const uint64_t* flag, uint64_t target, uint64_t timeout_ns,
+                                           const ErrorSink& sink, int phase, int rank, int peer, int aux) {
+    uint64_t seen = ld_acquire_sys(flag);
+    if (static_cast<int64_t>(seen - target) >= 0)
+        return true;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t iter = 0;; ++iter) {
+        seen = ld_acquire_sys(flag);
+        if (static_cast<int64_t>(seen - target) >= 0)
+            return true;
+        if ((iter & 255) == 255) {
+            if (global_timer_ns() - start > timeout_ns) {
+                report_timeout(sink, phase, rank, peer, static_cast<uint32_t>(target), static_cast<uint32_t>(seen),
+                               aux);
+                return false;
+            }
+            if (timeout_reported(sink))
+                return false;
+        }
+    }
+}
+
+// Threads p < kNumRanks, p != rank, wait until this rank's flag first[p * stride] (32- or 64-bit) reaches `target`
 // (acquire), then the block syncs. Returns false in every thread if a wait timed out. Every thread must call it.
-template <int kNumRanks>
-__device__ __forceinline__ bool agrs_wait_peers(const AgrsCtrl& ctrl, int first, int stride, uint32_t target,
+template <int kNumRanks, typename Word>
+__device__ __forceinline__ bool agrs_wait_peers(const AgrsCtrl& ctrl, const Word* first, int stride, Word target,
                                                 uint64_t timeout_ns, const ErrorSink& sink, int aux) {
     __shared__ int s_ok;
     if (threadIdx.x == 0)
@@ -90,7 +122,7 @@ __device__ __forceinline__ bool agrs_wait_peers(const AgrsCtrl& ctrl, int first,
     __syncthreads();
     const int p = threadIdx.x;
     if (p < kNumRanks && p != ctrl.rank) {
-        if (!wait_epoch(ctrl.local() + first + p * stride, target, timeout_ns, sink, kPhaseAGRS, ctrl.rank, p, aux))
+        if (!wait_epoch(first + p * stride, target, timeout_ns, sink, kPhaseAGRS, ctrl.rank, p, aux))
             s_ok = 0;
     }
     __syncthreads();
@@ -104,8 +136,8 @@ __device__ __forceinline__ int64_t shard_len(int64_t num_elems, int64_t shard_el
     return left <= 0 ? 0 : (left < shard_elems ? left : shard_elems);
 }
 
-__device__ __forceinline__ uint32_t chunk_flag(uint32_t epoch, int64_t round) {
-    return (epoch << 16) + static_cast<uint32_t>(round) + 1u;
+__device__ __forceinline__ uint64_t chunk_flag(uint32_t epoch, int64_t round) {
+    return (static_cast<uint64_t>(epoch) << 32) + static_cast<uint64_t>(round) + 1u;
 }
 
 // ---- 8-element groups in FP32 or bfloat16 ------------------------------------------------------------------------
@@ -281,7 +313,8 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
 
     if (static_cast<int>(blockIdx.x) < num_senders) {
         const int b = blockIdx.x;
-        if (!agrs_wait_peers<kNumRanks>(ctrl, kAgrsSigDone, 1, epoch - 1, timeout_ns, sink, kAgrsAuxDoneWait))
+        if (!agrs_wait_peers<kNumRanks, uint32_t>(ctrl, ctrl.local() + kAgrsSigDone, 1, epoch - 1, timeout_ns, sink,
+                                                  kAgrsAuxDoneWait))
             return;
         for (int64_t round = 0;; ++round) {
             const int64_t begin = (round * num_senders + b) * chunk_elems;
@@ -299,8 +332,7 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
                 __syncthreads();
                 if (threadIdx.x == 0) {
                     fence_acq_rel_sys();
-                    st_release_sys(ctrl.words(d) + kAgrsChunkFlags + rank * kAgrsMaxSenders + b,
-                                   chunk_flag(epoch, round));
+                    st_release_sys(ctrl.chunk_flags(d) + rank * kAgrsMaxSenders + b, chunk_flag(epoch, round));
                 }
             }
             if (!any)
@@ -313,9 +345,9 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
         const uint8_t* own = x + static_cast<int64_t>(rank) * shard_elems * kIn;
         const uint8_t* slots = ctrl.base(rank) + recv_offset;
         for (int64_t k = q; k < num_chunks; k += num_reducers) {
-            if (!agrs_wait_peers<kNumRanks>(ctrl, kAgrsChunkFlags + static_cast<int>(k % num_senders),
-                                            kAgrsMaxSenders, chunk_flag(epoch, k / num_senders), timeout_ns, sink,
-                                            kAgrsAuxChunkWait))
+            if (!agrs_wait_peers<kNumRanks, uint64_t>(ctrl, ctrl.chunk_flags(rank) + k % num_senders, kAgrsMaxSenders,
+                                                      chunk_flag(epoch, k / num_senders), timeout_ns, sink,
+                                                      kAgrsAuxChunkWait))
                 return;
             const int64_t begin = k * chunk_elems;
             const int64_t n = len - begin < chunk_elems ? len - begin : chunk_elems;
@@ -392,7 +424,8 @@ agrs_unpack_kernel(uint8_t* x, int64_t num_elems, int64_t shard_elems, const uin
                    uint64_t timeout_ns) {
     const AgrsCtrl ctrl{peer_bases, rank};
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
-    if (!agrs_wait_peers<kNumRanks>(ctrl, kAgrsSigShard, 1, epoch, timeout_ns, sink, kAgrsAuxShardWait))
+    if (!agrs_wait_peers<kNumRanks, uint32_t>(ctrl, ctrl.local() + kAgrsSigShard, 1, epoch, timeout_ns, sink,
+                                              kAgrsAuxShardWait))
         return;
     const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kAgrsThreads;
     const int64_t tid = static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x;

@@ -267,10 +267,11 @@ lb_reduce_grads_kernel(const int32_t* mapping, int num_redundant, int num_local_
             const int i = s_copies[k];
             const uint8_t* src = reinterpret_cast<const uint8_t*>(peer_bases[i / num_redundant]) + pool_offset +
                                  (i % num_redundant) * num_bytes_per_expert;
+            // Coherent loads: the peer may have written its pool while this kernel waited in lb_ready.
             #pragma unroll
             for (int u = 0; u < kLBUnroll; ++u)
                 if (first + u * 32 < num_vectors)
-                    v[u] = ld_nc_v4(src + (first + u * 32) * 16);
+                    v[u] = ld_v4(src + (first + u * 32) * 16);
             #pragma unroll
             for (int u = 0; u < kLBUnroll; ++u)
                 add_f32x4(acc[u], v[u]);

@@ -518,6 +518,23 @@ def test_reduce_scatter_checks_and_launch(fakes):
     assert buf.reduce_scatter(_FakeArray((8, 16), 'float32')).wait().info.shape == (2, 16)
 
 
+def test_reduce_scatter_with_previous_event_allocates_on_the_comm_stream(fakes, monkeypatch):
+    # The communication stream then does not wait for the current stream: `out` must not reuse memory just freed there.
+    streams = []
+
+    class Alloc(_FakeAllocator):
+        def empty(self, shape, dtype, stream=None):
+            streams.append(stream)
+            return super().empty(shape, dtype, stream)
+    monkeypatch.setattr(interop, 'Allocator', Alloc)
+    buf = _Buf(num_ranks=2, rank=0)
+    x = _FakeArray((2, 64), 'float32')
+    buf.reduce_scatter(x).wait()
+    assert buf.comm_stream.waits == 1                           # ordered after the current stream
+    buf.reduce_scatter(x, previous_event=_FakeEventHandle()).wait()
+    assert buf.comm_stream.waits == 2 and streams == [None, buf.comm_stream]
+
+
 def test_all_reduce_launches_reduce_then_unpack(fakes):
     buf = _Buf(num_ranks=3, rank=1, num_bytes=4 * MiB)
     st = buf._agrs_get()

@@ -55,7 +55,7 @@ def value_range_async(x: Any, kind: str):
             return int(host[0]), int(host[1])
         return wait_torch
     import cupy
-    both = cupy.stack([x.min(), x.max()])
+    both = cupy.stack([x.min(), x.max()]).astype(cupy.int64)     # `out` below is int64 (int32 indices too)
     host = cupy.cuda.alloc_pinned_memory(16)
     import numpy as np
     out = np.frombuffer(host, dtype=np.int64, count=2)

@@ -177,8 +177,9 @@ def test_plan(group, timeout: float) -> List[str]:
             for k, alloc in enumerate(plan.allocations):
                 if not alloc.num_bytes:
                     continue
+                # device_id: the peer's memory is mapped into this rank's context (IPC), whichever GPU holds it.
                 mem = cupy.cuda.UnownedMemory(buf.sym.peer_ptr(p, buf.data_offset + alloc.offset), alloc.num_bytes,
-                                              buf)
+                                              buf, buf.device)
                 got = cupy.ndarray((alloc.num_bytes,), np.uint8, cupy.cuda.MemoryPointer(mem, 0)).get()
                 want = ((np.arange(alloc.num_bytes) + buf.sym.domain_ranks[p] * 37 + k * 11) % 251).astype(np.uint8)
                 check(np.array_equal(got, want), f'rank {group.rank} reads tensor {k} of rank {p}: wrong bytes')
