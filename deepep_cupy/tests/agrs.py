@@ -28,6 +28,7 @@ from ..agrs import AGRSMixin
 from ..buffer_base import BufferBase
 from ..utils.envs import init_dist
 from ..utils.testing import bench, flush_l2_cache
+from .common import Failure, check, expect_error
 
 STRESS_SHAPE = (32, 64, 2048)
 MiB = 1 << 20
@@ -47,20 +48,11 @@ def make_buffer(group, num_bytes: int, **kwargs):
     return AGRSBuffer(group=group, num_bytes=num_bytes, explicitly_destroy=True, **kwargs)
 
 
-class Failure(AssertionError):
-    pass
-
-
 def sync(buf):
     """Wait, bounded, for the communication stream and the current stream; raises TimeoutError on a GPU timeout."""
     from ..runtime import interop
     buf.synchronize(buf.comm_stream)
     buf.synchronize(interop.current_stream())
-
-
-def check(cond: bool, what: str):
-    if not cond:
-        raise Failure(what)
 
 
 def check_bits(got: torch.Tensor, want: torch.Tensor, what: str):
@@ -250,14 +242,7 @@ def test_errors(buf, args) -> list:
     t = torch.zeros(STRESS_SHAPE, dtype=torch.bfloat16, device=DEVICE)
 
     def expect(name, exc, fn):
-        try:
-            fn()
-        except exc as e:
-            tried.append(f'{name}: {type(e).__name__}: {e}')
-            return
-        except Exception as e:
-            raise Failure(f'{name}: expected {exc.__name__}, got {type(e).__name__}: {e}') from e
-        raise Failure(f'{name}: expected {exc.__name__}, nothing raised')
+        expect_error(tried, name, exc, fn)
 
     expect('all_gather outside a session', RuntimeError, lambda: buf.all_gather(t))
     expect('destroy without a session', RuntimeError, buf.destroy_agrs_session)

@@ -13,7 +13,7 @@ materialised only once.
 import argparse
 import re
 import sys
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from ..lb import LBMixin
 from ..runtime import interop
 from ..utils.envs import init_dist
 from ..utils.testing import bench
-from .ep import Failure, check
+from .common import Failure, check, expect_error, log  # noqa: F401  (re-exported for engram/reduce_grads)
 
 _FEATURE_METHODS = ('engram_write', 'engram_fetch', 'lb_set_plan', 'lb_prefetch_weights', 'lb_reduce_grads')
 
@@ -53,23 +53,6 @@ def parse_num_bytes(text: str) -> int:
     if match is None:
         raise argparse.ArgumentTypeError(f'not a byte count: {text!r} (use e.g. 64M, 512K or 4096)')
     return int(match.group(1)) << {'': 0, 'K': 10, 'M': 20, 'G': 30}[match.group(2).upper()]
-
-
-def log(group, msg: str, all_ranks: bool = False) -> None:
-    if all_ranks or group.rank == 0:
-        print(msg, flush=True)
-
-
-def expect_error(tried: List[str], name: str, exc: type, fn: Callable[[], object]) -> None:
-    """Run `fn` and require it to raise `exc`; record the message in `tried`."""
-    try:
-        fn()
-    except exc as e:
-        tried.append(f'{name}: {type(e).__name__}: {e}')
-        return
-    except Exception as e:  # noqa: BLE001
-        raise Failure(f'{name}: expected {exc.__name__}, got {type(e).__name__}: {e}') from e
-    raise Failure(f'{name}: expected {exc.__name__}, nothing was raised')
 
 
 def ranks_share_gpu(buf) -> bool:

@@ -20,11 +20,7 @@ from ..barrier import TEST_CHECK_OFFSET, all_specs
 from ..buffer_base import BufferBase
 from ..jit import launch
 from ..runtime.group import get_group
-
-
-def log(group, msg: str, all_ranks: bool = False):
-    if all_ranks or group.rank == 0:
-        print(msg, flush=True)
+from .common import log
 
 
 def test_correctness(buf: BufferBase, num_rounds: int, delay_ns: int) -> int:

@@ -22,7 +22,7 @@ import torch
 from ..engram import storage_size_hint
 from ..utils.testing import bench, bench_kineto
 from .allocation import expect_error, log, make_buffer, nccl_all_to_all, peer_copy_floor, ranks_share_gpu
-from .ep import Failure, check, check_equal
+from .common import Failure, check, check_equal
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

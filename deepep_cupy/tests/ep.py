@@ -22,44 +22,7 @@ from ..utils import gate, refs
 from ..utils.envs import init_dist
 from ..utils.math import align, per_token_cast_to_fp8
 from ..utils.testing import bench
-
-
-class Failure(AssertionError):
-    pass
-
-
-def check(cond: bool, what: str):
-    if not cond:
-        raise Failure(what)
-
-
-def check_equal(got: torch.Tensor, want: torch.Tensor, what: str):
-    """Bitwise equality (through an integer view), reporting the first mismatch."""
-    if got.shape != want.shape:
-        raise Failure(f'{what}: shape {tuple(got.shape)} != expected {tuple(want.shape)}')
-    if got.dtype != want.dtype:
-        raise Failure(f'{what}: dtype {got.dtype} != expected {want.dtype}')
-    a, b = got.contiguous(), want.to(got.device).contiguous()
-    if a.element_size() in (1, 2, 4, 8) and a.is_floating_point():
-        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.view(view), b.view(view)
-    diff = (a != b)
-    if diff.any():
-        idx = tuple(diff.nonzero()[0].tolist())
-        raise Failure(f'{what}: {int(diff.sum())} mismatches, first at {list(idx)}: got {a[idx].item()}, '
-                      f'expected {b[idx].item()} (as {a.dtype} bits)')
-
-
-def gather_tensors(group, tensors):
-    """Every rank's copy of `tensors` (CPU torch tensors), through the host process group. Tensors travel as numpy
-    arrays of their raw bytes (torch cannot unpickle float8 tensors everywhere)."""
-    packed = tuple((str(t.dtype).replace('torch.', ''), t.view(torch.uint8).cpu().numpy() if t.element_size() == 1
-                    else t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-                    .cpu().numpy()) for t in tensors)
-    out = []
-    for rank_tensors in group.allgather_object(packed):
-        out.append(tuple(torch.from_numpy(a).view(getattr(torch, d)) for d, a in rank_tensors))
-    return out
+from .common import Failure, check, check_equal, expect_error, gather_tensors
 
 
 def enumerate_ep_modes(first_only: bool):
@@ -253,14 +216,7 @@ def test_errors(buf: ElasticBuffer, case: Case) -> list:
     tried = []
 
     def expect(name, exc, fn):
-        try:
-            fn()
-        except exc as e:
-            tried.append(f'{name}: {type(e).__name__}: {e}')
-            return
-        except Exception as e:  # noqa: BLE001
-            raise Failure(f'{name}: expected {exc.__name__}, got {type(e).__name__}: {e}') from e
-        raise Failure(f'{name}: expected {exc.__name__}, nothing was raised')
+        expect_error(tried, name, exc, fn)
 
     expect('x float32', TypeError, lambda: buf.dispatch(x.float(), idx, w, num_experts=E))
     expect('x 1-D', ValueError, lambda: buf.dispatch(x[0], idx, w, num_experts=E))

@@ -27,6 +27,7 @@ from ..buffer_base import BufferBase
 from ..pp import PPMixin, get_pp_buffer_size_hint, neighbours
 from ..utils.envs import init_dist
 from ..utils.testing import bench_kineto, sleep_gpu
+from .common import Failure, check
 
 FULL_SIZE_FRACTION = 0.75
 TIMESTAMP_RANGE = 10 ** 8
@@ -44,15 +45,6 @@ def make_buffer(group, num_bytes: int, **kwargs):
         return deepep_cupy.ElasticBuffer(group, num_bytes=num_bytes, allow_hybrid_mode=False, explicitly_destroy=True,
                                          **kwargs)
     return PPBuffer(group=group, num_bytes=num_bytes, allow_hybrid_mode=False, explicitly_destroy=True, **kwargs)
-
-
-class Failure(AssertionError):
-    pass
-
-
-def check(cond: bool, what: str):
-    if not cond:
-        raise Failure(what)
 
 
 # ---- schedules (pure Python, unit-tested in tests/test_pp_cpu.py) ----------------------------------------------------

@@ -37,7 +37,7 @@ from .allocation import (
     peer_copy_floor,
     ranks_share_gpu,
 )
-from .ep import Failure, check, check_equal
+from .common import Failure, check, check_equal
 
 # Period of the ramp: adjacent 4 KiB work chunks (1024 FP32 values) hold different values.
 PATTERN_PERIOD = (1 << 12) - 1
