@@ -36,7 +36,8 @@ MAX_ROUNDS = 65535              # rounds per sender block (chunk flags hold (epo
 GROUP_ELEMS = 8                 # reductions work on groups of 8 elements; shards start at multiples of 8
 CHUNK_MIN_ELEMS, CHUNK_MAX_ELEMS = 2048, 32768
 DEFAULT_GATHER_SMS = 32
-DEFAULT_REDUCE_SMS = 48
+DEFAULT_REDUCE_SMS = 64
+SENDER_SHARE = (1, 2)           # share of a reduction's blocks that send (at most MAX_SENDERS); the rest reduce
 # `aux` of an error record (kernels_cu/agrs.cu): which wait gave up.
 AUX_NAMES = {1: 'all-gather signal', 2: 'all-gather size mismatch (ranks gathered different sizes)',
              3: 'reduction slots free (previous reduction done)', 4: 'reduce-scatter chunk', 5: 'all-reduce shard'}
@@ -208,7 +209,8 @@ def reduce_layout(num_ranks: int, num_elems: int, shard_elems: int, stage_itemsi
     gather_slot_bytes = align(shard_elems * 4, REGION_ALIGNMENT) if all_reduce else 0
     gather_offset = num_ranks * slot_bytes if all_reduce else 0
     # Senders drive NVLink (and pause at each chunk's system-scope release); reducers only read local memory.
-    senders = min(MAX_SENDERS, max(1, min(num_sms - 1, -(-2 * num_sms // 3))))
+    num, den = SENDER_SHARE
+    senders = min(MAX_SENDERS, max(1, min(num_sms - 1, -(-num * num_sms // den))))
     chunk = min(CHUNK_MAX_ELEMS, max(CHUNK_MIN_ELEMS, align(-(-shard_elems // senders), CHUNK_MIN_ELEMS)))
     num_chunks = -(-shard_elems // chunk)
     senders = min(senders, max(1, num_chunks))
@@ -667,7 +669,7 @@ class AGRSMixin:
             comm_precision: `'fp32'` or `'bf16'` (pieces travel, and enter the sum, rounded to bfloat16);
                 bfloat16 inputs always travel as bfloat16. The sum is FP32 in rank order 0..R-1 (deterministic).
             scale: multiplies the FP32 sum before the final rounding.
-            num_sms: blocks of the kernel, about 2/3 senders and 1/3 reducers (0: min(device SMs, 48)).
+            num_sms: blocks of the kernel, half senders (at most 32) and half reducers (0: min(device SMs, 64)).
             previous_event: `EventHandle` the communication stream waits for instead of the current stream.
 
         Returns:

@@ -33,6 +33,8 @@ EXPERT_BYTES_ALIGNMENT = 32         # bytes per expert must be a multiple of thi
 NUM_MAX_MAPPING_ENTRIES = 4096      # num_ranks * num_redundant (the kernels keep the entry lists in shared memory)
 NUM_MAX_LOCAL_EXPERTS = 1024
 SM_READ_GBS, SM_WRITE_GBS = 180.0, 45.0
+NUM_MAX_REDUCE_STAGES = 3           # 4 KiB shared-memory stages per warp of the gradient reduction (cp.async pipeline)
+SHARED_MEM_OPTIN_BYTES = 232448     # dynamic shared memory a block may opt into on sm_90 / sm_100 (227 KiB)
 DEFAULT_NVLINK_GBS = 450.0          # when nvidia-smi reports no NVLink
 
 
@@ -48,8 +50,8 @@ def reduce_grads_spec(num_ranks: int) -> KernelSpec:
     return KernelSpec('lb', f'deepep::lb_reduce_grads_kernel<{num_ranks}>', (
         Param('mapping', PTR), Param('num_redundant', np.int32), Param('num_local_experts', np.int32),
         Param('expert_grads', PTR), Param('num_bytes_per_expert', np.int64), Param('pool_offset', np.uint64),
-        Param('peer_bases', PTR), Param('rank', np.int32), Param('error_record', PTR),
-        Param('timeout_ns', np.uint64)))
+        Param('num_stages', np.int32), Param('stage_offset', np.int32), Param('peer_bases', PTR),
+        Param('rank', np.int32), Param('error_record', PTR), Param('timeout_ns', np.uint64)))
 
 
 def all_specs(num_ranks: int) -> List[KernelSpec]:
@@ -184,8 +186,18 @@ class Launch:
     shared_mem: int
 
 
+def reduce_grads_shared_mem(num_ranks: int, num_redundant: int, num_local_experts: int,
+                            max_shared_mem: int = SHARED_MEM_OPTIN_BYTES) -> Tuple[int, int, int]:
+    """`(num_stages, stage_offset, bytes)` of the gradient reduction's dynamic shared memory: the entry lists
+    (int32 [4 L + R C]), then as many 4 KiB stages per warp (1..3) as fit in `max_shared_mem`."""
+    stage_offset = -(-4 * (4 * num_local_experts + num_ranks * num_redundant) // 128) * 128
+    per_stage = (THREADS // 32) * CHUNK_BYTES
+    num_stages = max(1, min(NUM_MAX_REDUCE_STAGES, (max_shared_mem - stage_offset) // per_stage))
+    return num_stages, stage_offset, stage_offset + num_stages * per_stage
+
+
 def launch_plan(call: LBCall, num_ranks: int, rank: int, peer_bases_ptr: int, error_record_ptr: int,
-                timeout_ns: int) -> List[Launch]:
+                timeout_ns: int, max_shared_mem: int = SHARED_MEM_OPTIN_BYTES) -> List[Launch]:
     """The launches of a checked call: one prefetch launch per tensor pair (the first exchanges the ready signals,
     the last the done signals), or one reduction launch. Grids shrink to the work (16 warp items per block)."""
     C, L = call.num_redundant, call.num_local_experts
@@ -199,9 +211,10 @@ def launch_plan(call: LBCall, num_ranks: int, rank: int, peer_bases_ptr: int, er
                 call.mapping, C, L, pair.src, pair.num_bytes_per_expert, pair.pool_offset, int(k == 0),
                 int(k == len(call.pairs) - 1), *common), 4 * num_ranks * C))
         else:
+            num_stages, stage_offset, shared_mem = reduce_grads_shared_mem(num_ranks, C, L, max_shared_mem)
             out.append(Launch(reduce_grads_spec(num_ranks), _grid(num_active * num_chunks, call.num_sms), (
-                call.mapping, C, L, pair.src, pair.num_bytes_per_expert, pair.pool_offset, *common),
-                4 * (4 * L + num_ranks * C)))
+                call.mapping, C, L, pair.src, pair.num_bytes_per_expert, pair.pool_offset, num_stages, stage_offset,
+                *common), shared_mem))
     return out
 
 
@@ -406,8 +419,13 @@ class LBMixin:
             call.previous_event.stream_wait(comm)
         else:
             comm.wait_event(interop.current_stream(call.mapping).record())
+        max_shared_mem = getattr(self, '_lb_max_shared_mem', None)
+        if max_shared_mem is None:
+            import cupy
+            max_shared_mem = self._lb_max_shared_mem = int(
+                cupy.cuda.Device(self.device).attributes['MaxSharedMemoryPerBlockOptin'])
         for launch in launch_plan(call, self.num_scaleup_ranks, self.sym.local_idx, self.sym.peer_bases_ptr,
-                                  self.host_mapped.ptr, self.timeout_ns):
+                                  self.host_mapped.ptr, self.timeout_ns, max_shared_mem):
             kernels[launch.spec.name].launch(launch.grid, THREADS, launch.args, stream=comm,
                                              shared_mem=launch.shared_mem)
         local = [p.src for p in call.pairs] + [call.mapping]

@@ -60,7 +60,7 @@ constexpr int kAgrsMetaSlots = 32;
 constexpr int kAgrsMaxSenders = 32;
 constexpr int kAgrsThreads = 512;
 constexpr int kAgrsGatherUnroll = 4;
-constexpr int kAgrsSendUnroll = 2;
+constexpr int kAgrsSendUnroll = 4;
 
 constexpr int kAgrsTicketGather = 0, kAgrsTicketReduce = 1, kAgrsTicketUnpack = 2;
 constexpr int kAgrsSigGather = 32, kAgrsSigShard = 64, kAgrsSigDone = 96;
@@ -308,6 +308,8 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
     static_assert(kNumRanks >= 1 && kNumRanks <= kAgrsMaxRanks, "reduce-scatter supports up to 8 ranks");
     static_assert(!kInBF16 || kStageBF16, "bfloat16 inputs are staged as bfloat16");
     constexpr int kIn = kInBF16 ? 2 : 4, kStage = kStageBF16 ? 2 : 4;
+    // Groups per reducer thread and pass: 8 * kRedUnroll * kNumRanks floats of loads in flight (64 for 2..8 ranks).
+    constexpr int kRedUnroll = kNumRanks <= 2 ? 4 : (kNumRanks <= 4 ? 2 : 1);
     const AgrsCtrl ctrl{peer_bases, rank};
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
 
@@ -352,39 +354,51 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
             const int64_t begin = k * chunk_elems;
             const int64_t n = len - begin < chunk_elems ? len - begin : chunk_elems;
             const int64_t num_groups = n / 8;
-            for (int64_t g = threadIdx.x; g < num_groups; g += kAgrsThreads) {
-                const int64_t e = begin + g * 8;
-                // One load per rank through a selected pointer (loads on divergent branches would put v in local
-                // memory). When the staging is narrower than the input, this rank's piece is loaded separately and
-                // rounded, and v[rank] (the first half of it, read as bfloat16) is ignored.
-                float own_v[8];
-                if (kStageBF16 && !kInBF16) {
-                    load8<false, false>(own + e * kIn, own_v);
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                        own_v[i] = round_bf16(own_v[i]);
-                }
-                float v[kNumRanks][8];
+            // kRedUnroll groups per thread and pass, every rank's piece of each loaded before any is summed: loads
+            // in flight are what bounds a reducer block's bandwidth. One load per rank through a selected pointer
+            // (loads on divergent branches would put v in local memory). When the staging is narrower than the
+            // input, this rank's piece is loaded separately and rounded, and v[u][rank] (the first half of it, read
+            // as bfloat16; an L1 hit) is ignored.
+            constexpr bool kOwnApart = kStageBF16 && !kInBF16;
+            for (int64_t g0 = threadIdx.x; g0 < num_groups; g0 += kAgrsThreads * kRedUnroll) {
+                float v[kRedUnroll][kNumRanks][8];
+                float own_v[kRedUnroll][8];
                 #pragma unroll
-                for (int r = 0; r < kNumRanks; ++r)
-                    load8<kStageBF16, false>(r == rank ? own + e * kIn : slots + r * slot_bytes + e * kStage, v[r]);
-                float acc[8];
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    float s = 0.f;
-                    #pragma unroll
-                    for (int r = 0; r < kNumRanks; ++r) {
-                        const float t = (r == rank && kStageBF16 && !kInBF16) ? own_v[i] : v[r][i];
-                        s = r == 0 ? t : __fadd_rn(s, t);
+                for (int u = 0; u < kRedUnroll; ++u) {
+                    const int64_t e = begin + (g0 + u * kAgrsThreads) * 8;
+                    if (g0 + u * kAgrsThreads < num_groups) {
+                        if (kOwnApart)
+                            load8<false, false>(own + e * kIn, own_v[u]);
+                        #pragma unroll
+                        for (int r = 0; r < kNumRanks; ++r)
+                            load8<kStageBF16, false>(r == rank ? own + e * kIn : slots + r * slot_bytes + e * kStage,
+                                                     v[u][r]);
                     }
-                    acc[i] = __fmul_rn(s, scale);
                 }
-                store8<kInBF16>(out + e * kIn, acc);
-                if (is_all_reduce) {
+                #pragma unroll
+                for (int u = 0; u < kRedUnroll; ++u) {
+                    const int64_t e = begin + (g0 + u * kAgrsThreads) * 8;
+                    if (g0 + u * kAgrsThreads >= num_groups)
+                        continue;
+                    float acc[8];
                     #pragma unroll
-                    for (int p = 0; p < kNumRanks; ++p)
-                        if (p != rank)
-                            store8<false>(ctrl.base(p) + gather_offset + rank * gather_slot_bytes + e * 4, acc);
+                    for (int i = 0; i < 8; ++i) {
+                        float s = 0.f;
+                        #pragma unroll
+                        for (int r = 0; r < kNumRanks; ++r) {
+                            // This rank's piece enters the sum rounded to the staging precision like the others.
+                            const float t = (kOwnApart && r == rank) ? round_bf16(own_v[u][i]) : v[u][r][i];
+                            s = r == 0 ? t : __fadd_rn(s, t);
+                        }
+                        acc[i] = __fmul_rn(s, scale);
+                    }
+                    store8<kInBF16>(out + e * kIn, acc);
+                    if (is_all_reduce) {
+                        #pragma unroll
+                        for (int p = 0; p < kNumRanks; ++p)
+                            if (p != rank)
+                                store8<false>(ctrl.base(p) + gather_offset + rank * gather_slot_bytes + e * 4, acc);
+                    }
                 }
             }
             for (int64_t e = begin + num_groups * 8 + threadIdx.x; e < begin + n; e += kAgrsThreads) {

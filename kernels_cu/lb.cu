@@ -94,6 +94,32 @@ __device__ __forceinline__ uint32_t lanemask_lt() {
     return mask;
 }
 
+// Asynchronous 16-byte copies global -> shared (cp.async, L2 only): the data in flight waits in shared memory instead
+// of registers, so a block can keep several times more NVLink reads outstanding than its register file would hold.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most `pending` (0..3) of this thread's most recent commit groups are still in flight.
+__device__ __forceinline__ void cp_async_wait(int pending) {
+    switch (pending) {
+        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    }
+}
+
+__device__ __forceinline__ Vec16 ld_shared_v4(const void* p) {
+    Vec16 v;
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+
 __device__ __forceinline__ void add_f32x4(Vec16& acc, const Vec16& v) {
     acc.x = __float_as_uint(__uint_as_float(acc.x) + __uint_as_float(v.x));
     acc.y = __float_as_uint(__uint_as_float(acc.y) + __uint_as_float(v.y));
@@ -170,19 +196,24 @@ lb_prefetch_kernel(const int32_t* mapping, int num_redundant, int num_local_expe
 
 // ---- gradient reduction ---------------------------------------------------------------------------------------
 // expert_grads[j] += pool_r[c] for every (r, c) with mapping[r][c] == rank * L + j, in ascending (r, c) order.
-// Work items: (local expert with at least one copy, 4 KiB chunk); a warp per item loads the expert's chunk and every
-// copy's chunk (kLBUnroll vectors in flight per lane and source) and stores the sum once.
+// Work items: (local expert with at least one copy, 4 KiB chunk); a warp per item loads the expert's chunk into
+// registers, adds every copy's chunk in ascending order and stores the sum once.
+// The copies' chunks are read over NVLink, where a read takes microseconds: each warp streams them through
+// `num_stages` (1..3) 4 KiB stages of shared memory with cp.async, issuing the read of the copy num_stages - 1 ahead
+// of the one it adds (across work items), so about num_stages * 64 KiB per block are in flight. Every lane copies and
+// reads only its own 16-byte vectors of a stage, so a lane's own cp.async.wait_group is the only synchronisation.
 // Dynamic shared memory: int32 [4 * L + kNumRanks * num_redundant]: per local expert the number of copies, the first
 // copy's position in the copy list, a fill cursor, the list of experts with copies, then the copy list (flat mapping
-// indices grouped by expert, ascending inside each group).
+// indices grouped by expert, ascending inside each group); then, at `stage_offset` bytes (a multiple of 128),
+// [kLBThreads / 32 warps][num_stages][4 KiB] stages.
 template <int kNumRanks>
 __global__ void __launch_bounds__(kLBThreads, 1)
 lb_reduce_grads_kernel(const int32_t* mapping, int num_redundant, int num_local_experts, float* expert_grads,
-                       int64_t num_bytes_per_expert, uint64_t pool_offset, const uint64_t* peer_bases, int rank,
-                       int32_t* error_record, uint64_t timeout_ns) {
+                       int64_t num_bytes_per_expert, uint64_t pool_offset, int num_stages, int stage_offset,
+                       const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns) {
     static_assert(kNumRanks >= 1 && kNumRanks <= 32, "load balancing supports up to 32 ranks per domain");
     static_assert(kLBDoneOffset + 4 * kNumRanks <= kLBCtrlBytes, "control words overflow their region");
-    extern __shared__ int32_t s_shared[];
+    extern __shared__ __align__(128) int32_t s_shared[];
     const int L = num_local_experts;
     int32_t* s_count = s_shared;
     int32_t* s_start = s_shared + L;
@@ -251,36 +282,68 @@ lb_reduce_grads_kernel(const int32_t* mapping, int num_redundant, int num_local_
     const int64_t num_chunks = (num_vectors + kLBChunkVectors - 1) / kLBChunkVectors;
     const int64_t num_items = static_cast<int64_t>(s_num_active) * num_chunks;
     const int num_warps = kLBThreads / 32;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * num_warps + warp; item < num_items;
-         item += static_cast<int64_t>(gridDim.x) * num_warps) {
+    const int64_t first_item = static_cast<int64_t>(blockIdx.x) * num_warps + warp;
+    const int64_t item_stride = static_cast<int64_t>(gridDim.x) * num_warps;
+    // This lane's 16-byte vector u of stage s: stages + s * 4096 + (u * 32 + lane) * 16.
+    uint8_t* stages = reinterpret_cast<uint8_t*>(s_shared) + stage_offset +
+                      static_cast<int64_t>(warp) * num_stages * (kLBChunkVectors * 16) + lane * 16;
+
+    // Producer cursor: the next (work item, copy) whose chunk this warp reads; every call commits one group (empty
+    // past the end), so "group n complete" always means "stage n % num_stages of the n-th copy is filled".
+    int64_t load_item = first_item;
+    int load_copy = 0;
+    auto issue = [&](int stage) {
+        if (load_item < num_items) {
+            const int j = s_active[load_item / num_chunks];
+            const int64_t chunk = load_item % num_chunks;
+            const int i = s_copies[s_start[j] + load_copy];
+            // cp.async.cg reads through L2, never a stale L1 line: the peer may have written its pool while this
+            // kernel waited in lb_ready.
+            const uint8_t* src = reinterpret_cast<const uint8_t*>(peer_bases[i / num_redundant]) + pool_offset +
+                                 (i % num_redundant) * num_bytes_per_expert;
+            const int64_t first = chunk * kLBChunkVectors + lane;
+            uint8_t* dst = stages + stage * (kLBChunkVectors * 16);
+            #pragma unroll
+            for (int u = 0; u < kLBUnroll; ++u)
+                if (first + u * 32 < num_vectors)
+                    cp_async_16(dst + u * 32 * 16, src + (first + u * 32) * 16);
+            if (++load_copy == s_count[j]) {
+                load_copy = 0;
+                load_item += item_stride;
+            }
+        }
+        cp_async_commit();
+    };
+    for (int s = 0; s + 1 < num_stages; ++s)
+        issue(s);
+
+    int stage = 0;
+    for (int64_t item = first_item; item < num_items; item += item_stride) {
         const int j = s_active[item / num_chunks];
         const int64_t chunk = item % num_chunks;
         uint8_t* grad = reinterpret_cast<uint8_t*>(expert_grads) + j * num_bytes_per_expert;
         const int64_t first = chunk * kLBChunkVectors + lane;
-        const int begin = s_start[j], end = s_start[j] + s_count[j];
-        Vec16 acc[kLBUnroll], v[kLBUnroll];
+        Vec16 acc[kLBUnroll];
         #pragma unroll
         for (int u = 0; u < kLBUnroll; ++u)
             if (first + u * 32 < num_vectors)
                 acc[u] = ld_v4(grad + (first + u * 32) * 16);
-        for (int k = begin; k < end; ++k) {
-            const int i = s_copies[k];
-            const uint8_t* src = reinterpret_cast<const uint8_t*>(peer_bases[i / num_redundant]) + pool_offset +
-                                 (i % num_redundant) * num_bytes_per_expert;
-            // Coherent loads: the peer may have written its pool while this kernel waited in lb_ready.
+        for (int k = 0; k < s_count[j]; ++k) {
+            issue(stage == 0 ? num_stages - 1 : stage - 1);   // the stage added last time round
+            cp_async_wait(num_stages - 1);
+            const uint8_t* src = stages + stage * (kLBChunkVectors * 16);
             #pragma unroll
             for (int u = 0; u < kLBUnroll; ++u)
                 if (first + u * 32 < num_vectors)
-                    v[u] = ld_v4(src + (first + u * 32) * 16);
-            #pragma unroll
-            for (int u = 0; u < kLBUnroll; ++u)
-                add_f32x4(acc[u], v[u]);
+                    add_f32x4(acc[u], ld_shared_v4(src + u * 32 * 16));
+            stage = stage + 1 == num_stages ? 0 : stage + 1;
         }
         #pragma unroll
         for (int u = 0; u < kLBUnroll; ++u)
             if (first + u * 32 < num_vectors)
                 st_v4(grad + (first + u * 32) * 16, acc[u]);
     }
+    cp_async_wait(0);
 
     lb_done<kNumRanks>(peer_bases, rank, epoch, timeout_ns, sink);
 }

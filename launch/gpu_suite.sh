@@ -3,7 +3,7 @@
 # rank program with 1 GPU, with all GPUs (one rank per GPU), and with 4 and 8 ranks sharing the GPUs (logic only),
 # then the benchmarks. Logs go under $OUT (default ./out): suite.log (everything), summary.txt (one line per step).
 #
-#   bash launch/gpu_suite.sh [STAGE...]      STAGE in: info jit barrier pytest ep bench coll (default: all)
+#   bash launch/gpu_suite.sh [STAGE...]      STAGE in: info jit barrier pytest ep bench coll tune (default: all but tune)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -80,14 +80,27 @@ if want bench && [ -f perf/ep_bench.py ] && [ "$NGPU" -ge 2 ]; then
     step "ep_bench np=$NGPU" 600 $R "$NGPU" $PY perf/ep_bench.py --out "$OUT"
 fi
 if want coll; then
-    # Collectives, PP, engram and load balancing (issue 3): 2 ranks on 2 GPUs with performance, then 4 ranks sharing.
+    # Collectives, PP, engram and load balancing (issue 3): one rank per GPU with performance, then 4 and 8 ranks
+    # sharing the GPUs (logic only).
     for prog in allocation pp agrs engram reduce_grads prefetch_weights; do
         step "$prog np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.$prog
     done
     step "engram fp8 np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.engram --use-fp8
-    for prog in pp agrs engram reduce_grads; do
-        step "$prog np=4 (shared GPUs)" 300 $R 4 $PY -m deepep_cupy.tests.$prog --skip-perf-test
+    for np in 4 8; do
+        step "allocation np=$np (shared GPUs)" 300 $R $np $PY -m deepep_cupy.tests.allocation
+        for prog in pp agrs engram reduce_grads prefetch_weights; do
+            step "$prog np=$np (shared GPUs)" 300 $R $np $PY -m deepep_cupy.tests.$prog --skip-perf-test
+        done
     done
+fi
+if want tune && [ "$NGPU" -ge 2 ]; then
+    # Not in the default list: the reduce-scatter sweep behind agrs.py's defaults, and the load-balancing ring pattern.
+    step "reduce-scatter sweep np=$NGPU" 300 $R "$NGPU" $PY perf/reduce_scatter_sweep.py
+    step "reduce-scatter host profile np=$NGPU" 120 $R "$NGPU" $PY perf/reduce_scatter_sweep.py --host-only --profile
+    step "reduce_grads ring np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.reduce_grads --pattern ring --skip-check \
+        --skip-error-test --skip-timeout-test
+    step "prefetch_weights ring np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.prefetch_weights --pattern ring \
+        --skip-check --skip-error-test --skip-timeout-test
 fi
 echo "=== summary" | tee -a "$LOG"
 cat "$SUMMARY"

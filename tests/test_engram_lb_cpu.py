@@ -504,9 +504,18 @@ def test_lb_launch_plan_matches_the_specs():
     call = buf._lb_check('reduce', pool, grads, mapping, 6)
     (p,) = lb.launch_plan(call, 2, 0, 0x1000, 0x2000, 10 ** 9)
     packed = pack_args(p.spec, p.args)
-    assert p.spec.name == 'deepep::lb_reduce_grads_kernel<2>' and p.shared_mem == 4 * (4 * 4 + 2 * 3)
+    # Entry lists int32 [4 L + R C] = 88 bytes, rounded to 128, then 3 stages of 16 warps x 4 KiB.
+    assert p.spec.name == 'deepep::lb_reduce_grads_kernel<2>' and p.shared_mem == 128 + 3 * 16 * 4096
     assert int(packed[3]) == grads.data_ptr() and int(packed[4]) == 256 and int(packed[5]) == 2 * MiB
-    assert int(packed[7]) == 0 and int(packed[6]) == 0x1000
+    assert (int(packed[6]), int(packed[7])) == (3, 128)
+    assert int(packed[9]) == 0 and int(packed[8]) == 0x1000
+
+
+def test_lb_reduce_stages_fit_the_shared_memory():
+    assert lb.reduce_grads_shared_mem(2, 3, 4) == (3, 128, 128 + 3 * 65536)
+    # The largest entry lists (L = 1024, R * C = 4096: 32 KiB) still leave room for three stages on sm_90.
+    assert lb.reduce_grads_shared_mem(8, 512, 1024) == (3, 32768, 32768 + 3 * 65536)
+    assert lb.reduce_grads_shared_mem(8, 512, 1024, 99 * 1024)[0] == 1      # a 99 KiB device: one stage
 
 
 def test_lb_grid_follows_the_work():
