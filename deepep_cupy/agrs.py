@@ -590,8 +590,7 @@ class AGRSMixin:
                 info.ptr, info.nbytes, self.data_offset + region.offset, self.sym.peer_bases_ptr, rank,
                 0 if inplace[i] else 1, 1 if i == len(infos) - 1 else 0, epoch, meta), stream=comm)
         if infos[0].kind == 'torch':
-            import torch
-            s = torch.cuda.ExternalStream(comm.ptr)
+            s = interop.torch_stream(comm.ptr)
             for t, exact in zip(items, inplace):
                 if not exact:
                     t.record_stream(s)
@@ -629,10 +628,10 @@ class AGRSMixin:
         return self.data_offset + start
 
     def _agrs_finish(self, comm, kind: str, tensors, result):
+        from .runtime import interop
         from .runtime.event import EventHandle, EventOverlap
         if kind == 'torch':
-            import torch
-            s = torch.cuda.ExternalStream(comm.ptr)
+            s = interop.torch_stream(comm.ptr)
             for t in tensors:
                 t.record_stream(s)
         event = EventOverlap(EventHandle(comm), extra_tensors=tensors)

@@ -355,8 +355,7 @@ class EngramMixin:
                      fetch_args(layout, indices, num_tokens, n, state.sf, state.num_sf, sf_out, sf_strides,
                                 self.sym.peer_bases_ptr, self.sym.local_idx), stream=comm)
         if kind == 'torch':
-            import torch
-            s = torch.cuda.ExternalStream(comm.ptr)
+            s = interop.torch_stream(comm.ptr)
             for t in (indices, sf_out):
                 if t is not None:
                     t.record_stream(s)

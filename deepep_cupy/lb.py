@@ -430,8 +430,7 @@ class LBMixin:
                                              shared_mem=launch.shared_mem)
         local = [p.src for p in call.pairs] + [call.mapping]
         if call.kind == 'torch':
-            import torch
-            s = torch.cuda.ExternalStream(comm.ptr)
+            s = interop.torch_stream(comm.ptr)
             for t in local:
                 t.record_stream(s)
         return EventOverlap(EventHandle(comm), extra_tensors=tuple(local) + tuple(p.dst for p in call.pairs))

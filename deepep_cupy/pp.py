@@ -366,8 +366,7 @@ class PPMixin:
     def _pp_finish(self, current, comm, x, async_with_compute_stream: bool) -> EventOverlap:
         if async_with_compute_stream:
             if interop.is_torch(x):
-                import torch
-                x.record_stream(torch.cuda.ExternalStream(comm.ptr))
+                x.record_stream(interop.torch_stream(comm.ptr))
             return EventOverlap(EventHandle(comm), extra_tensors=(x,))
         self._pp_events[1].record(comm)
         current.wait_event(self._pp_events[1])

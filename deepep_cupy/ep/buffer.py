@@ -190,8 +190,7 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         live = tuple(t for t in tensors if t is not None)
         if async_with_compute_stream:
             if kind == 'torch':
-                import torch
-                s = torch.cuda.ExternalStream(comm.ptr)
+                s = interop.torch_stream(comm.ptr)
                 for t in live:
                     t.record_stream(s)
             return EventOverlap(EventHandle(comm), extra_tensors=live)
@@ -583,7 +582,7 @@ def _psum_expert_from_layout(recv_layout, R: int, L: int, alignment: int, do_exp
     counts = recv_layout[R:R + L]
     if kind == 'torch':
         import torch
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        with torch.cuda.stream(interop.torch_stream(stream.ptr)):
             aligned = (counts + alignment - 1) // alignment * alignment
             return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else torch.cumsum(aligned, 0).to(torch.int32)
     import cupy

@@ -220,6 +220,8 @@ class Kernel:
 
 
 def _dim3(dims) -> Tuple[int, int, int]:
+    if type(dims) is int and dims >= 1:        # the common case, kept cheap: launches sit on hot paths
+        return dims, 1, 1
     dims = (dims,) if isinstance(dims, (int, np.integer)) else tuple(dims)
     if not 1 <= len(dims) <= 3 or any(int(d) < 1 for d in dims):
         raise ValueError(f'launch dimensions must be 1 to 3 positive integers, got {dims}')
