@@ -60,7 +60,6 @@ constexpr int kAgrsMetaSlots = 32;
 constexpr int kAgrsMaxSenders = 32;
 constexpr int kAgrsThreads = 512;
 constexpr int kAgrsGatherUnroll = 4;
-constexpr int kAgrsSendUnroll = 4;
 
 constexpr int kAgrsTicketGather = 0, kAgrsTicketReduce = 1, kAgrsTicketUnpack = 2;
 constexpr int kAgrsSigGather = 32, kAgrsSigShard = 64, kAgrsSigDone = 96;
@@ -173,6 +172,25 @@ __device__ __forceinline__ void store8(uint8_t* p, const float (&v)[8]) {
     }
 }
 
+// kN (4 or 8) consecutive elements in FP32 or bfloat16: one 16-byte vector, or two for 8 FP32 elements.
+template <int kN, bool kBF16, bool kNonCoherent>
+__device__ __forceinline__ void load_n(const uint8_t* p, float (&v)[kN]) {
+    static_assert(kN == 8 || (kN == 4 && !kBF16), "units are 4 FP32 or 8 elements");
+    if constexpr (kN == 4)
+        unpack_f32x4(kNonCoherent ? ld_nc_v4(p) : ld_v4(p), v);
+    else
+        load8<kBF16, kNonCoherent>(p, v);
+}
+
+template <int kN, bool kBF16>
+__device__ __forceinline__ void store_n(uint8_t* p, const float (&v)[kN]) {
+    static_assert(kN == 8 || (kN == 4 && !kBF16), "units are 4 FP32 or 8 elements");
+    if constexpr (kN == 4)
+        st_na_v4(p, pack_f32x4(v));
+    else
+        store8<kBF16>(p, v);
+}
+
 template <bool kBF16>
 __device__ __forceinline__ float load1(const uint8_t* p) {
     if (kBF16)
@@ -272,27 +290,36 @@ agrs_wait_kernel(const uint64_t* peer_bases, int rank, uint32_t epoch, uint32_t 
 
 // ---- reduce-scatter / all-reduce ----------------------------------------------------------------------------------
 
+// Reductions move 16-byte units of the staging precision: 4 FP32 or 8 bfloat16 elements. A warp's stores into a
+// peer then cover 512 contiguous bytes; 32-byte groups per thread (8 FP32) would make each store instruction write
+// half of every 32-byte sector, and NVLink carries such partial writes at well under half its bandwidth.
+template <bool kStageBF16>
+constexpr int kStageUnit = kStageBF16 ? 8 : 4;
+
 // `num` elements of `src` (input precision) into `dst` (staging precision); both start at a multiple of 8 elements.
+// 128 bytes of input per thread and pass are in flight.
 template <bool kInBF16, bool kStageBF16>
 __device__ __forceinline__ void stage_copy(uint8_t* dst, const uint8_t* src, int64_t num) {
     constexpr int kIn = kInBF16 ? 2 : 4, kStage = kStageBF16 ? 2 : 4;
-    const int64_t num_groups = num / 8;
-    for (int64_t base = threadIdx.x; base < num_groups; base += kAgrsThreads * kAgrsSendUnroll) {
-        float v[kAgrsSendUnroll][8];
+    constexpr int kUnit = kStageUnit<kStageBF16>;
+    constexpr int kUnroll = 128 / (kUnit * kIn);
+    const int64_t num_units = num / kUnit;
+    for (int64_t base = threadIdx.x; base < num_units; base += kAgrsThreads * kUnroll) {
+        float v[kUnroll][kUnit];
         #pragma unroll
-        for (int u = 0; u < kAgrsSendUnroll; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
             const int64_t g = base + u * kAgrsThreads;
-            if (g < num_groups)
-                load8<kInBF16, true>(src + g * 8 * kIn, v[u]);
+            if (g < num_units)
+                load_n<kUnit, kInBF16, true>(src + g * kUnit * kIn, v[u]);
         }
         #pragma unroll
-        for (int u = 0; u < kAgrsSendUnroll; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
             const int64_t g = base + u * kAgrsThreads;
-            if (g < num_groups)
-                store8<kStageBF16>(dst + g * 8 * kStage, v[u]);
+            if (g < num_units)
+                store_n<kUnit, kStageBF16>(dst + g * kUnit * kStage, v[u]);
         }
     }
-    for (int64_t i = num_groups * 8 + threadIdx.x; i < num; i += kAgrsThreads)
+    for (int64_t i = num_units * kUnit + threadIdx.x; i < num; i += kAgrsThreads)
         store1<kStageBF16>(dst + i * kStage, load1<kInBF16>(src + i * kIn));
 }
 
@@ -308,8 +335,9 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
     static_assert(kNumRanks >= 1 && kNumRanks <= kAgrsMaxRanks, "reduce-scatter supports up to 8 ranks");
     static_assert(!kInBF16 || kStageBF16, "bfloat16 inputs are staged as bfloat16");
     constexpr int kIn = kInBF16 ? 2 : 4, kStage = kStageBF16 ? 2 : 4;
-    // Groups per reducer thread and pass: 8 * kRedUnroll * kNumRanks floats of loads in flight (64 for 2..8 ranks).
-    constexpr int kRedUnroll = kNumRanks <= 2 ? 4 : (kNumRanks <= 4 ? 2 : 1);
+    // Units per reducer thread and pass: about 64 floats of loads in flight (kRedUnroll * kNumRanks * kUnit).
+    constexpr int kUnit = kStageUnit<kStageBF16>;
+    constexpr int kRedUnroll = 64 / (kNumRanks * kUnit) > 0 ? 64 / (kNumRanks * kUnit) : 1;
     const AgrsCtrl ctrl{peer_bases, rank};
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
 
@@ -353,36 +381,36 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
                 return;
             const int64_t begin = k * chunk_elems;
             const int64_t n = len - begin < chunk_elems ? len - begin : chunk_elems;
-            const int64_t num_groups = n / 8;
-            // kRedUnroll groups per thread and pass, every rank's piece of each loaded before any is summed: loads
+            const int64_t num_units = n / kUnit;
+            // kRedUnroll units per thread and pass, every rank's piece of each loaded before any is summed: loads
             // in flight are what bounds a reducer block's bandwidth. One load per rank through a selected pointer
             // (loads on divergent branches would put v in local memory). When the staging is narrower than the
             // input, this rank's piece is loaded separately and rounded, and v[u][rank] (the first half of it, read
             // as bfloat16; an L1 hit) is ignored.
             constexpr bool kOwnApart = kStageBF16 && !kInBF16;
-            for (int64_t g0 = threadIdx.x; g0 < num_groups; g0 += kAgrsThreads * kRedUnroll) {
-                float v[kRedUnroll][kNumRanks][8];
-                float own_v[kRedUnroll][8];
+            for (int64_t g0 = threadIdx.x; g0 < num_units; g0 += kAgrsThreads * kRedUnroll) {
+                float v[kRedUnroll][kNumRanks][kUnit];
+                float own_v[kRedUnroll][kUnit];
                 #pragma unroll
                 for (int u = 0; u < kRedUnroll; ++u) {
-                    const int64_t e = begin + (g0 + u * kAgrsThreads) * 8;
-                    if (g0 + u * kAgrsThreads < num_groups) {
+                    const int64_t e = begin + (g0 + u * kAgrsThreads) * kUnit;
+                    if (g0 + u * kAgrsThreads < num_units) {
                         if (kOwnApart)
-                            load8<false, false>(own + e * kIn, own_v[u]);
+                            load_n<kUnit, false, false>(own + e * kIn, own_v[u]);
                         #pragma unroll
                         for (int r = 0; r < kNumRanks; ++r)
-                            load8<kStageBF16, false>(r == rank ? own + e * kIn : slots + r * slot_bytes + e * kStage,
-                                                     v[u][r]);
+                            load_n<kUnit, kStageBF16, false>(
+                                r == rank ? own + e * kIn : slots + r * slot_bytes + e * kStage, v[u][r]);
                     }
                 }
                 #pragma unroll
                 for (int u = 0; u < kRedUnroll; ++u) {
-                    const int64_t e = begin + (g0 + u * kAgrsThreads) * 8;
-                    if (g0 + u * kAgrsThreads >= num_groups)
+                    const int64_t e = begin + (g0 + u * kAgrsThreads) * kUnit;
+                    if (g0 + u * kAgrsThreads >= num_units)
                         continue;
-                    float acc[8];
+                    float acc[kUnit];
                     #pragma unroll
-                    for (int i = 0; i < 8; ++i) {
+                    for (int i = 0; i < kUnit; ++i) {
                         float s = 0.f;
                         #pragma unroll
                         for (int r = 0; r < kNumRanks; ++r) {
@@ -392,16 +420,17 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
                         }
                         acc[i] = __fmul_rn(s, scale);
                     }
-                    store8<kInBF16>(out + e * kIn, acc);
+                    store_n<kUnit, kInBF16>(out + e * kIn, acc);
                     if (is_all_reduce) {
                         #pragma unroll
                         for (int p = 0; p < kNumRanks; ++p)
                             if (p != rank)
-                                store8<false>(ctrl.base(p) + gather_offset + rank * gather_slot_bytes + e * 4, acc);
+                                store_n<kUnit, false>(ctrl.base(p) + gather_offset + rank * gather_slot_bytes + e * 4,
+                                                      acc);
                     }
                 }
             }
-            for (int64_t e = begin + num_groups * 8 + threadIdx.x; e < begin + n; e += kAgrsThreads) {
+            for (int64_t e = begin + num_units * kUnit + threadIdx.x; e < begin + n; e += kAgrsThreads) {
                 float s = 0.f;
                 #pragma unroll
                 for (int r = 0; r < kNumRanks; ++r) {
