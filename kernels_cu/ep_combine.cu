@@ -46,8 +46,12 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
     const int meta_cols = kNumTopk + 2;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int num_warps = kCombineSendThreads / 32;
+    const int total_warps = gridDim.x * num_warps;
+    const RowSegments segs(num_recv, num_chunks, total_warps);
 
-    for (int i = blockIdx.x * num_warps + warp; i < num_recv; i += gridDim.x * num_warps) {
+    for (int item = blockIdx.x * num_warps + warp; item < num_recv * segs.num; item += total_warps) {
+        const int i = item / segs.num, seg = item - i * segs.num;
+        const int c_begin = segs.begin(seg), c_end = segs.end(seg, num_chunks);
         const int32_t* meta = recv_src_metadata + static_cast<int64_t>(i) * meta_cols;
         const int g = meta[0];
         const int s = g / num_max_tokens_per_rank, t = g % num_max_tokens_per_rank;
@@ -60,14 +64,15 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
             const int slot = meta[1] % kNumTopk;
             uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + slot) * slot_bytes;
             if (!do_expand) {
-                warp_copy<true>(dst, x + static_cast<int64_t>(i) * row_bytes, row_bytes, lane);
+                warp_copy<true>(dst + c_begin * 16, x + static_cast<int64_t>(i) * row_bytes + c_begin * 16,
+                                (c_end - c_begin) * 16, lane);
             } else {
                 // Local rows of this token in ascending top-k order (compile-time indices keep them in registers).
                 int local_row[kNumTopk];
                 #pragma unroll
                 for (int k = 0; k < kNumTopk; ++k)
                     local_row[k] = __shfl_sync(0xffffffffu, row, k);
-                for (int c = lane; c < num_chunks; c += 32) {
+                for (int c = c_begin + lane; c < c_end; c += 32) {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                     // Loads in batches of 8 rows before the additions (kept in ascending k order).
                     #pragma unroll
@@ -85,7 +90,7 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
                     st_na_v4(dst + c * 16, round_bf16x8(acc));
                 }
             }
-            if (topk_weights != nullptr && lane < kNumTopk) {
+            if (seg == 0 && topk_weights != nullptr && lane < kNumTopk) {
                 float w = 0.f;
                 if (!do_expand)
                     w = topk_weights[static_cast<int64_t>(i) * kNumTopk + lane];
@@ -100,8 +105,9 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
                 pending &= pending - 1;
                 const int r = __shfl_sync(0xffffffffu, row, k);
                 uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + k) * slot_bytes;
-                warp_copy<true>(dst, x + static_cast<int64_t>(r) * row_bytes, row_bytes, lane);
-                if (topk_weights != nullptr && lane == k)
+                warp_copy<true>(dst + c_begin * 16, x + static_cast<int64_t>(r) * row_bytes + c_begin * 16,
+                                (c_end - c_begin) * 16, lane);
+                if (seg == 0 && topk_weights != nullptr && lane == k)
                     reinterpret_cast<float*>(dst + weights_offset)[k] = topk_weights[r];
             }
         }
@@ -136,8 +142,11 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int num_warps = blockDim.x / 32;
     const uint8_t* slots = peers.local() + combine_offset;
+    const int total_warps = gridDim.x * num_warps;
+    const RowSegments segs(num_tokens, num_chunks, total_warps);
 
-    for (int t = blockIdx.x * num_warps + warp; t < num_tokens; t += gridDim.x * num_warps) {
+    for (int item = blockIdx.x * num_warps + warp; item < num_tokens * segs.num; item += total_warps) {
+        const int t = item / segs.num, seg = item - t * segs.num;
         // Lane k: slot k's owner rank, whether slot k is the owner's last slot, and the owner's combine slot.
         const int64_t e = lane < kNumTopk ? topk_idx[static_cast<int64_t>(t) * kNumTopk + lane] : -1;
         const int owner = (e >= 0 && e < num_experts) ? static_cast<int>(e) / num_local_experts : -1;
@@ -166,7 +175,8 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
         #pragma unroll
         for (int k = 0; k < kNumTopk; ++k)
             slot_of[k] = __shfl_sync(0xffffffffu, src_slot, k);
-        for (int c = lane; c < num_chunks; c += 32) {
+        const int c_end = segs.end(seg, num_chunks);
+        for (int c = segs.begin(seg) + lane; c < c_end; c += 32) {
             // Issue every load of this chunk first (biases, then partials in batches of 8), then add in order.
             Vec16 b0, b1;
             if (bias0 != nullptr)
@@ -194,7 +204,7 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
             }
             st_v4(combined_x + static_cast<int64_t>(t) * row_bytes + c * 16, round_bf16x8(acc));
         }
-        if (with_weights && lane < kNumTopk) {
+        if (seg == 0 && with_weights && lane < kNumTopk) {
             float w = 0.f;
             if (owner >= 0)
                 w = reinterpret_cast<const volatile float*>(token_slots + static_cast<int64_t>(src_slot) * slot_bytes +

@@ -33,7 +33,10 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int num_warps = kSendThreads / 32;
     const int num_chunks = hidden_bytes / 16;
-    for (int t = blockIdx.x * num_warps + warp; t < num_tokens; t += gridDim.x * num_warps) {
+    const int total_warps = gridDim.x * num_warps;
+    const RowSegments segs(num_tokens, num_chunks, total_warps);
+    for (int item = blockIdx.x * num_warps + warp; item < num_tokens * segs.num; item += total_warps) {
+        const int t = item / segs.num, seg = item - t * segs.num;
         // Destination message addresses (uniform across the warp).
         uint8_t* dst[kNumRanks];
         #pragma unroll
@@ -43,8 +46,9 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
                               : peers.base(d) + recv_offset +
                                     (static_cast<int64_t>(rank) * num_max_tokens_per_rank + slot) * msg.bytes;
         }
-        // Meta: lane k < K writes slot k's expert, weight and expert position; lane 0 the source index.
-        if (lane < kNumTopk) {
+        // Meta (first segment): lane k < K writes slot k's expert, weight and expert position; lane 0 the source
+        // index; then the scale factors (4 bytes each, any strides).
+        if (seg == 0 && lane < kNumTopk) {
             const int64_t e = topk_idx[static_cast<int64_t>(t) * kNumTopk + lane];
             const float w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * kNumTopk + lane] : 0.f;
             const int32_t pos = send_expert_pos[static_cast<int64_t>(t) * kNumTopk + lane];
@@ -57,14 +61,13 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
                 }
             }
         }
-        if (lane == 0) {
+        if (seg == 0 && lane == 0) {
             #pragma unroll
             for (int d = 0; d < kNumRanks; ++d)
                 if (dst[d] != nullptr)
                     *msg.src_idx(dst[d]) = t;
         }
-        // Scale factors (4 bytes each, any strides).
-        for (int p = lane; p < num_sf; p += 32) {
+        for (int p = seg == 0 ? lane : num_sf; p < num_sf; p += 32) {
             const uint32_t v = *reinterpret_cast<const uint32_t*>(sf + (t * sf_stride_token + p * sf_stride_col) * 4);
             #pragma unroll
             for (int d = 0; d < kNumRanks; ++d)
@@ -74,11 +77,12 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
         // Hidden: each 16-byte chunk read once, stored to every destination; 4 chunks in flight per lane.
         const uint8_t* src = x + t * x_row_bytes;
         constexpr int kUnroll = 8;
-        for (int base = lane; base < num_chunks; base += 32 * kUnroll) {
+        const int c_end = segs.end(seg, num_chunks);
+        for (int base = segs.begin(seg) + lane; base < c_end; base += 32 * kUnroll) {
             Vec16 v[kUnroll];
             #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-                if (base + u * 32 < num_chunks)
+                if (base + u * 32 < c_end)
                     v[u] = ld_nc_v4(src + static_cast<int64_t>(base + u * 32) * 16);
             #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
@@ -87,7 +91,7 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
                     continue;
                 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u)
-                    if (base + u * 32 < num_chunks)
+                    if (base + u * 32 < c_end)
                         st_na_v4(dst[d] + msg.hidden_offset + static_cast<int64_t>(base + u * 32) * 16, v[u]);
             }
         }
@@ -136,8 +140,12 @@ dispatch_recv_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, in
     const int num_warps = blockDim.x / 32;
     const int global_warp = blockIdx.x * num_warps + warp, total_warps = gridDim.x * num_warps;
     const int meta_cols = kNumTopk + 2;
+    const int num_chunks = hidden_bytes / 16;
+    const RowSegments segs(num_recv, num_chunks, total_warps);
 
-    for (int i = global_warp; i < num_recv; i += total_warps) {
+    for (int item = global_warp; item < num_recv * segs.num; item += total_warps) {
+        const int i = item / segs.num, seg = item - i * segs.num;
+        const int c_begin = segs.begin(seg), c_bytes = (segs.end(seg, num_chunks) - c_begin) * 16;
         int s = 0;
         #pragma unroll
         for (int r = 0; r < kNumRanks - 1; ++r)
@@ -164,41 +172,45 @@ dispatch_recv_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, in
         }
         const uint32_t firsts = __ballot_sync(0xffffffffu, first_of_owner && lane < kNumTopk);
         const int combine_slot = __popc(firsts & ((1u << first_local) - 1));
-        if (lane == 0) {
+        // The first segment of a row writes its metadata, top-k and scale factors; every segment copies its chunks.
+        const bool first_seg = seg == 0;
+        if (first_seg && lane == 0) {
             recv_src_metadata[static_cast<int64_t>(i) * meta_cols] = s * num_max_tokens_per_rank + *msg.src_idx(m);
             recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 1] = s * kNumTopk + combine_slot;
         }
 
         if (!do_expand) {
-            if (lane < kNumTopk) {
+            if (first_seg && lane < kNumTopk) {
                 recv_topk_idx[static_cast<int64_t>(i) * kNumTopk + lane] = local ? e - rank * num_local_experts : -1;
                 if (recv_topk_weights != nullptr)
                     recv_topk_weights[static_cast<int64_t>(i) * kNumTopk + lane] = local ? w : 0.f;
                 recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = -1;
             }
-            for (int p = lane; p < num_sf; p += 32)
+            for (int p = first_seg ? lane : num_sf; p < num_sf; p += 32)
                 reinterpret_cast<uint32_t*>(recv_sf)[i * recv_sf_stride_row + p * recv_sf_stride_col] =
                     reinterpret_cast<const uint32_t*>(m + msg.sf_offset)[p];
-            warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes, hidden_src, hidden_bytes, lane);
+            warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes + c_begin * 16, hidden_src + c_begin * 16,
+                      c_bytes, lane);
         } else {
             int row = -1;
             if (local) {
                 const int j = e - rank * num_local_experts;
                 row = layout.start()[j] + layout.src_base()[s * num_local_experts + j] + msg.expert_pos(m)[lane];
-                if (recv_topk_weights != nullptr)
+                if (first_seg && recv_topk_weights != nullptr)
                     recv_topk_weights[row] = w;
             }
-            if (lane < kNumTopk)
+            if (first_seg && lane < kNumTopk)
                 recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = row;
             uint32_t pending = local_mask;
             while (pending) {
                 const int k = __ffs(pending) - 1;
                 pending &= pending - 1;
                 const int r = __shfl_sync(0xffffffffu, row, k);
-                for (int p = lane; p < num_sf; p += 32)
+                for (int p = first_seg ? lane : num_sf; p < num_sf; p += 32)
                     reinterpret_cast<uint32_t*>(recv_sf)[r * recv_sf_stride_row + p * recv_sf_stride_col] =
                         reinterpret_cast<const uint32_t*>(m + msg.sf_offset)[p];
-                warp_copy(recv_x + static_cast<int64_t>(r) * hidden_bytes, hidden_src, hidden_bytes, lane);
+                warp_copy(recv_x + static_cast<int64_t>(r) * hidden_bytes + c_begin * 16, hidden_src + c_begin * 16,
+                          c_bytes, lane);
             }
         }
     }

@@ -31,7 +31,8 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
               int do_expand,
               int32_t* cumulative_stats,        // [L] += unaligned counts, or null
               int32_t* host_counts,             // host-mapped [3 + L]: seq, num_recv, num_expanded, aligned counts
-              int host_seq) {
+              int host_seq,
+              int64_t* topk_copy) {             // [num_tokens][kNumTopk] out: a copy of topk_idx, or null
     extern __shared__ int32_t smem[];           // [kNotifyWarps][num_keys] per-warp counts, then block bases
     const int num_keys = num_experts + kNumRanks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -48,10 +49,11 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
 
     // Experts of this thread's token (-1 = none).
     int expert[kNumTopk];
+    int64_t raw_topk[kNumTopk];
     #pragma unroll
     for (int k = 0; k < kNumTopk; ++k) {
-        const int64_t e = valid ? topk_idx[static_cast<int64_t>(t) * kNumTopk + k] : -1;
-        expert[k] = (e >= 0 && e < num_experts) ? static_cast<int>(e) : -1;
+        raw_topk[k] = valid ? topk_idx[static_cast<int64_t>(t) * kNumTopk + k] : -1;
+        expert[k] = (raw_topk[k] >= 0 && raw_topk[k] < num_experts) ? static_cast<int>(raw_topk[k]) : -1;
     }
     // Destination mask.
     uint32_t dst_mask = 0;
@@ -71,37 +73,41 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
         if (lane == 0)
             warp_counts[warp * num_keys + num_experts + d] = __popc(ballot);
     }
-    int expert_pos[kNumTopk];
-    #pragma unroll
-    for (int k = 0; k < kNumTopk; ++k)
-        expert_pos[k] = 0;
-    #pragma unroll 1
-    for (int src_lane = 0; src_lane < 31; ++src_lane) {
-        #pragma unroll
-        for (int k2 = 0; k2 < kNumTopk; ++k2) {
-            const int other = __shfl_sync(0xffffffffu, expert[k2], src_lane);
-            #pragma unroll
-            for (int k = 0; k < kNumTopk; ++k)
-                expert_pos[k] += (src_lane < lane && other >= 0 && other == expert[k]) ? 1 : 0;
-        }
-    }
+    // Experts: every lane sets its bit in the warp's mask of each of its experts; a token's position among the warp's
+    // tokens choosing expert e is the number of lower lanes in e's mask (a token counts once per expert).
+    uint32_t* warp_masks = reinterpret_cast<uint32_t*>(warp_counts + warp * num_keys);
     #pragma unroll
     for (int k = 0; k < kNumTopk; ++k)
         if (expert[k] >= 0)
-            atomicAdd(&warp_counts[warp * num_keys + expert[k]], 1);
+            atomicOr(&warp_masks[expert[k]], 1u << lane);
+    __syncwarp();
+    int expert_pos[kNumTopk];
+    #pragma unroll
+    for (int k = 0; k < kNumTopk; ++k)
+        expert_pos[k] = expert[k] >= 0 ? __popc(warp_masks[expert[k]] & lt_mask) : 0;
+    if (topk_copy != nullptr && valid) {
+        #pragma unroll
+        for (int k = 0; k < kNumTopk; ++k)
+            topk_copy[static_cast<int64_t>(t) * kNumTopk + k] = raw_topk[k];
+    }
     __syncthreads();
 
-    // Exclusive scan over the block's warps per key; block totals to scratch.
+    // Exclusive scan over the block's warps per key (expert keys hold lane masks, rank keys counts); block totals to
+    // scratch.
     for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
         int running = 0;
         for (int w = 0; w < kNotifyWarps; ++w) {
-            const int c = warp_counts[w * num_keys + key];
+            const int v = warp_counts[w * num_keys + key];
+            const int c = key < num_experts ? __popc(static_cast<uint32_t>(v)) : v;
             warp_counts[w * num_keys + key] = running;
             running += c;
         }
         scratch[static_cast<int64_t>(blockIdx.x) * num_keys + key] = running;
     }
-    grid_sync(ctrl);
+    if (gridDim.x > 1)
+        grid_sync(ctrl);
+    else
+        __syncthreads();
 
     // Bases from earlier blocks (and, in block 0, the totals over all blocks into smem after the warp bases).
     int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
@@ -214,6 +220,44 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
     if (threadIdx.x == 0 && host_counts != nullptr) {
         __threadfence_system();
         reinterpret_cast<volatile int32_t*>(host_counts)[0] = host_seq;
+        __threadfence_system();
+    }
+}
+
+// Min and max of the top-k ids for the CPU-sync dispatch's argument check (run on the stream that made them, before
+// any EP kernel): one block, the result into host-mapped memory [seq, lo, hi], the sequence number last.
+constexpr int kRangeThreads = 1024;
+
+__global__ void __launch_bounds__(kRangeThreads)
+topk_range_kernel(const int64_t* values, int64_t num_values, int64_t* host_out, int64_t seq) {
+    int64_t lo = 0x7fffffffffffffffLL, hi = -0x7fffffffffffffffLL - 1;
+    for (int64_t i = threadIdx.x; i < num_values; i += blockDim.x) {
+        const int64_t v = __ldg(values + i);
+        lo = min(lo, v);
+        hi = max(hi, v);
+    }
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        lo = min(lo, static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(lo), d)));
+        hi = max(hi, static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(hi), d)));
+    }
+    __shared__ int64_t s_lo[kRangeThreads / 32], s_hi[kRangeThreads / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        s_lo[warp] = lo;
+        s_hi[warp] = hi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) {
+            lo = min(lo, s_lo[w]);
+            hi = max(hi, s_hi[w]);
+        }
+        volatile int64_t* out = host_out;
+        out[1] = lo;
+        out[2] = hi;
+        __threadfence_system();
+        out[0] = seq;
         __threadfence_system();
     }
 }

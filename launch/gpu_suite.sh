@@ -78,6 +78,7 @@ if want ep && [ -f deepep_cupy/tests/ep.py ]; then
 fi
 if want bench && [ -f perf/ep_bench.py ] && [ "$NGPU" -ge 2 ]; then
     step "ep_bench np=$NGPU" 600 $R "$NGPU" $PY perf/ep_bench.py --out "$OUT"
+    step "ep_profile np=$NGPU" 300 $R "$NGPU" $PY perf/ep_profile.py
 fi
 if want coll; then
     # Collectives, PP, engram and load balancing (issue 3): one rank per GPU with performance, then 4 and 8 ranks

@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip('torch')
 
 from deepep_cupy.ep import buffer as ep_buffer  # noqa: E402
-from deepep_cupy.ep import checks, layout  # noqa: E402
 from deepep_cupy.ep import kernels as ep_kernels  # noqa: E402
+from deepep_cupy.ep import layout  # noqa: E402
 from deepep_cupy.jit import launch  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
 from deepep_cupy.runtime.event import EventOverlap  # noqa: E402
@@ -60,8 +60,12 @@ def make_buffer(monkeypatch, num_bytes=1 << 30):
     monkeypatch.setattr(buf, '_streams', lambda like, prev, alloc: (None, None, None), raising=False)
     monkeypatch.setattr(buf, '_finish', lambda kind, cur, comm, a, t: EventOverlap(None), raising=False)
     monkeypatch.setattr(buf, '_wait_host_counts', lambda seq, n: (R * M, R * M * K, [1] * n), raising=False)
-    monkeypatch.setattr(checks, 'value_range_async',
-                        lambda x, kind: (lambda: (int(x.min()), int(x.max())) if x.numel() else (0, 0)))
+    monkeypatch.setattr(interop, 'current_stream', lambda like=None: None)
+
+    def topk_range(ti, stream):     # what topk_range_kernel computes, without a GPU
+        x = ti.obj
+        return lambda: (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+    monkeypatch.setattr(buf, '_topk_range_async', topk_range, raising=False)
     monkeypatch.setattr(interop.Allocator, 'empty',
                         lambda self, shape, dtype, stream=None: torch.zeros(shape, dtype=getattr(torch, dtype)))
     return buf
@@ -169,3 +173,34 @@ def test_one_feature_per_data_region(monkeypatch, inputs):
     buf.dispatch(x, idx, w, num_experts=E)
     with pytest.raises(RuntimeError, match='already used by EP dispatch/combine'):
         buf.claim_data_region('pp send/recv')
+
+
+def test_handle_workspace_views(monkeypatch, inputs):
+    """The handle's small arrays are disjoint views of one workspace allocation, with DeepEP's shapes and dtypes."""
+    buf = make_buffer(monkeypatch)
+    x, idx, w = inputs
+    L = E // R
+    for copy in (True, False):
+        handle = buf.dispatch(x, idx, w, num_experts=E, do_handle_copy=copy)[3]
+        views = {'dst_buffer_slot_idx': ((M, R), torch.int32), 'send_expert_pos': ((M, K), torch.int32),
+                 'recv_layout': ((2 * R + 2 * L + R * L + 2,), torch.int32),
+                 'psum_num_recv_tokens_per_expert': ((L,), torch.int32)}
+        if copy:
+            views['topk_idx'] = ((M, K), torch.int64)
+        spans = []
+        ws = handle.workspace
+        for name, (shape, dtype) in views.items():
+            v = getattr(handle, name)
+            assert tuple(v.shape) == shape and v.dtype == dtype, name
+            assert v.untyped_storage().data_ptr() == ws.untyped_storage().data_ptr(), name
+            begin = v.data_ptr()
+            spans.append((begin, begin + v.numel() * v.element_size(), name))
+            assert begin % v.element_size() == 0
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+        assert spans[-1][1] <= ws.data_ptr() + ws.numel() * 4
+        assert handle.psum_num_recv_tokens_per_scaleup_rank.data_ptr() == handle.recv_layout.data_ptr()
+        assert handle.num_unaligned_recv_tokens_per_expert.data_ptr() == handle.recv_layout.data_ptr() + 4 * R
+        assert (handle.topk_idx is idx) == (not copy)
+        assert handle.topk_idx_ptr == handle.topk_idx.data_ptr()
+        assert handle.topk_idx is handle.topk_idx      # views are made once

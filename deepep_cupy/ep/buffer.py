@@ -24,10 +24,11 @@ from ..runtime import interop
 from ..runtime.event import EventHandle, EventOverlap
 from ..runtime.group import get_group
 from . import checks, layout
-from .handle import EPHandle
-from .kernels import NOTIFY_THREADS, EPKernels
+from .handle import EPHandle, workspace_layout
+from .kernels import NOTIFY_THREADS, RANGE_THREADS, EPKernels
 
 HOST_COUNTS_OFFSET = 1024      # byte offset of the dispatch counts in the buffer's host-mapped memory
+HOST_RANGE_OFFSET = 8192       # byte offset of the top-k range check's [seq, lo, hi] (int64)
 
 
 def _bias_list(bias) -> Tuple[Any, ...]:
@@ -109,6 +110,8 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
             self._get_kernels(num_topk)      # compile now, never inside a timed or collective region
         self._host_seq = 0
         self.host_counts = self.host_mapped.view('int32', 3 + layout.NUM_MAX_LOCAL_EXPERTS, HOST_COUNTS_OFFSET)
+        self.host_range = self.host_mapped.view('int64', 3, HOST_RANGE_OFFSET)
+        self._range_seq = 0
         # Read the NVLink bandwidth now (it runs nvidia-smi once per process), never inside a timed or captured call.
         from ..utils.envs import get_nvlink_gbs
         self._nvlink_gbs = get_nvlink_gbs() or 450.0
@@ -163,10 +166,9 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
             k = self._kernels[num_topk] = EPKernels(self.num_scaleup_ranks, num_topk)
         return k
 
-    def _streams(self, like, previous_event, allocate_on_comm_stream: bool):
-        """The current stream, and the communication stream made to wait for `previous_event` (or the current
+    def _streams(self, current, previous_event, allocate_on_comm_stream: bool):
+        """The communication stream made to wait for `previous_event` (or for `current`, the caller's current
         stream). Returns (current, comm, alloc stream)."""
-        current = interop.current_stream(like)
         comm = self.comm_stream
         if self._order_events is None:
             import cupy
@@ -197,6 +199,34 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         self._order_events[1].record(comm)
         current.wait_event(self._order_events[1])
         return EventOverlap(None)
+
+    def _topk_range_async(self, ti, stream):
+        """Start reading (min, max) of topk_idx back to the host: one small kernel on `stream` (the one that made
+        topk_idx) writes them into host-mapped memory. Returns a function that waits for them (bounded by
+        num_cpu_timeout_secs); the range check then still raises before any EP kernel runs."""
+        n = ti.numel
+        if n == 0:
+            return lambda: (0, 0)
+        self._range_seq = seq = (self._range_seq % 0x7FFFFFFF) + 1
+        host = self.host_range
+        host[0] = 0
+        self._get_kernels(ti.shape[1]).topk_range.launch(
+            1, RANGE_THREADS, (ti.ptr, n, self.host_mapped.ptr + HOST_RANGE_OFFSET, seq), stream=stream)
+
+        def wait():
+            deadline = time.monotonic() + self.num_cpu_timeout_secs
+            spins = 0
+            while int(host[0]) != seq:
+                spins += 1
+                if spins % 64 == 0:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f'deepep_cupy rank {self.rank_idx}: the top-k range check of dispatch did '
+                                           f'not finish within {self.num_cpu_timeout_secs:g} s (is earlier work on '
+                                           f'the current stream hung?)')
+                    if spins > 4096:
+                        time.sleep(5e-5)
+            return int(host[1]), int(host[2])
+        return wait
 
     def _wait_host_counts(self, seq: int, num_local_experts: int):
         """Poll the host-mapped counts written by the notify kernel (bounded by num_cpu_timeout_secs)."""
@@ -340,13 +370,15 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         if ti.ndim != 2 or ti.shape[0] != num_tokens:
             raise ValueError(f'topk_idx must be [num_tokens={num_tokens}, num_topk], got {list(ti.shape)}')
         checks.check_contiguous(ti, 'topk_idx')
-        # The value range needs the GPU: start it now, read it after the other checks.
-        range_check = checks.value_range_async(topk_idx, kind) if do_cpu_sync and not cached else None
         K = ti.shape[1]
         if not 1 <= K <= layout.NUM_MAX_TOPK:
             raise ValueError(f'topk_idx: num_topk must be in [1, {layout.NUM_MAX_TOPK}], got {K}')
         if self.num_topk and K > self.num_topk:
             raise ValueError(f'topk_idx has {K} columns but the buffer was built for num_topk={self.num_topk}')
+        current = interop.current_stream(x)
+        # The value range needs the GPU: start it now (one small kernel on the stream that made topk_idx, writing
+        # host-mapped memory), read it after the other checks.
+        range_check = self._topk_range_async(ti, current) if do_cpu_sync and not cached else None
         if topk_weights is not None:
             wi = checks.info(topk_weights, 'topk_weights', self.device)
             checks.check_same_kind(kind, wi, 'topk_weights')
@@ -380,38 +412,38 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
                 raise ValueError(f'topk_idx values must be in [-1, {num_experts}), got min {lo}, max {hi}')
 
         # ---- launch ------------------------------------------------------------------------------------------
-        current, comm, alloc_stream = self._streams(x, previous_event, allocate_on_comm_stream)
+        current, comm, alloc_stream = self._streams(current, previous_event, allocate_on_comm_stream)
         alloc = interop.Allocator(kind)
         common = (self.sym.peer_bases_ptr, self.sym.local_idx)
         err = (self.host_mapped.ptr, self.timeout_ns)
         if cached:
-            send_pos, send_expert_pos, recv_layout = handle.dst_buffer_slot_idx, handle.send_expert_pos, \
-                handle.recv_layout
-            stored_topk = handle.topk_idx
+            workspace, ws_ptr, offsets = handle.workspace, handle.workspace_ptr, handle.offsets
+            user_topk = handle._topk_idx
+            topk_ptr = handle.topk_idx_ptr
         else:
-            send_pos = alloc.empty((num_tokens, R), 'int32', alloc_stream)
-            send_expert_pos = alloc.empty((num_tokens, K), 'int32', alloc_stream)
-            recv_layout = alloc.empty((2 * R + 2 * L + R * L + 2,), 'int32', alloc_stream)
-            psum_expert = alloc.empty((L,), 'int32', alloc_stream)
+            # One allocation for the handle's small arrays (see EPHandle); notify fills it, copy of topk_idx included.
+            words, offsets = workspace_layout(num_tokens, R, K, L, bool(do_handle_copy))
+            workspace = alloc.empty((words,), 'int32', alloc_stream)
+            ws_ptr = workspace.data_ptr() if kind == 'torch' else workspace.data.ptr
+            user_topk = None if do_handle_copy else topk_idx
+            topk_ptr = ti.ptr
             if do_cpu_sync:
                 self._host_seq = (self._host_seq % 0x7FFFFFFF) + 1
                 self.host_counts[0] = 0
             grid = max(1, layout.ceil_div(num_tokens, NOTIFY_THREADS))
             kernels.notify.launch(grid, NOTIFY_THREADS, (
-                topk_idx, num_tokens, num_experts, num_max_tokens_per_rank, expert_alignment, *common, *err,
-                self.sym.base + lay.scratch_offset, send_pos, send_expert_pos, recv_layout, psum_expert,
-                int(do_expand), _ptr(cumulative_local_expert_recv_stats),
-                self.host_mapped.ptr + HOST_COUNTS_OFFSET if do_cpu_sync else 0, self._host_seq),
+                topk_ptr, num_tokens, num_experts, num_max_tokens_per_rank, expert_alignment, *common, *err,
+                self.sym.base + lay.scratch_offset, ws_ptr + 4 * offsets[0], ws_ptr + 4 * offsets[1],
+                ws_ptr + 4 * offsets[2], ws_ptr + 4 * offsets[3], int(do_expand),
+                _ptr(cumulative_local_expert_recv_stats),
+                self.host_mapped.ptr + HOST_COUNTS_OFFSET if do_cpu_sync else 0, self._host_seq,
+                ws_ptr + 4 * offsets[4] if do_handle_copy else 0),
                 stream=comm, shared_mem=smem_bytes(num_experts, R), cooperative=True)
-            if do_handle_copy:
-                stored_topk = topk_idx.clone() if kind == 'torch' else topk_idx.copy()
-            else:
-                stored_topk = topk_idx
         kernels.dispatch_send.launch(num_sms, 512, (
-            x, xi.strides[0] * xi.itemsize, hidden_bytes, sfi.ptr if sfi else 0,
-            sfi.strides[0] if sfi else 0, sfi.strides[1] if sfi else 0, num_sf, topk_idx,
-            _ptr(topk_weights), send_pos, send_expert_pos, num_tokens, num_max_tokens_per_rank, *common,
-            lay.dispatch_recv_offset, *err), stream=comm)
+            xi.ptr, xi.strides[0] * xi.itemsize, hidden_bytes, sfi.ptr if sfi else 0,
+            sfi.strides[0] if sfi else 0, sfi.strides[1] if sfi else 0, num_sf, topk_ptr,
+            _ptr(topk_weights), ws_ptr + 4 * offsets[0], ws_ptr + 4 * offsets[1], num_tokens,
+            num_max_tokens_per_rank, *common, lay.dispatch_recv_offset, *err), stream=comm)
 
         if do_cpu_sync:
             num_recv, num_expanded, aligned_list = self._wait_host_counts(self._host_seq, L)
@@ -443,38 +475,31 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         if topk_weights is not None:
             recv_topk_weights = alloc.empty((num_out_rows,) if do_expand else (num_recv, K), 'float32', alloc_stream)
         recv_src_metadata = alloc.empty((num_recv, K + 2), 'int32', alloc_stream)
-        # The epilogue is a local copy: every SM for large inputs, one block per 16 rows (a warp each) for small ones,
-        # so decode-size calls do not pay for 132 blocks' fences and tickets.
-        recv_blocks = min(self.num_device_sms, max(1, layout.ceil_div(max(num_recv, num_out_rows), 16)))
+        # The epilogue is a local copy, a warp per row segment of up to 1 KiB (see RowSegments in common/ep.cuh).
+        recv_blocks = epilogue_blocks(max(num_recv, num_out_rows), hidden_bytes, self.num_device_sms)
         kernels.dispatch_recv.launch(recv_blocks, 512, (
-            x, xi.strides[0] * xi.itemsize, hidden_bytes, num_sf, num_experts, num_max_tokens_per_rank, recv_layout,
-            int(do_expand),
+            xi.ptr, xi.strides[0] * xi.itemsize, hidden_bytes, num_sf, num_experts, num_max_tokens_per_rank,
+            ws_ptr + 4 * offsets[2], int(do_expand),
             int(do_zero_padding), num_out_rows, num_recv, recv_x, _ptr(recv_sf),
             sf_strides[0], sf_strides[1], _ptr(recv_topk_idx), _ptr(recv_topk_weights), recv_src_metadata, *common,
             lay.dispatch_recv_offset, *err), stream=comm)
 
-        if cached:
-            psum_scaleup = handle.psum_num_recv_tokens_per_scaleup_rank
-            if do_expand == handle.do_expand:
-                psum_expert = handle.psum_num_recv_tokens_per_expert
-            else:
-                psum_expert = _psum_expert_from_layout(recv_layout, R, L, expert_alignment, do_expand, kind, comm)
-        else:
-            psum_scaleup = recv_layout[:R]
-        unaligned = recv_layout[R:R + L]
+        psum_expert = None
+        if cached and do_expand != handle.do_expand:
+            psum_expert = _psum_expert_from_layout(handle.recv_layout, R, L, expert_alignment, do_expand, kind, comm)
+        elif cached:
+            psum_expert = handle._psum_expert
         new_handle = EPHandle(
             do_expand=bool(do_expand), num_experts=num_experts, expert_alignment=expert_alignment,
-            num_max_tokens_per_rank=num_max_tokens_per_rank, num_sms=num_sms, topk_idx=stored_topk,
-            num_recv_tokens=num_recv, num_expanded_tokens=num_expanded,
-            num_recv_tokens_per_expert_list=aligned_list, psum_num_recv_tokens_per_scaleup_rank=psum_scaleup,
-            psum_num_recv_tokens_per_expert=psum_expert, num_unaligned_recv_tokens_per_expert=unaligned,
-            recv_src_metadata=recv_src_metadata, dst_buffer_slot_idx=send_pos, send_expert_pos=send_expert_pos,
-            recv_layout=recv_layout, num_tokens=num_tokens, num_topk=K, hidden=hidden, kind=kind,
-            buffer_id=id(self), do_cpu_sync=do_cpu_sync and not cached or (cached and handle.do_cpu_sync))
+            num_max_tokens_per_rank=num_max_tokens_per_rank, num_sms=num_sms, num_recv_tokens=num_recv,
+            num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=aligned_list,
+            recv_src_metadata=recv_src_metadata, num_tokens=num_tokens, num_topk=K, hidden=hidden, kind=kind,
+            buffer_id=id(self), do_cpu_sync=do_cpu_sync and not cached or (cached and handle.do_cpu_sync),
+            num_ranks=R, workspace=workspace, workspace_ptr=ws_ptr, offsets=offsets, topk_idx=user_topk,
+            psum_expert=psum_expert)
         event = self._finish(kind, current, comm, async_with_compute_stream,
                              (x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats, recv_x, recv_sf,
-                              recv_topk_idx, recv_topk_weights, recv_src_metadata, send_pos, send_expert_pos,
-                              recv_layout))
+                              recv_topk_idx, recv_topk_weights, recv_src_metadata, workspace))
         out_x = (recv_x, recv_sf) if fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
 
@@ -541,23 +566,24 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         num_sms = min(num_sms or handle.num_sms, self.num_device_sms)
         kernels = self._get_kernels(K)
 
-        current, comm, alloc_stream = self._streams(x, previous_event, allocate_on_comm_stream)
+        current, comm, alloc_stream = self._streams(interop.current_stream(x), previous_event,
+                                                    allocate_on_comm_stream)
         alloc = interop.Allocator(kind)
         common = (self.sym.peer_bases_ptr, self.sym.local_idx)
         err = (self.host_mapped.ptr, self.timeout_ns)
         combined_x = alloc.empty((N, hidden), 'bfloat16', alloc_stream)
         combined_w = alloc.empty((N, K), 'float32', alloc_stream) if topk_weights is not None else None
         kernels.combine_send[local_reduce].launch(num_sms, 512, (
-            x, hidden, _ptr(topk_weights), int(handle.do_expand), handle.recv_src_metadata, handle.recv_layout,
+            xi.ptr, hidden, _ptr(topk_weights), int(handle.do_expand), handle.recv_src_metadata, handle.ptr(2),
             handle.num_experts, handle.num_max_tokens_per_rank, num_slots, *common, lay.combine_recv_offset, *err),
             stream=comm)
-        kernels.combine_recv[local_reduce].launch(min(self.num_device_sms, max(1, layout.ceil_div(N, 16))), 512, (
-            handle.topk_idx, N, hidden, handle.num_experts, num_slots, biases[0] if biases else 0,
+        kernels.combine_recv[local_reduce].launch(epilogue_blocks(N, 2 * hidden, self.num_device_sms), 512, (
+            handle.topk_idx_ptr, N, hidden, handle.num_experts, num_slots, biases[0] if biases else 0,
             biases[1] if len(biases) > 1 else 0, combined_x, _ptr(combined_w), int(topk_weights is not None),
             *common, lay.combine_recv_offset, *err), stream=comm)
         event = self._finish(kind, current, comm, async_with_compute_stream,
                              (x, topk_weights, *biases, combined_x, combined_w, handle.recv_src_metadata,
-                              handle.recv_layout, handle.topk_idx))
+                              handle.workspace, handle._topk_idx))
         return combined_x, combined_w, event
 
 
@@ -568,6 +594,13 @@ class EPBuffer(ElasticBuffer):
 def smem_bytes(num_experts: int, num_ranks: int) -> int:
     """Dynamic shared memory of the notify kernel: per-warp counts, block bases and totals per key."""
     return (NOTIFY_THREADS // 32 + 2) * (num_experts + num_ranks) * 4
+
+
+def epilogue_blocks(num_rows: int, row_bytes: int, num_device_sms: int) -> int:
+    """Blocks (16 warps each) of a receive epilogue: a warp per row segment of up to 1 KiB (two 16-byte loads per
+    lane), at most one block per SM. Decode-size calls get enough warps to split rows instead of walking them."""
+    segments = max(1, layout.ceil_div(row_bytes, 1024))
+    return min(num_device_sms, max(1, layout.ceil_div(num_rows * segments, 16)))
 
 
 def worst_expanded_rows(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int,

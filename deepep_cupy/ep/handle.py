@@ -1,10 +1,26 @@
 """`EPHandle`: what a dispatch leaves for the matching combine and for cached dispatches (DeepEP V2's fields)."""
 
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+import functools
+from typing import Any, List, Optional, Tuple
 
 
-@dataclass
+@functools.lru_cache(maxsize=256)
+def workspace_layout(num_tokens: int, num_ranks: int, num_topk: int, num_local_experts: int,
+                     with_topk_copy: bool) -> Tuple[int, Tuple[int, ...]]:
+    """int32 words of a dispatch's handle workspace and the word offset of each part:
+    (send_pos [N, R], send_expert_pos [N, K], recv_layout [2R + 2L + RL + 2], psum_expert [L], topk copy [N, K] int64
+    at an even offset, or -1 without a copy)."""
+    n, r, k, n_l = num_tokens, num_ranks, num_topk, num_local_experts
+    offsets = [0, n * r, n * r + n * k]
+    offsets.append(offsets[-1] + 2 * r + 2 * n_l + r * n_l + 2)
+    end = offsets[-1] + n_l
+    end += end % 2
+    offsets.append(end if with_topk_copy else -1)
+    if with_topk_copy:
+        end += 2 * n * k
+    return max(end, 2), tuple(offsets)
+
+
 class EPHandle:
     """The layout of one dispatch.
 
@@ -24,33 +40,121 @@ class EPHandle:
         recv_src_metadata: `[rows, num_topk + 2]`, int32: source global token index (`src_rank * M + index`);
             `src_rank * num_topk + combine slot`; per top-k slot the expanded row (expanded mode) or -1.
         dst_buffer_slot_idx: `[num_tokens, num_ranks]`, int32: slot of each token at each destination rank, or -1.
+
+    The small per-dispatch arrays (slots, expert positions, the receive layout, the top-k copy) share one
+    allocation, the workspace; their tensors are views made on first access (the kernels take addresses), so that
+    a dispatch call does not pay for views nobody reads.
     """
-    do_expand: bool
-    num_experts: int
-    expert_alignment: int
-    num_max_tokens_per_rank: int
-    num_sms: int
-    topk_idx: Any
-    num_recv_tokens: int
-    num_expanded_tokens: int
-    num_recv_tokens_per_expert_list: List[int]
-    psum_num_recv_tokens_per_scaleup_rank: Any
-    psum_num_recv_tokens_per_expert: Any
-    num_unaligned_recv_tokens_per_expert: Any
-    recv_src_metadata: Any
-    dst_buffer_slot_idx: Any
-    # Internal
-    send_expert_pos: Any = field(repr=False, default=None)
-    recv_layout: Any = field(repr=False, default=None)
-    num_tokens: int = 0
-    num_topk: int = 0
-    hidden: int = 0
-    kind: str = 'torch'
-    buffer_id: int = 0
-    do_cpu_sync: bool = True
-    topk_weights: Optional[Any] = field(repr=False, default=None)
+
+    __slots__ = ('do_expand', 'num_experts', 'expert_alignment', 'num_max_tokens_per_rank', 'num_sms',
+                 'num_recv_tokens', 'num_expanded_tokens', 'num_recv_tokens_per_expert_list', 'recv_src_metadata',
+                 'num_tokens', 'num_topk', 'hidden', 'kind', 'buffer_id', 'do_cpu_sync', 'num_ranks',
+                 'num_local_experts', 'workspace', 'workspace_ptr', 'offsets', '_topk_idx', '_psum_expert', '_views')
+
+    def __init__(self, *, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
+                 num_sms: int, num_recv_tokens: int, num_expanded_tokens: int,
+                 num_recv_tokens_per_expert_list: List[int], recv_src_metadata: Any, num_tokens: int, num_topk: int,
+                 hidden: int, kind: str, buffer_id: int, do_cpu_sync: bool, num_ranks: int, workspace: Any,
+                 workspace_ptr: int, offsets: Tuple[int, ...], topk_idx: Optional[Any] = None,
+                 psum_expert: Optional[Any] = None):
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.num_recv_tokens = num_recv_tokens
+        self.num_expanded_tokens = num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.recv_src_metadata = recv_src_metadata
+        self.num_tokens = num_tokens
+        self.num_topk = num_topk
+        self.hidden = hidden
+        self.kind = kind
+        self.buffer_id = buffer_id
+        self.do_cpu_sync = do_cpu_sync
+        self.num_ranks = num_ranks
+        self.num_local_experts = num_experts // num_ranks
+        self.workspace = workspace
+        self.workspace_ptr = workspace_ptr
+        self.offsets = offsets
+        self._topk_idx = topk_idx          # the user's tensor (no copy), else a view of the workspace on access
+        self._psum_expert = psum_expert    # set when a cached dispatch switched modes
+        self._views = {}
+
+    # ---- addresses for the kernels ---------------------------------------------------------------------------------
+    def ptr(self, part: int) -> int:
+        """Device address of workspace part `part` (0 send_pos, 1 send_expert_pos, 2 recv_layout, 3 psum_expert,
+        4 topk copy)."""
+        return self.workspace_ptr + 4 * self.offsets[part]
+
+    @property
+    def topk_idx_ptr(self) -> int:
+        if self._topk_idx is not None:
+            t = self._topk_idx
+            return t.data_ptr() if self.kind == 'torch' else t.data.ptr
+        return self.ptr(4)
+
+    # ---- views ----------------------------------------------------------------------------------------------------
+    def _view(self, part: int, shape: Tuple[int, ...], int64: bool = False, start: int = 0):
+        key = (part, shape, start)
+        v = self._views.get(key)
+        if v is None:
+            words = 1
+            for s in shape:
+                words *= s
+            words *= 2 if int64 else 1
+            begin = self.offsets[part] + start
+            flat = self.workspace[begin:begin + words]
+            if self.kind == 'torch':
+                import torch
+                v = (flat.view(torch.int64) if int64 else flat).view(shape)
+            else:
+                import cupy
+                v = (flat.view(cupy.int64) if int64 else flat).reshape(shape)
+            self._views[key] = v
+        return v
+
+    @property
+    def topk_idx(self):
+        if self._topk_idx is not None:
+            return self._topk_idx
+        return self._view(4, (self.num_tokens, self.num_topk), int64=True)
+
+    @property
+    def dst_buffer_slot_idx(self):
+        return self._view(0, (self.num_tokens, self.num_ranks))
+
+    @property
+    def send_expert_pos(self):
+        return self._view(1, (self.num_tokens, self.num_topk))
+
+    @property
+    def recv_layout(self):
+        r, n_l = self.num_ranks, self.num_local_experts
+        return self._view(2, (2 * r + 2 * n_l + r * n_l + 2,))
+
+    @property
+    def psum_num_recv_tokens_per_scaleup_rank(self):
+        return self._view(2, (self.num_ranks,))
+
+    @property
+    def num_unaligned_recv_tokens_per_expert(self):
+        return self._view(2, (self.num_local_experts,), start=self.num_ranks)
+
+    @property
+    def psum_num_recv_tokens_per_expert(self):
+        if self._psum_expert is not None:
+            return self._psum_expert
+        return self._view(3, (self.num_local_experts,))
 
     @property
     def num_rows(self) -> int:
         """Rows of the dispatch output (and of a matching combine's input)."""
         return self.num_expanded_tokens if self.do_expand else self.num_recv_tokens
+
+    def __repr__(self) -> str:
+        return (f'EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, '
+                f'expert_alignment={self.expert_alignment}, num_max_tokens_per_rank={self.num_max_tokens_per_rank}, '
+                f'num_sms={self.num_sms}, num_tokens={self.num_tokens}, num_topk={self.num_topk}, '
+                f'num_recv_tokens={self.num_recv_tokens}, num_expanded_tokens={self.num_expanded_tokens}, '
+                f'do_cpu_sync={self.do_cpu_sync})')

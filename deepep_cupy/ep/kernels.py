@@ -6,6 +6,7 @@ import numpy as np
 from ..jit.launch import PTR, KernelSpec, Param, load_kernels
 
 NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
+RANGE_THREADS = 1024      # kernels_cu/ep_notify.cu kRangeThreads
 SEND_THREADS = 512
 RECV_THREADS = 512
 SUPPORTED_TOPK = tuple(range(1, 33))
@@ -21,7 +22,12 @@ def notify_spec(num_ranks: int, num_topk: int) -> KernelSpec:
         _P('num_max_tokens_per_rank', np.int32), _P('expert_alignment', np.int32), *_COMMON_TAIL, *_ERR,
         _P('scratch', PTR), _P('send_pos', PTR), _P('send_expert_pos', PTR), _P('recv_layout', PTR),
         _P('psum_recv_per_expert', PTR), _P('do_expand', np.int32), _P('cumulative_stats', PTR),
-        _P('host_counts', PTR), _P('host_seq', np.int32)))
+        _P('host_counts', PTR), _P('host_seq', np.int32), _P('topk_copy', PTR)))
+
+
+def topk_range_spec() -> KernelSpec:
+    return KernelSpec('ep_notify', 'deepep::topk_range_kernel', (
+        _P('values', PTR), _P('num_values', np.int64), _P('host_out', PTR), _P('seq', np.int64)))
 
 
 def dispatch_send_spec(num_ranks: int, num_topk: int) -> KernelSpec:
@@ -67,7 +73,7 @@ def combine_recv_spec(num_ranks: int, num_topk: int, local_reduce: bool) -> Kern
 def specs_for(num_ranks: int, num_topk: int):
     """Every EP kernel a buffer of `num_ranks` ranks needs for top-k `num_topk`, by family."""
     return {
-        'ep_notify': [notify_spec(num_ranks, num_topk)],
+        'ep_notify': [notify_spec(num_ranks, num_topk), topk_range_spec()],
         'ep_dispatch': [dispatch_send_spec(num_ranks, num_topk), dispatch_recv_spec(num_ranks, num_topk)],
         'ep_combine': [combine_send_spec(num_ranks, num_topk, lr) for lr in (True, False)]
                       + [combine_recv_spec(num_ranks, num_topk, lr) for lr in (True, False)],
@@ -83,6 +89,7 @@ class EPKernels:
         for family_specs in specs.values():
             loaded.update(load_kernels(family_specs))
         self.notify = loaded[notify_spec(num_ranks, num_topk).name]
+        self.topk_range = loaded[topk_range_spec().name]
         self.dispatch_send = loaded[dispatch_send_spec(num_ranks, num_topk).name]
         self.dispatch_recv = loaded[dispatch_recv_spec(num_ranks, num_topk).name]
         self.combine_send = {lr: loaded[combine_send_spec(num_ranks, num_topk, lr).name] for lr in (True, False)}

@@ -17,7 +17,8 @@ def shipped_specs() -> Dict[str, List[KernelSpec]]:
     for n in range(1, NUM_MAX_SCALEUP_RANKS + 1):
         for k in ep_kernels.SUPPORTED_TOPK:
             for family, family_specs in ep_kernels.specs_for(n, k).items():
-                specs.setdefault(family, []).extend(family_specs)
+                known = specs.setdefault(family, [])
+                known.extend(s for s in family_specs if s not in known)    # shared kernels (topk_range) once
     from .. import peer_copy
     specs['peer_copy'] = [peer_copy.peer_copy_spec(n) for n in range(1, NUM_MAX_SCALEUP_RANKS + 1)]
     from .. import agrs, engram, lb, pp

@@ -42,7 +42,7 @@ def is_cupy(x: Any) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TensorInfo:
     """A zero-copy description of a torch tensor or CuPy array.
 
@@ -93,14 +93,19 @@ class TensorInfo:
         return self.dtype == name
 
 
+_TORCH_DTYPE_NAMES = {}     # torch.dtype -> canonical name, filled on first sight
+
+
 def tensor_info(x: Any, name: str = 'tensor') -> TensorInfo:
     """Describe `x` (torch tensor or CuPy array) without copying; `TypeError` naming `name` otherwise."""
     if is_torch(x):
-        dtype = str(x.dtype).replace('torch.', '')
-        if dtype not in _TORCH_NAMES:
-            raise TypeError(f'{name}: unsupported dtype {x.dtype}')
-        device = x.device.index if x.is_cuda else -1
-        return TensorInfo('torch', x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, device, x)
+        dtype = _TORCH_DTYPE_NAMES.get(x.dtype)
+        if dtype is None:
+            dtype = str(x.dtype).replace('torch.', '')
+            if dtype not in _TORCH_NAMES:
+                raise TypeError(f'{name}: unsupported dtype {x.dtype}')
+            _TORCH_DTYPE_NAMES[x.dtype] = dtype
+        return TensorInfo('torch', x.data_ptr(), tuple(x.shape), x.stride(), dtype, x.get_device(), x)
     if is_cupy(x):
         dtype = np.dtype(x.dtype).name
         if dtype not in _ITEMSIZE:
@@ -192,7 +197,7 @@ class Allocator:
 
     def empty(self, shape, dtype: str, stream=None):
         if self.kind == 'torch':
-            import torch
+            torch = sys.modules['torch']
             if stream is None:
                 return torch.empty(shape, dtype=getattr(torch, dtype), device='cuda')
             with torch.cuda.stream(torch_stream(stream.ptr)):

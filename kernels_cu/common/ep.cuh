@@ -161,6 +161,23 @@ __device__ __forceinline__ void st_na_v4(void* p, const Vec16& v) {
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// Rows split into segments of 16-byte chunks so that few rows still occupy every warp of the grid (decode-size calls
+// are latency-bound: a warp per row of 14 KiB walks its row in ~28 dependent steps). Work item w of
+// [0, num_rows * num) is row w / num, chunks [seg * len, min(num_chunks, (seg + 1) * len)) with seg = w % num; `len`
+// is a multiple of 32 (a full warp step), so with many rows every row is one segment, as before.
+struct RowSegments {
+    int num;   // segments per row
+    int len;   // chunks per segment
+    __device__ __forceinline__ RowSegments(int num_rows, int num_chunks, int total_warps) {
+        const int max_segs = max(1, (num_chunks + 31) / 32);
+        int segs = num_rows > 0 ? min(max_segs, max(1, total_warps / num_rows)) : 1;
+        len = max(32, ((num_chunks + segs - 1) / segs + 31) / 32 * 32);
+        num = max(1, (num_chunks + len - 1) / len);
+    }
+    __device__ __forceinline__ int begin(int seg) const { return seg * len; }
+    __device__ __forceinline__ int end(int seg, int num_chunks) const { return min(num_chunks, (seg + 1) * len); }
+};
+
 // A warp copies `num_bytes` (a multiple of 16, both pointers 16-byte aligned), kCopyUnroll loads in flight per
 // lane before the stores (a load followed at once by its store leaves the copy latency-bound).
 constexpr int kCopyUnroll = 8;
