@@ -18,6 +18,7 @@ from .constants import BUFFER_ALIGNMENT
 from .jit.launch import PTR, KernelSpec, Param, load_kernels
 from .runtime import interop
 from .runtime.event import EventHandle
+from .runtime.host_range import HostRange, value_range_spec
 from .validation import check_int
 
 # Symmetric workspace bytes [CTRL_OFFSET, CTRL_OFFSET + CTRL_BYTES) belong to kernels_cu/engram.cu.
@@ -46,15 +47,19 @@ def fetch_spec(num_ranks: int) -> KernelSpec:
         Param('rank', np.int32)))
 
 
+RANGE_SPEC = value_range_spec('engram', 'int')
+HOST_RANGE_OFFSET = 8256      # byte offset of the index range check's record in the buffer's host-mapped memory
+
+
 def all_specs(num_ranks: int) -> List[KernelSpec]:
     """Every specialisation a buffer of `num_ranks` scale-up ranks may request."""
-    return [write_spec(num_ranks), fetch_spec(num_ranks)]
+    return [write_spec(num_ranks), fetch_spec(num_ranks), RANGE_SPEC]
 
 
 def shipped_specs() -> Dict[str, List[KernelSpec]]:
     """Family name → every `KernelSpec` of this module, for 1 to 8 ranks per domain."""
     from .constants import NUM_MAX_SCALEUP_RANKS
-    return {'engram': [s for n in range(1, NUM_MAX_SCALEUP_RANKS + 1) for s in all_specs(n)]}
+    return {'engram': [s for n in range(1, NUM_MAX_SCALEUP_RANKS + 1) for s in all_specs(n)[:2]] + [RANGE_SPEC]}
 
 
 def _align(x: int, y: int) -> int:
@@ -292,6 +297,16 @@ class EngramMixin:
             return flat.view(getattr(torch, layout.dtype)).view(num_tokens, width)
         return flat.view(np.uint16 if layout.dtype == 'bfloat16' else np.uint8).reshape(num_tokens, width)
 
+    def _engram_index_range(self, ii, stream):
+        """Start reading (min, max) of the indices back to the host (`HostRange`: one small kernel on `stream`, no
+        stream synchronisation); returns a function that waits for them."""
+        host_range = getattr(self, '_engram_host_range', None)
+        if host_range is None:
+            host_range = self._engram_host_range = HostRange(self.host_mapped, HOST_RANGE_OFFSET)
+        kernel = load_kernels(all_specs(self.num_scaleup_ranks))[RANGE_SPEC.name]
+        return host_range.start(kernel, ii.ptr, ii.numel, stream, self.num_cpu_timeout_secs,
+                                f'engram_fetch on rank {self.rank_idx} (indices)')
+
     def engram_fetch(self, indices, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False,
                      check_indices: bool = True) -> EngramFetchHook:
         """Gather rows of the domain's table (not collective: each rank fetches on its own).
@@ -301,8 +316,9 @@ class EngramMixin:
                 `[0, num_ranks * num_entries)`.
             num_qps: blocks of the fetch kernel (upstream: RDMA queue pairs); 0: every SM, fewer for small fetches.
             use_tma_aligned_col_major_sf: scale factors column-major with the token dimension padded to 4.
-            check_indices: read the indices' range back before the launch (a host synchronisation with the current
-                stream) and raise ValueError if one is out of range. False skips it; out-of-range rows come out zero.
+            check_indices: read the indices' range back before the launch (the host waits for the current stream to
+                reach this call) and raise ValueError if one is out of range. False skips it; out-of-range rows come
+                out zero.
 
         Returns:
             a hook; `hook()` makes the current stream wait and returns `(data, sf)`: `data` is `[num_tokens,
@@ -325,8 +341,9 @@ class EngramMixin:
         check_int('num_qps', num_qps)
         num_tokens, n = ii.shape
         num_rows = layout.check_fetch(num_tokens, n)
+        current = interop.current_stream(indices)
         if check_indices and num_rows:
-            lo, hi = checks.value_range_async(indices, kind)()
+            lo, hi = self._engram_index_range(ii, current)()
             if lo < 0 or hi >= layout.num_global_entries:
                 raise ValueError(f'indices must be in [0, {layout.num_global_entries}) (num_ranks x num_entries), '
                                  f'got min {lo}, max {hi}')
@@ -349,7 +366,7 @@ class EngramMixin:
 
         kernels = load_kernels(all_specs(self.num_scaleup_ranks))
         fetch = kernels[fetch_spec(self.num_scaleup_ranks).name]
-        current, comm = interop.current_stream(indices), self.comm_stream
+        comm = self.comm_stream
         comm.wait_event(current.record())
         fetch.launch(grid_for(num_rows * (layout.row_bytes // 16), num_qps or self.num_device_sms), THREADS,
                      fetch_args(layout, indices, num_tokens, n, state.sf, state.num_sf, sf_out, sf_strides,

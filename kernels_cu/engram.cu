@@ -21,6 +21,7 @@
 // signal (tables do not change between writes). A rank runs at most one write epoch ahead of any peer, so "reached"
 // (wrap-safe >=) is exact.
 #include "common/ep.cuh"
+#include "common/value_range.cuh"
 
 namespace deepep {
 

@@ -55,6 +55,8 @@ combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int
         const int32_t* meta = recv_src_metadata + static_cast<int64_t>(i) * meta_cols;
         const int g = meta[0];
         const int s = g / num_max_tokens_per_rank, t = g % num_max_tokens_per_rank;
+        if (s == rank)
+            continue;     // our own tokens' partials: the receive kernel reads them straight from x
         // Expanded row of each top-k slot (lane k), -1 if not local.
         const int row = (do_expand && lane < kNumTopk) ? meta[2 + lane] : -1;
         const uint32_t rows_mask = __ballot_sync(0xffffffffu, row >= 0);
@@ -125,8 +127,10 @@ template <int kNumRanks, int kNumTopk, bool kLocalReduce>
 __global__ void __launch_bounds__(kCombineRecvThreads)
 combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num_experts, int num_slots,
                     const uint8_t* bias0, const uint8_t* bias1, uint8_t* combined_x, float* combined_topk_weights,
-                    int with_weights, const uint64_t* peer_bases, int rank, uint64_t combine_offset,
-                    int32_t* error_record, uint64_t timeout_ns) {
+                    int with_weights, const uint8_t* x, const float* topk_weights, int do_expand,
+                    const int32_t* send_pos, const int32_t* recv_layout, const int32_t* recv_src_metadata,
+                    const uint64_t* peer_bases, int rank, uint64_t combine_offset, int32_t* error_record,
+                    uint64_t timeout_ns) {
     const Peers peers{peer_bases, rank};
     uint32_t* ctrl = peers.local_ctrl();
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
@@ -170,11 +174,20 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
         const uint32_t adds = __ballot_sync(0xffffffffu, lane < kNumTopk && (kLocalReduce ? last : owner >= 0));
 
         const uint8_t* token_slots = slots + static_cast<int64_t>(t) * num_slots * slot_bytes;
-        // The slot of each top-k position (resolved once per token; compile-time indices keep it in registers).
-        int slot_of[kNumTopk];
-        #pragma unroll
-        for (int k = 0; k < kNumTopk; ++k)
-            slot_of[k] = __shfl_sync(0xffffffffu, src_slot, k);
+        // Our own partials never went through the slots: they are rows of x. Row of this token in the dispatch
+        // output (our slot of it, after the tokens of lower source ranks), and per top-k slot the row of x to read
+        // (non-expanded: that row; expanded: the slot's expert row from the metadata, -1 if not ours).
+        const uint32_t own_mask = __ballot_sync(0xffffffffu, lane < kNumTopk && owner == rank);
+        int own_row = -1, own_k_row = -1;
+        if (own_mask != 0) {
+            own_row = send_pos[static_cast<int64_t>(t) * kNumRanks + rank] + (rank > 0 ? recv_layout[rank - 1] : 0);
+            if (do_expand && ((own_mask >> lane) & 1u))
+                own_k_row = recv_src_metadata[static_cast<int64_t>(own_row) * (kNumTopk + 2) + 2 + lane];
+        }
+        // Per top-k slot k (lane k holds them; the masks are warp-uniform, so the shuffles below are too): the slot
+        // to read, or the row of x.
+        const auto x_row_of = [&](int k) { return do_expand ? __shfl_sync(0xffffffffu, own_k_row, k) : own_row; };
+        const auto slot_of = [&](int k) { return __shfl_sync(0xffffffffu, src_slot, k); };
         const int c_end = segs.end(seg, num_chunks);
         for (int c = segs.begin(seg) + lane; c < c_end; c += 32) {
             // Issue every load of this chunk first (biases, then partials in batches of 8), then add in order.
@@ -183,14 +196,41 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
                 b0 = ld_nc_v4(bias0 + static_cast<int64_t>(t) * row_bytes + c * 16);
             if (bias1 != nullptr)
                 b1 = ld_nc_v4(bias1 + static_cast<int64_t>(t) * row_bytes + c * 16);
+            // Our own reduced partial (local reduce, expanded input): the FP32 sum of our expert rows in ascending
+            // top-k order rounded to bfloat16 once, exactly what the send kernel computes for the other ranks.
+            Vec16 own_sum;
+            if (kLocalReduce && do_expand && own_mask != 0) {
+                float own_acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                #pragma unroll
+                for (int k0 = 0; k0 < kNumTopk; k0 += 8) {
+                    Vec16 v[8];
+                    #pragma unroll
+                    for (int u = 0; u < 8; ++u)
+                        if (k0 + u < kNumTopk && ((own_mask >> (k0 + u)) & 1u))
+                            v[u] = ld_nc_v4(x + static_cast<int64_t>(x_row_of(k0 + u)) * row_bytes + c * 16);
+                    #pragma unroll
+                    for (int u = 0; u < 8; ++u)
+                        if (k0 + u < kNumTopk && ((own_mask >> (k0 + u)) & 1u))
+                            add_bf16x8(own_acc, v[u]);
+                }
+                own_sum = round_bf16x8(own_acc);
+            }
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             #pragma unroll
             for (int k0 = 0; k0 < kNumTopk; k0 += 8) {
                 Vec16 v[8];
                 #pragma unroll
-                for (int u = 0; u < 8; ++u)
-                    if (k0 + u < kNumTopk && ((adds >> (k0 + u)) & 1u))
-                        v[u] = ld_v4(token_slots + static_cast<int64_t>(slot_of[k0 + u]) * slot_bytes + c * 16);
+                for (int u = 0; u < 8; ++u) {
+                    const int k = k0 + u;
+                    if (k < kNumTopk && ((adds >> k) & 1u)) {
+                        if (!((own_mask >> k) & 1u))
+                            v[u] = ld_v4(token_slots + static_cast<int64_t>(slot_of(k)) * slot_bytes + c * 16);
+                        else if (kLocalReduce && do_expand)
+                            v[u] = own_sum;
+                        else
+                            v[u] = ld_nc_v4(x + static_cast<int64_t>(x_row_of(k)) * row_bytes + c * 16);
+                    }
+                }
                 if (k0 == 0) {
                     if (bias0 != nullptr)
                         add_bf16x8(acc, b0);
@@ -206,7 +246,10 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
         }
         if (seg == 0 && with_weights && lane < kNumTopk) {
             float w = 0.f;
-            if (owner >= 0)
+            if (owner == rank)         // what the send kernel would have sent us for this slot
+                w = !do_expand ? topk_weights[static_cast<int64_t>(own_row) * kNumTopk + lane]
+                               : own_k_row >= 0 ? topk_weights[own_k_row] : 0.f;
+            else if (owner >= 0)
                 w = reinterpret_cast<const volatile float*>(token_slots + static_cast<int64_t>(src_slot) * slot_bytes +
                                                             weights_offset)[lane];
             combined_topk_weights[static_cast<int64_t>(t) * kNumTopk + lane] = w;

@@ -12,6 +12,7 @@
 //      signal; derives the receive layout (prefix sums over sources, per-expert counts, aligned expanded starts) into
 //      the handle's layout blob; and publishes the totals to host-mapped memory for the optional CPU wait.
 #include "common/ep.cuh"
+#include "common/value_range.cuh"
 
 namespace deepep {
 
@@ -220,44 +221,6 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
     if (threadIdx.x == 0 && host_counts != nullptr) {
         __threadfence_system();
         reinterpret_cast<volatile int32_t*>(host_counts)[0] = host_seq;
-        __threadfence_system();
-    }
-}
-
-// Min and max of the top-k ids for the CPU-sync dispatch's argument check (run on the stream that made them, before
-// any EP kernel): one block, the result into host-mapped memory [seq, lo, hi], the sequence number last.
-constexpr int kRangeThreads = 1024;
-
-__global__ void __launch_bounds__(kRangeThreads)
-topk_range_kernel(const int64_t* values, int64_t num_values, int64_t* host_out, int64_t seq) {
-    int64_t lo = 0x7fffffffffffffffLL, hi = -0x7fffffffffffffffLL - 1;
-    for (int64_t i = threadIdx.x; i < num_values; i += blockDim.x) {
-        const int64_t v = __ldg(values + i);
-        lo = min(lo, v);
-        hi = max(hi, v);
-    }
-    #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) {
-        lo = min(lo, static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(lo), d)));
-        hi = max(hi, static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(hi), d)));
-    }
-    __shared__ int64_t s_lo[kRangeThreads / 32], s_hi[kRangeThreads / 32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) {
-        s_lo[warp] = lo;
-        s_hi[warp] = hi;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) {
-            lo = min(lo, s_lo[w]);
-            hi = max(hi, s_hi[w]);
-        }
-        volatile int64_t* out = host_out;
-        out[1] = lo;
-        out[2] = hi;
-        __threadfence_system();
-        out[0] = seq;
         __threadfence_system();
     }
 }

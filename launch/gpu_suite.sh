@@ -87,7 +87,7 @@ if want coll; then
         step "$prog np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.$prog
     done
     step "engram fp8 np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.engram --use-fp8
-    for np in 4 8; do
+    for np in ${COLL_SHARED_NPS-4 8}; do       # COLL_SHARED_NPS= (empty): one rank per GPU only
         step "allocation np=$np (shared GPUs)" 300 $R $np $PY -m deepep_cupy.tests.allocation
         for prog in pp agrs engram reduce_grads prefetch_weights; do
             step "$prog np=$np (shared GPUs)" 300 $R $np $PY -m deepep_cupy.tests.$prog --skip-perf-test

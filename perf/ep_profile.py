@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument('--num-topk', type=int, default=8)
     p.add_argument('--num-experts', type=int, default=256)
     p.add_argument('--num-calls', type=int, default=30)
+    p.add_argument('--graph-max-tokens', type=int, default=512, help='also CUDA-graph replays up to this size')
     p.add_argument('--profile', action='store_true', help='cProfile of each case (rank 0)')
     p.add_argument('--lines', action='store_true', help='time per statement of dispatch/combine (rank 0)')
     args = p.parse_args(argv)
@@ -169,6 +170,20 @@ def main(argv=None) -> int:
                     'dispatch cached': lambda x_in=x_in, h=handle: buf.dispatch(x_in, handle=h),
                     'combine': lambda y=y, h=handle: buf.combine(y, h),
                 }
+                if num_tokens <= args.graph_max_tokens:
+                    # CUDA graphs of a no-sync dispatch and of its combine (no host path at all).
+                    aligned()
+                    graphs = {'dispatch': torch.cuda.CUDAGraph(), 'combine': torch.cuda.CUDAGraph()}
+                    with torch.cuda.graph(graphs['dispatch']):
+                        out = buf.dispatch(x_in, do_cpu_sync=False, **kw)
+                    graphs['dispatch'].replay()
+                    aligned()
+                    y_graph = torch.randn(out[3].num_rows, args.hidden, dtype=torch.bfloat16, device='cuda')
+                    with torch.cuda.graph(graphs['combine']):
+                        buf.combine(y_graph, out[3])
+                    aligned()
+                    cases['dispatch graph'] = graphs['dispatch'].replay
+                    cases['combine graph'] = graphs['combine'].replay
                 for name, fn in cases.items():
                     label = f'{num_tokens:5d} {dtype} {name:17s}'
                     for _ in range(5):

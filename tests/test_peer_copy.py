@@ -81,7 +81,7 @@ def _one_spec_per_family():
         else:
             names = {s.name for s in specs}
             pick = [s for s in specs if '<2, 8' in s.name] or [s for s in specs if '<2>' in s.name] or specs[:1]
-            pick += [s for s in specs if '<' not in s.name and s not in pick]    # plain kernels (barrier tests)
+            pick += [s for s in specs if ('<' not in s.name or 'value_range' in s.name) and s not in pick]   # shared
             assert {s.name for s in pick} <= names
             out.append((family, pick))
     return out

@@ -23,9 +23,10 @@ from ..pp import PPMixin
 from ..runtime import interop
 from ..runtime.event import EventHandle, EventOverlap
 from ..runtime.group import get_group
+from ..runtime.host_range import HostRange
 from . import checks, layout
 from .handle import EPHandle, workspace_layout
-from .kernels import NOTIFY_THREADS, RANGE_THREADS, EPKernels
+from .kernels import NOTIFY_THREADS, EPKernels
 
 HOST_COUNTS_OFFSET = 1024      # byte offset of the dispatch counts in the buffer's host-mapped memory
 HOST_RANGE_OFFSET = 8192       # byte offset of the top-k range check's [seq, lo, hi] (int64)
@@ -110,8 +111,7 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
             self._get_kernels(num_topk)      # compile now, never inside a timed or collective region
         self._host_seq = 0
         self.host_counts = self.host_mapped.view('int32', 3 + layout.NUM_MAX_LOCAL_EXPERTS, HOST_COUNTS_OFFSET)
-        self.host_range = self.host_mapped.view('int64', 3, HOST_RANGE_OFFSET)
-        self._range_seq = 0
+        self._topk_range = HostRange(self.host_mapped, HOST_RANGE_OFFSET)
         # Read the NVLink bandwidth now (it runs nvidia-smi once per process), never inside a timed or captured call.
         from ..utils.envs import get_nvlink_gbs
         self._nvlink_gbs = get_nvlink_gbs() or 450.0
@@ -201,32 +201,10 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         return EventOverlap(None)
 
     def _topk_range_async(self, ti, stream):
-        """Start reading (min, max) of topk_idx back to the host: one small kernel on `stream` (the one that made
-        topk_idx) writes them into host-mapped memory. Returns a function that waits for them (bounded by
-        num_cpu_timeout_secs); the range check then still raises before any EP kernel runs."""
-        n = ti.numel
-        if n == 0:
-            return lambda: (0, 0)
-        self._range_seq = seq = (self._range_seq % 0x7FFFFFFF) + 1
-        host = self.host_range
-        host[0] = 0
-        self._get_kernels(ti.shape[1]).topk_range.launch(
-            1, RANGE_THREADS, (ti.ptr, n, self.host_mapped.ptr + HOST_RANGE_OFFSET, seq), stream=stream)
-
-        def wait():
-            deadline = time.monotonic() + self.num_cpu_timeout_secs
-            spins = 0
-            while int(host[0]) != seq:
-                spins += 1
-                if spins % 64 == 0:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f'deepep_cupy rank {self.rank_idx}: the top-k range check of dispatch did '
-                                           f'not finish within {self.num_cpu_timeout_secs:g} s (is earlier work on '
-                                           f'the current stream hung?)')
-                    if spins > 4096:
-                        time.sleep(5e-5)
-            return int(host[1]), int(host[2])
-        return wait
+        """Start reading (min, max) of topk_idx back to the host (`HostRange`: one small kernel on `stream`, the one
+        that made topk_idx); returns a function that waits for them. The check still raises before any EP kernel."""
+        return self._topk_range.start(self._get_kernels(ti.shape[1]).topk_range, ti.ptr, ti.numel, stream,
+                                      self.num_cpu_timeout_secs, f'dispatch on rank {self.rank_idx} (topk_idx)')
 
     def _wait_host_counts(self, seq: int, num_local_experts: int):
         """Poll the host-mapped counts written by the notify kernel (bounded by num_cpu_timeout_secs)."""
@@ -438,7 +416,7 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
                 _ptr(cumulative_local_expert_recv_stats),
                 self.host_mapped.ptr + HOST_COUNTS_OFFSET if do_cpu_sync else 0, self._host_seq,
                 ws_ptr + 4 * offsets[4] if do_handle_copy else 0),
-                stream=comm, shared_mem=smem_bytes(num_experts, R), cooperative=True)
+                stream=comm, shared_mem=smem_bytes(num_experts, R), cooperative=grid > 1)   # one block: no grid sync
         kernels.dispatch_send.launch(num_sms, 512, (
             xi.ptr, xi.strides[0] * xi.itemsize, hidden_bytes, sfi.ptr if sfi else 0,
             sfi.strides[0] if sfi else 0, sfi.strides[1] if sfi else 0, num_sf, topk_ptr,
@@ -580,6 +558,7 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         kernels.combine_recv[local_reduce].launch(epilogue_blocks(N, 2 * hidden, self.num_device_sms), 512, (
             handle.topk_idx_ptr, N, hidden, handle.num_experts, num_slots, biases[0] if biases else 0,
             biases[1] if len(biases) > 1 else 0, combined_x, _ptr(combined_w), int(topk_weights is not None),
+            xi.ptr, _ptr(topk_weights), int(handle.do_expand), handle.ptr(0), handle.ptr(2), handle.recv_src_metadata,
             *common, lay.combine_recv_offset, *err), stream=comm)
         event = self._finish(kind, current, comm, async_with_compute_stream,
                              (x, topk_weights, *biases, combined_x, combined_w, handle.recv_src_metadata,

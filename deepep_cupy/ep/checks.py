@@ -35,34 +35,3 @@ def check_contiguous(t: TensorInfo, name: str) -> None:
 def check_same_kind(kind: str, t: TensorInfo, name: str) -> None:
     if t.kind != kind:
         raise TypeError(f'{name} is a {t.kind} array but the other inputs are {kind} arrays; pass one kind')
-
-
-def value_range_async(x: Any, kind: str):
-    """Start reading (min, max) of an integer array back to the host; returns a function that waits for it.
-    Started early, the reduction and copy overlap the rest of the host-side checks."""
-    if x is None or (x.numel() if kind == 'torch' else x.size) == 0:
-        return lambda: (0, 0)
-    if kind == 'torch':
-        import torch
-        lo, hi = x.aminmax()
-        host = torch.empty(2, dtype=x.dtype, pin_memory=True)
-        host.copy_(torch.stack([lo, hi]), non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-
-        def wait_torch():
-            event.synchronize()
-            return int(host[0]), int(host[1])
-        return wait_torch
-    import cupy
-    both = cupy.stack([x.min(), x.max()]).astype(cupy.int64)     # `out` below is int64 (int32 indices too)
-    host = cupy.cuda.alloc_pinned_memory(16)
-    import numpy as np
-    out = np.frombuffer(host, dtype=np.int64, count=2)
-    both.get(out=out, blocking=False)
-    event = cupy.cuda.get_current_stream().record()
-
-    def wait_cupy():
-        event.synchronize()
-        return int(out[0]), int(out[1])
-    return wait_cupy

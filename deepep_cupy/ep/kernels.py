@@ -4,9 +4,9 @@
 import numpy as np
 
 from ..jit.launch import PTR, KernelSpec, Param, load_kernels
+from ..runtime.host_range import value_range_spec
 
 NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
-RANGE_THREADS = 1024      # kernels_cu/ep_notify.cu kRangeThreads
 SEND_THREADS = 512
 RECV_THREADS = 512
 SUPPORTED_TOPK = tuple(range(1, 33))
@@ -26,8 +26,7 @@ def notify_spec(num_ranks: int, num_topk: int) -> KernelSpec:
 
 
 def topk_range_spec() -> KernelSpec:
-    return KernelSpec('ep_notify', 'deepep::topk_range_kernel', (
-        _P('values', PTR), _P('num_values', np.int64), _P('host_out', PTR), _P('seq', np.int64)))
+    return value_range_spec('ep_notify', 'long long')
 
 
 def dispatch_send_spec(num_ranks: int, num_topk: int) -> KernelSpec:
@@ -66,8 +65,9 @@ def combine_recv_spec(num_ranks: int, num_topk: int, local_reduce: bool) -> Kern
     return KernelSpec('ep_combine', f'deepep::combine_recv_kernel<{num_ranks}, {num_topk}, {_b(local_reduce)}>', (
         _P('topk_idx', PTR), _P('num_tokens', np.int32), _P('hidden', np.int32), _P('num_experts', np.int32),
         _P('num_slots', np.int32), _P('bias0', PTR), _P('bias1', PTR), _P('combined_x', PTR),
-        _P('combined_topk_weights', PTR), _P('with_weights', np.int32), *_COMMON_TAIL, _P('combine_offset', np.uint64),
-        *_ERR))
+        _P('combined_topk_weights', PTR), _P('with_weights', np.int32), _P('x', PTR), _P('topk_weights', PTR),
+        _P('do_expand', np.int32), _P('send_pos', PTR), _P('recv_layout', PTR), _P('recv_src_metadata', PTR),
+        *_COMMON_TAIL, _P('combine_offset', np.uint64), *_ERR))
 
 
 def specs_for(num_ranks: int, num_topk: int):

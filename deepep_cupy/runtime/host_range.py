@@ -1,0 +1,54 @@
+"""(min, max) of an integer array read back for host-side argument checks without a stream synchronisation:
+`value_range_kernel` (kernels_cu/common/value_range.cuh) runs on the stream that made the array and writes
+[seq, lo, hi] into host-mapped memory; the host polls the sequence number. Used by the CPU-sync dispatch (top-k
+ids) and by engram_fetch (indices), which raise before their communication kernels run."""
+
+import time
+from typing import Callable, Tuple
+
+import numpy as np
+
+from ..jit.launch import PTR, KernelSpec, Param
+
+RANGE_THREADS = 1024     # kernels_cu/common/value_range.cuh kRangeThreads
+
+
+def value_range_spec(family: str, ctype: str) -> KernelSpec:
+    """The range kernel for `ctype` ('int' or 'long long': the name expression is parsed at global scope, where
+    the kernels' fixed-width typedefs are not visible) as instantiated by `family`'s .cu file."""
+    return KernelSpec(family, f'deepep::value_range_kernel<{ctype}>', (
+        Param('values', PTR), Param('num_values', np.int64), Param('host_out', PTR), Param('seq', np.int64)))
+
+
+class HostRange:
+    """One [seq, lo, hi] record in a buffer's host-mapped memory (byte `offset`) and the polling side."""
+
+    def __init__(self, host_mapped, offset: int):
+        self.values = host_mapped.view('int64', 3, offset)
+        self.address = host_mapped.ptr + offset
+        self.seq = 0
+
+    def start(self, kernel, ptr: int, num_values: int, stream, timeout_secs: float,
+              what: str) -> Callable[[], Tuple[int, int]]:
+        """Launch the range kernel over `num_values` values at `ptr` on `stream`; returns a function that waits
+        for the result (TimeoutError naming `what` after `timeout_secs`) and returns (lo, hi)."""
+        if num_values == 0:
+            return lambda: (0, 0)
+        self.seq = seq = self.seq % 0x7FFFFFFF + 1
+        values = self.values
+        values[0] = 0
+        kernel.launch(1, RANGE_THREADS, (ptr, num_values, self.address, seq), stream=stream)
+
+        def wait() -> Tuple[int, int]:
+            deadline = time.monotonic() + timeout_secs
+            spins = 0
+            while int(values[0]) != seq:
+                spins += 1
+                if spins % 64 == 0:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f'the range check of {what} did not finish within {timeout_secs:g} s '
+                                           f'(is earlier work on the current stream hung?)')
+                    if spins > 4096:
+                        time.sleep(5e-5)
+            return int(values[1]), int(values[2])
+        return wait

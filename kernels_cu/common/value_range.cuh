@@ -1,0 +1,47 @@
+// Min and max of an integer array for host-side argument checks (top-k ids of a CPU-sync dispatch, engram indices):
+// one block on the stream that made the array, the result into host-mapped memory [seq, lo, hi] (int64), the
+// sequence number last. The host polls the sequence number (deepep_cupy/runtime/host_range.py), so the check
+// raises before any communication kernel runs without a stream synchronisation API call.
+#pragma once
+#include "common/types.cuh"
+
+namespace deepep {
+
+constexpr int kRangeThreads = 1024;
+
+template <typename T>
+__global__ void __launch_bounds__(kRangeThreads)
+value_range_kernel(const T* values, int64_t num_values, int64_t* host_out, int64_t seq) {
+    int64_t lo = 0x7fffffffffffffffLL, hi = -0x7fffffffffffffffLL - 1;
+    for (int64_t i = threadIdx.x; i < num_values; i += blockDim.x) {
+        const int64_t v = static_cast<int64_t>(__ldg(values + i));
+        lo = min(lo, v);
+        hi = max(hi, v);
+    }
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        lo = min(lo, static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(lo), d)));
+        hi = max(hi, static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(hi), d)));
+    }
+    __shared__ int64_t s_lo[kRangeThreads / 32], s_hi[kRangeThreads / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        s_lo[warp] = lo;
+        s_hi[warp] = hi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) {
+            lo = min(lo, s_lo[w]);
+            hi = max(hi, s_hi[w]);
+        }
+        volatile int64_t* out = host_out;
+        out[1] = lo;
+        out[2] = hi;
+        __threadfence_system();
+        out[0] = seq;
+        __threadfence_system();
+    }
+}
+
+}  // namespace deepep
