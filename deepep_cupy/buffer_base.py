@@ -29,6 +29,7 @@ from .validation import check_int
 #   28672    engram control words                     kernels_cu/engram.cu
 #   30720    load-balancing control words             kernels_cu/lb.cu
 #   65536    EP notify counts [src][1 + L]            kernels_cu/common/ep.cuh (up to ~33 KB)
+#   131072   EP combine chunk signals [src][chunk]    kernels_cu/ep_combine.cu (up to 1 MiB)
 WORKSPACE_BYTES = BUFFER_ALIGNMENT
 HOST_MAPPED_BYTES = 64 * 1024
 

@@ -13,130 +13,142 @@
 // top-k order, rounded to bfloat16 once. Weights: combined_topk_weights[t][k] = the weight the owner of top-k slot k
 // sent back for slot k (0 where topk_idx is -1).
 //
-// Protocol (combine epoch e bumped by the send kernel's last block): send waits combine_consumed[d] >= e - 1,
-// writes, publishes combine_signal[me] = e at every rank; recv waits combine_signal[s] >= e, reduces, publishes
-// combine_consumed[me] = e at every rank.
+// One launch, two roles, so that the reduction overlaps the sending (combine_kernel):
+//   blocks [0, num_send_blocks) send. Rows of this rank's dispatch output, grouped by origin s, are cut into chunks
+//     of chunk_rows rows (chunk j of origin s = rows [psum[s-1] + j * chunk_rows, ...)); block b takes chunks b,
+//     b + num_send_blocks, ... of the list over origins, writes their partials into the slots at s, then releases
+//     chunk_signal[me][j] = e at s. Our own tokens' partials are not sent (the receiving blocks read them from x).
+//   blocks [num_send_blocks, gridDim.x) receive: per token t and owner d of one of its slots, wait for
+//     chunk_signal[d][slot_of_t_at_d / chunk_rows] >= e in our workspace (the slot is the dispatch's send_pos[t][d]),
+//     then reduce.
+// Combine epoch e = the local count of combines; senders first wait for combine_consumed[d] >= e - 1 (d reduced
+// our previous rows out of its slots); the last block of the launch stores e and publishes combine_consumed[me] = e
+// at every rank. Chunk signals live at kChunkSignalOffset of the workspace: [src][chunk_stride] epochs.
 #include "common/ep.cuh"
 
 namespace deepep {
 
-constexpr int kCombineSendThreads = 512;
-constexpr int kCombineRecvThreads = 512;
+constexpr int kCombineThreads = 512;
 
 template <int kNumRanks, int kNumTopk, bool kLocalReduce>
-__global__ void __launch_bounds__(kCombineSendThreads, 1)
-combine_send_kernel(const uint8_t* x, int hidden, const float* topk_weights, int do_expand,
+__device__ __forceinline__ void
+combine_send_blocks(const uint8_t* x, int hidden, const float* topk_weights, int do_expand,
                     const int32_t* recv_src_metadata, const int32_t* recv_layout, int num_experts,
-                    int num_max_tokens_per_rank, int num_slots, const uint64_t* peer_bases, int rank,
-                    uint64_t combine_offset, int32_t* error_record, uint64_t timeout_ns) {
-    const Peers peers{peer_bases, rank};
-    uint32_t* ctrl = peers.local_ctrl();
-    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
-    const uint32_t epoch = read_local(ctrl + kCtrlCombineEpoch) + 1;
+                    int num_max_tokens_per_rank, int num_slots, const Peers& peers, int rank,
+                    uint64_t combine_offset, const ErrorSink& sink, uint64_t timeout_ns, uint32_t epoch,
+                    int send_block, int num_send_blocks, int chunk_rows, int chunk_stride) {
     if (!wait_all_peers(peers, kSigCombineConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseCombine))
         return;
 
     const int num_local_experts = num_experts / kNumRanks;
     const RecvLayout layout{const_cast<int32_t*>(recv_layout), kNumRanks, num_local_experts};
-    const int num_recv = layout.totals()[0];
     const int row_bytes = hidden * 2;
     const int slot_bytes = (row_bytes + 15) / 16 * 16 + (4 * kNumTopk + 15) / 16 * 16;
     const int weights_offset = (row_bytes + 15) / 16 * 16;
     const int num_chunks = row_bytes / 16;
     const int meta_cols = kNumTopk + 2;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int num_warps = kCombineSendThreads / 32;
-    const int total_warps = gridDim.x * num_warps;
-    const RowSegments segs(num_recv, num_chunks, total_warps);
+    const int num_warps = kCombineThreads / 32;
+    // Chunks per origin (none for ourselves), as a prefix over origins.
+    __shared__ int s_chunk_base[kNumRanks + 1];
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int s = 0; s < kNumRanks; ++s) {
+            s_chunk_base[s] = total;
+            const int count = layout.psum_src()[s] - (s > 0 ? layout.psum_src()[s - 1] : 0);
+            total += s == rank ? 0 : (count + chunk_rows - 1) / chunk_rows;
+        }
+        s_chunk_base[kNumRanks] = total;
+    }
+    __syncthreads();
 
-    for (int item = blockIdx.x * num_warps + warp; item < num_recv * segs.num; item += total_warps) {
-        const int i = item / segs.num, seg = item - i * segs.num;
-        const int c_begin = segs.begin(seg), c_end = segs.end(seg, num_chunks);
-        const int32_t* meta = recv_src_metadata + static_cast<int64_t>(i) * meta_cols;
-        const int g = meta[0];
-        const int s = g / num_max_tokens_per_rank, t = g % num_max_tokens_per_rank;
-        if (s == rank)
-            continue;     // our own tokens' partials: the receive kernel reads them straight from x
-        // Expanded row of each top-k slot (lane k), -1 if not local.
-        const int row = (do_expand && lane < kNumTopk) ? meta[2 + lane] : -1;
-        const uint32_t rows_mask = __ballot_sync(0xffffffffu, row >= 0);
-        uint8_t* origin = peers.base(s) + combine_offset;
+    for (int chunk = send_block; chunk < s_chunk_base[kNumRanks]; chunk += num_send_blocks) {
+        int origin_rank = 0;
+        while (chunk >= s_chunk_base[origin_rank + 1])
+            ++origin_rank;
+        const int j = chunk - s_chunk_base[origin_rank];
+        const int origin_begin = origin_rank > 0 ? layout.psum_src()[origin_rank - 1] : 0;
+        const int row0 = origin_begin + j * chunk_rows;
+        const int rows = min(chunk_rows, layout.psum_src()[origin_rank] - row0);
+        const RowSegments segs(rows, num_chunks, num_warps);
+        for (int item = warp; item < rows * segs.num; item += num_warps) {
+            const int i = row0 + item / segs.num, seg = item % segs.num;
+            const int c_begin = segs.begin(seg), c_end = segs.end(seg, num_chunks);
+            const int32_t* meta = recv_src_metadata + static_cast<int64_t>(i) * meta_cols;
+            const int g = meta[0];
+            const int s = g / num_max_tokens_per_rank, t = g % num_max_tokens_per_rank;
+            // Expanded row of each top-k slot (lane k), -1 if not local.
+            const int row = (do_expand && lane < kNumTopk) ? meta[2 + lane] : -1;
+            const uint32_t rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+            uint8_t* origin = peers.base(s) + combine_offset;
 
-        if (kLocalReduce) {
-            const int slot = meta[1] % kNumTopk;
-            uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + slot) * slot_bytes;
-            if (!do_expand) {
-                warp_copy<true>(dst + c_begin * 16, x + static_cast<int64_t>(i) * row_bytes + c_begin * 16,
-                                (c_end - c_begin) * 16, lane);
-            } else {
-                // Local rows of this token in ascending top-k order (compile-time indices keep them in registers).
-                int local_row[kNumTopk];
-                #pragma unroll
-                for (int k = 0; k < kNumTopk; ++k)
-                    local_row[k] = __shfl_sync(0xffffffffu, row, k);
-                for (int c = c_begin + lane; c < c_end; c += 32) {
-                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                    // Loads in batches of 8 rows before the additions (kept in ascending k order).
-                    #pragma unroll
-                    for (int k0 = 0; k0 < kNumTopk; k0 += 8) {
-                        Vec16 v[8];
+            if (kLocalReduce) {
+                const int slot = meta[1] % kNumTopk;
+                uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + slot) * slot_bytes;
+                if (!do_expand) {
+                    warp_copy<true>(dst + c_begin * 16, x + static_cast<int64_t>(i) * row_bytes + c_begin * 16,
+                                    (c_end - c_begin) * 16, lane);
+                } else {
+                    // Local rows of this token in ascending top-k order (lane k holds row k; rows_mask is
+                    // warp-uniform, so the shuffles are too).
+                    const auto local_row = [&](int k) { return __shfl_sync(0xffffffffu, row, k); };
+                    for (int c = c_begin + lane; c < c_end; c += 32) {
+                        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                        // Loads in batches of 8 rows before the additions (kept in ascending k order).
                         #pragma unroll
-                        for (int u = 0; u < 8; ++u)
-                            if (k0 + u < kNumTopk && local_row[k0 + u] >= 0)
-                                v[u] = ld_nc_v4(x + static_cast<int64_t>(local_row[k0 + u]) * row_bytes + c * 16);
-                        #pragma unroll
-                        for (int u = 0; u < 8; ++u)
-                            if (k0 + u < kNumTopk && local_row[k0 + u] >= 0)
-                                add_bf16x8(acc, v[u]);
+                        for (int k0 = 0; k0 < kNumTopk; k0 += 8) {
+                            Vec16 v[8];
+                            #pragma unroll
+                            for (int u = 0; u < 8; ++u)
+                                if (k0 + u < kNumTopk && ((rows_mask >> (k0 + u)) & 1u))
+                                    v[u] = ld_nc_v4(x + static_cast<int64_t>(local_row(k0 + u)) * row_bytes +
+                                                    c * 16);
+                            #pragma unroll
+                            for (int u = 0; u < 8; ++u)
+                                if (k0 + u < kNumTopk && ((rows_mask >> (k0 + u)) & 1u))
+                                    add_bf16x8(acc, v[u]);
+                        }
+                        st_na_v4(dst + c * 16, round_bf16x8(acc));
                     }
-                    st_na_v4(dst + c * 16, round_bf16x8(acc));
+                }
+                if (seg == 0 && topk_weights != nullptr && lane < kNumTopk) {
+                    float w = 0.f;
+                    if (!do_expand)
+                        w = topk_weights[static_cast<int64_t>(i) * kNumTopk + lane];
+                    else if (row >= 0)
+                        w = topk_weights[row];
+                    reinterpret_cast<float*>(dst + weights_offset)[lane] = w;
+                }
+            } else {
+                uint32_t pending = rows_mask;
+                while (pending) {
+                    const int k = __ffs(pending) - 1;
+                    pending &= pending - 1;
+                    const int r = __shfl_sync(0xffffffffu, row, k);
+                    uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + k) * slot_bytes;
+                    warp_copy<true>(dst + c_begin * 16, x + static_cast<int64_t>(r) * row_bytes + c_begin * 16,
+                                    (c_end - c_begin) * 16, lane);
+                    if (seg == 0 && topk_weights != nullptr && lane == k)
+                        reinterpret_cast<float*>(dst + weights_offset)[k] = topk_weights[r];
                 }
             }
-            if (seg == 0 && topk_weights != nullptr && lane < kNumTopk) {
-                float w = 0.f;
-                if (!do_expand)
-                    w = topk_weights[static_cast<int64_t>(i) * kNumTopk + lane];
-                else if (row >= 0)
-                    w = topk_weights[row];
-                reinterpret_cast<float*>(dst + weights_offset)[lane] = w;
-            }
-        } else {
-            uint32_t pending = rows_mask;
-            while (pending) {
-                const int k = __ffs(pending) - 1;
-                pending &= pending - 1;
-                const int r = __shfl_sync(0xffffffffu, row, k);
-                uint8_t* dst = origin + (static_cast<int64_t>(t) * num_slots + k) * slot_bytes;
-                warp_copy<true>(dst + c_begin * 16, x + static_cast<int64_t>(r) * row_bytes + c_begin * 16,
-                                (c_end - c_begin) * 16, lane);
-                if (seg == 0 && topk_weights != nullptr && lane == k)
-                    reinterpret_cast<float*>(dst + weights_offset)[k] = topk_weights[r];
-            }
         }
-    }
-
-    if (last_block_done(ctrl + kCtrlCombineSendTicket)) {
+        // The chunk's rows are written (by every warp of the block): release them to their origin.
+        __syncthreads();
         if (threadIdx.x == 0)
-            ctrl[kCtrlCombineEpoch] = epoch;
-        if (threadIdx.x < kNumRanks)
-            st_release_sys(peers.remote_signal(threadIdx.x, kSigCombine), epoch);
+            st_release_sys(peers.chunk_signal(origin_rank, rank, chunk_stride, j), epoch);
     }
 }
 
 template <int kNumRanks, int kNumTopk, bool kLocalReduce>
-__global__ void __launch_bounds__(kCombineRecvThreads)
-combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num_experts, int num_slots,
+__device__ __forceinline__ void
+combine_recv_blocks(const int64_t* topk_idx, int num_tokens, int hidden, int num_experts, int num_slots,
                     const uint8_t* bias0, const uint8_t* bias1, uint8_t* combined_x, float* combined_topk_weights,
                     int with_weights, const uint8_t* x, const float* topk_weights, int do_expand,
                     const int32_t* send_pos, const int32_t* recv_layout, const int32_t* recv_src_metadata,
-                    const uint64_t* peer_bases, int rank, uint64_t combine_offset, int32_t* error_record,
-                    uint64_t timeout_ns) {
-    const Peers peers{peer_bases, rank};
-    uint32_t* ctrl = peers.local_ctrl();
-    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
-    const uint32_t epoch = read_local(ctrl + kCtrlCombineEpoch);
-    if (!wait_all_peers(peers, kSigCombine, kNumRanks, epoch, timeout_ns, sink, kPhaseCombine))
-        return;
+                    const Peers& peers, int rank, uint64_t combine_offset, const ErrorSink& sink,
+                    uint64_t timeout_ns, uint32_t epoch, int recv_block, int num_recv_blocks, int chunk_rows,
+                    int chunk_stride) {
 
     const int num_local_experts = num_experts / kNumRanks;
     const int row_bytes = hidden * 2;
@@ -146,10 +158,10 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int num_warps = blockDim.x / 32;
     const uint8_t* slots = peers.local() + combine_offset;
-    const int total_warps = gridDim.x * num_warps;
+    const int total_warps = num_recv_blocks * num_warps;
     const RowSegments segs(num_tokens, num_chunks, total_warps);
 
-    for (int item = blockIdx.x * num_warps + warp; item < num_tokens * segs.num; item += total_warps) {
+    for (int item = recv_block * num_warps + warp; item < num_tokens * segs.num; item += total_warps) {
         const int t = item / segs.num, seg = item - t * segs.num;
         // Lane k: slot k's owner rank, whether slot k is the owner's last slot, and the owner's combine slot.
         const int64_t e = lane < kNumTopk ? topk_idx[static_cast<int64_t>(t) * kNumTopk + lane] : -1;
@@ -173,6 +185,15 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
         // Slots that enter the final sum, in ascending top-k order.
         const uint32_t adds = __ballot_sync(0xffffffffu, lane < kNumTopk && (kLocalReduce ? last : owner >= 0));
 
+        // Wait until every other owner's chunk holding this token's partial (and weights) has been released.
+        bool ok = true;
+        if (lane < kNumTopk && owner >= 0 && owner != rank && ((adds >> lane) & 1u)) {
+            const int j = send_pos[static_cast<int64_t>(t) * kNumRanks + owner] / chunk_rows;
+            ok = wait_epoch(peers.chunk_signal(rank, owner, chunk_stride, j), epoch, timeout_ns, sink, kPhaseCombine,
+                            rank, owner, kSigCombine);
+        }
+        if (__any_sync(0xffffffffu, !ok))
+            break;
         const uint8_t* token_slots = slots + static_cast<int64_t>(t) * num_slots * slot_bytes;
         // Our own partials never went through the slots: they are rows of x. Row of this token in the dispatch
         // output (our slot of it, after the tokens of lower source ranks), and per top-k slot the row of x to read
@@ -255,8 +276,36 @@ combine_recv_kernel(const int64_t* topk_idx, int num_tokens, int hidden, int num
             combined_topk_weights[static_cast<int64_t>(t) * kNumTopk + lane] = w;
         }
     }
+}
 
-    if (last_block_done(ctrl + kCtrlCombineRecvTicket)) {
+template <int kNumRanks, int kNumTopk, bool kLocalReduce>
+__global__ void __launch_bounds__(kCombineThreads, 1)
+combine_kernel(const uint8_t* x, int hidden, const float* topk_weights, int do_expand,
+               const int32_t* recv_src_metadata, const int32_t* recv_layout, const int32_t* send_pos,
+               const int64_t* topk_idx, int num_tokens, int num_experts, int num_max_tokens_per_rank, int num_slots,
+               const uint8_t* bias0, const uint8_t* bias1, uint8_t* combined_x, float* combined_topk_weights,
+               int with_weights, int num_send_blocks, int chunk_rows, int chunk_stride, const uint64_t* peer_bases,
+               int rank, uint64_t combine_offset, int32_t* error_record, uint64_t timeout_ns) {
+    const Peers peers{peer_bases, rank};
+    uint32_t* ctrl = peers.local_ctrl();
+    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    const uint32_t epoch = read_local(ctrl + kCtrlCombineEpoch) + 1;
+    if (static_cast<int>(blockIdx.x) < num_send_blocks) {
+        combine_send_blocks<kNumRanks, kNumTopk, kLocalReduce>(
+            x, hidden, topk_weights, do_expand, recv_src_metadata, recv_layout, num_experts, num_max_tokens_per_rank,
+            num_slots, peers, rank, combine_offset, sink, timeout_ns, epoch, blockIdx.x, num_send_blocks, chunk_rows,
+            chunk_stride);
+    } else {
+        combine_recv_blocks<kNumRanks, kNumTopk, kLocalReduce>(
+            topk_idx, num_tokens, hidden, num_experts, num_slots, bias0, bias1, combined_x, combined_topk_weights,
+            with_weights, x, topk_weights, do_expand, send_pos, recv_layout, recv_src_metadata, peers, rank,
+            combine_offset, sink, timeout_ns, epoch, blockIdx.x - num_send_blocks, gridDim.x - num_send_blocks,
+            chunk_rows, chunk_stride);
+    }
+    // Every block done (all our slots reduced, all our rows released): the next combine may overwrite them.
+    if (last_block_done(ctrl + kCtrlCombineSendTicket)) {
+        if (threadIdx.x == 0)
+            ctrl[kCtrlCombineEpoch] = epoch;
         if (threadIdx.x < kNumRanks)
             st_release_sys(peers.remote_signal(threadIdx.x, kSigCombineConsumed), epoch);
     }

@@ -29,8 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-KERNELS = ('notify_kernel', 'dispatch_send_kernel', 'dispatch_recv_kernel', 'combine_send_kernel',
-           'combine_recv_kernel')
+KERNELS = ('notify_kernel', 'dispatch_send_kernel', 'dispatch_recv_kernel', 'combine_kernel')
 
 
 def kernel_timeline(trace_events, num_calls: int):

@@ -4,7 +4,8 @@ Per dispatch, on the buffer's communication stream:
   notify (layout of this rank's tokens + count exchange, ~µs) → send (tokens straight into their slots at every
   destination over NVLink) → [CPU waits for the counts if `do_cpu_sync`, allocates exact outputs] → receive epilogue
   (slots → user tensors). The send kernel does not depend on the output sizes, so the GPU keeps sending while the
-  host waits. Combine: send (partial rows into slots at each token's origin) → reduce epilogue (fixed FP32 order).
+  host waits. Combine: one launch whose sending blocks write partial rows into slots at each token's origin, chunk
+  by chunk, while its reducing blocks sum every token once its chunks are released (fixed FP32 order).
 See kernels_cu/ep_*.cu for the protocols.
 """
 
@@ -26,7 +27,7 @@ from ..runtime.group import get_group
 from ..runtime.host_range import HostRange
 from . import checks, layout
 from .handle import EPHandle, workspace_layout
-from .kernels import NOTIFY_THREADS, EPKernels
+from .kernels import COMBINE_CHUNK_ROWS, COMBINE_CHUNK_SIGNAL_BYTES, NOTIFY_THREADS, EPKernels
 
 HOST_COUNTS_OFFSET = 1024      # byte offset of the dispatch counts in the buffer's host-mapped memory
 HOST_RANGE_OFFSET = 8192       # byte offset of the top-k range check's [seq, lo, hi] (int64)
@@ -495,7 +496,8 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
             topk_weights: float32 `[num_recv_tokens, num_topk]` (non-expanded) or `[num_expanded_tokens]` (expanded);
                 the result's combined_topk_weights[t][k] is the value returned for slot k by its owner.
             bias: None, a tensor or a tuple of up to two bfloat16 `[num_tokens, hidden]` tensors added in FP32.
-            num_sms: SMs of the send kernel (0: the dispatch's).
+            num_sms: SMs that send (0: the dispatch's); as many again (at most) reduce what arrives, in the same
+                launch, so a combine occupies up to 2 * num_sms SMs.
             previous_event, async_with_compute_stream, allocate_on_comm_stream: as in `dispatch`.
 
         Returns:
@@ -543,6 +545,10 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         checks.check_int('num_sms', num_sms, 0)
         num_sms = min(num_sms or handle.num_sms, self.num_device_sms)
         kernels = self._get_kernels(K)
+        chunk_stride = layout.ceil_div(handle.num_max_tokens_per_rank, COMBINE_CHUNK_ROWS)
+        if R * chunk_stride * 4 > COMBINE_CHUNK_SIGNAL_BYTES:
+            raise ValueError(f'num_max_tokens_per_rank={handle.num_max_tokens_per_rank} is too large for combine '
+                             f'(at most {COMBINE_CHUNK_SIGNAL_BYTES // 4 // R * COMBINE_CHUNK_ROWS} with {R} ranks)')
 
         current, comm, alloc_stream = self._streams(interop.current_stream(x), previous_event,
                                                     allocate_on_comm_stream)
@@ -551,15 +557,17 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         err = (self.host_mapped.ptr, self.timeout_ns)
         combined_x = alloc.empty((N, hidden), 'bfloat16', alloc_stream)
         combined_w = alloc.empty((N, K), 'float32', alloc_stream) if topk_weights is not None else None
-        kernels.combine_send[local_reduce].launch(num_sms, 512, (
+        # One launch: num_sms blocks send, up to as many more reduce as the senders' chunks arrive (one block per SM,
+        # all co-resident; the reduction is HBM-bound and keeps up with the NVLink-bound sending at that size).
+        num_send = min(num_sms, self.num_device_sms - 1)
+        num_reduce = max(1, min(num_sms, self.num_device_sms - num_send,
+                                epilogue_blocks(N, 2 * hidden, self.num_device_sms)))
+        kernels.combine[local_reduce].launch(num_send + num_reduce, 512, (
             xi.ptr, hidden, _ptr(topk_weights), int(handle.do_expand), handle.recv_src_metadata, handle.ptr(2),
-            handle.num_experts, handle.num_max_tokens_per_rank, num_slots, *common, lay.combine_recv_offset, *err),
-            stream=comm)
-        kernels.combine_recv[local_reduce].launch(epilogue_blocks(N, 2 * hidden, self.num_device_sms), 512, (
-            handle.topk_idx_ptr, N, hidden, handle.num_experts, num_slots, biases[0] if biases else 0,
-            biases[1] if len(biases) > 1 else 0, combined_x, _ptr(combined_w), int(topk_weights is not None),
-            xi.ptr, _ptr(topk_weights), int(handle.do_expand), handle.ptr(0), handle.ptr(2), handle.recv_src_metadata,
-            *common, lay.combine_recv_offset, *err), stream=comm)
+            handle.ptr(0), handle.topk_idx_ptr, N, handle.num_experts, handle.num_max_tokens_per_rank, num_slots,
+            biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, combined_x, _ptr(combined_w),
+            int(topk_weights is not None), num_send, COMBINE_CHUNK_ROWS, chunk_stride, *common,
+            lay.combine_recv_offset, *err), stream=comm)
         event = self._finish(kind, current, comm, async_with_compute_stream,
                              (x, topk_weights, *biases, combined_x, combined_w, handle.recv_src_metadata,
                               handle.workspace, handle._topk_idx))

@@ -9,6 +9,8 @@ from ..runtime.host_range import value_range_spec
 NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
 SEND_THREADS = 512
 RECV_THREADS = 512
+COMBINE_CHUNK_ROWS = 16            # rows per released chunk of the combine (kernels_cu/ep_combine.cu)
+COMBINE_CHUNK_SIGNAL_BYTES = 1 << 20   # kernels_cu/common/ep.cuh kChunkSignalBytes
 SUPPORTED_TOPK = tuple(range(1, 33))
 
 _P = Param
@@ -53,21 +55,15 @@ def _b(flag: bool) -> str:
     return 'true' if flag else 'false'
 
 
-def combine_send_spec(num_ranks: int, num_topk: int, local_reduce: bool) -> KernelSpec:
-    return KernelSpec('ep_combine', f'deepep::combine_send_kernel<{num_ranks}, {num_topk}, {_b(local_reduce)}>', (
+def combine_spec(num_ranks: int, num_topk: int, local_reduce: bool) -> KernelSpec:
+    return KernelSpec('ep_combine', f'deepep::combine_kernel<{num_ranks}, {num_topk}, {_b(local_reduce)}>', (
         _P('x', PTR), _P('hidden', np.int32), _P('topk_weights', PTR), _P('do_expand', np.int32),
-        _P('recv_src_metadata', PTR), _P('recv_layout', PTR), _P('num_experts', np.int32),
-        _P('num_max_tokens_per_rank', np.int32), _P('num_slots', np.int32), *_COMMON_TAIL,
-        _P('combine_offset', np.uint64), *_ERR))
-
-
-def combine_recv_spec(num_ranks: int, num_topk: int, local_reduce: bool) -> KernelSpec:
-    return KernelSpec('ep_combine', f'deepep::combine_recv_kernel<{num_ranks}, {num_topk}, {_b(local_reduce)}>', (
-        _P('topk_idx', PTR), _P('num_tokens', np.int32), _P('hidden', np.int32), _P('num_experts', np.int32),
+        _P('recv_src_metadata', PTR), _P('recv_layout', PTR), _P('send_pos', PTR), _P('topk_idx', PTR),
+        _P('num_tokens', np.int32), _P('num_experts', np.int32), _P('num_max_tokens_per_rank', np.int32),
         _P('num_slots', np.int32), _P('bias0', PTR), _P('bias1', PTR), _P('combined_x', PTR),
-        _P('combined_topk_weights', PTR), _P('with_weights', np.int32), _P('x', PTR), _P('topk_weights', PTR),
-        _P('do_expand', np.int32), _P('send_pos', PTR), _P('recv_layout', PTR), _P('recv_src_metadata', PTR),
-        *_COMMON_TAIL, _P('combine_offset', np.uint64), *_ERR))
+        _P('combined_topk_weights', PTR), _P('with_weights', np.int32), _P('num_send_blocks', np.int32),
+        _P('chunk_rows', np.int32), _P('chunk_stride', np.int32), *_COMMON_TAIL, _P('combine_offset', np.uint64),
+        *_ERR))
 
 
 def specs_for(num_ranks: int, num_topk: int):
@@ -75,8 +71,7 @@ def specs_for(num_ranks: int, num_topk: int):
     return {
         'ep_notify': [notify_spec(num_ranks, num_topk), topk_range_spec()],
         'ep_dispatch': [dispatch_send_spec(num_ranks, num_topk), dispatch_recv_spec(num_ranks, num_topk)],
-        'ep_combine': [combine_send_spec(num_ranks, num_topk, lr) for lr in (True, False)]
-                      + [combine_recv_spec(num_ranks, num_topk, lr) for lr in (True, False)],
+        'ep_combine': [combine_spec(num_ranks, num_topk, lr) for lr in (True, False)],
     }
 
 
@@ -92,5 +87,4 @@ class EPKernels:
         self.topk_range = loaded[topk_range_spec().name]
         self.dispatch_send = loaded[dispatch_send_spec(num_ranks, num_topk).name]
         self.dispatch_recv = loaded[dispatch_recv_spec(num_ranks, num_topk).name]
-        self.combine_send = {lr: loaded[combine_send_spec(num_ranks, num_topk, lr).name] for lr in (True, False)}
-        self.combine_recv = {lr: loaded[combine_recv_spec(num_ranks, num_topk, lr).name] for lr in (True, False)}
+        self.combine = {lr: loaded[combine_spec(num_ranks, num_topk, lr).name] for lr in (True, False)}

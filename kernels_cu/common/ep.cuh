@@ -21,6 +21,8 @@ namespace deepep {
 
 constexpr uint64_t kCtrlOffset = 8192;
 constexpr uint64_t kNotifyOffset = 65536;
+constexpr uint64_t kChunkSignalOffset = 131072;     // combine chunk signals, up to kChunkSignalBytes
+constexpr uint64_t kChunkSignalBytes = 1 << 20;
 constexpr int kCtrlNotifyEpoch = 0, kCtrlDataEpoch = 1, kCtrlCombineEpoch = 2;
 constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
 constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;
@@ -39,6 +41,10 @@ struct Peers {
     // Signal slot `kind` of `peer`'s control area that names this rank.
     __device__ __forceinline__ uint32_t* remote_signal(int peer, int kind) const { return ctrl(peer) + kind + rank; }
     __device__ __forceinline__ const uint32_t* my_signal(int kind, int src) const { return local_ctrl() + kind + src; }
+    // Combine chunk signal [src][j] in `peer`'s workspace (see ep_combine.cu).
+    __device__ __forceinline__ uint32_t* chunk_signal(int peer, int src, int stride, int j) const {
+        return reinterpret_cast<uint32_t*>(base(peer) + kChunkSignalOffset) + static_cast<int64_t>(src) * stride + j;
+    }
 };
 
 // Read a local epoch counter (written by earlier kernels on the stream).
