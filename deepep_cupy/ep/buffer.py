@@ -557,11 +557,10 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
         err = (self.host_mapped.ptr, self.timeout_ns)
         combined_x = alloc.empty((N, hidden), 'bfloat16', alloc_stream)
         combined_w = alloc.empty((N, K), 'float32', alloc_stream) if topk_weights is not None else None
-        # One launch: num_sms blocks send, up to as many more reduce as the senders' chunks arrive (one block per SM,
-        # all co-resident; the reduction is HBM-bound and keeps up with the NVLink-bound sending at that size).
+        # One launch: num_sms blocks send, the other SMs reduce as the senders' chunks arrive (one block per SM, all
+        # co-resident).
         num_send = min(num_sms, self.num_device_sms - 1)
-        num_reduce = max(1, min(num_sms, self.num_device_sms - num_send,
-                                epilogue_blocks(N, 2 * hidden, self.num_device_sms)))
+        num_reduce = max(1, min(self.num_device_sms - num_send, epilogue_blocks(N, 2 * hidden, self.num_device_sms)))
         kernels.combine[local_reduce].launch(num_send + num_reduce, 512, (
             xi.ptr, hidden, _ptr(topk_weights), int(handle.do_expand), handle.recv_src_metadata, handle.ptr(2),
             handle.ptr(0), handle.topk_idx_ptr, N, handle.num_experts, handle.num_max_tokens_per_rank, num_slots,
