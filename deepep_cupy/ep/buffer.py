@@ -496,8 +496,8 @@ class ElasticBuffer(BufferBase, PPMixin, AGRSMixin, EngramMixin, LBMixin):
             topk_weights: float32 `[num_recv_tokens, num_topk]` (non-expanded) or `[num_expanded_tokens]` (expanded);
                 the result's combined_topk_weights[t][k] is the value returned for slot k by its owner.
             bias: None, a tensor or a tuple of up to two bfloat16 `[num_tokens, hidden]` tensors added in FP32.
-            num_sms: SMs that send (0: the dispatch's); as many again (at most) reduce what arrives, in the same
-                launch, so a combine occupies up to 2 * num_sms SMs.
+            num_sms: SMs that send (0: the dispatch's); the SMs they leave (as many as the reduction can use)
+                reduce what arrives, in the same launch.
             previous_event, async_with_compute_stream, allocate_on_comm_stream: as in `dispatch`.
 
         Returns:
