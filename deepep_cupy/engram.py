@@ -59,7 +59,8 @@ def all_specs(num_ranks: int) -> List[KernelSpec]:
 def shipped_specs() -> Dict[str, List[KernelSpec]]:
     """Family name → every `KernelSpec` of this module, for 1 to 8 ranks per domain."""
     from .constants import NUM_MAX_SCALEUP_RANKS
-    return {'engram': [s for n in range(1, NUM_MAX_SCALEUP_RANKS + 1) for s in all_specs(n)[:2]] + [RANGE_SPEC]}
+    per_rank = [s for n in range(1, NUM_MAX_SCALEUP_RANKS + 1) for s in (write_spec(n), fetch_spec(n))]
+    return {'engram': per_rank + [RANGE_SPEC]}
 
 
 def _align(x: int, y: int) -> int:
