@@ -84,3 +84,14 @@ class EventOverlap:
         if self.event is not None:
             self.current_stream_wait(release_handle=self._release_handle_by_call)
         self._release_handle_by_call = False
+
+
+def as_event_handle(previous_event) -> Optional[EventHandle]:
+    """The `EventHandle` of `previous_event` (an `EventHandle`, an `EventOverlap` holding one, or None);
+    `TypeError` naming the argument otherwise."""
+    if previous_event is None:
+        return None
+    event = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
+    if not isinstance(event, EventHandle):
+        raise TypeError(f'previous_event must be an EventHandle (buffer.capture()), got {type(event).__name__}')
+    return event

@@ -14,18 +14,10 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-# Canonical dtype names shared by the torch and CuPy sides. CuPy spells bfloat16 as uint16 and fp8 as uint8.
-_TORCH_NAMES = {
-    'bfloat16': 'bfloat16', 'float8_e4m3fn': 'float8_e4m3fn', 'float32': 'float32', 'float16': 'float16',
-    'float64': 'float64', 'int32': 'int32', 'int64': 'int64', 'int16': 'int16', 'int8': 'int8', 'uint8': 'uint8',
-    'bool': 'bool', 'uint16': 'uint16', 'uint32': 'uint32', 'uint64': 'uint64',
-}
-_ITEMSIZE = {
-    'bfloat16': 2, 'float8_e4m3fn': 1, 'float32': 4, 'float16': 2, 'float64': 8, 'int32': 4, 'int64': 8, 'int16': 2,
-    'int8': 1, 'uint8': 1, 'bool': 1, 'uint16': 2, 'uint32': 4, 'uint64': 8,
-}
-# What a CuPy array of this numpy dtype may stand for.
-_CUPY_ALIASES = {'uint16': ('uint16', 'bfloat16'), 'uint8': ('uint8', 'float8_e4m3fn', 'bool')}
+from . import dtypes
+
+_ITEMSIZE = dtypes.ITEMSIZE
+_CUPY_ALIASES = dtypes.CUPY_ALIASES
 
 
 def itemsize(dtype_name: str) -> int:
@@ -102,7 +94,7 @@ def tensor_info(x: Any, name: str = 'tensor') -> TensorInfo:
         dtype = _TORCH_DTYPE_NAMES.get(x.dtype)
         if dtype is None:
             dtype = str(x.dtype).replace('torch.', '')
-            if dtype not in _TORCH_NAMES:
+            if dtype not in _ITEMSIZE:
                 raise TypeError(f'{name}: unsupported dtype {x.dtype}')
             _TORCH_DTYPE_NAMES[x.dtype] = dtype
         return TensorInfo('torch', x.data_ptr(), tuple(x.shape), x.stride(), dtype, x.get_device(), x)
@@ -203,7 +195,7 @@ class Allocator:
             with torch.cuda.stream(torch_stream(stream.ptr)):
                 return torch.empty(shape, dtype=getattr(torch, dtype), device='cuda')
         import cupy
-        np_dtype = {'bfloat16': np.uint16, 'float8_e4m3fn': np.uint8, 'bool': np.bool_}.get(dtype, dtype)
+        np_dtype = dtypes.cupy_storage(dtype)
         if stream is None:
             return cupy.empty(shape, dtype=np_dtype)
         with stream:

@@ -5,7 +5,8 @@ name a whole allocation, so CuPy's pool is not used), zeroes it, exports an IPC 
 through the host process group and opens its peers' buffers. A peer address is `peer_base[r] + offset`; the device
 keeps a table of the bases (`peer_bases_ptr`, uint64 `[num_peers]`) for kernels.
 
-Teardown order (collective): close the peers' mappings → host barrier → free the own allocation → host barrier.
+Teardown order (collective): close the peers' mappings → host barrier → free the own allocation → host barrier
+(`release_local` skips the barriers, for garbage collection).
 A rank must not free its memory while a peer still maps it, and no kernel may be in flight.
 """
 
@@ -126,3 +127,17 @@ class SymmetricMemory:
         self.base = 0
         self.peer_bases = []
         self.group.barrier(timeout=timeout)
+
+    def release_local(self) -> None:
+        """Local teardown, without the host barriers (a buffer garbage-collected with `explicitly_destroy=False`):
+        close this rank's mappings of the peers' buffers and free its own allocation. The caller has made sure no
+        kernel of this rank still uses it; peers that still map it keep their mapping until they free theirs.
+        Idempotent."""
+        if not self.base:
+            return
+        import cupy
+        self._close_peers()
+        self._table = None
+        cupy.cuda.runtime.free(self.base)
+        self.base = 0
+        self.peer_bases = []

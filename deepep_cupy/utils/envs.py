@@ -5,10 +5,7 @@ an initialised torch.distributed, or nothing) through `runtime.group.get_group`,
 dtype or device. torch is imported lazily, so CuPy-only programs can use all of this.
 """
 
-import functools
 import random
-import re
-import subprocess
 import sys
 from typing import Optional, Tuple
 
@@ -136,31 +133,4 @@ def dist_print(s: str = '', once_in_node: bool = False, group: Optional[ProcessG
         group.barrier()
 
 
-_LINK_GBS = re.compile(r'Link \d+:\s*([\d.]+)\s*GB/s')
-
-
-def parse_nvlink_gbs(text: str) -> float:
-    """Sum of the per-link GB/s of the first GPU block in `nvidia-smi nvlink -s` output (0.0 if there is none)."""
-    match = re.search(r'^GPU \d+:.*?(?=^GPU \d+:|^[ \t]*$|\Z)', text, re.MULTILINE | re.DOTALL)
-    if match is None:
-        return 0.0
-    return sum(float(v) for v in _LINK_GBS.findall(match.group(0)))
-
-
-@functools.lru_cache
-def get_nvlink_gbs(factor: float = 0.9) -> float:
-    """Usable NVLink bandwidth of one GPU: the sum of its links' GB/s (first GPU of `nvidia-smi nvlink -s`) × `factor`.
-
-    Args:
-        factor: the fraction of the link rate a kernel can reach.
-
-    Returns:
-        GB/s, or 0.0 when nvidia-smi is missing, fails or lists no NVLink (e.g. PCIe GPUs).
-    """
-    try:
-        result = subprocess.run(['nvidia-smi', 'nvlink', '-s'], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return 0.0
-    if result.returncode != 0:
-        return 0.0
-    return parse_nvlink_gbs(result.stdout) * factor
+from ..runtime.nvlink import get_nvlink_gbs, parse_nvlink_gbs  # noqa: E402,F401  (the probe lives in runtime)
