@@ -7,14 +7,14 @@ __version__ = '0.1.0'
 
 # Public name -> module that defines it; resolved lazily (PEP 562) so `import deepep_cupy` stays cheap.
 _LAZY = {
-    'ElasticBuffer': 'deepep_cupy.ep.buffer',
-    'EPBuffer': 'deepep_cupy.ep.buffer',
-    'EPHandle': 'deepep_cupy.ep.handle',
-    'BufferBase': 'deepep_cupy.buffer_base',
-    'BufferAllocator': 'deepep_cupy.allocator',
-    'get_num_allocation_alignment': 'deepep_cupy.allocator',
-    'get_num_tma_alignment': 'deepep_cupy.allocator',
-    'get_num_rdma_alignment': 'deepep_cupy.allocator',
+    'ElasticBuffer': 'deepep_cupy.buffers.elastic',
+    'EPBuffer': 'deepep_cupy.buffers.ep',
+    'EPHandle': 'deepep_cupy.buffers.elastic',
+    'BufferBase': 'deepep_cupy.buffers.base',
+    'BufferAllocator': 'deepep_cupy.buffers.allocator',
+    'get_num_allocation_alignment': 'deepep_cupy.buffers.allocator',
+    'get_num_tma_alignment': 'deepep_cupy.buffers.allocator',
+    'get_num_rdma_alignment': 'deepep_cupy.buffers.allocator',
     'EventOverlap': 'deepep_cupy.runtime.event',
     'EventHandle': 'deepep_cupy.runtime.event',
     'ProcessGroup': 'deepep_cupy.runtime.group',

@@ -9,9 +9,8 @@
 //       recv slots [src] of slot_bytes (src's piece for this rank, in the staging precision), then, for all-reduce,
 //       gather slots [src] of gather_slot_bytes (src's reduced shard, FP32).
 //
-// Control words: workspace bytes [24576, 28672) of every rank's buffer (barrier.cu uses [0, 8192) with the claim word
-// of timeout.cuh at 512, common/ep.cuh 8192 and 65536, peer_copy.cu 16384, pp.cu 20480). uint32 words, epochs that
-// only grow, nothing is ever cleared:
+// Control words: the workspace region kWsAgrsOffset (common/workspace.cuh) of every rank's buffer. uint32 words,
+// epochs that only grow, nothing is ever cleared:
 //   [0] gather ticket, [1] reduce ticket, [2] unpack ticket   local, for last_block_done
 //   gather_signal[src]   word 32 + src   src finished writing its tensors of gather epoch e into this rank's region
 //   shard_signal[src]    word 64 + src   src finished writing its reduced shard of all-reduce epoch e into our gather
@@ -53,8 +52,8 @@
 
 namespace deepep {
 
-constexpr uint64_t kAgrsCtrlOffset = 24576;
-constexpr uint64_t kAgrsCtrlBytes = 4096;
+constexpr uint64_t kAgrsCtrlOffset = kWsAgrsOffset;     // common/workspace.cuh
+constexpr uint64_t kAgrsCtrlBytes = kWsAgrsBytes;
 constexpr int kAgrsMaxRanks = 8;
 constexpr int kAgrsMetaSlots = 32;
 constexpr int kAgrsMaxSenders = 32;
@@ -229,26 +228,15 @@ agrs_gather_kernel(const uint8_t* src, int64_t num_bytes, uint64_t region_offset
     const int64_t tid = static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x;
     const bool vec = (num_bytes % 16 == 0) && (reinterpret_cast<uint64_t>(src) % 16 == 0) && (slot_offset % 16 == 0);
     if (vec) {
-        const int64_t num_vectors = num_bytes / 16;
-        for (int64_t base = tid; base < num_vectors; base += num_threads * kAgrsGatherUnroll) {
-            Vec16 v[kAgrsGatherUnroll];
-            #pragma unroll
-            for (int u = 0; u < kAgrsGatherUnroll; ++u) {
-                const int64_t i = base + u * num_threads;
-                if (i < num_vectors)
-                    v[u] = ld_nc_v4(src + i * 16);
-            }
-            #pragma unroll
-            for (int u = 0; u < kAgrsGatherUnroll; ++u) {
-                const int64_t i = base + u * num_threads;
-                if (i < num_vectors) {
-                    #pragma unroll
-                    for (int p = 0; p < kNumRanks; ++p)
-                        if (dst[p] != nullptr)
-                            st_na_v4(dst[p] + i * 16, v[u]);
-                }
-            }
-        }
+        // Each vector is read once and stored into every rank's slot.
+        grid_stride_copy<kAgrsGatherUnroll>(
+            num_bytes / 16, tid, num_threads, [&](int64_t i) { return ld_nc_v4(src + i * 16); },
+            [&](int64_t i, const Vec16& v) {
+                #pragma unroll
+                for (int p = 0; p < kNumRanks; ++p)
+                    if (dst[p] != nullptr)
+                        st_na_v4(dst[p] + i * 16, v);
+            });
     } else {
         // Unaligned sizes or sources: byte stores (correct, slow; the API documents the 16-byte fast path).
         for (int64_t i = tid; i < num_bytes; i += num_threads) {
@@ -479,21 +467,9 @@ agrs_unpack_kernel(uint8_t* x, int64_t num_elems, int64_t shard_elems, const uin
         const uint8_t* src = ctrl.base(rank) + gather_offset + d * gather_slot_bytes;
         uint8_t* dst = x + d * shard_elems * 4;
         const int64_t num_vectors = len / 4;
-        for (int64_t base = tid; base < num_vectors; base += num_threads * kAgrsGatherUnroll) {
-            Vec16 v[kAgrsGatherUnroll];
-            #pragma unroll
-            for (int u = 0; u < kAgrsGatherUnroll; ++u) {
-                const int64_t i = base + u * num_threads;
-                if (i < num_vectors)
-                    v[u] = ld_v4(src + i * 16);
-            }
-            #pragma unroll
-            for (int u = 0; u < kAgrsGatherUnroll; ++u) {
-                const int64_t i = base + u * num_threads;
-                if (i < num_vectors)
-                    st_na_v4(dst + i * 16, v[u]);
-            }
-        }
+        grid_stride_copy<kAgrsGatherUnroll>(
+            num_vectors, tid, num_threads, [&](int64_t i) { return ld_v4(src + i * 16); },
+            [&](int64_t i, const Vec16& v) { st_na_v4(dst + i * 16, v); });
         for (int64_t i = num_vectors * 4 + tid; i < len; i += num_threads)
             reinterpret_cast<float*>(dst)[i] = reinterpret_cast<const float*>(src)[i];
     }

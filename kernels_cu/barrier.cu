@@ -1,18 +1,20 @@
 // GPU barrier over the ranks of a symmetric buffer (one scale-up domain, CUDA IPC).
 //
 // Protocol (epochs, nothing is ever cleared):
-//   signals (symmetric offset `signal_offset` in every rank's buffer):
+//   signals (symmetric offset `signal_offset` in every rank's buffer: kWsBarrierOffset of common/workspace.cuh):
 //     uint32 epoch           -- this rank's barrier count; written only by this rank's barrier kernel
 //     uint32 arrive[8]       -- at offset 128: arrive[src] = last epoch rank `src` announced to this rank
 //   One block of 32 threads. Thread 0 bumps the local epoch to e. Thread t < kNumRanks writes e into
 //   arrive[rank] of rank t with a system-scope release store (publishing everything this rank wrote before, earlier
-//   kernels on the stream included), then waits with acquire loads until its own arrive[t] reaches e.
+//   kernels on the stream included), then waits with acquire loads until its own arrive[t] reaches e
+//   (exchange_epoch, common/timeout.cuh).
 //   A rank can run at most one epoch ahead of any peer, so "reached" (wrap-safe >=) is exact.
 #include "common/timeout.cuh"
 
 namespace deepep {
 
 constexpr int kBarrierArriveOffset = 128;
+static_assert(kBarrierArriveOffset + 4 * 32 <= kWsBarrierBytes, "barrier words overflow their workspace region");
 
 template <int kNumRanks>
 __global__ void __launch_bounds__(32, 1)
@@ -31,17 +33,17 @@ barrier_kernel(const uint64_t* peer_bases, uint64_t signal_offset, int rank, int
     const int peer = threadIdx.x;
     if (peer < kNumRanks) {
         auto* remote = reinterpret_cast<uint8_t*>(peer_bases[peer]) + signal_offset + kBarrierArriveOffset;
-        st_release_sys(reinterpret_cast<uint32_t*>(remote) + rank, e);
-        const auto* mine = reinterpret_cast<const uint32_t*>(local + kBarrierArriveOffset) + peer;
-        wait_epoch(mine, e, timeout_ns, make_error_sink(peer_bases, rank, error_record), kPhaseBarrier, rank, peer);
+        exchange_epoch(reinterpret_cast<uint32_t*>(remote), reinterpret_cast<const uint32_t*>(local + kBarrierArriveOffset),
+                       rank, peer, e, timeout_ns, peer_bases, error_record, kPhaseBarrier);
     }
     __syncthreads();
 }
 
-// Test helper for the barrier rank program: write `value` into slot [rank] of every peer's check area, optionally
-// after spinning `delay_ns` (to prove the barrier waits for a late rank).
-__global__ void barrier_test_write(const uint64_t* peer_bases, uint64_t check_offset, int rank, int num_ranks,
-                                   uint32_t value, uint64_t delay_ns) {
+// Test helper for the barrier rank program: write `value` into slot [rank] of every peer's check area (the workspace's
+// kWsBarrierTestOffset), optionally after spinning `delay_ns` (to prove the barrier waits for a late rank). Its name
+// leaves out "barrier" so that a profile filtered by that name matches the barrier kernel only.
+__global__ void ring_test_write(const uint64_t* peer_bases, uint64_t check_offset, int rank, int num_ranks,
+                                uint32_t value, uint64_t delay_ns) {
     if (delay_ns > 0 && threadIdx.x == 0) {
         const uint64_t start = global_timer_ns();
         while (global_timer_ns() - start < delay_ns) {
@@ -55,8 +57,8 @@ __global__ void barrier_test_write(const uint64_t* peer_bases, uint64_t check_of
 }
 
 // Count slots of this rank's check area that do not hold `value` (accumulated into *num_mismatches).
-__global__ void barrier_test_check(const uint64_t* peer_bases, uint64_t check_offset, int rank, int num_ranks,
-                                   uint32_t value, int32_t* num_mismatches) {
+__global__ void ring_test_check(const uint64_t* peer_bases, uint64_t check_offset, int rank, int num_ranks,
+                                uint32_t value, int32_t* num_mismatches) {
     const auto* slots = reinterpret_cast<const uint32_t*>(reinterpret_cast<uint8_t*>(peer_bases[rank]) + check_offset);
     for (int src = threadIdx.x; src < num_ranks; src += blockDim.x)
         if (reinterpret_cast<const volatile uint32_t*>(slots)[src] != value)

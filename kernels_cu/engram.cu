@@ -6,8 +6,8 @@
 //   [table_offset, + num_entries * row_bytes)   this rank's table (written by engram_write_kernel, read by peers)
 // Scale factors of FP8 tables are replicated on every rank by the caller and gathered locally (no traffic).
 //
-// Control words: workspace bytes [28672, 30720) of every rank's symmetric buffer (kEngramCtrlOffset; the workspace
-// map is in deepep_cupy/buffer_base.py). uint32 words, epochs that only grow, nothing is ever cleared:
+// Control words: the workspace region kWsEngramOffset of every rank's symmetric buffer (kEngramCtrlOffset; the
+// workspace map is common/workspace.cuh). uint32 words, epochs that only grow, nothing is ever cleared:
 //   [0]            epoch: table writes this rank completed; written only by the last block of engram_write_kernel
 //   [1]            ticket of last_block_done (local; reset by the last block)
 //   ready[src]     at byte +128: the last write epoch rank `src` reached; everything src ran before on its stream is
@@ -25,8 +25,8 @@
 
 namespace deepep {
 
-constexpr uint64_t kEngramCtrlOffset = 28672;
-constexpr uint64_t kEngramCtrlBytes = 2048;
+constexpr uint64_t kEngramCtrlOffset = kWsEngramOffset;     // common/workspace.cuh
+constexpr uint64_t kEngramCtrlBytes = kWsEngramBytes;
 constexpr int kEngramEpoch = 0, kEngramTicket = 1;
 constexpr int kEngramReadyOffset = 128, kEngramDoneOffset = 256;
 constexpr int kEngramThreads = 512;
@@ -34,10 +34,6 @@ constexpr int kEngramUnroll = 8;          // 16-byte vectors in flight per threa
 
 __device__ __forceinline__ uint32_t* engram_ctrl(const uint64_t* peer_bases, int peer) {
     return reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(peer_bases[peer]) + kEngramCtrlOffset);
-}
-
-__device__ __forceinline__ uint32_t* engram_signal(const uint64_t* peer_bases, int peer, int offset) {
-    return reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(engram_ctrl(peer_bases, peer)) + offset);
 }
 
 // Copy the caller's rows (`num_bytes`, a multiple of 16) into this rank's table, between the two signal exchanges.
@@ -57,9 +53,8 @@ engram_write_kernel(const uint8_t* storage, int64_t num_bytes, uint64_t table_of
         s_ok = 1;
     __syncthreads();
     if (peer < kNumRanks && peer != rank) {
-        st_release_sys(engram_signal(peer_bases, peer, kEngramReadyOffset) + rank, epoch);
-        if (!wait_epoch(engram_signal(peer_bases, rank, kEngramReadyOffset) + peer, epoch, timeout_ns, sink,
-                        kPhaseEngram, rank, peer, 0))
+        if (!exchange_epoch(peer_bases, kEngramCtrlOffset + kEngramReadyOffset, rank, peer, epoch, timeout_ns, sink,
+                            kPhaseEngram, 0))
             s_ok = 0;
     }
     __syncthreads();
@@ -67,30 +62,18 @@ engram_write_kernel(const uint8_t* storage, int64_t num_bytes, uint64_t table_of
         return;
 
     uint8_t* table = reinterpret_cast<uint8_t*>(peer_bases[rank]) + table_offset;
-    const int64_t num_vectors = num_bytes / 16;
-    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kEngramThreads;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kEngramThreads + threadIdx.x; base < num_vectors;
-         base += num_threads * kEngramUnroll) {
-        Vec16 v[kEngramUnroll];
-        #pragma unroll
-        for (int u = 0; u < kEngramUnroll; ++u)
-            if (base + u * num_threads < num_vectors)
-                v[u] = ld_nc_v4(storage + (base + u * num_threads) * 16);
-        #pragma unroll
-        for (int u = 0; u < kEngramUnroll; ++u)
-            if (base + u * num_threads < num_vectors)
-                st_na_v4(table + (base + u * num_threads) * 16, v[u]);
-    }
+    grid_stride_copy<kEngramUnroll>(
+        num_bytes / 16, static_cast<int64_t>(blockIdx.x) * kEngramThreads + threadIdx.x,
+        static_cast<int64_t>(gridDim.x) * kEngramThreads, [&](int64_t i) { return ld_nc_v4(storage + i * 16); },
+        [&](int64_t i, const Vec16& v) { st_na_v4(table + i * 16, v); });
 
     if (!last_block_done(ctrl + kEngramTicket))
         return;
     if (threadIdx.x == 0)
         ctrl[kEngramEpoch] = epoch;
-    if (peer < kNumRanks && peer != rank) {
-        st_release_sys(engram_signal(peer_bases, peer, kEngramDoneOffset) + rank, epoch);
-        wait_epoch(engram_signal(peer_bases, rank, kEngramDoneOffset) + peer, epoch, timeout_ns, sink, kPhaseEngram,
-                   rank, peer, 1);
-    }
+    if (peer < kNumRanks && peer != rank)
+        exchange_epoch(peer_bases, kEngramCtrlOffset + kEngramDoneOffset, rank, peer, epoch, timeout_ns, sink,
+                       kPhaseEngram, 1);
 }
 
 // Gather rows: output row i (= token i / n, entry i % n) is row g % num_entries of rank g / num_entries's table, with
@@ -101,7 +84,7 @@ engram_write_kernel(const uint8_t* storage, int64_t num_bytes, uint64_t table_of
 // num_sf] into `sf_out` (token t, column j * num_sf + p at t * sf_stride_token + column * sf_stride_col, elements).
 template <int kNumRanks>
 __global__ void __launch_bounds__(kEngramThreads, 1)
-engram_fetch_kernel(const int32_t* indices, int num_rows, int num_entries_per_token, int row_bytes, int num_entries,
+engram_fetch_impl(const int32_t* indices, int num_rows, int num_entries_per_token, int row_bytes, int num_entries,
                     uint64_t table_offset, uint64_t out_offset, const uint32_t* sf, int num_sf, uint32_t* sf_out,
                     int64_t sf_stride_token, int64_t sf_stride_col, const uint64_t* peer_bases, int rank) {
     static_assert(kNumRanks >= 1 && kNumRanks <= 32, "engram supports up to 32 ranks per domain");

@@ -1,5 +1,6 @@
-// EP dispatch: send (every token straight into its slot at each destination rank, over NVLink) and the receive
-// epilogue (slots → the user's tensors, in the order and layout asked for).
+// EP dispatch: send (dispatch_impl: every token straight into its slot at each destination rank, over NVLink) and
+// the receive epilogue (dispatch_copy_epilogue_impl: slots → the user's tensors, in the order and layout asked for).
+// Both are compiled per top-k bucket kMaxTopk and take the exact top-k `num_topk` ("top-k buckets", common/ep.cuh).
 //
 // Protocol per dispatch (data epoch e = the local count of dispatches, bumped by the send kernel's last block):
 //   send:  threads [0, R) of every block first wait for data_consumed[d] >= e - 1 at this rank (destination d has
@@ -14,14 +15,14 @@ namespace deepep {
 constexpr int kSendThreads = 512;
 constexpr int kRecvThreads = 512;
 
-template <int kNumRanks, int kNumTopk>
+template <int kNumRanks, int kMaxTopk>
 __global__ void __launch_bounds__(kSendThreads, 1)
-dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
-                     const uint8_t* sf, int64_t sf_stride_token, int64_t sf_stride_col, int num_sf,
-                     const int64_t* topk_idx, const float* topk_weights, const int32_t* send_pos,
-                     const int32_t* send_expert_pos, int num_tokens, int num_max_tokens_per_rank,
-                     const uint64_t* peer_bases, int rank, uint64_t recv_offset, int32_t* error_record,
-                     uint64_t timeout_ns) {
+dispatch_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
+              const uint8_t* sf, int64_t sf_stride_token, int64_t sf_stride_col, int num_sf,
+              const int64_t* topk_idx, const float* topk_weights, const int32_t* send_pos,
+              const int32_t* send_expert_pos, int num_tokens, int num_topk, int num_max_tokens_per_rank,
+              const uint64_t* peer_bases, int rank, uint64_t recv_offset, int32_t* error_record,
+              uint64_t timeout_ns) {
     const Peers peers{peer_bases, rank};
     uint32_t* ctrl = peers.local_ctrl();
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
@@ -29,7 +30,7 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
     if (!wait_all_peers(peers, kSigDataConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseDispatch))
         return;
 
-    const MessageLayout msg(kNumTopk, num_sf, hidden_bytes);
+    const MessageLayout msg(num_topk, num_sf, hidden_bytes);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int num_warps = kSendThreads / 32;
     const int num_chunks = hidden_bytes / 16;
@@ -48,10 +49,10 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
         }
         // Meta (first segment): lane k < K writes slot k's expert, weight and expert position; lane 0 the source
         // index; then the scale factors (4 bytes each, any strides).
-        if (seg == 0 && lane < kNumTopk) {
-            const int64_t e = topk_idx[static_cast<int64_t>(t) * kNumTopk + lane];
-            const float w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * kNumTopk + lane] : 0.f;
-            const int32_t pos = send_expert_pos[static_cast<int64_t>(t) * kNumTopk + lane];
+        if (seg == 0 && lane < num_topk) {
+            const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
+            const float w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.f;
+            const int32_t pos = send_expert_pos[static_cast<int64_t>(t) * num_topk + lane];
             #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
                 if (dst[d] != nullptr) {
@@ -115,16 +116,16 @@ dispatch_send_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
 //   Metadata [num_recv][K + 2]: src_rank * M + src token index; src_rank * K + combine slot (the ordinal of this rank
 //   among the token's destination ranks in order of first top-k appearance); then per top-k slot the expanded row
 //   (expanded mode) or -1.
-template <int kNumRanks, int kNumTopk>
+template <int kNumRanks, int kMaxTopk>
 __global__ void __launch_bounds__(kRecvThreads)
-dispatch_recv_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, int num_sf, int num_experts,
-                     int num_max_tokens_per_rank,
-                     const int32_t* recv_layout, int do_expand, int do_zero_padding, int num_out_rows,
-                     int num_meta_rows,
-                     uint8_t* recv_x, uint8_t* recv_sf, int64_t recv_sf_stride_row, int64_t recv_sf_stride_col,
-                     int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_metadata,
-                     const uint64_t* peer_bases, int rank, uint64_t recv_offset, int32_t* error_record,
-                     uint64_t timeout_ns) {
+dispatch_copy_epilogue_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, int num_sf, int num_topk,
+                            int num_experts, int num_max_tokens_per_rank,
+                            const int32_t* recv_layout, int do_expand, int do_zero_padding, int num_out_rows,
+                            int num_meta_rows,
+                            uint8_t* recv_x, uint8_t* recv_sf, int64_t recv_sf_stride_row,
+                            int64_t recv_sf_stride_col, int64_t* recv_topk_idx, float* recv_topk_weights,
+                            int32_t* recv_src_metadata, const uint64_t* peer_bases, int rank, uint64_t recv_offset,
+                            int32_t* error_record, uint64_t timeout_ns) {
     const Peers peers{peer_bases, rank};
     uint32_t* ctrl = peers.local_ctrl();
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
@@ -135,11 +136,11 @@ dispatch_recv_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, in
     const int num_local_experts = num_experts / kNumRanks;
     const RecvLayout layout{const_cast<int32_t*>(recv_layout), kNumRanks, num_local_experts};
     const int num_recv = layout.totals()[0];
-    const MessageLayout msg(kNumTopk, num_sf, hidden_bytes);
+    const MessageLayout msg(num_topk, num_sf, hidden_bytes);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int num_warps = blockDim.x / 32;
     const int global_warp = blockIdx.x * num_warps + warp, total_warps = gridDim.x * num_warps;
-    const int meta_cols = kNumTopk + 2;
+    const int meta_cols = num_topk + 2;
     const int num_chunks = hidden_bytes / 16;
     const RowSegments segs(num_recv, num_chunks, total_warps);
 
@@ -157,33 +158,26 @@ dispatch_recv_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, in
                                               : m + msg.hidden_offset;
 
         // Per top-k slot: global expert, whether local, owner rank.
-        const int e = lane < kNumTopk ? msg.expert_ids(m)[lane] : -1;
+        const int e = lane < num_topk ? msg.expert_ids(m)[lane] : -1;
         const int owner = e >= 0 ? e / num_local_experts : -1;
         const bool local = owner == rank;
-        const float w = lane < kNumTopk ? msg.weights(m)[lane] : 0.f;
+        const float w = lane < num_topk ? msg.weights(m)[lane] : 0.f;
         // Combine slot: number of distinct owners among top-k slots before this rank's first slot.
         const uint32_t local_mask = __ballot_sync(0xffffffffu, local);
         const int first_local = __ffs(local_mask) - 1;
-        bool first_of_owner = owner >= 0;
-        for (int k2 = 0; k2 < kNumTopk; ++k2) {
-            const int o2 = __shfl_sync(0xffffffffu, owner, k2);
-            if (k2 < lane && o2 == owner)
-                first_of_owner = false;
-        }
-        const uint32_t firsts = __ballot_sync(0xffffffffu, first_of_owner && lane < kNumTopk);
-        const int combine_slot = __popc(firsts & ((1u << first_local) - 1));
+        const int combine_slot = topk_owners<kMaxTopk>(owner, lane, num_topk).ordinal(first_local);
         // The first segment of a row writes its metadata, top-k and scale factors; every segment copies its chunks.
         const bool first_seg = seg == 0;
         if (first_seg && lane == 0) {
             recv_src_metadata[static_cast<int64_t>(i) * meta_cols] = s * num_max_tokens_per_rank + *msg.src_idx(m);
-            recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 1] = s * kNumTopk + combine_slot;
+            recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 1] = s * num_topk + combine_slot;
         }
 
         if (!do_expand) {
-            if (first_seg && lane < kNumTopk) {
-                recv_topk_idx[static_cast<int64_t>(i) * kNumTopk + lane] = local ? e - rank * num_local_experts : -1;
+            if (first_seg && lane < num_topk) {
+                recv_topk_idx[static_cast<int64_t>(i) * num_topk + lane] = local ? e - rank * num_local_experts : -1;
                 if (recv_topk_weights != nullptr)
-                    recv_topk_weights[static_cast<int64_t>(i) * kNumTopk + lane] = local ? w : 0.f;
+                    recv_topk_weights[static_cast<int64_t>(i) * num_topk + lane] = local ? w : 0.f;
                 recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = -1;
             }
             for (int p = first_seg ? lane : num_sf; p < num_sf; p += 32)
@@ -199,7 +193,7 @@ dispatch_recv_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, in
                 if (first_seg && recv_topk_weights != nullptr)
                     recv_topk_weights[row] = w;
             }
-            if (first_seg && lane < kNumTopk)
+            if (first_seg && lane < num_topk)
                 recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = row;
             uint32_t pending = local_mask;
             while (pending) {
@@ -219,8 +213,8 @@ dispatch_recv_kernel(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, in
     const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
     if (!do_expand) {
-        for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * kNumTopk; idx += num_threads)
-            recv_topk_idx[static_cast<int64_t>(num_recv) * kNumTopk + idx] = -1;
+        for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * num_topk; idx += num_threads)
+            recv_topk_idx[static_cast<int64_t>(num_recv) * num_topk + idx] = -1;
     }
     for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * meta_cols; idx += num_threads)
         recv_src_metadata[static_cast<int64_t>(num_recv) * meta_cols + idx] = -1;

@@ -1,6 +1,7 @@
 // EP notify: the send layout of this rank's tokens and the exchange of counts with the peers of the scale-up domain.
 //
-// Cooperative launch, one block per kTokensPerBlock tokens (a warp per 32 tokens).
+// Cooperative launch, one block per kTokensPerBlock tokens (a warp per 32 tokens). Compiled per top-k bucket
+// kMaxTopk; the exact top-k is `num_topk` (see "top-k buckets" in common/ep.cuh).
 //   1. Every token: the destination ranks it goes to (once per rank owning >= 1 of its experts), its slot at each
 //      destination = its position among this rank's tokens going there (so received rows are ordered by source rank,
 //      then token index: deterministic), and, per top-k slot, its position among this rank's tokens choosing that
@@ -20,20 +21,20 @@ constexpr int kNotifyThreads = 256;
 constexpr int kTokensPerBlock = kNotifyThreads;   // one token per thread
 constexpr int kNotifyWarps = kNotifyThreads / 32;
 
-template <int kNumRanks, int kNumTopk>
+template <int kNumRanks, int kMaxTopk>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
-notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_max_tokens_per_rank,
+notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
               int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
               int32_t* scratch,                 // [gridDim.x][num_experts + kNumRanks], local
               int32_t* send_pos,                // [num_tokens][kNumRanks] out: slot at each destination or -1
-              int32_t* send_expert_pos,         // [num_tokens][kNumTopk] out: position among tokens of that expert
+              int32_t* send_expert_pos,         // [num_tokens][num_topk] out: position among tokens of that expert
               int32_t* recv_layout,             // layout blob (see RecvLayout) out
-              int32_t* psum_recv_per_expert,    // [L] out, or null (see ep/handle.py for the two conventions)
+              int32_t* psum_recv_per_expert,    // [L] out, or null (see features/ep/handle.py: two conventions)
               int do_expand,
               int32_t* cumulative_stats,        // [L] += unaligned counts, or null
               int32_t* host_counts,             // host-mapped [3 + L]: seq, num_recv, num_expanded, aligned counts
               int host_seq,
-              int64_t* topk_copy) {             // [num_tokens][kNumTopk] out: a copy of topk_idx, or null
+              int64_t* topk_copy) {             // [num_tokens][num_topk] out: a copy of topk_idx, or null
     extern __shared__ int32_t smem[];           // [kNotifyWarps][num_keys] per-warp counts, then block bases
     const int num_keys = num_experts + kNumRanks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -48,18 +49,18 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
     for (int i = threadIdx.x; i < kNotifyWarps * num_keys; i += blockDim.x)
         warp_counts[i] = 0;
 
-    // Experts of this thread's token (-1 = none).
-    int expert[kNumTopk];
-    int64_t raw_topk[kNumTopk];
+    // Experts of this thread's token (-1 = none; slots k >= num_topk hold none).
+    int expert[kMaxTopk];
+    int64_t raw_topk[kMaxTopk];
     #pragma unroll
-    for (int k = 0; k < kNumTopk; ++k) {
-        raw_topk[k] = valid ? topk_idx[static_cast<int64_t>(t) * kNumTopk + k] : -1;
+    for (int k = 0; k < kMaxTopk; ++k) {
+        raw_topk[k] = (valid && k < num_topk) ? topk_idx[static_cast<int64_t>(t) * num_topk + k] : -1;
         expert[k] = (raw_topk[k] >= 0 && raw_topk[k] < num_experts) ? static_cast<int>(raw_topk[k]) : -1;
     }
     // Destination mask.
     uint32_t dst_mask = 0;
     #pragma unroll
-    for (int k = 0; k < kNumTopk; ++k)
+    for (int k = 0; k < kMaxTopk; ++k)
         if (expert[k] >= 0)
             dst_mask |= 1u << (expert[k] / num_local_experts);
     __syncthreads();
@@ -78,18 +79,19 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
     // tokens choosing expert e is the number of lower lanes in e's mask (a token counts once per expert).
     uint32_t* warp_masks = reinterpret_cast<uint32_t*>(warp_counts + warp * num_keys);
     #pragma unroll
-    for (int k = 0; k < kNumTopk; ++k)
+    for (int k = 0; k < kMaxTopk; ++k)
         if (expert[k] >= 0)
             atomicOr(&warp_masks[expert[k]], 1u << lane);
     __syncwarp();
-    int expert_pos[kNumTopk];
+    int expert_pos[kMaxTopk];
     #pragma unroll
-    for (int k = 0; k < kNumTopk; ++k)
+    for (int k = 0; k < kMaxTopk; ++k)
         expert_pos[k] = expert[k] >= 0 ? __popc(warp_masks[expert[k]] & lt_mask) : 0;
     if (topk_copy != nullptr && valid) {
         #pragma unroll
-        for (int k = 0; k < kNumTopk; ++k)
-            topk_copy[static_cast<int64_t>(t) * kNumTopk + k] = raw_topk[k];
+        for (int k = 0; k < kMaxTopk; ++k)
+            if (k < num_topk)
+                topk_copy[static_cast<int64_t>(t) * num_topk + k] = raw_topk[k];
     }
     __syncthreads();
 
@@ -133,10 +135,11 @@ notify_kernel(const int64_t* topk_idx, int num_tokens, int num_experts, int num_
                 ((dst_mask >> d) & 1u) ? block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] : -1;
         }
         #pragma unroll
-        for (int k = 0; k < kNumTopk; ++k) {
+        for (int k = 0; k < kMaxTopk; ++k) {
             const int e = expert[k];
-            send_expert_pos[static_cast<int64_t>(t) * kNumTopk + k] =
-                e >= 0 ? block_base[e] + warp_counts[warp * num_keys + e] + expert_pos[k] : -1;
+            if (k < num_topk)
+                send_expert_pos[static_cast<int64_t>(t) * num_topk + k] =
+                    e >= 0 ? block_base[e] + warp_counts[warp * num_keys + e] + expert_pos[k] : -1;
         }
     }
     if (blockIdx.x != 0)

@@ -7,8 +7,8 @@
 // No rank hosts its own experts (checked on the host). The redundant pool of a pair is [num_redundant, bytes] at the
 // same symmetric offset on every rank (inside the load-balancing region of the data region).
 //
-// Control words: workspace bytes [30720, 32768) of every rank's symmetric buffer (kLBCtrlOffset; the workspace map
-// is in deepep_cupy/buffer_base.py). uint32 words, epochs that only grow, nothing is ever cleared:
+// Control words: the workspace region kWsLBOffset of every rank's symmetric buffer (kLBCtrlOffset; the workspace map
+// is common/workspace.cuh). uint32 words, epochs that only grow, nothing is ever cleared:
 //   [0]            epoch: load-balancing operations this rank completed; written only by the last block of the
 //                  launch that ends an operation (stream-ordered, read by the next operation's launches)
 //   [1]            ticket of last_block_done (local; reset by the last block)
@@ -34,8 +34,8 @@
 
 namespace deepep {
 
-constexpr uint64_t kLBCtrlOffset = 30720;
-constexpr uint64_t kLBCtrlBytes = 2048;
+constexpr uint64_t kLBCtrlOffset = kWsLBOffset;     // common/workspace.cuh
+constexpr uint64_t kLBCtrlBytes = kWsLBBytes;
 constexpr int kLBEpoch = 0, kLBTicket = 1;
 constexpr int kLBReadyOffset = 128, kLBDoneOffset = 256;
 constexpr int kLBThreads = 512;
@@ -56,12 +56,8 @@ __device__ __forceinline__ bool lb_ready(const uint64_t* peer_bases, int rank, u
     __syncthreads();
     const int peer = threadIdx.x;
     if (peer < kNumRanks && peer != rank) {
-        auto* remote = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(lb_ctrl(peer_bases, peer)) +
-                                                   kLBReadyOffset);
-        st_release_sys(remote + rank, epoch);
-        const auto* mine = reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(
-                               lb_ctrl(peer_bases, rank)) + kLBReadyOffset) + peer;
-        if (!wait_epoch(mine, epoch, timeout_ns, sink, kPhaseLB, rank, peer, 0))
+        if (!exchange_epoch(peer_bases, kLBCtrlOffset + kLBReadyOffset, rank, peer, epoch, timeout_ns, sink, kPhaseLB,
+                            0))
             s_ok = 0;
     }
     __syncthreads();
@@ -78,14 +74,8 @@ __device__ __forceinline__ void lb_done(const uint64_t* peer_bases, int rank, ui
     if (threadIdx.x == 0)
         ctrl[kLBEpoch] = epoch;
     const int peer = threadIdx.x;
-    if (peer < kNumRanks && peer != rank) {
-        auto* remote = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(lb_ctrl(peer_bases, peer)) +
-                                                   kLBDoneOffset);
-        st_release_sys(remote + rank, epoch);
-        const auto* mine = reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(ctrl) +
-                                                             kLBDoneOffset) + peer;
-        wait_epoch(mine, epoch, timeout_ns, sink, kPhaseLB, rank, peer, 1);
-    }
+    if (peer < kNumRanks && peer != rank)
+        exchange_epoch(peer_bases, kLBCtrlOffset + kLBDoneOffset, rank, peer, epoch, timeout_ns, sink, kPhaseLB, 1);
 }
 
 __device__ __forceinline__ uint32_t lanemask_lt() {

@@ -8,9 +8,8 @@
 // p's buffer. The 16-byte vectors of all chunks form one index space that the grid walks with a grid stride, so every
 // peer gets threads in proportion to its bytes; each thread keeps kPeerCopyUnroll loads in flight before it stores.
 //
-// Control words: workspace bytes [16384, 20480) of every rank's symmetric buffer are reserved for this kernel
-// (barrier.cu uses [0, 4096) and [4096, 8192), timeout.cuh's claim word sits at 512, common/ep.cuh's control area at
-// 8192 and its notify counts at 65536). uint32 words, epochs that only grow, nothing is ever cleared:
+// Control words: the workspace region kWsPeerCopyOffset (common/workspace.cuh) of every rank's symmetric buffer is
+// reserved for this kernel. uint32 words, epochs that only grow, nothing is ever cleared:
 //   [0]              epoch: peer copies this rank has run; written only by the last block of this rank's kernel
 //   [1]              ticket of last_block_done (local; reset by the last block)
 //   arrive[src]      at byte +128: the last epoch in which rank `src` finished writing its chunk into this rank's
@@ -25,8 +24,8 @@
 
 namespace deepep {
 
-constexpr uint64_t kPeerCopyCtrlOffset = 16384;
-constexpr uint64_t kPeerCopyCtrlBytes = 4096;
+constexpr uint64_t kPeerCopyCtrlOffset = kWsPeerCopyOffset;     // common/workspace.cuh
+constexpr uint64_t kPeerCopyCtrlBytes = kWsPeerCopyBytes;
 constexpr int kPeerCopyEpoch = 0, kPeerCopyTicket = 1;
 constexpr int kPeerCopyArriveOffset = 128;
 constexpr int kPeerCopyThreads = 512;
@@ -56,27 +55,16 @@ peer_copy_kernel(const uint8_t* src, const int64_t* send_bytes, const uint64_t* 
 
     const int64_t num_vectors = s_psum[kNumRanks];
     const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kPeerCopyThreads;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kPeerCopyThreads + threadIdx.x; base < num_vectors;
-         base += num_threads * kPeerCopyUnroll) {
-        Vec16 v[kPeerCopyUnroll];
-        #pragma unroll
-        for (int u = 0; u < kPeerCopyUnroll; ++u) {
-            const int64_t i = base + u * num_threads;
-            if (i < num_vectors)
-                v[u] = ld_nc_v4(src + i * 16);
-        }
-        #pragma unroll
-        for (int u = 0; u < kPeerCopyUnroll; ++u) {
-            const int64_t i = base + u * num_threads;
-            if (i < num_vectors) {
-                int p = 0;
-                #pragma unroll
-                for (int q = 1; q < kNumRanks; ++q)
-                    p = i >= s_psum[q] ? q : p;
-                st_na_v4(s_dst[p] + (i - s_psum[p]) * 16, v[u]);
-            }
-        }
-    }
+    grid_stride_copy<kPeerCopyUnroll>(
+        num_vectors, static_cast<int64_t>(blockIdx.x) * kPeerCopyThreads + threadIdx.x, num_threads,
+        [&](int64_t i) { return ld_nc_v4(src + i * 16); },
+        [&](int64_t i, const Vec16& v) {
+            int p = 0;      // the peer whose chunk holds vector i
+            #pragma unroll
+            for (int q = 1; q < kNumRanks; ++q)
+                p = i >= s_psum[q] ? q : p;
+            st_na_v4(s_dst[p] + (i - s_psum[p]) * 16, v);
+        });
 
     auto* ctrl = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(peer_bases[rank]) + kPeerCopyCtrlOffset);
     if (!last_block_done(ctrl + kPeerCopyTicket))
@@ -91,10 +79,9 @@ peer_copy_kernel(const uint8_t* src, const int64_t* send_bytes, const uint64_t* 
     if (peer < kNumRanks && peer != rank) {
         auto* arrive = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(peer_bases[peer]) + kPeerCopyCtrlOffset +
                                                    kPeerCopyArriveOffset);
-        st_release_sys(arrive + rank, e);
         const auto* mine = reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(ctrl) +
-                                                             kPeerCopyArriveOffset) + peer;
-        wait_epoch(mine, e, timeout_ns, make_error_sink(peer_bases, rank, error_record), kPhasePeerCopy, rank, peer);
+                                                             kPeerCopyArriveOffset);
+        exchange_epoch(arrive, mine, rank, peer, e, timeout_ns, peer_bases, error_record, kPhasePeerCopy);
     }
 }
 

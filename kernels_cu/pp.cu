@@ -6,7 +6,8 @@
 //   is 0 for X's previous rank, 1 for its next rank; with 2 ranks previous == next and only k = 0 is used. The
 //   sender pushes the tensor bytes straight into its slot over NVLink; the receiver copies them out locally.
 //
-// Control words: workspace bytes [20480, 24576) of every rank (uint32, zero at allocation, never cleared):
+// Control words: the workspace region kWsPPOffset (common/workspace.cuh) of every rank (uint32, zero at allocation,
+// never cleared):
 //   local, written only by this rank's kernels (stream-ordered on the buffer's communication stream):
 //     [0] send ticket, [1] recv ticket              last_block_done counters (reset by the last block)
 //     [4 + k]  num_sent[k]     messages this rank has sent to neighbour k (epoch, wraps mod 2^32)
@@ -36,8 +37,8 @@
 
 namespace deepep {
 
-constexpr uint64_t kPPCtrlOffset = 20480;
-constexpr uint64_t kPPCtrlBytes = 4096;
+constexpr uint64_t kPPCtrlOffset = kWsPPOffset;     // common/workspace.cuh
+constexpr uint64_t kPPCtrlBytes = kWsPPBytes;
 constexpr int kPPSendTicket = 0, kPPRecvTicket = 1;
 constexpr int kPPNumSent = 4, kPPNumRecv = 8, kPPSendCursor = 12, kPPRecvCursor = 16;
 constexpr int kPPSentFrom = 32, kPPConsumedBy = 64;
@@ -64,22 +65,10 @@ template <bool kNonCoherentSrc>
 __device__ __forceinline__ void pp_grid_copy(uint8_t* dst, const uint8_t* src, uint64_t num_bytes) {
     const int64_t num_vectors = static_cast<int64_t>(num_bytes / 16);
     const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kPPThreads;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kPPThreads + threadIdx.x; base < num_vectors;
-         base += num_threads * kPPUnroll) {
-        Vec16 v[kPPUnroll];
-        #pragma unroll
-        for (int u = 0; u < kPPUnroll; ++u) {
-            const int64_t i = base + u * num_threads;
-            if (i < num_vectors)
-                v[u] = kNonCoherentSrc ? ld_nc_v4(src + i * 16) : ld_v4(src + i * 16);
-        }
-        #pragma unroll
-        for (int u = 0; u < kPPUnroll; ++u) {
-            const int64_t i = base + u * num_threads;
-            if (i < num_vectors)
-                st_na_v4(dst + i * 16, v[u]);
-        }
-    }
+    grid_stride_copy<kPPUnroll>(
+        num_vectors, static_cast<int64_t>(blockIdx.x) * kPPThreads + threadIdx.x, num_threads,
+        [&](int64_t i) { return kNonCoherentSrc ? ld_nc_v4(src + i * 16) : ld_v4(src + i * 16); },
+        [&](int64_t i, const Vec16& v) { st_na_v4(dst + i * 16, v); });
     const uint64_t tail = static_cast<uint64_t>(num_vectors) * 16;
     if (blockIdx.x == gridDim.x - 1 && tail + threadIdx.x < num_bytes)
         dst[tail + threadIdx.x] = src[tail + threadIdx.x];

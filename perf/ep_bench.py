@@ -7,8 +7,8 @@ Paths per case (tokens x {bf16, fp8} x num_sms; hidden 7168, top-8, 256 experts,
   ours  `ElasticBuffer.dispatch` (do_cpu_sync=True) and `combine` (input: recv_x converted to bfloat16)
   refs  `deepep_cupy.utils.refs.dispatch` / `combine_nccl` (NCCL all_to_all_single + index ops, what users write)
   a2a   one raw NCCL all_to_all_single of exactly the cross-GPU bytes of the case
-  floor the peer-copy kernel (`deepep_cupy.peer_copy`) moving exactly the cross-GPU bytes, with the same SM count as
-        ours (/floor) and with every SM of the GPU (/flall)
+  floor the peer-copy kernel (`deepep_cupy.features.peer_copy`) moving exactly the cross-GPU bytes, with the same SM
+        count as ours (/floor) and with every SM of the GPU (/flall)
 Bytes (`deepep_cupy.utils.bench_bytes`): dispatch token = hidden*itemsize + 4*num_sf + 12*num_topk (hidden, scales,
 int64 ids, float32 weights); combine token = 2*hidden. GB/s = DeepEP's logical bytes (rows received by dispatch /
 sent back by combine, own rows included) / time; link GB/s = bytes this rank sends to peers / time. Time = the
@@ -200,7 +200,7 @@ def bench_decode(group, args, timeout):
     """Decode-size calls replayed from CUDA graphs: µs per dispatch replay and per combine replay."""
     import torch
 
-    from deepep_cupy.ep.buffer import ElasticBuffer
+    from deepep_cupy import ElasticBuffer
     from deepep_cupy.utils.math import per_token_cast_to_fp8
     T = args.decode_tokens
     buf = ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=args.hidden, num_topk=args.num_topk,
@@ -349,8 +349,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from deepep_cupy.ep.buffer import ElasticBuffer
-    from deepep_cupy.peer_copy import PeerCopy
+    from deepep_cupy import ElasticBuffer
+    from deepep_cupy.features.peer_copy import PeerCopy
     from deepep_cupy.runtime.nccl import create_nccl_comm
     from deepep_cupy.utils import bench_bytes
     from deepep_cupy.utils.envs import init_dist

@@ -132,7 +132,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from deepep_cupy.ep.buffer import ElasticBuffer
+    from deepep_cupy import ElasticBuffer
+    from deepep_cupy.features.ep.feature import EP
     from deepep_cupy.utils.envs import init_dist
     from deepep_cupy.utils.math import per_token_cast_to_fp8
     rank, num_ranks, group = init_dist(seed=0)
@@ -140,8 +141,8 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in args.tokens.split(',')]
     timer = LineTimer()
     if args.lines:
-        for name in ('dispatch', 'combine', '_streams', '_finish'):
-            setattr(ElasticBuffer, name, timer.instrument(getattr(ElasticBuffer, name), name))
+        for name in ('dispatch', '_launch_dispatch', 'combine'):
+            setattr(EP, name, timer.instrument(getattr(EP, name), name))
     buf = ElasticBuffer(group, num_max_tokens_per_rank=max(tokens), hidden=args.hidden, num_topk=args.num_topk,
                         num_gpu_timeout_secs=30, explicitly_destroy=True)
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from deepep_cupy.ep.buffer import ElasticBuffer
+from deepep_cupy import ElasticBuffer
 from deepep_cupy.utils.envs import init_dist
 
 

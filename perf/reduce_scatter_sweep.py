@@ -4,7 +4,7 @@ then the host time of one call (what bounds small reductions).
 
     mpirun -np 2 python perf/reduce_scatter_sweep.py [--sizes-mib 16,64] [--num-tests 20]
 
-Prints one line per configuration on rank 0 (the slowest rank's time). The defaults of `deepep_cupy.agrs`
+Prints one line per configuration on rank 0 (the slowest rank's time). The defaults of `deepep_cupy.features.agrs`
 (`DEFAULT_REDUCE_SMS`, `SENDER_SHARE`, `CHUNK_MAX_ELEMS`) come from this sweep.
 """
 import argparse
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from deepep_cupy import agrs
-from deepep_cupy.agrs import AGRSMixin
+from deepep_cupy import ElasticBuffer
+from deepep_cupy.features.agrs import plan as agrs  # reduce_layout reads SENDER_SHARE / CHUNK_MAX_ELEMS here
 from deepep_cupy.runtime.nccl import create_nccl_comm
 from deepep_cupy.tests.allocation import make_buffer
 from deepep_cupy.utils.envs import init_dist
@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     worst = lambda t: max(group.allgather_object(t))     # noqa: E731
     sizes = [int(s) * MiB for s in args.sizes_mib.split(',')]
-    reduce_bytes = AGRSMixin.get_agrs_reduce_num_bytes(group, max(sizes) // 4, 'all_reduce')
-    buf = make_buffer(group, AGRSMixin.get_agrs_buffer_size_hint(group, 0, reduce_bytes))
+    reduce_bytes = ElasticBuffer.get_agrs_reduce_num_bytes(group, max(sizes) // 4, 'all_reduce')
+    buf = make_buffer(group, ElasticBuffer.get_agrs_buffer_size_hint(group, 0, reduce_bytes))
     nccl = create_nccl_comm(group)
     defaults = agrs.SENDER_SHARE, agrs.CHUNK_MAX_ELEMS
     try:

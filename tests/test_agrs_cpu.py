@@ -7,43 +7,49 @@ stress-op generator keeps its invariants, and the buffer methods validate argume
 import random
 import re
 
+import fakes as buffer_fakes
 import numpy as np
 import pytest
 
-from deepep_cupy import agrs
+from deepep_cupy import ElasticBuffer
+from deepep_cupy.buffers import elastic
+from deepep_cupy.features.agrs import feature as agrs_feature
+from deepep_cupy.features.agrs import kernels as agrs_kernels
+from deepep_cupy.features.agrs import plan as agrs_plan
+from deepep_cupy.features.agrs import reference as agrs_reference
 from deepep_cupy.jit import compiler, launch
-from deepep_cupy.runtime import interop
+from deepep_cupy.runtime import interop, streams, workspace
 from deepep_cupy.runtime.group import ProcessGroup
+from deepep_cupy.runtime.group_size import group_size
 
 MiB = 1 << 20
 
 
 # ---- kernels ---------------------------------------------------------------------------------------------------------
-def test_agrs_family_compiles_for_sm90():
-    specs = agrs.shipped_specs()['agrs']
+def test_agrs_family_specialisations():
+    # Compiled for sm_90 with every other shipped specialisation (tests/test_jit.py).
+    specs = agrs_kernels.shipped_specs()['agrs']
     assert len(specs) == 6 * 8 and len({s.name for s in specs}) == len(specs)
-    module = compiler.compile_cubin('agrs', [s.name for s in specs], arch='90', use_cache=False)
-    assert module.cubin[:4] == b'\x7fELF' and set(module.lowered) == {s.name for s in specs}
 
 
 def test_agrs_launch_declarations_match_kernel_signatures():
     # The signature probe of test_peer_copy.py: NVRTC static_asserts of each parameter's kind against the kernel.
     from test_peer_copy import compile_probe
-    compile_probe('agrs', agrs.shipped_specs()['agrs'])
+    compile_probe('agrs', agrs_kernels.shipped_specs()['agrs'])
 
 
 def test_control_words_and_constants_match_the_kernel():
     source = (compiler.kernels_dir() / 'agrs.cu').read_text()
-    for name, value in (('kAgrsCtrlOffset', agrs.CTRL_OFFSET), ('kAgrsCtrlBytes', agrs.CTRL_BYTES),
-                        ('kAgrsThreads', agrs.THREADS), ('kAgrsGatherUnroll', agrs.GATHER_UNROLL),
-                        ('kAgrsMetaSlots', agrs.MAX_GATHERS_PER_SESSION), ('kAgrsMaxSenders', agrs.MAX_SENDERS)):
+    for name, value in (('kAgrsThreads', agrs_kernels.THREADS), ('kAgrsGatherUnroll', agrs_kernels.GATHER_UNROLL),
+                        ('kAgrsMetaSlots', agrs_kernels.MAX_GATHERS_PER_SESSION),
+                        ('kAgrsMaxSenders', agrs_kernels.MAX_SENDERS)):
         assert re.search(rf'\b{name} = {value};', source), name
-    for aux, _ in agrs.AUX_NAMES.items():
+    for aux, _ in agrs_kernels.AUX_NAMES.items():
         assert re.search(rf'kAgrsAux\w+ = {aux}\b', source)
-    # The workspace range assigned to this feature (buffer_base.py's map): [24576, 28672).
-    base = (compiler.kernels_dir().parent / 'deepep_cupy' / 'buffer_base.py').read_text()
-    assert re.search(r'24576\s+all-gather / reduce-scatter sessions\s+kernels_cu/agrs.cu', base)
-    assert agrs.CTRL_OFFSET == 24576 and agrs.CTRL_OFFSET + agrs.CTRL_BYTES <= 28672
+    # The workspace range assigned to this feature (common/workspace.cuh's map): [24576, 28672).
+    assert re.search(r'kAgrsCtrlOffset = kWsAgrsOffset;', source)
+    assert re.search(r'kAgrsCtrlBytes = kWsAgrsBytes;', source)
+    assert (agrs_kernels.CTRL_OFFSET, agrs_kernels.CTRL_BYTES) == workspace.AGRS == (24576, 4096)
 
 
 # ---- size hints --------------------------------------------------------------------------------------------------
@@ -58,20 +64,20 @@ def test_session_bytes_hint_follows_deepep():
     torch = pytest.importorskip('torch')
     shape = (32, 64, 2048)
     for group, r in ((_Group(0, 2), 2), (8, 8), (_Group(0, 3), 3)):
-        got = agrs.AGRSMixin.get_agrs_num_max_session_bytes(group, [shape] * 4, torch.bfloat16)
+        got = ElasticBuffer.get_agrs_num_max_session_bytes(group, [shape] * 4, torch.bfloat16)
         assert got == 4 * r * 32 * 64 * 2048 * 2
     # Each region is aligned to 32 bytes on its own.
-    assert agrs.AGRSMixin.get_agrs_num_max_session_bytes(3, [(3,), (5, 1)], torch.bfloat16) == 32 + 32
-    assert agrs.AGRSMixin.get_agrs_num_max_session_bytes(3, [(3,), (5, 1)], np.float32) == 64 + 64
-    assert agrs.AGRSMixin.get_agrs_num_max_session_bytes(2, [(7,)], 'bfloat16') == 32
-    assert agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 1) == 2 * MiB
-    assert agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 2 * MiB) == 2 * MiB
-    assert agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 2 * MiB + 1, 8) == 4 * MiB
-    assert agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 2 * MiB - 4096, 4096) == 2 * MiB
+    assert ElasticBuffer.get_agrs_num_max_session_bytes(3, [(3,), (5, 1)], torch.bfloat16) == 32 + 32
+    assert ElasticBuffer.get_agrs_num_max_session_bytes(3, [(3,), (5, 1)], np.float32) == 64 + 64
+    assert ElasticBuffer.get_agrs_num_max_session_bytes(2, [(7,)], 'bfloat16') == 32
+    assert ElasticBuffer.get_agrs_buffer_size_hint(2, 1) == 2 * MiB
+    assert ElasticBuffer.get_agrs_buffer_size_hint(2, 2 * MiB) == 2 * MiB
+    assert ElasticBuffer.get_agrs_buffer_size_hint(2, 2 * MiB + 1, 8) == 4 * MiB
+    assert ElasticBuffer.get_agrs_buffer_size_hint(2, 2 * MiB - 4096, 4096) == 2 * MiB
     with pytest.raises(ValueError):
-        agrs.AGRSMixin.get_agrs_num_max_session_bytes(2, [], torch.bfloat16)
+        ElasticBuffer.get_agrs_num_max_session_bytes(2, [], torch.bfloat16)
     with pytest.raises(TypeError):
-        agrs.AGRSMixin.get_agrs_buffer_size_hint(2, 1.5)
+        ElasticBuffer.get_agrs_buffer_size_hint(2, 1.5)
 
 
 def test_group_size_forms():
@@ -82,26 +88,26 @@ def test_group_size_forms():
     class MpiLike:
         def Get_size(self):
             return 5
-    assert agrs.group_size(6) == 6 and agrs.group_size(_Group(0, 3)) == 3
-    assert agrs.group_size(TorchLike()) == 4 and agrs.group_size(MpiLike()) == 5
+    assert group_size(6) == 6 and group_size(_Group(0, 3)) == 3
+    assert group_size(TorchLike()) == 4 and group_size(MpiLike()) == 5
 
 
 def test_reduce_bytes_hint_covers_the_layouts():
     for r in (1, 2, 3, 8):
         for n in (8, 1000, 123457, 1 << 22):
-            ar = agrs.AGRSMixin.get_agrs_reduce_num_bytes(r, n)
-            shard = agrs.all_reduce_shard_elems(r, n)
-            assert ar == agrs.reduce_layout(r, n, shard, 4, True, 48).num_bytes >= 2 * n * 4 - 1
-            rs = agrs.AGRSMixin.get_agrs_reduce_num_bytes(r, r * 8 * n, 'reduce_scatter')
-            assert rs == agrs.reduce_layout(r, r * 8 * n, 8 * n, 4, False, 48).num_bytes
-            assert agrs.AGRSMixin.get_agrs_reduce_num_bytes(r, r * 8 * n, 'reduce_scatter', 'bf16') <= rs // 2 + 32 * r
+            ar = ElasticBuffer.get_agrs_reduce_num_bytes(r, n)
+            shard = agrs_plan.all_reduce_shard_elems(r, n)
+            assert ar == agrs_plan.reduce_layout(r, n, shard, 4, True, 48).num_bytes >= 2 * n * 4 - 1
+            rs = ElasticBuffer.get_agrs_reduce_num_bytes(r, r * 8 * n, 'reduce_scatter')
+            assert rs == agrs_plan.reduce_layout(r, r * 8 * n, 8 * n, 4, False, 48).num_bytes
+            assert ElasticBuffer.get_agrs_reduce_num_bytes(r, r * 8 * n, 'reduce_scatter', 'bf16') <= rs // 2 + 32 * r
     with pytest.raises(ValueError):
-        agrs.AGRSMixin.get_agrs_reduce_num_bytes(2, 8, 'gather')
+        ElasticBuffer.get_agrs_reduce_num_bytes(2, 8, 'gather')
 
 
 # ---- session bookkeeping -------------------------------------------------------------------------------------------
 def test_session_plan_reserves_regions_in_order():
-    plan = agrs.SessionPlan(3, 1000, 3)
+    plan = agrs_plan.SessionPlan(3, 1000, 3)
     with pytest.raises(RuntimeError):
         plan.peek([8])
     plan.open()
@@ -127,23 +133,23 @@ def test_session_plan_reserves_regions_in_order():
 
 
 def test_gather_meta_tells_disagreeing_ranks_apart():
-    a, b = agrs.SessionPlan(2, 1 << 20, 32), agrs.SessionPlan(2, 1 << 20, 32)
+    a, b = agrs_plan.SessionPlan(2, 1 << 20, 32), agrs_plan.SessionPlan(2, 1 << 20, 32)
     a.open()
     b.open()
-    assert agrs.gather_meta(a.reserve([4096])[-1].end) != agrs.gather_meta(b.reserve([8192])[-1].end)
+    assert agrs_plan.gather_meta(a.reserve([4096])[-1].end) != agrs_plan.gather_meta(b.reserve([8192])[-1].end)
     # One batched call of two tensors versus two calls: the first epochs' metas differ.
-    a, b = agrs.SessionPlan(2, 1 << 20, 32), agrs.SessionPlan(2, 1 << 20, 32)
+    a, b = agrs_plan.SessionPlan(2, 1 << 20, 32), agrs_plan.SessionPlan(2, 1 << 20, 32)
     a.open()
     b.open()
-    assert agrs.gather_meta(a.reserve([64, 64])[-1].end) != agrs.gather_meta(b.reserve([64])[-1].end)
+    assert agrs_plan.gather_meta(a.reserve([64, 64])[-1].end) != agrs_plan.gather_meta(b.reserve([64])[-1].end)
 
 
 def test_gather_grid():
-    assert agrs.gather_grid(0, True, 32) == 1
-    assert agrs.gather_grid(16, True, 32) == 1
-    assert agrs.gather_grid(agrs.THREADS * agrs.GATHER_UNROLL * 16 * 5, True, 32) == 5
-    assert agrs.gather_grid(64 * MiB, True, 32) == 32
-    assert agrs.gather_grid(agrs.THREADS * 3, False, 32) == 3
+    assert agrs_plan.gather_grid(0, True, 32) == 1
+    assert agrs_plan.gather_grid(16, True, 32) == 1
+    assert agrs_plan.gather_grid(agrs_kernels.THREADS * agrs_kernels.GATHER_UNROLL * 16 * 5, True, 32) == 5
+    assert agrs_plan.gather_grid(64 * MiB, True, 32) == 32
+    assert agrs_plan.gather_grid(agrs_kernels.THREADS * 3, False, 32) == 3
 
 
 @pytest.mark.parametrize('num_ranks', [1, 2, 3, 8])
@@ -151,12 +157,12 @@ def test_gather_grid():
 @pytest.mark.parametrize('num_sms', [2, 3, 48, 132])
 def test_reduce_layout_covers_every_shard(num_ranks, shard, num_sms):
     for stage in (2, 4):
-        lay = agrs.reduce_layout(num_ranks, num_ranks * shard, shard, stage, stage == 4, num_sms)
-        assert lay.chunk_elems % agrs.GROUP_ELEMS == 0 and lay.chunk_elems >= agrs.CHUNK_MIN_ELEMS
-        assert 1 <= lay.num_senders <= agrs.MAX_SENDERS and lay.num_reducers >= 1
+        lay = agrs_plan.reduce_layout(num_ranks, num_ranks * shard, shard, stage, stage == 4, num_sms)
+        assert lay.chunk_elems % agrs_kernels.GROUP_ELEMS == 0 and lay.chunk_elems >= agrs_kernels.CHUNK_MIN_ELEMS
+        assert 1 <= lay.num_senders <= agrs_kernels.MAX_SENDERS and lay.num_reducers >= 1
         assert lay.num_senders + lay.num_reducers <= max(num_sms, 2)
         num_chunks = -(-shard // lay.chunk_elems)
-        assert num_chunks <= max(1, lay.num_senders) * agrs.MAX_ROUNDS
+        assert num_chunks <= max(1, lay.num_senders) * agrs_kernels.MAX_ROUNDS
         assert lay.slot_bytes % 32 == 0 and lay.slot_bytes >= shard * stage
         assert lay.gather_offset % 32 == 0 and lay.gather_slot_bytes % 32 == 0
         assert lay.num_bytes == num_ranks * (lay.slot_bytes + lay.gather_slot_bytes)
@@ -167,7 +173,7 @@ def test_reduce_layout_covers_every_shard(num_ranks, shard, num_sms):
 def test_all_reduce_shards_cover_any_size():
     for r in (1, 2, 3, 8):
         for n in (1, 7, 8, 9, 100, 12345):
-            c = agrs.all_reduce_shard_elems(r, n)
+            c = agrs_plan.all_reduce_shard_elems(r, n)
             assert c % 8 == 0 and r * c >= n and (r - 1) * c < n + 8 * r
 
 
@@ -181,10 +187,10 @@ def test_bf16_rounding_matches_torch():
                         # exact ties between two bfloat16 values: nearest even wins
                         (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32)])
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(agrs.f32_to_bf16_bits(x), want)
-    assert agrs.f32_to_bf16_bits(np.array([np.nan], dtype=np.float32))[0] == 0x7FFF
-    assert np.array_equal(agrs.bf16_bits_to_f32(want), torch.from_numpy(want.view(np.int16)).view(torch.bfloat16)
-                          .float().numpy())
+    assert np.array_equal(agrs_reference.f32_to_bf16_bits(x), want)
+    assert agrs_reference.f32_to_bf16_bits(np.array([np.nan], dtype=np.float32))[0] == 0x7FFF
+    assert np.array_equal(agrs_reference.bf16_bits_to_f32(want),
+                          torch.from_numpy(want.view(np.int16)).view(torch.bfloat16).float().numpy())
 
 
 def _ordered_sum(values, scale):
@@ -199,31 +205,31 @@ def test_reduce_scatter_reference_sums_in_rank_order():
     num_ranks, n = 4, 16
     inputs = [rng.standard_normal(num_ranks * n).astype(np.float32) * 10 ** rng.integers(-3, 8) for _ in range(4)]
     for rank in range(num_ranks):
-        got = agrs.reduce_scatter_reference(inputs, rank, 'fp32', 0.5)
+        got = agrs_reference.reduce_scatter_reference(inputs, rank, 'fp32', 0.5)
         assert got.dtype == np.float32 and got.shape == (n,)
         for i in range(n):
             assert got[i] == _ordered_sum([x[rank * n + i] for x in inputs], 0.5)
     # Order matters in FP32, and the reference keeps rank order: (1e8 + 1) - 1e8 = 0, not 1.
     cancel = [np.array([v] * 3, dtype=np.float32) for v in (1e8, 1.0, -1e8)]
-    assert agrs.reduce_scatter_reference(cancel, 0)[0] == 0.0
-    assert agrs.all_reduce_reference([cancel[0], cancel[2], cancel[1]])[0] == 1.0
+    assert agrs_reference.reduce_scatter_reference(cancel, 0)[0] == 0.0
+    assert agrs_reference.all_reduce_reference([cancel[0], cancel[2], cancel[1]])[0] == 1.0
 
 
 def test_reduce_references_bf16_paths():
     rng = np.random.default_rng(2)
     num_ranks, n = 3, 8
     fp32 = [rng.standard_normal(num_ranks * n).astype(np.float32) for _ in range(num_ranks)]
-    got = agrs.reduce_scatter_reference(fp32, 1, 'bf16', 2.0)
-    rounded = [agrs.bf16_bits_to_f32(agrs.f32_to_bf16_bits(x)) for x in fp32]
+    got = agrs_reference.reduce_scatter_reference(fp32, 1, 'bf16', 2.0)
+    rounded = [agrs_reference.bf16_bits_to_f32(agrs_reference.f32_to_bf16_bits(x)) for x in fp32]
     assert got.dtype == np.float32
     assert np.array_equal(got, np.array([_ordered_sum([x[n + i] for x in rounded], 2.0) for i in range(n)]))
-    bf16 = [agrs.f32_to_bf16_bits(x) for x in fp32]
-    got = agrs.reduce_scatter_reference(bf16, 2, 'fp32', 1.0)       # bf16 inputs travel as bf16, come back bf16
+    bf16 = [agrs_reference.f32_to_bf16_bits(x) for x in fp32]
+    got = agrs_reference.reduce_scatter_reference(bf16, 2, 'fp32', 1.0)    # bf16 inputs travel as bf16, come back bf16
     assert got.dtype == np.uint16
-    want = [_ordered_sum([agrs.bf16_bits_to_f32(x)[2 * n + i] for x in bf16], 1.0) for i in range(n)]
-    assert np.array_equal(got, agrs.f32_to_bf16_bits(np.array(want, dtype=np.float32)))
+    want = [_ordered_sum([agrs_reference.bf16_bits_to_f32(x)[2 * n + i] for x in bf16], 1.0) for i in range(n)]
+    assert np.array_equal(got, agrs_reference.f32_to_bf16_bits(np.array(want, dtype=np.float32)))
     x = [rng.standard_normal(13).astype(np.float32) for _ in range(num_ranks)]
-    assert np.array_equal(agrs.all_reduce_reference(x, 0.25),
+    assert np.array_equal(agrs_reference.all_reduce_reference(x, 0.25),
                           np.array([_ordered_sum([v[i] for v in x], 0.25) for i in range(13)]))
 
 
@@ -261,7 +267,7 @@ def test_stress_ops_invariants(seed):
             reductions.add(op[1])
             p = op[2]
             if p['kind'] == 'rs':
-                assert p['num_elems'] % (4 * 8) == 0 and p['comm_precision'] in agrs.COMM_PRECISIONS
+                assert p['num_elems'] % (4 * 8) == 0 and p['comm_precision'] in agrs_kernels.COMM_PRECISIONS
         else:
             assert op[1] in reductions and op[1] not in waited
             waited.append(op[1])
@@ -271,58 +277,35 @@ def test_stress_ops_invariants(seed):
 
 
 # ---- the buffer methods, with fakes for the GPU ----------------------------------------------------------------
-class _FakeKernel:
-    def __init__(self, spec, log):
-        self.spec, self.log = spec, log
+class _FakeKernel(buffer_fakes.RecordingKernel):
+    """Launched by name; checks the arguments against the declaration and logs (name, grid, block, arguments by
+    name, stream, cooperative)."""
 
-    def launch(self, grid, block, args, stream=None, shared_mem=0, cooperative=False):
+    def _launch(self, grid, block, args, stream, shared_mem, cooperative):
         launch.pack_args(self.spec, args)       # count and kinds must match the declaration
-        self.log.append((self.spec.name.split('<')[0].split('::')[1], grid, block, dict(
-            zip([p.name for p in self.spec.params], args)), stream, cooperative))
+        self.log.append((self.spec.name.split('<')[0].split('::')[1], grid, block,
+                         dict(zip(self.spec.param_names, args)), stream, cooperative))
 
 
-class _FakeStream:
-    def __init__(self, name):
-        self.name, self.ptr, self.waits = name, id(self), 0
-
-    def record(self):
-        return object()
-
-    def wait_event(self, event):
-        self.waits += 1
+_FakeStream = buffer_fakes.FakeStream
+_FakeEvent = buffer_fakes.FakeEvent
+_FakeEventHandle = buffer_fakes.FakeEventHandle
 
 
-class _FakeEvent:
-    def record(self, stream=None):
-        pass
+class _FakeAGRS(agrs_feature.AGRS):
+    """The feature with fake kernels that check their arguments, and views as descriptions."""
 
-
-class _FakeState:
-    """_AGRSState without CUDA: fake kernels that check their arguments, views as descriptions."""
-
-    def __init__(self, buf):
-        n = buf.num_scaleup_ranks
+    def load_kernels(self, n):
         self.log = []
-        self.kernels = {'gather': _FakeKernel(agrs.gather_spec(n), self.log),
-                        'wait': _FakeKernel(agrs.wait_spec(n), self.log),
-                        'unpack': _FakeKernel(agrs.unpack_spec(n), self.log)}
-        for i, s in agrs.REDUCE_VARIANTS:
-            self.kernels[('reduce', i, s)] = _FakeKernel(agrs.reduce_spec(n, i, s), self.log)
-        self.plan, self.session_capacity, self.session_idx = None, 0, 0
-        self.gather_epoch = self.reduce_epoch = 0
-        self.num_sms = 32
-        self.data_base = buf.sym.base + buf.data_offset
-        self.order_event = _FakeEvent()
+        kernels = {'gather': _FakeKernel(agrs_kernels.gather_spec(n), self.log),
+                   'wait': _FakeKernel(agrs_kernels.wait_spec(n), self.log),
+                   'unpack': _FakeKernel(agrs_kernels.unpack_spec(n), self.log)}
+        for i, s in agrs_kernels.REDUCE_VARIANTS:
+            kernels[('reduce', i, s)] = _FakeKernel(agrs_kernels.reduce_spec(n, i, s), self.log)
+        return kernels
 
     def view(self, kind, offset, num_bytes, dtype_name, shape):
         return ('view', kind, offset, num_bytes, dtype_name, shape)
-
-
-class _FakeSym:
-    base, peer_bases_ptr = 0x7000_0000_0000, 0x1000
-
-    def __init__(self, rank):
-        self.local_idx = rank
 
 
 class _FakeArray:
@@ -338,17 +321,6 @@ class _FakeArray:
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * size
 
 
-class _FakeEventHandle:
-    def __init__(self, stream=None):
-        self.stream = stream
-
-    def stream_wait(self, stream):
-        stream.wait_event(self)
-
-    def current_stream_wait(self, like=None):
-        interop.current_stream(like).wait_event(self)
-
-
 class _FakeAllocator:
     def __init__(self, kind):
         self.kind = kind
@@ -357,42 +329,33 @@ class _FakeAllocator:
         return _FakeArray(shape, dtype)
 
 
-class _Buf(agrs.AGRSMixin):
-    def __init__(self, num_ranks=2, rank=0, num_bytes=64 * MiB):
-        self.num_ranks = self.num_scaleup_ranks = num_ranks
-        self.num_scaleout_ranks, self.rank_idx, self.device = 1, rank, 0
-        self.num_bytes, self.data_offset, self.num_device_sms = num_bytes, 2 * MiB, 132
-        self.sym, self.group = _FakeSym(rank), _Group(rank, num_ranks)
-        self.comm_stream = _FakeStream('comm')
-        self.host_mapped = type('HM', (), {'ptr': 0x2000})()
-        self.timeout_ns, self.num_cpu_timeout_secs = 10 ** 9, 10.0
-        self._failed, self._destroyed = None, False
-        self.barriers, self.claimed = 0, []
+def _Buf(num_ranks=2, rank=0, num_bytes=64 * MiB):
+    """An `ElasticBuffer` without a GPU (tests/fakes.py) on device 0, counting claims and barriers."""
+    buf = buffer_fakes.make_buffer(num_ranks, rank, num_bytes, device=0, group=_Group(rank, num_ranks),
+                                   num_gpu_timeout_secs=1.0)
+    buf.barriers, buf.claimed = 0, []
 
-    def check_usable(self):
-        pass
-
-    def claim_data_region(self, owner):
-        self.claimed.append(owner)
-
-    def barrier(self, use_comm_stream=True, with_cpu_sync=False):
-        self.barriers += 1
+    def barrier(use_comm_stream=True, with_cpu_sync=False, sequential=True):
+        buf.barriers += 1
+    buf.claim_data_region = buf.claimed.append
+    buf.barrier = barrier
+    return buf
 
 
 @pytest.fixture()
 def fakes(monkeypatch):
-    from deepep_cupy.ep import checks
-    from deepep_cupy.runtime import event
+    from deepep_cupy.runtime import checks, event
     current = _FakeStream('current')
     real_info = interop.tensor_info
 
     def fake_info(x, name='tensor'):
         return x.info if isinstance(x, _FakeArray) else real_info(x, name)
-    monkeypatch.setattr(agrs, '_AGRSState', _FakeState)
+    monkeypatch.setattr(elastic, 'AGRS', _FakeAGRS)
     monkeypatch.setattr(checks, 'tensor_info', fake_info)
     monkeypatch.setattr(interop, 'tensor_info', fake_info)
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
     monkeypatch.setattr(interop, 'Allocator', _FakeAllocator)
+    monkeypatch.setattr(streams, 'EventHandle', _FakeEventHandle)
     monkeypatch.setattr(event, 'EventHandle', _FakeEventHandle)
     return current
 
@@ -505,7 +468,7 @@ def test_reduce_scatter_checks_and_launch(fakes):
     event = buf.reduce_scatter(x, comm_precision='bf16', scale=0.5)
     (r,) = st.log
     assert r[0] == 'agrs_reduce_kernel' and r[5] and r[4] is buf.comm_stream
-    assert launch.pack_args(agrs.reduce_spec(4, False, True), list(r[3].values()))     # the bf16-staging variant
+    assert launch.pack_args(agrs_kernels.reduce_spec(4, False, True), list(r[3].values()))   # bf16-staging variant
     a = r[3]
     assert (a['num_elems'], a['shard_elems'], a['scale'], a['epoch'], a['is_all_reduce']) == (4096, 1024, 0.5, 1, 0)
     assert a['recv_offset'] == buf.data_offset + 2 * MiB and a['slot_bytes'] == 2048 and a['rank'] == 3
@@ -537,13 +500,13 @@ def test_reduce_scatter_with_previous_event_allocates_on_the_comm_stream(fakes, 
 
 def test_all_reduce_launches_reduce_then_unpack(fakes):
     buf = _Buf(num_ranks=3, rank=1, num_bytes=4 * MiB)
-    st = buf._agrs_get()
+    st = buf._agrs_feature()
     with pytest.raises(TypeError, match='float32'):
         buf.all_reduce(_FakeArray((10,), 'bfloat16'))
     x = _FakeArray((1001,), 'float32')
     assert buf.all_reduce(x, scale=0.25).wait() is x
     reduce, unpack = st.log
-    shard = agrs.all_reduce_shard_elems(3, 1001)
+    shard = agrs_plan.all_reduce_shard_elems(3, 1001)
     assert shard == 336 and reduce[3]['shard_elems'] == unpack[3]['shard_elems'] == shard
     assert reduce[3]['out'] == x.info.ptr + shard * 4 and reduce[3]['is_all_reduce'] == 1
     assert reduce[3]['recv_offset'] == buf.data_offset                # no session configured: the area starts at 0
@@ -577,36 +540,28 @@ class _ThreadGroup(ProcessGroup):
         return self.exchange.allgather(self.rank, obj)
 
 
-class _EmuKernel:
-    """Runs a kernel's effect on host memory at launch (gathers and reductions exchange data collectively, so every
-    rank must launch them in the same order, as on the GPU)."""
-
-    def __init__(self, spec, fn):
-        self.spec, self.fn = spec, fn
-
-    def launch(self, grid, block, args, stream=None, shared_mem=0, cooperative=False):
-        launch.pack_args(self.spec, args)
-        self.fn(dict(zip([p.name for p in self.spec.params], args)))
+def _EmuKernel(spec, fn):
+    """A kernel launched by name that runs its effect `fn(arguments by name)` on host memory at launch (gathers and
+    reductions exchange data collectively, so every rank must launch them in the same order, as on the GPU)."""
+    return buffer_fakes.RecordingKernel(spec, run=fn)
 
 
-class _HostState(agrs._AGRSState):
+class _HostAGRS(agrs_feature.AGRS):
     def __init__(self, buf):
-        n, rank = buf.num_scaleup_ranks, buf.sym.local_idx
-        self.kernels = {'gather': _EmuKernel(agrs.gather_spec(n), lambda a: self._gather(buf, a)),
-                        'wait': _EmuKernel(agrs.wait_spec(n), lambda a: self._wait(buf, a)),
-                        'unpack': _EmuKernel(agrs.unpack_spec(n), lambda a: self._unpack(buf, a))}
-        for i, s in agrs.REDUCE_VARIANTS:
-            self.kernels[('reduce', i, s)] = _EmuKernel(agrs.reduce_spec(n, i, s),
-                                                        lambda a, i=i, s=s: self._reduce(buf, a, i, s))
-        self.plan, self.session_capacity, self.session_idx = None, 0, 0
-        self.gather_epoch = self.reduce_epoch = 0
-        self.num_sms = 32
-        self.data_base = buf.sym.base + buf.data_offset
-        self.cupy_bytes = None
+        super().__init__(buf)
         import torch
-        self._torch_bytes = torch.from_numpy(buf.mem[buf.data_offset:])
-        self.order_event = _FakeEvent()
-        self.signal, self.meta, self.shards, self.rank = {}, {}, {}, rank
+        self._bytes['torch'] = torch.from_numpy(buf.mem[buf.data_offset:])
+        self.signal, self.meta, self.shards, self.rank = {}, {}, {}, buf.sym.local_idx
+
+    def load_kernels(self, n):
+        buf = self._buf
+        kernels = {'gather': _EmuKernel(agrs_kernels.gather_spec(n), lambda a: self._gather(buf, a)),
+                   'wait': _EmuKernel(agrs_kernels.wait_spec(n), lambda a: self._wait(buf, a)),
+                   'unpack': _EmuKernel(agrs_kernels.unpack_spec(n), lambda a: self._unpack(buf, a))}
+        for i, s in agrs_kernels.REDUCE_VARIANTS:
+            kernels[('reduce', i, s)] = _EmuKernel(agrs_kernels.reduce_spec(n, i, s),
+                                                   lambda a, i=i, s=s: self._reduce(buf, a, i, s))
+        return kernels
 
     @staticmethod
     def _gather(buf, a):
@@ -639,7 +594,7 @@ class _HostState(agrs._AGRSState):
         xs = buf.group.allgather_object(x)
         lo = min(num_elems, st.rank * c)
         hi = min(num_elems, lo + c)
-        result = agrs.reduce_reference([v[lo:hi] for v in xs], stage_bf16, a['scale'], in_bf16)
+        result = agrs_reference.reduce_reference([v[lo:hi] for v in xs], stage_bf16, a['scale'], in_bf16)
         ctypes.memmove(a['out'], result.tobytes(), result.nbytes)
         st.shards[a['epoch']] = buf.group.allgather_object(result) if a['is_all_reduce'] else None
 
@@ -652,31 +607,19 @@ class _HostState(agrs._AGRSState):
                 ctypes.memmove(a['x'] + p * a['shard_elems'] * 4, shard.tobytes(), shard.nbytes)
 
 
-class _HostBuffer(agrs.AGRSMixin):
-    def __init__(self, group, num_bytes):
-        from types import SimpleNamespace
-        self.group, self.rank_idx = group, group.rank
-        self.num_ranks = self.num_scaleup_ranks = group.size
-        self.num_scaleout_ranks, self.device, self.num_device_sms = 1, -1, 132
-        self.num_bytes, self.data_offset = num_bytes, 65536
-        self.mem = np.zeros(self.data_offset + num_bytes, dtype=np.uint8)
-        self.sym = SimpleNamespace(base=self.mem.ctypes.data, local_idx=group.rank, peer_bases_ptr=0x1000)
-        self.comm_stream = _FakeStream('comm')
-        self.host_mapped = SimpleNamespace(ptr=0x2000)
-        self.timeout_ns, self.num_cpu_timeout_secs = 10 ** 9, 60.0
-        self._failed, self._destroyed = None, False
-
-    def check_usable(self):
-        pass
-
-    def claim_data_region(self, owner):
-        pass
-
-    def barrier(self, use_comm_stream=True, with_cpu_sync=False):
-        self.group.barrier()
-
-    def synchronize(self, stream=None):
-        pass
+def _HostBuffer(group, num_bytes):
+    """An `ElasticBuffer` without a GPU (tests/fakes.py) whose symmetric memory is a numpy array."""
+    from types import SimpleNamespace
+    mem = np.zeros((2 << 20) + num_bytes, dtype=np.uint8)
+    sym = SimpleNamespace(base=mem.ctypes.data, local_idx=group.rank, peer_bases_ptr=0x1000, num_bytes=mem.size,
+                          num_peers=group.size)
+    buf = buffer_fakes.make_buffer(group.size, group.rank, num_bytes, group=group, sym=sym, num_gpu_timeout_secs=1.0,
+                                   num_cpu_timeout_secs=60.0)
+    buf.mem = mem
+    buf.claim_data_region = lambda owner: None
+    buf.barrier = lambda use_comm_stream=True, with_cpu_sync=False, sequential=True: group.barrier()
+    buf.synchronize = lambda stream=None: None
+    return buf
 
 
 @pytest.mark.parametrize('num_ranks', [2, 3])
@@ -685,14 +628,13 @@ def test_rank_program_stress_on_emulated_kernels(num_ranks, monkeypatch):
     from argparse import Namespace
     from concurrent.futures import ThreadPoolExecutor
 
-    from deepep_cupy.runtime import event
     from deepep_cupy.tests import agrs as prog
     current = _FakeStream('current')
-    monkeypatch.setattr(agrs, '_AGRSState', _HostState)
+    monkeypatch.setattr(elastic, 'AGRS', _HostAGRS)
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
     monkeypatch.setattr(interop, 'Allocator', lambda kind: type('A', (), {'empty': staticmethod(
         lambda shape, dtype, stream=None: torch.empty(shape, dtype=getattr(torch, dtype)))})())
-    monkeypatch.setattr(event, 'EventHandle', _FakeEventHandle)
+    monkeypatch.setattr(streams, 'EventHandle', _FakeEventHandle)
     monkeypatch.setattr(torch.cuda, 'ExternalStream', lambda ptr: None)
     monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: None)
     monkeypatch.setattr(prog, 'DEVICE', 'cpu')
@@ -702,10 +644,10 @@ def test_rank_program_stress_on_emulated_kernels(num_ranks, monkeypatch):
 
     def rank_main(rank):
         group = _ThreadGroup(rank, num_ranks, exchange)
-        session = agrs.AGRSMixin.get_agrs_num_max_session_bytes(group, [prog.STRESS_SHAPE] * 4, torch.bfloat16)
-        reduce_bytes = max(agrs.AGRSMixin.get_agrs_reduce_num_bytes(group, 100_000),
-                           agrs.AGRSMixin.get_agrs_reduce_num_bytes(group, num_ranks * 8 * 6000, 'reduce_scatter'))
-        buf = _HostBuffer(group, agrs.AGRSMixin.get_agrs_buffer_size_hint(group, session, reduce_bytes))
+        session = ElasticBuffer.get_agrs_num_max_session_bytes(group, [prog.STRESS_SHAPE] * 4, torch.bfloat16)
+        reduce_bytes = max(ElasticBuffer.get_agrs_reduce_num_bytes(group, 100_000),
+                           ElasticBuffer.get_agrs_reduce_num_bytes(group, num_ranks * 8 * 6000, 'reduce_scatter'))
+        buf = _HostBuffer(group, ElasticBuffer.get_agrs_buffer_size_hint(group, session, reduce_bytes))
         buf.agrs_set_config(session, 4)
         checked = sum(prog.run_stress(buf, args, it) for it in range(2))
         tried = prog.test_errors(buf, args)
@@ -722,7 +664,7 @@ def test_emulation_catches_a_wrong_reference(monkeypatch):
     """The emulated stress really compares: a corrupted reference must fail."""
     pytest.importorskip('torch')
     from deepep_cupy.tests import agrs as prog
-    real = agrs.all_reduce_reference
-    monkeypatch.setattr(agrs, 'all_reduce_reference', lambda inputs, scale=1.0: real(inputs, scale) + 1)
+    real = agrs_reference.all_reduce_reference
+    monkeypatch.setattr(agrs_reference, 'all_reduce_reference', lambda inputs, scale=1.0: real(inputs, scale) + 1)
     with pytest.raises(prog.Failure, match='mismatch'):
         test_rank_program_stress_on_emulated_kernels(2, monkeypatch)

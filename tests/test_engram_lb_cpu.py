@@ -3,15 +3,20 @@ launch declarations, the size hints and layouts, the allocator's plans and mater
 host model of the redundancy mapping, and every argument check that runs before a kernel (on a fake buffer whose
 "device" is the CPU and whose "symmetric memory" is a CPU tensor)."""
 
+import weakref
 from pathlib import Path
-from types import SimpleNamespace
 
+import fakes
 import numpy as np
 import pytest
 
-from deepep_cupy import allocator, engram, lb
-from deepep_cupy.buffer_base import BufferBase
+from deepep_cupy import ElasticBuffer
+from deepep_cupy.buffers import allocator
+from deepep_cupy.features.engram import plan as engram
+from deepep_cupy.features.lb import feature as lb_feature
+from deepep_cupy.features.lb import plan as lb
 from deepep_cupy.jit import compiler
+from deepep_cupy.runtime import workspace
 from deepep_cupy.runtime.group import ProcessGroup
 
 torch = pytest.importorskip('torch')
@@ -23,28 +28,29 @@ MiB = 1 << 20
 # ---- kernels -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('module', [engram, lb], ids=['engram', 'lb'])
-def test_families_compile_and_match_declarations(module):
+def test_families_match_declarations(module):
+    # Compiled for sm_90 with every other shipped specialisation (tests/test_jit.py).
     from test_peer_copy import compile_probe
     for family, specs in module.shipped_specs().items():
         extra = 1 if module is engram else 0                                  # engram's index range kernel
         assert len(specs) == 16 + extra and len({s.name for s in specs}) == 16 + extra   # two kernels x 1..8 ranks
-        compiled = compiler.compile_cubin(family, [s.name for s in specs], arch='90', use_cache=False)
-        assert compiled.cubin[:4] == b'\x7fELF' and set(compiled.lowered) == {s.name for s in specs}
         compile_probe(family, specs)
 
 
 def test_kernel_constants_match_the_launchers():
     source = (compiler.kernels_dir() / 'lb.cu').read_text()
-    assert f'kLBCtrlOffset = {lb.CTRL_OFFSET}' in source and f'kLBCtrlBytes = {lb.CTRL_BYTES}' in source
+    assert 'kLBCtrlOffset = kWsLBOffset;' in source and 'kLBCtrlBytes = kWsLBBytes;' in source
     assert f'kLBThreads = {lb.THREADS}' in source
     unroll = int(source.split('kLBUnroll = ')[1].split(';')[0])
     assert lb.CHUNK_BYTES == 32 * unroll * 16
     source = (compiler.kernels_dir() / 'engram.cu').read_text()
-    assert f'kEngramCtrlOffset = {engram.CTRL_OFFSET}' in source and f'kEngramCtrlBytes = {engram.CTRL_BYTES}' in source
+    assert 'kEngramCtrlOffset = kWsEngramOffset;' in source and 'kEngramCtrlBytes = kWsEngramBytes;' in source
     assert f'kEngramThreads = {engram.THREADS}' in source and f'kEngramUnroll = {engram.UNROLL}' in source
-    # The workspace ranges given to the two features (buffer_base.py's map) and nothing beyond.
-    assert (engram.CTRL_OFFSET, engram.CTRL_OFFSET + engram.CTRL_BYTES) == (28672, 30720)
-    assert (lb.CTRL_OFFSET, lb.CTRL_OFFSET + lb.CTRL_BYTES) == (30720, 32768)
+    # The workspace ranges given to the two features (common/workspace.cuh's map) and nothing beyond.
+    assert (engram.CTRL_OFFSET, engram.CTRL_OFFSET + engram.CTRL_BYTES) == (28672, 30720) == \
+        (workspace.ENGRAM.offset, workspace.ENGRAM.end)
+    assert (lb.CTRL_OFFSET, lb.CTRL_OFFSET + lb.CTRL_BYTES) == (30720, 32768) == (workspace.LB.offset, workspace.LB.end)
+    assert engram.HOST_RANGE_OFFSET == workspace.HOST_ENGRAM_RANGE.offset
     # Shared memory of the largest reduce / prefetch launch stays under the 48 KiB default (static part included).
     assert 4 * (4 * lb.NUM_MAX_LOCAL_EXPERTS + lb.NUM_MAX_MAPPING_ENTRIES) <= 40 * 1024
 
@@ -128,7 +134,7 @@ def test_engram_size_hint():
     # Entries are padded to 32 bytes: 100 BF16 = 200 -> 224 bytes.
     assert engram.storage_size_hint(10000, 100, 1000, 'bfloat16') == (2 * MiB, 4 * MiB)
     assert engram.storage_size_hint(0, 128, 0) == (0, 0)
-    assert engram.EngramMixin.get_engram_storage_size_hint(1, 128, 1) == (2 * MiB, 2 * MiB)
+    assert ElasticBuffer.get_engram_storage_size_hint(1, 128, 1) == (2 * MiB, 2 * MiB)
     with pytest.raises(TypeError, match='bfloat16 or float8'):
         engram.storage_size_hint(1, 128, 1, torch.float32)
     with pytest.raises(ValueError, match='num_entries'):
@@ -173,26 +179,15 @@ class FakeSym:
         return self.storage[offset:offset + count]
 
 
-class FakeBuffer(engram.EngramMixin, lb.LBMixin):
-    """The attributes of `BufferBase` the mixins use, on the CPU (device -1 is what CPU tensors report)."""
-
-    claim_data_region = BufferBase.claim_data_region
-
-    def __init__(self, num_ranks=2, rank=0, num_bytes=8 * MiB, group=None):
-        self.device, self.num_scaleup_ranks, self.num_scaleout_ranks = -1, num_ranks, 1
-        self.rank_idx, self.num_bytes, self.data_offset = rank, num_bytes, 2 * MiB
-        self.storage = torch.zeros(2 * MiB + num_bytes, dtype=torch.uint8)
-        self.sym = FakeSym(self.storage, num_ranks, rank)
-        self.group = group or FakeGroup(rank, num_ranks)
-        self.topology = SimpleNamespace(scaleup_peers=list(range(num_ranks)))
-        self.num_device_sms, self.num_cpu_timeout_secs, self.timeout_ns = 132, 10.0, 10 ** 9
-        self._data_region_owner = None
-
-    def check_usable(self):
-        pass
-
-    def _lb_kernels(self):
-        return None, None
+def FakeBuffer(num_ranks=2, rank=0, num_bytes=8 * MiB, group=None):
+    """An `ElasticBuffer` without a GPU (tests/fakes.py) whose "symmetric memory" is a CPU tensor (device -1 is what
+    CPU tensors report); its load-balancing kernels are never loaded."""
+    storage = torch.zeros(2 * MiB + num_bytes, dtype=torch.uint8)
+    buf = fakes.make_buffer(num_ranks, rank, num_bytes, group=group or FakeGroup(rank, num_ranks),
+                            sym=FakeSym(storage, num_ranks, rank))
+    buf._lb = lb_feature.LB(weakref.proxy(buf))
+    buf._lb._kernels = {}
+    return buf
 
 
 # ---- engram argument checks ----------------------------------------------------------------------------------------
@@ -200,10 +195,10 @@ class FakeBuffer(engram.EngramMixin, lb.LBMixin):
 def test_engram_write_checks():
     buf = FakeBuffer(num_ranks=2, num_bytes=6 * MiB)
     table = torch.zeros((1024, 128), dtype=torch.bfloat16)
-    layout, si, sfi = buf._engram_check_write(table, None)
+    layout, si, sfi = buf._engram_feature()._check_write(table, None)
     assert layout.table_offset == 2 * MiB + 4 * MiB and layout.out_bytes == 4 * MiB and sfi is None
     fp8 = torch.zeros((1024, 128), dtype=torch.float8_e4m3fn)
-    _, _, sfi = buf._engram_check_write(fp8, torch.zeros((2048, 1)))
+    _, _, sfi = buf._engram_feature()._check_write(fp8, torch.zeros((2048, 1)))
     assert sfi.shape == (2048, 1)
     cases = [((table.float(), None), TypeError, 'bfloat16 or float8'),
              ((table[0], None), ValueError, '2-D'),
@@ -216,7 +211,7 @@ def test_engram_write_checks():
              ((torch.zeros((5 * 8192, 128), dtype=torch.bfloat16), None), ValueError, 'get_engram_storage_size_hint')]
     for args, exc, match in cases:
         with pytest.raises(exc, match=match):
-            buf._engram_check_write(*args)
+            buf._engram_feature()._check_write(*args)
 
 
 def test_engram_write_raises_on_every_rank_before_any_kernel():
@@ -244,11 +239,11 @@ def test_engram_fetch_checks(monkeypatch):
     with pytest.raises(RuntimeError, match='engram_write first'):
         buf.engram_fetch(indices)
     layout = engram.EngramLayout.build(buf.data_offset, buf.num_bytes, 2, 1024, 128, 'bfloat16')
-    buf._engram_state = engram._EngramState(layout, None, None, 0)
+    feature = buf._engram_feature()
+    feature.layout = layout
     from deepep_cupy.runtime import interop
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: None)
-    monkeypatch.setattr(buf, '_engram_index_range', lambda ii, stream: lambda: (int(ii.obj.min()), int(ii.obj.max())),
-                        raising=False)
+    monkeypatch.setattr(feature, '_index_range', lambda ii, stream: lambda: (int(ii.obj.min()), int(ii.obj.max())))
     cases = [(indices.long(), TypeError, 'int32'), (indices[0], ValueError, '2-D'),
              (indices.t(), ValueError, 'contiguous'),
              (torch.zeros((4 * MiB // 256 + 1, 1), dtype=torch.int32), ValueError, 'fetch output'),
@@ -312,7 +307,7 @@ def _lb_buffer(num_ranks=2, rank=0, group=None, hidden=64, num_redundant=3, L=4)
 
 def test_lb_set_plan_claims_the_region_and_checks_the_plan():
     buf, pool, *_ = _lb_buffer()
-    assert buf._data_region_owner == 'load balancing' and buf._lb_num_bytes == 4 * MiB
+    assert buf._data_region_owner == 'load balancing' and buf._lb.num_bytes == 4 * MiB
     with pytest.raises(RuntimeError, match='load balancing'):
         buf.claim_data_region('engram')
     big = allocator.BufferAllocator()
@@ -327,11 +322,11 @@ def test_lb_set_plan_claims_the_region_and_checks_the_plan():
 
 def test_lb_reduce_check_accepts_valid_arguments():
     buf, pool, _, grads, mapping = _lb_buffer()
-    call = buf._lb_check('reduce', pool, grads, mapping, 6)
+    call = buf._lb.check('reduce', pool, grads, mapping, 6)
     assert call.num_redundant == 3 and call.num_local_experts == 4 and call.num_sms == 6 and call.kind == 'torch'
     assert call.pairs[0].pool_offset == 2 * MiB and call.pairs[0].num_bytes_per_expert == 256
     assert call.pairs[0].src is grads and call.host_mapping.dtype == np.int32
-    assert buf._lb_check('reduce', pool, grads, mapping, 0).num_sms == lb.theoretical_num_sms(
+    assert buf._lb.check('reduce', pool, grads, mapping, 0).num_sms == lb.theoretical_num_sms(
         __import__('deepep_cupy.utils.envs', fromlist=['x']).get_nvlink_gbs(), 132)
 
 
@@ -354,23 +349,23 @@ def test_lb_reduce_check_rejects_bad_arguments():
              ((pool[:2], grads, mapping), ValueError, 'num_redundant=3')]
     for args, exc, match in cases:
         with pytest.raises(exc, match=match):
-            buf._lb_check('reduce', *args, 0)
+            buf._lb.check('reduce', *args, 0)
     with pytest.raises(ValueError, match='num_sms'):
-        buf._lb_check('reduce', pool, grads, mapping, -1)
+        buf._lb.check('reduce', pool, grads, mapping, -1)
     # Rows of 16 bytes (hidden 4) are not a multiple of 32.
     buf2, *_ = _lb_buffer(hidden=4)
     with pytest.raises(ValueError, match='multiple of 32'):
-        buf2._lb_check('reduce', buf2.sym.storage[2 * MiB:2 * MiB + 48].view(torch.float32).view(3, 4),
+        buf2._lb.check('reduce', buf2.sym.storage[2 * MiB:2 * MiB + 48].view(torch.float32).view(3, 4),
                        torch.zeros((4, 4)), mapping, 0)
 
 
 def test_lb_prefetch_check():
     buf, pool, weights, grads, mapping = _lb_buffer()
     src = torch.zeros((4, 16), dtype=torch.bfloat16)
-    call = buf._lb_check('prefetch', [pool, weights], [grads, src], mapping, 0)
+    call = buf._lb.check('prefetch', [pool, weights], [grads, src], mapping, 0)
     assert [p.num_bytes_per_expert for p in call.pairs] == [256, 32]
     assert [p.pool_offset for p in call.pairs] == [2 * MiB, 4 * MiB]
-    assert buf._lb_check('prefetch', pool, grads, mapping, 0).pairs[0].dst is pool
+    assert buf._lb.check('prefetch', pool, grads, mapping, 0).pairs[0].dst is pool
     cases = [(([], [], mapping), ValueError, 'non-empty'),
              (([pool], [grads, src], mapping), ValueError, 'has 1 tensors but expert_weights has 2'),
              ((pool, grads.view(torch.int32), mapping), TypeError, 'same dtype'),
@@ -379,7 +374,7 @@ def test_lb_prefetch_check():
              ((weights, torch.zeros((4, 32), dtype=torch.bfloat16), mapping), ValueError, 'must be equal')]
     for args, exc, match in cases:
         with pytest.raises(exc, match=match):
-            buf._lb_check('prefetch', *args, 0)
+            buf._lb.check('prefetch', *args, 0)
 
 
 def test_lb_check_is_collective():
@@ -391,24 +386,24 @@ def test_lb_check_is_collective():
     buf, pool, _, grads, mapping = _lb_buffer(group=group)
     group.others = other
     with pytest.raises(ValueError, match='disagree'):
-        buf._lb_check('reduce', pool, grads, mapping, 0)
+        buf._lb.check('reduce', pool, grads, mapping, 0)
     # Another rank calls the other operation.
     group.others = lambda r, obj: (r, None, ('prefetch',) + obj[2][1:])
     with pytest.raises(ValueError, match='disagree'):
-        buf._lb_check('reduce', pool, grads, mapping, 0)
+        buf._lb.check('reduce', pool, grads, mapping, 0)
     # Another rank's arguments were rejected.
     group.others = lambda r, obj: (r, "ValueError('bad')", None)
     with pytest.raises(ValueError, match='rank 1 rejected'):
-        buf._lb_check('reduce', pool, grads, mapping, 0)
+        buf._lb.check('reduce', pool, grads, mapping, 0)
     # A local error still takes part in the all-gather, then raises the local error.
     group.others = lambda r, obj: (r, None, obj[2])
     before = group.num_collectives
     with pytest.raises(TypeError):
-        buf._lb_check('reduce', pool, grads.double(), mapping, 0)
+        buf._lb.check('reduce', pool, grads.double(), mapping, 0)
     assert group.num_collectives == before + 1
     # Ranks of another scale-up domain may use their own mapping.
     group.others = lambda r, obj: (r + 2, None, ('reduce', 'something else'))
-    assert buf._lb_check('reduce', pool, grads, mapping, 0).op == 'reduce'
+    assert buf._lb.check('reduce', pool, grads, mapping, 0).op == 'reduce'
 
 
 def test_lb_grid_sizes():
@@ -490,10 +485,10 @@ def test_rank_programs_import_and_parse_arguments():
 # ---- launch arguments against the kernel declarations ----------------------------------------------------------------
 
 def test_lb_launch_plan_matches_the_specs():
-    from deepep_cupy.jit.launch import pack_args
+    pack_args = fakes.pack_named
     buf, pool, weights, grads, mapping = _lb_buffer()           # rank 0 owns expert 1, hosted in slot 0 of rank 1
     src = torch.zeros((4, 16), dtype=torch.bfloat16)
-    call = buf._lb_check('prefetch', [pool, weights], [grads, src], mapping, 6)
+    call = buf._lb.check('prefetch', [pool, weights], [grads, src], mapping, 6)
     plan = lb.launch_plan(call, 2, 0, 0x1000, 0x2000, 10 ** 9)
     assert [p.spec.name for p in plan] == ['deepep::lb_prefetch_kernel<2>'] * 2
     for p in plan:
@@ -502,9 +497,9 @@ def test_lb_launch_plan_matches_the_specs():
     flags = [(int(pack_args(p.spec, p.args)[6]), int(pack_args(p.spec, p.args)[7])) for p in plan]
     assert flags == [(1, 0), (0, 1)]                             # ready signals first, done signals last
     assert int(packed[3]) == src.data_ptr() and int(packed[5]) == 4 * MiB and int(packed[4]) == 32
-    one = lb.launch_plan(buf._lb_check('prefetch', pool, grads, mapping, 6), 2, 0, 0x1000, 0x2000, 10 ** 9)
+    one = lb.launch_plan(buf._lb.check('prefetch', pool, grads, mapping, 6), 2, 0, 0x1000, 0x2000, 10 ** 9)
     assert len(one) == 1 and tuple(int(v) for v in pack_args(one[0].spec, one[0].args)[6:8]) == (1, 1)
-    call = buf._lb_check('reduce', pool, grads, mapping, 6)
+    call = buf._lb.check('reduce', pool, grads, mapping, 6)
     (p,) = lb.launch_plan(call, 2, 0, 0x1000, 0x2000, 10 ** 9)
     packed = pack_args(p.spec, p.args)
     # Entry lists int32 [4 L + R C] = 88 bytes, rounded to 128, then 3 stages of 16 warps x 4 KiB.
@@ -529,11 +524,11 @@ def test_lb_grid_follows_the_work():
     grads = torch.zeros((4, 1 << 16))
     mapping = torch.full((2, 8), -1, dtype=torch.int32)
     mapping[1, :3] = torch.tensor([0, 1, 1], dtype=torch.int32)
-    call = buf._lb_check('reduce', pool, grads, mapping, 100)
+    call = buf._lb.check('reduce', pool, grads, mapping, 100)
     assert lb.launch_plan(call, 2, 0, 0, 0, 1)[0].grid == 8       # 2 experts x 64 chunks / 16 per block
-    call = buf._lb_check('prefetch', pool, grads, mapping, 100)
+    call = buf._lb.check('prefetch', pool, grads, mapping, 100)
     assert lb.launch_plan(call, 2, 0, 0, 0, 1)[0].grid == 12      # 3 slots x 64 chunks / 16
-    assert lb.launch_plan(buf._lb_check('reduce', pool, grads, mapping, 5), 2, 0, 0, 0, 1)[0].grid == 5
+    assert lb.launch_plan(buf._lb.check('reduce', pool, grads, mapping, 5), 2, 0, 0, 0, 1)[0].grid == 5
 
 
 def test_lb_previous_event_is_checked_collectively():
@@ -541,12 +536,12 @@ def test_lb_previous_event_is_checked_collectively():
     buf, pool, _, grads, mapping = _lb_buffer(group=group)
     before = group.num_collectives
     with pytest.raises(TypeError, match='previous_event'):
-        buf._lb_check('reduce', pool, grads, mapping, 0, previous_event=object())
+        buf._lb.check('reduce', pool, grads, mapping, 0, previous_event=object())
     assert group.num_collectives == before + 1
 
 
 def test_engram_launch_arguments_match_the_specs():
-    from deepep_cupy.jit.launch import pack_args
+    pack_args = fakes.pack_named
     layout = engram.EngramLayout.build(2 * MiB, 6 * MiB, 2, 1024, 128, 'float8_e4m3fn')
     storage = torch.zeros((1024, 128), dtype=torch.uint8)
     packed = pack_args(engram.write_spec(2), engram.write_args(layout, storage, 0x1000, 1, 0x2000, 10 ** 9))

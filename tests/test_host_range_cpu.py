@@ -4,6 +4,7 @@ the host-mapped record, or by one that never does)."""
 import numpy as np
 import pytest
 
+from deepep_cupy.jit import launch
 from deepep_cupy.runtime.host_range import RANGE_THREADS, HostRange, value_range_spec
 
 
@@ -18,12 +19,14 @@ class FakeHostMapped:
 
 
 class StubKernel:
-    """Records the launch and, unless told not to, writes [seq, lo, hi] as value_range_kernel would."""
+    """Launched by parameter name like the real kernel; records the launch (arguments in declaration order) and,
+    unless told not to, writes [seq, lo, hi] as value_range_kernel would."""
 
     def __init__(self, memory, values, offset, write=True):
         self.memory, self.values, self.offset, self.write, self.launches = memory, values, offset, write, []
+        self.launch = launch.named_launcher(value_range_spec('ep_notify', 'long long'), self._launch)
 
-    def launch(self, grid, block, args, stream=None):
+    def _launch(self, grid, block, args, stream, shared_mem, cooperative):
         self.launches.append((grid, block, args, stream))
         ptr, num_values, address, seq = args
         if self.write:

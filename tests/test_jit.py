@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepep_cupy.jit import compiler, launch, registry
+from deepep_cupy.buffers import shipped
+from deepep_cupy.jit import compiler, launch
 
 
 @pytest.fixture()
@@ -23,13 +24,13 @@ def _compile_chunk(family, names):
     return module.cubin[:4], sorted(module.lowered)
 
 
-@pytest.mark.parametrize('family', sorted(registry.shipped_specs()))
+@pytest.mark.parametrize('family', sorted(shipped.shipped_specs()))
 def test_every_shipped_specialisation_compiles_for_sm90(family):
     """All template instantiations the package can request, compiled with NVRTC for sm_90 (no GPU needed), in
-    parallel chunks of 16 specialisations."""
-    names = [s.name for s in registry.shipped_specs()[family]]
+    parallel chunks of 8 specialisations (small enough to keep every core busy to the end)."""
+    names = [s.name for s in shipped.shipped_specs()[family]]
     assert len(set(names)) == len(names), 'duplicate specialisations'
-    chunks = [names[i:i + 16] for i in range(0, len(names), 16)]
+    chunks = [names[i:i + 8] for i in range(0, len(names), 8)]
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         results = list(pool.map(_compile_chunk, [family] * len(chunks), chunks))
     for chunk, (magic, lowered) in zip(chunks, results):
@@ -161,3 +162,58 @@ def test_fast_packing_reports_bad_arguments_like_pack_args():
         kernel._pack_into(buf, (0x1000, 7.5, 0.5, 3))
     with pytest.raises(TypeError, match='expected 4 arguments'):
         kernel._pack_into(buf, (0x1000, 7))
+
+
+def _kernel_without_gpu(spec):
+    """A `Kernel` of `spec` whose launches are recorded instead of reaching the driver."""
+    kernel = launch.Kernel.__new__(launch.Kernel)
+    kernel.spec = spec
+    kernel._converters = launch.converters_for(spec)
+    kernel._struct, kernel._offsets = launch.arg_struct(spec)
+    kernel._ptr_params = tuple(i for i, p in enumerate(spec.params) if p.kind == launch.PTR)
+    kernel._scratch = launch._ArgBuffer(kernel._struct, kernel._offsets)
+    kernel._smem_limit, kernel._capacity = 1 << 30, {}
+    kernel.launches = []
+    kernel._go = lambda grid, block, shared_mem, cooperative, stream, buffer: kernel.launches.append(
+        (grid, block, shared_mem, cooperative, stream, buffer.data[:kernel._struct.size].tobytes()))
+    kernel.launch = launch.named_launcher(spec, kernel.launch_args)
+    kernel.prepare = launch.named_launcher(spec, kernel.prepare_args, with_stream=False, what='prepare')
+    return kernel
+
+
+def test_named_launch_packs_in_declaration_order():
+    kernel = _kernel_without_gpu(SPEC)
+    kernel.launch(2, 32, stream='s', t=3, scale=0.5, n=7, ptr=0x1000)      # any keyword order
+    (grid, block, smem, coop, stream, raw), = kernel.launches
+    assert (grid, block, smem, coop, stream) == ((2, 1, 1), (32, 1, 1), 0, False, 's')
+    assert raw == kernel._struct.pack(0x1000, 7, 0.5, 3)
+    run = kernel.prepare(1, 64, ptr=0x2000, n=1, scale=1.0, t=2)
+    run('other stream')
+    assert kernel.launches[-1][4] == 'other stream' and kernel.launches[-1][5] == kernel._struct.pack(0x2000, 1, 1.0, 2)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'ptr': 0x1000, 'n': 7, 'scale': 0.5}, "missing 1 required keyword-only argument: 't'"),
+    ({'ptr': 0x1000, 'n': 7, 'scale': 0.5, 't': 3, 'extra': 1}, "unexpected keyword argument 'extra'"),
+    ({'ptr': 0x1000, 'num': 7, 'scale': 0.5, 't': 3}, "unexpected keyword argument 'num'"),
+])
+def test_named_launch_rejects_missing_extra_and_misspelled_names(kwargs, match):
+    kernel = _kernel_without_gpu(SPEC)
+    with pytest.raises(TypeError, match=match) as info:
+        kernel.launch(1, 32, **kwargs)
+    assert info.value.args[0].startswith('k.launch()') and kernel.launches == []
+    with pytest.raises(TypeError, match='positional'):
+        kernel.launch(1, 32, 0x1000, 7, 0.5, 3)
+
+
+def test_launch_keywords_cannot_be_parameter_names():
+    spec = launch.KernelSpec('barrier', 'k', (launch.Param('stream', launch.PTR),))
+    with pytest.raises(ValueError, match='launch keyword'):
+        launch.named_launcher(spec, lambda *a: None)
+
+
+def test_every_shipped_kernel_has_a_named_launcher():
+    for specs in shipped.shipped_specs().values():
+        for spec in specs:
+            fn = launch.named_launcher(spec, lambda *a: None)
+            assert fn.__kwdefaults__ == {'stream': None, 'shared_mem': 0, 'cooperative': False}, spec.name

@@ -3,13 +3,16 @@ declaration matches its kernel's C++ signature (checked by NVRTC with static_ass
 arguments, and the benchmark's byte counts are right."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from deepep_cupy import peer_copy
-from deepep_cupy.jit import compiler, launch, registry
+from deepep_cupy.buffers import shipped
+from deepep_cupy.features import peer_copy
+from deepep_cupy.jit import compiler, launch
+from deepep_cupy.runtime import workspace
 from deepep_cupy.utils import bench_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +40,9 @@ template <typename... A> struct sig<void(A...)> {
 
 def signature_probe(family: str, specs) -> str:
     """A translation unit that includes the family and static_asserts, for every spec, the parameter count and, per
-    parameter, pointer-ness (`'ptr'`) or the exact scalar type the launcher will pass."""
+    parameter, pointer-ness (`'ptr'`) or the exact scalar type the launcher will pass. Parameter names are checked
+    too: the launchers bind arguments by name, so a name must be the C++ parameter's (the signature's names are read
+    from the source by `declared_names` and compared in `compile_probe`)."""
     lines = [f'#include "{family}.cu"', _PROBE_HELPERS]
     for spec in specs:
         sig = f'probe::sig<decltype({spec.name})>'
@@ -55,18 +60,37 @@ def signature_probe(family: str, specs) -> str:
     return '\n'.join(lines) + '\n'
 
 
+def declared_names(family: str, kernel: str):
+    """The parameter names of `kernel` (e.g. `deepep::notify_dispatch`) as defined in `kernels_cu/<family>.cu` or one
+    of the shared headers, in order."""
+    root = compiler.kernels_dir()
+    name = kernel.split('::')[-1].split('<')[0]
+    for path in [root / f'{family}.cu', *sorted((root / 'common').glob('*.cuh'))]:
+        code = re.sub(r'//[^\n]*', '', path.read_text())
+        match = re.search(rf'\b{re.escape(name)}\s*\(([^)]*)\)\s*{{', code)
+        if match:
+            break
+    assert match, f'{kernel}: no definition in {family}.cu or kernels_cu/common'
+    return [re.findall(r'(\w+)\s*$', p.strip())[0] for p in match.group(1).split(',') if p.strip()]
+
+
 def compile_probe(family: str, specs) -> None:
+    """Check the declarations of `specs` against the kernels of `family`: names and order (from the source), count,
+    pointer-ness and exact scalar types (static_asserts compiled by NVRTC; `decltype` of each specialisation needs
+    its declaration only, so nothing is instantiated and the probe compiles in about a second)."""
     from cupy.cuda import compiler as cupy_compiler
-    prog = cupy_compiler._NVRTCProgram(signature_probe(family, specs), f'probe_{family}.cu',
-                                       name_expressions=[s.name for s in specs], method='cubin')
+    prog = cupy_compiler._NVRTCProgram(signature_probe(family, specs), f'probe_{family}.cu', method='ptx')
     try:
         prog.compile(compiler._options('90', {}, ()))
     except cupy_compiler.CompileException as e:
         raise AssertionError(str(e)) from None
+    for spec in specs:
+        names = declared_names(family, spec.name)
+        assert list(spec.param_names) == names, f'{spec.name}: declared {list(spec.param_names)}, kernel has {names}'
 
 
 def test_peer_copy_family_compiles_for_sm90():
-    specs = registry.shipped_specs()['peer_copy']
+    specs = shipped.shipped_specs()['peer_copy']
     assert [s.name for s in specs] == [f'deepep::peer_copy_kernel<{n}>' for n in range(1, 9)]
     module = compiler.compile_cubin('peer_copy', [s.name for s in specs], arch='90', use_cache=False)
     assert module.cubin[:4] == b'\x7fELF' and set(module.lowered) == {s.name for s in specs}
@@ -75,7 +99,7 @@ def test_peer_copy_family_compiles_for_sm90():
 def _one_spec_per_family():
     """The peer-copy specs, plus one representative specialisation of every other shipped family."""
     out = []
-    for family, specs in sorted(registry.shipped_specs().items()):
+    for family, specs in sorted(shipped.shipped_specs().items()):
         if family == 'peer_copy':
             out.append((family, specs))
         else:
@@ -107,15 +131,21 @@ def test_signature_probe_catches_a_wrong_declaration():
                                             + spec.params[4:])])
     with pytest.raises(AssertionError, match=r'parameter 0 \(src\) is declared unsigned long long'):
         compile_probe('peer_copy', [replace(spec, params=(launch.Param('src', np.uint64),) + spec.params[1:])])
+    # Two parameters of one type swapped: the types pass, the names do not (launches bind by name).
+    swapped = spec.params[:4] + (spec.params[5], spec.params[4]) + spec.params[6:]
+    assert swapped[4].kind == swapped[5].kind
+    with pytest.raises(AssertionError, match=r"declared \[.*'recv_stride', 'recv_offset'.*kernel has"):
+        compile_probe('peer_copy', [replace(spec, params=swapped)])
 
 
 def test_peer_copy_control_region_is_documented_in_the_kernel():
     source = (compiler.kernels_dir() / 'peer_copy.cu').read_text()
-    assert f'kPeerCopyCtrlOffset = {peer_copy.CTRL_OFFSET}' in source
-    assert f'kPeerCopyCtrlBytes = {peer_copy.CTRL_BYTES}' in source
+    assert 'kPeerCopyCtrlOffset = kWsPeerCopyOffset;' in source
+    assert 'kPeerCopyCtrlBytes = kWsPeerCopyBytes;' in source
     assert f'kPeerCopyThreads = {peer_copy.THREADS}' in source
-    # Inside the 2 MiB workspace, clear of the EP control area (8192 + 1 KiB) and the notify counts (65536).
-    assert 8192 + 1024 <= peer_copy.CTRL_OFFSET and peer_copy.CTRL_OFFSET + peer_copy.CTRL_BYTES <= 65536
+    # Its region of the workspace map (common/workspace.cuh), clear of the EP control area and the notify counts.
+    assert (peer_copy.CTRL_OFFSET, peer_copy.CTRL_BYTES) == workspace.PEER_COPY
+    assert workspace.EP_CTRL.end <= peer_copy.CTRL_OFFSET and peer_copy.CTRL_OFFSET + peer_copy.CTRL_BYTES <= 65536
 
 
 class _FakeSym:
@@ -123,8 +153,14 @@ class _FakeSym:
 
 
 class _FakeKernel:
-    def prepare(self, grid, block, args, shared_mem=0, cooperative=False):
-        # Argument kinds and count must match the spec (the byte counts stand in for a device array here).
+    """`prepare` with the real launcher's named signature; argument kinds and count must match the spec (the byte
+    counts stand in for a device array here)."""
+
+    def __init__(self):
+        self.prepare = launch.named_launcher(peer_copy.peer_copy_spec(2), self._prepare, with_stream=False,
+                                             what='prepare')
+
+    def _prepare(self, grid, block, args, shared_mem=0, cooperative=False):
         launch.pack_args(peer_copy.peer_copy_spec(2), (args[0], 0x3000, *args[2:]))
         self.grid, self.block, self.args = grid, block, args
         return lambda stream: None

@@ -8,13 +8,16 @@ import random
 import re
 from pathlib import Path
 
+import fakes
 import numpy as np
 import pytest
 
-from deepep_cupy import pp
-from deepep_cupy.buffer_base import WORKSPACE_BYTES, BufferBase
+from deepep_cupy import ElasticBuffer
+from deepep_cupy.buffers.base import WORKSPACE_BYTES, BufferBase
+from deepep_cupy.features.pp import feature as pp_feature
+from deepep_cupy.features.pp import plan as pp
 from deepep_cupy.jit import compiler, launch
-from deepep_cupy.runtime import errors
+from deepep_cupy.runtime import errors, interop, workspace
 from deepep_cupy.runtime.event import EventOverlap
 
 MiB = 1 << 20
@@ -50,17 +53,18 @@ def test_signature_probe_catches_a_wrong_pp_declaration():
 
 def test_kernel_constants_match_the_launcher():
     source = (compiler.kernels_dir() / 'pp.cu').read_text()
-    for name, value in (('kPPCtrlOffset', pp.CTRL_OFFSET), ('kPPCtrlBytes', pp.CTRL_BYTES),
-                        ('kPPThreads', pp.THREADS), ('kPPUnroll', pp.UNROLL), ('kPPHeaderBytes', pp.HEADER_BYTES),
+    for name, value in (('kPPThreads', pp.THREADS), ('kPPUnroll', pp.UNROLL), ('kPPHeaderBytes', pp.HEADER_BYTES),
                         ('kPPWaitSlot', pp.WAIT_SLOT), ('kPPWaitData', pp.WAIT_DATA),
                         ('kPPErrorWords', pp.ERROR_WORDS)):
         assert re.search(rf'\b{name} = {value}\b', source), f'{name} = {value} not found in pp.cu'
     types = (compiler.kernels_dir() / 'common' / 'types.cuh').read_text()
     assert f'kPhasePP = {pp.PHASE_PP}' in types and 'pp' in errors.PHASES[pp.PHASE_PP]
-    # The workspace range assigned to PP, clear of the peer-copy words below and the all-gather words above.
-    assert (pp.CTRL_OFFSET, pp.CTRL_BYTES) == (20480, 4096)
-    buffer_base_source = (Path(pp.__file__).parent / 'buffer_base.py').read_text()
-    assert re.search(r'#\s+20480\s+PP.*kernels_cu/pp\.cu', buffer_base_source)
+    # The workspace range assigned to PP (common/workspace.cuh), clear of the peer-copy words below and the
+    # all-gather words above; the error record's place in the host-mapped memory.
+    assert (pp.CTRL_OFFSET, pp.CTRL_BYTES) == workspace.PP == (20480, 4096)
+    assert re.search(r'kPPCtrlOffset = kWsPPOffset;', source) and re.search(r'kPPCtrlBytes = kWsPPBytes;', source)
+    assert pp.ERROR_RECORD_OFFSET == workspace.HOST_PP_ERROR.offset
+    assert 4 * pp.ERROR_WORDS <= workspace.HOST_PP_ERROR.num_bytes
 
 
 # ---- sizes and layout ------------------------------------------------------------------------------------------------
@@ -72,7 +76,7 @@ def test_size_hint_is_upstreams_formula():
     assert hint(MiB // 2 + 1, 1) == 4 * MiB                       # align(524289, 32) * 4 > 2 MiB
     assert hint(33, 3) == 2 * MiB
     assert BufferBase.__dict__.get('get_pp_buffer_size_hint') is None
-    assert pp.PPMixin.get_pp_buffer_size_hint(100, 2) == hint(100, 2)      # static on the mixin (and buffers)
+    assert ElasticBuffer.get_pp_buffer_size_hint(100, 2) == hint(100, 2)      # static on the buffer class
     for bad, exc in ((0, ValueError), (-5, ValueError), (1.5, TypeError), (True, TypeError)):
         with pytest.raises(exc):
             hint(bad, 1)
@@ -140,14 +144,14 @@ def test_describe_mismatch():
 
 
 # ---- a buffer whose kernels only record launches ---------------------------------------------------------------------
-class RecordingKernel:
-    def __init__(self, spec, log):
-        self.spec, self.log, self.converters = spec, log, launch.converters_for(spec)
+class RecordingKernel(fakes.RecordingKernel):
+    """Launched by parameter name like the real kernel; packs the arguments (count and exact types) and records
+    `(name, grid, arguments by name)`."""
 
-    def launch(self, grid, block, args, stream=None, shared_mem=0, cooperative=False):
-        launch.pack_args(self.spec, args, self.converters)      # count and exact types, as a real launch
+    def _launch(self, grid, block, args, stream, shared_mem, cooperative):
+        launch.pack_args(self.spec, args, self.converters)
         assert block == pp.THREADS and not cooperative
-        self.log.append((self.spec.name, grid, dict(zip((p.name for p in self.spec.params), args))))
+        self.log.append((self.spec.name, grid, dict(zip(self.spec.param_names, args))))
 
 
 class FakeGroup:
@@ -166,33 +170,20 @@ class _Obj:
     pass
 
 
-class _PPBuffer(BufferBase, pp.PPMixin):
-    pass
-
-
 def make_buffer(monkeypatch, num_ranks=4, rank=1, num_bytes=64 * MiB, device=-1):
-    buf = _PPBuffer.__new__(_PPBuffer)
+    """An `ElasticBuffer` without a GPU (tests/fakes.py) whose PP kernels only record launches."""
+    buf = fakes.make_buffer(num_ranks=num_ranks, rank=rank, num_bytes=num_bytes, device=device, group=FakeGroup())
     log = []
-    buf.__dict__.update(
-        device=device, rank_idx=rank, num_ranks=num_ranks, num_scaleup_ranks=num_ranks, num_scaleout_ranks=1,
-        scaleup_rank_idx=rank, num_bytes=num_bytes, num_device_sms=132, num_gpu_timeout_secs=10.0,
-        num_cpu_timeout_secs=10.0, _destroyed=False, _failed=None, error_record=np.zeros(8, np.int32),
-        _data_region_owner=None, group=FakeGroup(), comm_stream=None)
-    buf.sym = _Obj()
-    buf.sym.peer_bases_ptr, buf.sym.num_bytes = 0x1000, WORKSPACE_BYTES + num_bytes
-    buf.host_mapped = _Obj()
-    buf.host_mapped.ptr = 0x2000
     buf.launches = log
     kernels = _Obj()
     kernels.send, kernels.recv = RecordingKernel(pp.SEND_SPEC, log), RecordingKernel(pp.RECV_SPEC, log)
-    monkeypatch.setattr(pp, '_PPKernels', lambda: kernels)
-    error_memory = _Obj()
-    error_memory.ptr = 0x3000
-    monkeypatch.setattr(pp, '_alloc_error_record', lambda b: (error_memory, np.zeros(pp.ERROR_WORDS, np.int32)))
-    monkeypatch.setattr(buf, '_pp_streams', lambda like, prev: (None, None), raising=False)
-    monkeypatch.setattr(buf, '_pp_finish', lambda cur, comm, x, a: EventOverlap(None), raising=False)
+    monkeypatch.setattr(pp_feature, 'PPKernels', lambda: kernels)
+    monkeypatch.setattr(interop, 'current_stream', lambda like=None: fakes.FakeStream('current'))
     monkeypatch.setattr(buf, 'synchronize', lambda stream=None: buf.check_usable(), raising=False)
     return buf
+
+
+ERROR_PTR = 0x2000 + pp.ERROR_RECORD_OFFSET        # the fake host-mapped memory's address of the PP error record
 
 
 def test_set_config_checks_before_anything_else(monkeypatch):
@@ -222,7 +213,7 @@ def test_set_config_claims_the_region_and_checks_ranks_agree(monkeypatch):
     assert buf._data_region_owner == pp.DATA_REGION_OWNER
     assert buf.group.calls == [('check_same', 'pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors)',
                                 (3 * MiB + 1, 4))]
-    assert buf._pp_layout == pp.PPLayout(3 * MiB + 1, 4, WORKSPACE_BYTES)
+    assert buf._pp.layout == pp.PPLayout(3 * MiB + 1, 4, WORKSPACE_BYTES)
     with pytest.raises(RuntimeError, match='already used by PP'):
         buf.claim_data_region('EP dispatch/combine')
     other = make_buffer(monkeypatch)
@@ -237,7 +228,7 @@ torch = pytest.importorskip('torch')
 def test_send_and_recv_launch_with_the_pair_indices(monkeypatch):
     buf = make_buffer(monkeypatch, num_ranks=4, rank=1)
     buf.pp_set_config(MiB, 2)
-    lay = buf._pp_layout
+    lay = buf._pp.layout
     x = torch.zeros(MiB // 2, dtype=torch.bfloat16)                   # 1 MiB
     assert isinstance(buf.pp_send(x, 2), EventOverlap)
     buf.pp_recv(x, np.int64(0))
@@ -252,17 +243,17 @@ def test_send_and_recv_launch_with_the_pair_indices(monkeypatch):
         assert (args['headers_offset'], args['slots_offset'], args['slot_bytes']) == \
             (lay.headers_offset, lay.slots_offset, lay.slot_bytes)
         assert args['peer_bases'] == 0x1000 and args['error_record'] == 0x2000 and args['timeout_ns'] == 10 ** 10
-    assert recv['pp_error'] == 0x3000
+    assert recv['pp_error'] == ERROR_PTR
     assert send_grid == recv_grid == MiB // 16 // (pp.THREADS * pp.UNROLL)         # 32 blocks cover 1 MiB
     assert buf.launches[2][1] == 1 and buf.launches[2][2]['num_bytes'] == 16     # tiny: one block
     assert buf.launches[3][1] == 1 and buf.launches[3][2]['num_bytes'] == 3      # tail only
     big = torch.zeros(MiB, dtype=torch.uint8)
-    buf._pp_layout = pp.PPLayout(64 * MiB, 2, WORKSPACE_BYTES)
+    buf._pp.layout = pp.PPLayout(64 * MiB, 2, WORKSPACE_BYTES)
     buf.pp_send(torch.zeros(64 * MiB, dtype=torch.uint8), 2)
     assert buf.launches[-1][1] == 132                                            # every SM (num_sms=0)
     buf.pp_send(big, 2, num_sms=8)
     assert buf.launches[-1][1] == 8
-    assert buf._pp_num_sent == {2: 3, 0: 1} and buf._pp_num_recv == {0: 1, 2: 1}
+    assert buf._pp.num_sent == {2: 3, 0: 1} and buf._pp.num_recv == {0: 1, 2: 1}
 
 
 def test_two_ranks_use_one_slot_region_per_direction(monkeypatch):
@@ -279,7 +270,7 @@ def test_two_ranks_use_one_slot_region_per_direction(monkeypatch):
 
 def invalid_calls(buf):
     x = torch.zeros(1024, dtype=torch.uint8)
-    limit = buf._pp_layout.num_max_tensor_bytes
+    limit = buf._pp.layout.num_max_tensor_bytes
     return [
         ('over num_max_tensor_bytes', ValueError, 'num_max_tensor_bytes', lambda: buf.pp_send(
             torch.zeros(limit + 1, dtype=torch.uint8), 2)),
@@ -308,7 +299,7 @@ def test_invalid_calls_raise_before_any_kernel(monkeypatch):
     for name, exc, match, fn in invalid_calls(buf):
         with pytest.raises(exc, match=match):
             fn()
-        assert buf.launches == [] and buf._pp_num_sent == {} and buf._pp_num_recv == {}, name
+        assert buf.launches == [] and buf._pp.num_sent == {} and buf._pp.num_recv == {}, name
     buf.pp_send(torch.zeros(4096, dtype=torch.uint8), 2)             # exactly the maximum: fine
     buf.pp_send(torch.zeros(0, dtype=torch.uint8), 0)                # empty: a message of 0 bytes
     assert len(buf.launches) == 2
@@ -326,10 +317,10 @@ def test_size_mismatch_is_reported_once_by_the_next_call(monkeypatch):
     buf = make_buffer(monkeypatch)
     buf.pp_set_config(8192, 2)
     x = torch.zeros(64, dtype=torch.uint8)
-    buf._pp_error[:] = [1, 0, 4, 8192, 0, 4096, 0, 4]      # what pp_recv_impl writes
+    buf._pp.error[:] = [1, 0, 4, 8192, 0, 4096, 0, 4]      # what pp_recv_impl writes
     with pytest.raises(RuntimeError, match='message #4 from rank 0 got a tensor of 8192 bytes .* sent 4096 bytes'):
         buf.pp_send(x, 2)
-    assert buf.launches == [] and not buf._pp_error.any()
+    assert buf.launches == [] and not buf._pp.error.any()
     buf.pp_send(x, 2)                                       # reported once; the pair is still in step
     assert len(buf.launches) == 1
 
@@ -355,11 +346,11 @@ def test_reconfiguration_needs_every_message_received(monkeypatch):
     buf.group.others = lambda mine: [mine, ({0: 1}, {0: 1})]
     with pytest.raises(RuntimeError, match=r'0->1: 2 sent, 1 received, 1->0: 1 sent, 0 received'):
         buf.pp_set_config(4096, 4)
-    assert buf._pp_layout.num_max_tensor_bytes == 8192
+    assert buf._pp.layout.num_max_tensor_bytes == 8192
     buf.pp_recv(x, 1)
     buf.group.others = lambda mine: [mine, ({0: 1}, {0: 2})]
     buf.pp_set_config(4096, 4)
-    assert buf._pp_layout == pp.PPLayout(4096, 4, WORKSPACE_BYTES)
+    assert buf._pp.layout == pp.PPLayout(4096, 4, WORKSPACE_BYTES)
     with pytest.raises(ValueError, match='num_max_tensor_bytes=4096'):
         buf.pp_send(torch.zeros(4097, dtype=torch.uint8), 1)
 
@@ -429,26 +420,19 @@ def test_message_seeds_are_distinct():
     assert len(seeds) == 4 * 8 * 8 * 64
 
 
-def test_make_buffer_prefers_elastic_buffer_once_it_has_pp(monkeypatch):
+def test_make_buffer_builds_an_elastic_buffer(monkeypatch):
     program = _rank_program()
-    import deepep_cupy
     calls = []
 
     class Recorder:
         def __init__(self, *args, **kwargs):
             calls.append((type(self).__name__, args, kwargs))
 
-    class WithPP(Recorder):
-        def pp_send(self):
-            pass
-
-    monkeypatch.setattr(program, 'PPBuffer', type('PPBuffer', (Recorder,), {}))
-    monkeypatch.setattr(deepep_cupy, 'ElasticBuffer', type('ElasticBuffer', (Recorder,), {}), raising=False)
+    monkeypatch.setattr(program, 'ElasticBuffer', type('ElasticBuffer', (Recorder,), {}))
     program.make_buffer('group', 2 * MiB, num_gpu_timeout_secs=3)
-    monkeypatch.setattr(deepep_cupy, 'ElasticBuffer', type('ElasticBuffer', (WithPP,), {}), raising=False)
     program.make_buffer('group', 2 * MiB)
     common = {'num_bytes': 2 * MiB, 'allow_hybrid_mode': False, 'explicitly_destroy': True}
-    assert calls == [('PPBuffer', (), {'group': 'group', **common, 'num_gpu_timeout_secs': 3}),
+    assert calls == [('ElasticBuffer', ('group',), {**common, 'num_gpu_timeout_secs': 3}),
                      ('ElasticBuffer', ('group',), common)]
 
 
@@ -500,7 +484,7 @@ class EmulatedGPU:
                 if data:
                     ctypes.memmove(a['x'], data, len(data))
             else:
-                error = self.buffers[r]._pp_error
+                error = self.buffers[r]._pp.error
                 if error[0] == 0:
                     error[:] = [1, s, seq, a['num_bytes'], 0, len(data), 0, sent_seq]
             self.slots[(r, ks, cursor)] = (data, sent_seq, True)
@@ -509,13 +493,9 @@ class EmulatedGPU:
             self.cond.notify_all()
 
 
-class EmulatedKernel:
-    def __init__(self, spec, run):
-        self.spec, self.run, self.converters = spec, run, launch.converters_for(spec)
-
-    def launch(self, grid, block, args, stream=None, shared_mem=0, cooperative=False):
-        launch.pack_args(self.spec, args, self.converters)
-        self.run(dict(zip((p.name for p in self.spec.params), args)))
+def EmulatedKernel(spec, run):
+    """A kernel launched by name whose launch runs `run(arguments by name)` (see tests/fakes.py)."""
+    return fakes.RecordingKernel(spec, run=run)
 
 
 class ThreadGroup:
@@ -566,7 +546,7 @@ def run_ranks(monkeypatch, num_ranks, body, num_bytes=64 * MiB):
         bufs.append(buf)
     kernels = _Obj()
     kernels.send, kernels.recv = EmulatedKernel(pp.SEND_SPEC, gpu.send), EmulatedKernel(pp.RECV_SPEC, gpu.recv)
-    monkeypatch.setattr(pp, '_PPKernels', lambda: kernels)
+    monkeypatch.setattr(pp_feature, 'PPKernels', lambda: kernels)
     errors_seen = [None] * num_ranks
 
     def main(rank):
@@ -603,12 +583,12 @@ def test_rank_program_stress_and_back_pressure_on_the_emulated_protocol(monkeypa
         assert program.run_stress(buf, args, shape, rank, num_ranks) > 0
         program.run_back_pressure(buf, args, rank, num_ranks, shape)
     gpu, bufs = run_ranks(monkeypatch, num_ranks, body)
-    sent = [b._pp_num_sent for b in bufs]
-    assert pp.unmatched_messages([(b._pp_num_sent, b._pp_num_recv) for b in bufs]) == []
+    sent = [b._pp.num_sent for b in bufs]
+    assert pp.unmatched_messages([(b._pp.num_sent, b._pp.num_recv) for b in bufs]) == []
     assert sum(sum(s.values()) for s in sent) >= 2 * 64
     # Device counters agree with the host's on both sides of every pair.
     for r, b in enumerate(bufs):
-        for peer, n in b._pp_num_sent.items():
+        for peer, n in b._pp.num_sent.items():
             assert gpu.ctrl[r]['num_sent'][pp.neighbour_slot_idx(r, peer, num_ranks)] == n
 
 

@@ -1,15 +1,25 @@
-"""Typed kernel launches.
+"""Typed, named kernel launches.
 
-Every kernel is declared once with its parameter list (`Param(name, 'ptr')` or a numpy dtype). The launcher checks
-the argument count, converts each argument to its exact type (CuPy would pass a Python `int` as 64-bit and a `float`
-as double without complaint), checks cooperative grids against co-residency (CuPy would not) and raises the dynamic
-shared-memory limit explicitly when a launch needs more than 48 KiB.
+Every kernel is declared once with its parameter list (`Param(name, 'ptr')` or a numpy dtype), in the order of the
+C++ signature. A loaded `Kernel` is launched by parameter name:
+
+    kernel.launch(grid, block, stream=s, x=x_ptr, hidden=7168, ...)
+
+Its `launch` (and `prepare`) is generated once from the declaration with one keyword-only parameter per kernel
+parameter, so CPython binds the arguments and a missing, extra or misspelled name raises `TypeError`; the values are
+then packed positionally (one `struct.pack_into` into a preallocated buffer, then `cuLaunchKernel`). The launcher
+converts each argument to its exact type (CuPy would pass a Python `int` as 64-bit and a `float` as double without
+complaint), checks cooperative grids against co-residency (CuPy would not) and raises the dynamic shared-memory limit
+explicitly when a launch needs more than 48 KiB.
 """
 
+import functools
+import keyword
 import struct
 import threading
+import types
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -33,6 +43,47 @@ class KernelSpec:
     family: str
     name: str
     params: Tuple[Param, ...]
+
+    @property
+    def param_names(self) -> Tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+
+# Keywords of `launch` / `prepare` themselves; no kernel parameter may take these names.
+_LAUNCH_KEYWORDS = ('grid', 'block', 'stream', 'shared_mem', 'cooperative')
+
+
+@functools.lru_cache(maxsize=None)
+def _named_code(names: Tuple[str, ...], with_stream: bool):
+    """The code of `(grid, block, *, [stream=None,] shared_mem=0, cooperative=False, <names>)` that calls
+    `_call(grid, block, (<names>,), [stream,] shared_mem, cooperative)`; compiled once per parameter list."""
+    for n in names:
+        if not n.isidentifier() or keyword.iskeyword(n) or n in _LAUNCH_KEYWORDS or n == '_call':
+            raise ValueError(f'kernel parameter name {n!r} cannot be a launch keyword')
+    if len(set(names)) != len(names):
+        raise ValueError(f'duplicate kernel parameter names in {names}')
+    values = f'({", ".join(names)},)' if names else '()'
+    stream = ('stream=None, ', 'stream, ') if with_stream else ('', '')
+    params = ''.join(', ' + n for n in names)
+    src = (f'def launch(grid, block, *, {stream[0]}shared_mem=0, cooperative=False{params}):\n'
+           f'    return _call(grid, block, {values}, {stream[1]}shared_mem, cooperative)\n')
+    namespace = {}
+    exec(compile(src, f'<launcher of {len(names)} parameters>', 'exec'), namespace)
+    fn = namespace['launch']
+    return fn.__code__, fn.__kwdefaults__
+
+
+def named_launcher(spec: KernelSpec, call: Callable, with_stream: bool = True, what: str = 'launch') -> Callable:
+    """A function taking `(grid, block, *, stream=None, shared_mem=0, cooperative=False, **params)` with exactly
+    `spec`'s parameter names as keyword-only arguments, which calls `call(grid, block, args, stream, shared_mem,
+    cooperative)` with `args` in declaration order (`with_stream=False`: no `stream` keyword, and `call` gets none).
+    CPython does the binding: a missing, extra or misspelled name raises `TypeError` naming the kernel."""
+    code, kwdefaults = _named_code(spec.param_names, with_stream)
+    fn = types.FunctionType(code, {'_call': call}, what)
+    fn.__kwdefaults__ = dict(kwdefaults)
+    fn.__qualname__ = f'{spec.name}.{what}'
+    fn.__doc__ = f'{what} {spec.name}({", ".join(spec.param_names)}) by parameter name.'
+    return fn
 
 
 def _to_ptr(value, param: Param, kernel: str) -> np.uint64:
@@ -153,7 +204,8 @@ class _ArgBuffer:
 
 
 class Kernel:
-    """A loaded kernel bound to one device. Call `launch(grid, block, args, stream=..., shared_mem=...)`.
+    """A loaded kernel bound to one device. Call `launch(grid, block, stream=..., shared_mem=..., **params)` with every
+    kernel parameter by name, or `prepare(grid, block, **params)` for a launch whose arguments never change.
 
     Launches go straight to `cuLaunchKernel` with the parameters packed by one `struct.pack_into` (a few µs from
     Python); any argument `struct` rejects is re-checked by `pack_args` for a clear error."""
@@ -169,6 +221,8 @@ class Kernel:
         self._struct, self._offsets = arg_struct(spec)
         self._ptr_params = tuple(i for i, p in enumerate(spec.params) if p.kind == PTR)
         self._scratch = _ArgBuffer(self._struct, self._offsets)
+        self.launch = named_launcher(spec, self.launch_args)
+        self.prepare = named_launcher(spec, self.prepare_args, with_stream=False, what='prepare')
 
     def max_active_blocks_per_sm(self, block: int, shared_mem: int = 0) -> int:
         from cupy_backends.cuda.api import driver
@@ -222,14 +276,16 @@ class Kernel:
             driver.launchKernel(self.function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                                 shared_mem, stream.ptr, buffer.pointers_addr, 0)
 
-    def launch(self, grid, block, args: Sequence, stream=None, shared_mem: int = 0, cooperative: bool = False):
+    def launch_args(self, grid, block, args: Sequence, stream=None, shared_mem: int = 0, cooperative: bool = False):
+        """Launch with the arguments in declaration order (what the named `launch` calls)."""
         grid, block = _dim3(grid), _dim3(block)
         self._pack_into(self._scratch, args)
         self._check_launch(grid, block, shared_mem, cooperative)
         self._go(grid, block, shared_mem, cooperative, stream, self._scratch)
 
-    def prepare(self, grid, block, args: Sequence, shared_mem: int = 0, cooperative: bool = False):
-        """Check and pack a launch once; returns `launch(stream)` for hot paths whose arguments never change."""
+    def prepare_args(self, grid, block, args: Sequence, shared_mem: int = 0, cooperative: bool = False):
+        """Check and pack a launch once (arguments in declaration order); returns `launch(stream)` for hot paths whose
+        arguments never change. The named `prepare` calls it."""
         grid, block = _dim3(grid), _dim3(block)
         buffer = _ArgBuffer(self._struct, self._offsets)
         self._pack_into(buffer, args)

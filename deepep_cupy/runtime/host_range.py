@@ -3,12 +3,12 @@
 [seq, lo, hi] into host-mapped memory; the host polls the sequence number. Used by the CPU-sync dispatch (top-k
 ids) and by engram_fetch (indices), which raise before their communication kernels run."""
 
-import time
 from typing import Callable, Tuple
 
 import numpy as np
 
 from ..jit.launch import PTR, KernelSpec, Param
+from .polling import wait_until
 
 RANGE_THREADS = 1024     # kernels_cu/common/value_range.cuh kRangeThreads
 
@@ -37,18 +37,14 @@ class HostRange:
         self.seq = seq = self.seq % 0x7FFFFFFF + 1
         values = self.values
         values[0] = 0
-        kernel.launch(1, RANGE_THREADS, (ptr, num_values, self.address, seq), stream=stream)
+        kernel.launch(1, RANGE_THREADS, stream=stream, values=ptr, num_values=num_values, host_out=self.address,
+                      seq=seq)
+
+        def timed_out():
+            raise TimeoutError(f'the range check of {what} did not finish within {timeout_secs:g} s '
+                               f'(is earlier work on the current stream hung?)')
 
         def wait() -> Tuple[int, int]:
-            deadline = time.monotonic() + timeout_secs
-            spins = 0
-            while int(values[0]) != seq:
-                spins += 1
-                if spins % 64 == 0:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f'the range check of {what} did not finish within {timeout_secs:g} s '
-                                           f'(is earlier work on the current stream hung?)')
-                    if spins > 4096:
-                        time.sleep(5e-5)
+            wait_until(lambda: int(values[0]) == seq, timeout_secs, timed_out)
             return int(values[1]), int(values[2])
         return wait

@@ -7,7 +7,8 @@ gathers of BF16 tensors of shape (32, 64, 2048), fetches (wait handle + clone) i
 destroy/create, and reduce-scatters (FP32 / BF16 inputs, FP32 / BF16 communication, scales) and all-reduces of random
 sizes whose results are waited for later. Every rank generates every rank's inputs from seeds (numpy, on the host),
 so the references need neither NCCL nor the code under test; gathers must match bit for bit (random bit patterns,
-NaNs included), reductions must equal `deepep_cupy.agrs`'s numpy references (same FP32 order) bit for bit. Then
+NaNs included), reductions must equal the numpy references of `deepep_cupy.features.agrs.reference` (same FP32
+order) bit for bit. Then
 CuPy arrays, argument errors, a size mismatch and a missing rank (reported as `TimeoutError`), and the performance
 sweep 1 MiB … 64 MiB per rank: all-gather `GB/s = bytes · R · inflight / avg_t` (DeepEP's formula) and reductions
 `GB/s = input bytes per rank / t`, next to NCCL's all-gather / reduce-scatter / all-reduce measured in the same run
@@ -23,9 +24,9 @@ import traceback
 import numpy as np
 import torch
 
-from .. import agrs
-from ..agrs import AGRSMixin
-from ..buffer_base import BufferBase
+from .. import ElasticBuffer
+from ..features.agrs import kernels as agrs_kernels
+from ..features.agrs import reference as agrs_reference
 from ..utils.envs import init_dist
 from ..utils.testing import bench, flush_l2_cache
 from .common import Failure, check, expect_error
@@ -36,16 +37,9 @@ MiB = 1 << 20
 DEVICE = 'cuda'
 
 
-class AGRSBuffer(BufferBase, AGRSMixin):
-    """A plain buffer with the all-gather / reduce-scatter feature (until ElasticBuffer carries the mixin)."""
-
-
 def make_buffer(group, num_bytes: int, **kwargs):
-    """`deepep_cupy.ElasticBuffer` when it has `all_gather`, else `AGRSBuffer`."""
-    import deepep_cupy
-    if hasattr(deepep_cupy.ElasticBuffer, 'all_gather'):
-        return deepep_cupy.ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=True, **kwargs)
-    return AGRSBuffer(group=group, num_bytes=num_bytes, explicitly_destroy=True, **kwargs)
+    """The buffer under test: an `ElasticBuffer`."""
+    return ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=True, **kwargs)
 
 
 def sync(buf):
@@ -78,7 +72,7 @@ def gather_input(seed: int, iteration: int, op: int, rank: int, shape) -> torch.
 def reduce_input(seed: int, iteration: int, op: int, rank: int, num_elems: int, bf16: bool) -> np.ndarray:
     """Normal values, float32 or bfloat16 bits (uint16)."""
     x = np.random.default_rng([seed, iteration, op, rank, 2]).standard_normal(num_elems, dtype=np.float32)
-    return agrs.f32_to_bf16_bits(x) if bf16 else x
+    return agrs_reference.f32_to_bf16_bits(x) if bf16 else x
 
 
 def to_device(a: np.ndarray) -> torch.Tensor:
@@ -92,7 +86,8 @@ def reduction_params(rng: random.Random, num_ranks: int) -> dict:
     kind = rng.choice(('rs', 'ar'))
     if kind == 'rs':
         return {'kind': 'rs', 'num_elems': num_ranks * 8 * rng.randint(1, 6000), 'bf16_input': rng.random() < 0.3,
-                'comm_precision': rng.choice(agrs.COMM_PRECISIONS), 'scale': rng.choice((1.0, 0.5, 1 / num_ranks, 3.0)),
+                'comm_precision': rng.choice(agrs_kernels.COMM_PRECISIONS),
+                'scale': rng.choice((1.0, 0.5, 1 / num_ranks, 3.0)),
                 'two_dim': rng.random() < 0.5}
     return {'kind': 'ar', 'num_elems': rng.randint(1, 100_000), 'scale': rng.choice((1.0, 1 / num_ranks, 0.1))}
 
@@ -199,11 +194,11 @@ def run_stress(buf, args, iteration: int) -> int:
         if p['kind'] == 'rs':
             inputs = [reduce_input(args.seed, iteration, 1000 + rid, r, p['num_elems'], p['bf16_input'])
                       for r in range(num_ranks)]
-            want = agrs.reduce_scatter_reference(inputs, rank, p['comm_precision'], p['scale'])
+            want = agrs_reference.reduce_scatter_reference(inputs, rank, p['comm_precision'], p['scale'])
         else:
             inputs = [reduce_input(args.seed, iteration, 1000 + rid, r, p['num_elems'], False)
                       for r in range(num_ranks)]
-            want = agrs.all_reduce_reference(inputs, p['scale'])
+            want = agrs_reference.all_reduce_reference(inputs, p['scale'])
         check_bits(got.reshape(-1), to_device(want), f'rank {rank}: {p} mismatch at seed={args.seed}, '
                                                      f'iteration={iteration}, reduction={rid}')
     return num_gathers + len(reduction_results)
@@ -225,13 +220,13 @@ def test_cupy(buf, args):
     inputs = [reduce_input(args.seed, 0, 99, r, num_ranks * 1024, False) for r in range(num_ranks)]
     out = buf.reduce_scatter(cupy.asarray(inputs[rank]), comm_precision='bf16', scale=0.25).wait()
     check(isinstance(out, cupy.ndarray) and out.dtype == np.float32, 'CuPy reduce_scatter output type')
-    want = agrs.reduce_scatter_reference(inputs, rank, 'bf16', 0.25)
+    want = agrs_reference.reduce_scatter_reference(inputs, rank, 'bf16', 0.25)
     check(np.array_equal(cupy.asnumpy(out).view(np.uint32), want.view(np.uint32)),
           f'rank {rank}: CuPy reduce_scatter mismatch')
     y = cupy.asarray(inputs[rank][:3001])
     got = buf.all_reduce(y).wait()
     check(got is y, 'all_reduce returns its input')
-    want = agrs.all_reduce_reference([a[:3001] for a in inputs])
+    want = agrs_reference.all_reduce_reference([a[:3001] for a in inputs])
     check(np.array_equal(cupy.asnumpy(y).view(np.uint32), want.view(np.uint32)),
           f'rank {rank}: CuPy all_reduce mismatch')
 
@@ -444,11 +439,11 @@ def main(argv=None) -> int:
     shared = None
     try:
         if not args.skip_check:
-            session = AGRSMixin.get_agrs_num_max_session_bytes(group, [STRESS_SHAPE] * inflight, torch.bfloat16)
-            reduce_bytes = max(AGRSMixin.get_agrs_reduce_num_bytes(group, 100_000, 'all_reduce'),
-                               AGRSMixin.get_agrs_reduce_num_bytes(group, num_ranks * 8 * 6000, 'reduce_scatter'))
+            session = ElasticBuffer.get_agrs_num_max_session_bytes(group, [STRESS_SHAPE] * inflight, torch.bfloat16)
+            reduce_bytes = max(ElasticBuffer.get_agrs_reduce_num_bytes(group, 100_000, 'all_reduce'),
+                               ElasticBuffer.get_agrs_reduce_num_bytes(group, num_ranks * 8 * 6000, 'reduce_scatter'))
             t0 = time.perf_counter()
-            buf = make_buffer(group, AGRSMixin.get_agrs_buffer_size_hint(group, session, reduce_bytes), **timeouts)
+            buf = make_buffer(group, ElasticBuffer.get_agrs_buffer_size_hint(group, session, reduce_bytes), **timeouts)
             buf.agrs_set_config(session, inflight, num_sms=args.num_sms)
             shared = buf.topology.num_ranks_per_gpu() > 1
             log(f'[init] {num_ranks} ranks, {buf.topology.num_ranks_per_gpu()} per GPU, {type(buf).__name__} of '
@@ -484,9 +479,9 @@ def main(argv=None) -> int:
 
     if ok and not args.skip_perf_test:
         shape = (2 ** 25,)
-        session = AGRSMixin.get_agrs_num_max_session_bytes(group, [shape] * inflight, torch.bfloat16)
-        reduce_bytes = AGRSMixin.get_agrs_reduce_num_bytes(group, 2 ** 24, 'all_reduce')
-        buf = make_buffer(group, AGRSMixin.get_agrs_buffer_size_hint(group, session, reduce_bytes), **timeouts)
+        session = ElasticBuffer.get_agrs_num_max_session_bytes(group, [shape] * inflight, torch.bfloat16)
+        reduce_bytes = ElasticBuffer.get_agrs_reduce_num_bytes(group, 2 ** 24, 'all_reduce')
+        buf = make_buffer(group, ElasticBuffer.get_agrs_buffer_size_hint(group, session, reduce_bytes), **timeouts)
         try:
             buf.agrs_set_config(session, inflight, num_sms=args.num_sms)
             shared = buf.topology.num_ranks_per_gpu() > 1

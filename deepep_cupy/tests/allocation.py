@@ -18,33 +18,21 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ..allocator import BufferAllocator, Placeholder, get_num_allocation_alignment
-from ..buffer_base import BufferBase
-from ..engram import EngramMixin
-from ..lb import LBMixin
+from .. import BufferBase, ElasticBuffer
+from ..buffers.allocator import BufferAllocator, Placeholder, get_num_allocation_alignment
 from ..runtime import interop
 from ..utils.envs import init_dist
 from ..utils.testing import bench
 from .common import Failure, check, expect_error, log  # noqa: F401  (re-exported for engram/reduce_grads)
 
-_FEATURE_METHODS = ('engram_write', 'engram_fetch', 'lb_set_plan', 'lb_prefetch_weights', 'lb_reduce_grads')
-
-
-class _EngramLBBuffer(BufferBase, EngramMixin, LBMixin):
-    """A buffer with the engram and load-balancing features, for when `ElasticBuffer` does not have them yet."""
-
 
 def make_buffer(group, num_bytes: int, num_gpu_timeout_secs: float = 100, **kwargs):
-    """The buffer of the engram / load-balancing rank programs: `deepep_cupy.ElasticBuffer` when it has the
-    features, else a `BufferBase` with the two mixins. `num_bytes` is rounded up to 2 MiB."""
-    import deepep_cupy
+    """The buffer of the engram / load-balancing rank programs: an `ElasticBuffer`. `num_bytes` is rounded up to
+    2 MiB."""
     alignment = get_num_allocation_alignment()
     num_bytes = max(alignment, (num_bytes + alignment - 1) // alignment * alignment)
-    cls = deepep_cupy.ElasticBuffer
-    if not all(hasattr(cls, m) for m in _FEATURE_METHODS):
-        cls = _EngramLBBuffer
-    return cls(group=group, num_bytes=num_bytes, num_gpu_timeout_secs=num_gpu_timeout_secs, explicitly_destroy=True,
-               **kwargs)
+    return ElasticBuffer(group=group, num_bytes=num_bytes, num_gpu_timeout_secs=num_gpu_timeout_secs,
+                         explicitly_destroy=True, **kwargs)
 
 
 def parse_num_bytes(text: str) -> int:
@@ -64,7 +52,7 @@ def peer_copy_floor(group, send_bytes: List[int], num_sms: int) -> Optional[floa
     floor any NVLink kernel moving the same bytes is compared with), or None when no rank sends anything."""
     import cupy
 
-    from ..peer_copy import PeerCopy
+    from ..features.peer_copy import PeerCopy
     me = group.rank
     cross = [0 if p == me else (b + 15) // 16 * 16 for p, b in enumerate(send_bytes)]
     stride = max(group.allgather_object(max(cross)))

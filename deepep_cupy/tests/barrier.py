@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from ..barrier import TEST_CHECK_OFFSET, all_specs
-from ..buffer_base import BufferBase
+from .. import BufferBase
+from ..features.barrier import TEST_CHECK_OFFSET, all_specs
 from ..jit import launch
 from ..runtime.group import get_group
 from .common import log
@@ -31,10 +31,11 @@ def test_correctness(buf: BufferBase, num_rounds: int, delay_ns: int) -> int:
     stream = buf.comm_stream
     for i in range(1, num_rounds + 1):
         late = (i % n == r)
-        b.test_write.launch(1, 32, (buf.sym.peer_bases_ptr, TEST_CHECK_OFFSET, r, n, i, delay_ns if late else 0),
-                            stream=stream)
+        b.test_write.launch(1, 32, stream=stream, peer_bases=buf.sym.peer_bases_ptr, check_offset=TEST_CHECK_OFFSET,
+                            rank=r, num_ranks=n, value=i, delay_ns=delay_ns if late else 0)
         b(stream)
-        b.test_check.launch(1, 32, (buf.sym.peer_bases_ptr, TEST_CHECK_OFFSET, r, n, i, mismatches), stream=stream)
+        b.test_check.launch(1, 32, stream=stream, peer_bases=buf.sym.peer_bases_ptr, check_offset=TEST_CHECK_OFFSET,
+                            rank=r, num_ranks=n, value=i, num_mismatches=mismatches)
         b(stream)
     buf.synchronize()
     return int(mismatches.get()[0])

@@ -19,7 +19,7 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-from ..engram import storage_size_hint
+from ..features.engram.plan import storage_size_hint
 from ..utils.testing import bench, bench_kineto
 from .allocation import expect_error, log, make_buffer, nccl_all_to_all, peer_copy_floor, ranks_share_gpu
 from .common import Failure, check, check_equal

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from ..ep.buffer import ElasticBuffer
+from .. import ElasticBuffer
 from ..utils import gate, refs
 from ..utils.envs import init_dist
 from ..utils.math import align, per_token_cast_to_fp8
@@ -282,6 +282,9 @@ def test_misc(buf: ElasticBuffer, case: Case):
     check(buf.get_logical_domain_size() == (1, case.num_ranks), 'get_logical_domain_size')
     num_sms = buf.get_theoretical_num_sms(case.E, case.K)
     check(2 <= num_sms <= 132 and num_sms % 2 == 0, f'get_theoretical_num_sms {num_sms}')
+    check(buf.num_allocated_qps == 17 and buf.get_theoretical_num_qps(num_sms) == min(num_sms, 9),
+          f'QPs: {buf.num_allocated_qps} allocated, {buf.get_theoretical_num_qps(num_sms)} for {num_sms} SMs')
+    buf.barrier(sequential=False)
     hint = ElasticBuffer.get_buffer_size_hint(buf.group, case.M, case.H, case.K)
     check(hint % (2 << 20) == 0 and hint <= buf.num_bytes or case.K < buf.num_topk, 'get_buffer_size_hint')
     import deepep_cupy
@@ -297,6 +300,8 @@ def test_misc(buf: ElasticBuffer, case: Case):
             check(sms >= min(64, other.num_device_sms), f'prefer_overlap_with_compute=False gives {sms} SMs')
         out = other.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E)
         check_dispatch(case, out, False, 1, False, True, 'EPBuffer dispatch')
+        check(out[3].token_metadata_at_forward is None and out[3].channel_linked_list is None,
+              'EPHandle hybrid-mode fields are None inside one domain')
         try:
             buf.combine(case.combine_x, out[3])
             raise Failure('a handle from another buffer was accepted')

@@ -23,8 +23,8 @@ from typing import List, NamedTuple, Optional
 import numpy as np
 import torch
 
-from ..buffer_base import BufferBase
-from ..pp import PPMixin, get_pp_buffer_size_hint, neighbours
+from .. import ElasticBuffer
+from ..features.pp.plan import get_pp_buffer_size_hint, neighbours
 from ..utils.envs import init_dist
 from ..utils.testing import bench_kineto, sleep_gpu
 from .common import Failure, check
@@ -34,17 +34,9 @@ TIMESTAMP_RANGE = 10 ** 8
 RECV_DELAY_RANGE = 3 * 10 ** 6
 
 
-class PPBuffer(BufferBase, PPMixin):
-    """A buffer with PP only (used until `ElasticBuffer` inherits `PPMixin`)."""
-
-
 def make_buffer(group, num_bytes: int, **kwargs):
-    """The buffer under test: `ElasticBuffer` once it has PP, else `PPBuffer` (same constructor arguments)."""
-    import deepep_cupy
-    if hasattr(deepep_cupy.ElasticBuffer, 'pp_send'):
-        return deepep_cupy.ElasticBuffer(group, num_bytes=num_bytes, allow_hybrid_mode=False, explicitly_destroy=True,
-                                         **kwargs)
-    return PPBuffer(group=group, num_bytes=num_bytes, allow_hybrid_mode=False, explicitly_destroy=True, **kwargs)
+    """The buffer under test: an `ElasticBuffer` over one NVLink domain."""
+    return ElasticBuffer(group, num_bytes=num_bytes, allow_hybrid_mode=False, explicitly_destroy=True, **kwargs)
 
 
 # ---- schedules (pure Python, unit-tested in tests/test_pp_cpu.py) ----------------------------------------------------
@@ -204,7 +196,7 @@ def run_cupy_and_events(buf, rank: int, num_ranks: int) -> None:
     previous_event (torch)."""
     import cupy
     prev_idx, next_idx = neighbours(rank, num_ranks)
-    limit = buf._pp_layout.num_max_tensor_bytes
+    limit = buf._pp.layout.num_max_tensor_bytes
     rows = min(4096, limit // 256)          # the float32 message has 256-byte rows
 
     def payload(src, salt):
@@ -236,7 +228,7 @@ def run_errors(buf, args, rank: int, num_ranks: int) -> List[str]:
     """Invalid calls raise before any kernel runs (the per-pair counters do not move); then a size mismatch is
     reported by the next PP call; a reconfiguration with a message in flight is refused; the buffer keeps working."""
     prev_idx, next_idx = neighbours(rank, num_ranks)
-    limit = buf._pp_layout.num_max_tensor_bytes
+    limit = buf._pp.layout.num_max_tensor_bytes
     good = torch.zeros(1024, dtype=torch.uint8, device='cuda')
     raw = torch.zeros(64, dtype=torch.uint8, device='cuda')
     cases = [
@@ -258,7 +250,7 @@ def run_errors(buf, args, rank: int, num_ranks: int) -> List[str]:
     ]
     if num_ranks >= 4:
         cases.append(('dst not a neighbour', ValueError, lambda: buf.pp_send(good, (rank + 2) % num_ranks)))
-    counts = (dict(buf._pp_num_sent), dict(buf._pp_num_recv))
+    counts = (dict(buf._pp.num_sent), dict(buf._pp.num_recv))
     tried = []
     for name, exc, fn in cases:
         try:
@@ -266,7 +258,7 @@ def run_errors(buf, args, rank: int, num_ranks: int) -> List[str]:
             raise Failure(f'rank {rank}: {name}: no error')
         except exc as e:
             tried.append(f'{name}: {type(e).__name__}: {e}')
-        check((buf._pp_num_sent, buf._pp_num_recv) == counts, f'rank {rank}: {name}: a kernel was launched')
+        check((buf._pp.num_sent, buf._pp.num_recv) == counts, f'rank {rank}: {name}: a kernel was launched')
 
     # Size mismatch: 4096 bytes sent, an 8192-byte tensor receives; reported by the next PP call, nothing copied.
     buf.pp_send(torch.full((4096,), 7, dtype=torch.uint8, device='cuda'), next_idx)
@@ -291,7 +283,7 @@ def run_errors(buf, args, rank: int, num_ranks: int) -> List[str]:
     out = torch.empty_like(good)
     buf.pp_recv(out, prev_idx)
     buf.pp_set_config(4096, 2)
-    check(buf._pp_layout.num_max_inflight_tensors == 2, 'reconfiguration')
+    check(buf._pp.layout.num_max_inflight_tensors == 2, 'reconfiguration')
     buf.pp_set_config(limit, args.num_max_inflight_tensors)
     x = torch.arange(777, dtype=torch.uint8, device='cuda') + rank
     buf.pp_send(x, next_idx)
@@ -334,7 +326,7 @@ def run_timeouts(group, args) -> bool:
 def perf(buf, args, group, shape) -> List[str]:
     """Per-kernel times (profiler) of 1-3 concurrent tensors sent to the next rank and received from the previous one,
     next to the peer-copy floor (the same bytes to the next rank, plain copy kernel) and NCCL send/recv."""
-    from ..peer_copy import PeerCopy
+    from ..features.peer_copy import PeerCopy
     from ..runtime import interop
     rank, num_ranks = group.rank, group.size
     prev_idx, next_idx = neighbours(rank, num_ranks)
@@ -449,7 +441,7 @@ def main(argv=None) -> int:
 
     buf.pp_set_config(num_max_tensor_bytes, args.num_max_inflight_tensors)
     log(f'[init] {num_ranks} ranks, {buf.topology.num_ranks_per_gpu()} per GPU, {type(buf).__name__} of '
-        f'{buf.num_bytes / 2 ** 20:.0f} MiB (PP uses {buf._pp_layout.num_bytes / 2 ** 20:.0f}), ready in '
+        f'{buf.num_bytes / 2 ** 20:.0f} MiB (PP uses {buf._pp.layout.num_bytes / 2 ** 20:.0f}), ready in '
         f'{time.perf_counter() - t0:.2f} s; tensors {list(shape)} bfloat16, {args.num_max_inflight_tensors} in flight')
     try:
         t0 = time.perf_counter()

@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..lb import send_bytes_per_peer
+from ..features.lb.plan import send_bytes_per_peer
 from ..runtime.event import EventOverlap
 from ..utils.envs import get_nvlink_gbs, init_dist
 from ..utils.testing import bench, bench_kineto
@@ -117,7 +117,7 @@ class LBTest:
     """State of one run: the buffer, the planned pools and the local tensors for every hidden size."""
 
     def __init__(self, args, group, op: str):
-        from ..allocator import BufferAllocator
+        from ..buffers.allocator import BufferAllocator
         self.args, self.group, self.op = args, group, op
         self.rank, self.num_ranks = group.rank, group.size
         self.E, self.C = args.num_experts, args.num_redundant_experts
@@ -329,7 +329,7 @@ class LBTest:
 def test_timeout(args, group, op: str) -> bool:
     """The last rank passes the host checks but launches nothing: every other rank must raise TimeoutError naming
     the load-balancing phase and that rank."""
-    from ..allocator import BufferAllocator
+    from ..buffers.allocator import BufferAllocator
     plan = BufferAllocator()
     C, L = args.num_redundant_experts, args.num_experts // group.size
     pool = plan.allocate((C, 64), torch.float32)
@@ -340,7 +340,7 @@ def test_timeout(args, group, op: str) -> bool:
     victim = group.size - 1
     outcome = 'skipped (the missing rank)'
     if group.rank == victim:
-        buf._lb_run = lambda call: EventOverlap(None)
+        buf._lb.run = lambda call: EventOverlap(None)
     try:
         ev = (buf.lb_reduce_grads(pool, local, mapping) if op == 'reduce' else
               buf.lb_prefetch_weights(pool, local, mapping))
@@ -388,7 +388,7 @@ def main(argv=None, op: str = 'reduce') -> int:
     log(group, f'[init] {num_ranks} ranks, {test.buf.topology.num_ranks_per_gpu()} per GPU; {args.num_experts} '
                f'experts ({test.L} local), {test.C} redundant slots per rank; hidden sweep '
                f'{list(CORRECTNESS_HIDDENS)} FP32, perf {test.perf_hidden} FP32 ({args.num_hidden_bytes / 1e6:.1f} MB '
-               f'per expert); {test.num_sms} SMs; LB region {test.buf._lb_num_bytes >> 20} MiB; built in '
+               f'per expert); {test.num_sms} SMs; LB region {test.buf._lb.num_bytes >> 20} MiB; built in '
                f'{time.perf_counter() - t0:.2f} s')
     ok = True
     try:

@@ -19,15 +19,16 @@
 
 namespace deepep {
 
-constexpr uint64_t kCtrlOffset = 8192;
-constexpr uint64_t kNotifyOffset = 65536;
-constexpr uint64_t kChunkSignalOffset = 131072;     // combine chunk signals, up to kChunkSignalBytes
-constexpr uint64_t kChunkSignalBytes = 1 << 20;
+constexpr uint64_t kCtrlOffset = kWsEPCtrlOffset;        // common/workspace.cuh
+constexpr uint64_t kNotifyOffset = kWsEPNotifyOffset;
+constexpr uint64_t kChunkSignalOffset = kWsEPChunkSignalOffset;    // combine chunk signals
+constexpr uint64_t kChunkSignalBytes = kWsEPChunkSignalBytes;
 constexpr int kCtrlNotifyEpoch = 0, kCtrlDataEpoch = 1, kCtrlCombineEpoch = 2;
 constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
 constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;
 constexpr int kCtrlGridCount = 8, kCtrlGridGen = 9;
 constexpr int kSigNotify = 64, kSigData = 96, kSigDataConsumed = 128, kSigCombine = 160, kSigCombineConsumed = 192;
+static_assert((kSigCombineConsumed + 32) * 4 <= kWsEPCtrlBytes, "EP control words overflow their workspace region");
 
 struct Peers {
     const uint64_t* bases;   // device table of peer base addresses
@@ -207,6 +208,30 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int num_by
     }
 }
 
+// Grid-strided copy of `num_vectors` 16-byte vectors: the thread `tid` of `num_threads` takes vectors tid,
+// tid + num_threads, ... and keeps kUnroll loads in flight before its stores (a load followed at once by its store
+// leaves the copy latency-bound). `load(i)` returns vector i, `store(i, v)` writes it; they pick the cache policy and
+// the destination(s).
+template <int kUnroll, typename Load, typename Store>
+__device__ __forceinline__ void grid_stride_copy(int64_t num_vectors, int64_t tid, int64_t num_threads,
+                                                 const Load& load, const Store& store) {
+    for (int64_t base = tid; base < num_vectors; base += num_threads * kUnroll) {
+        Vec16 v[kUnroll];
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = base + u * num_threads;
+            if (i < num_vectors)
+                v[u] = load(i);
+        }
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = base + u * num_threads;
+            if (i < num_vectors)
+                store(i, v[u]);
+        }
+    }
+}
+
 // ---- bfloat16 ---------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float bf16_lo(uint32_t packed) { return __uint_as_float(packed << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t packed) { return __uint_as_float(packed & 0xffff0000u); }
@@ -230,6 +255,87 @@ __device__ __forceinline__ Vec16 round_bf16x8(const float (&acc)[8]) {
     return {pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
             pack_bf16x2(acc[6], acc[7])};
 }
+
+// ---- top-k buckets ------------------------------------------------------------------------------------------------
+// The EP kernels are compiled for a top-k bucket kMaxTopk (1, 2, 4, 8, 16 or 32; deepep_cupy/features/ep/kernels.py
+// topk_bucket) and take the exact top-k, 1 <= num_topk <= kMaxTopk, at run time: per-slot arrays and unrolled loops
+// span the bucket, and slots k >= num_topk hold no expert (lane k of a warp holds -1 there, and its bit is clear in
+// every per-slot ballot), so they change nothing. Every stride and size uses num_topk.
+
+// The destination ranks of one token in order of first top-k appearance: a token's combine slots (local reduce) are
+// numbered in this order, by the dispatch epilogue (metadata column 1) and by the origin of the combine alike. Lane
+// k < num_topk holds `owner`, the rank owning top-k slot k's expert (-1: none); lanes k >= num_topk hold -1. Every
+// lane of the warp calls it.
+struct TopkOwners {
+    bool first;        // this lane's slot is its owner's first
+    bool last;         // this lane's slot is its owner's last (a rank's reduced row enters the origin's sum there)
+    int first_k;       // the first slot of this lane's owner (this lane without an owner)
+    uint32_t firsts;   // lanes holding their owner's first slot
+    // The combine slot of the owner whose first top-k slot is `k`: the number of distinct owners before it.
+    __device__ __forceinline__ int ordinal(int k) const { return __popc(firsts & ((1u << k) - 1)); }
+};
+
+template <int kMaxTopk>
+__device__ __forceinline__ TopkOwners topk_owners(int owner, int lane, int num_topk) {
+    TopkOwners o{owner >= 0, owner >= 0, lane, 0u};
+    for (int k2 = 0; k2 < kMaxTopk; ++k2) {
+        const int o2 = __shfl_sync(0xffffffffu, owner, k2);
+        if (o2 == owner && owner >= 0) {
+            if (k2 < lane) {
+                o.first = false;
+                o.first_k = min(o.first_k, k2);
+            }
+            if (k2 > lane)
+                o.last = false;
+        }
+    }
+    o.firsts = __ballot_sync(0xffffffffu, o.first && lane < num_topk);
+    return o;
+}
+
+// A rank's reduced partial of one token, 16 bytes (8 elements) at chunk c: the bfloat16 rows of x picked by `mask`
+// (bit k: top-k slot k; row_of(k) its row of x, every bit at or above num_topk clear) summed in FP32 in ascending k,
+// rounded to bfloat16 once. The combine's senders send it; the origin computes its own partial with it: both sides
+// agree bit for bit. `mask` is warp-uniform (row_of may shuffle).
+template <int kMaxTopk, typename RowOf>
+__device__ __forceinline__ Vec16 sum_local_rows(const uint8_t* x, int row_bytes, int c, uint32_t mask,
+                                                const RowOf& row_of) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // Loads in batches of 8 rows before the additions (kept in ascending k order).
+    #pragma unroll
+    for (int k0 = 0; k0 < kMaxTopk; k0 += 8) {
+        Vec16 v[8];
+        #pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (k0 + u < kMaxTopk && ((mask >> (k0 + u)) & 1u))
+                v[u] = ld_nc_v4(x + static_cast<int64_t>(row_of(k0 + u)) * row_bytes + c * 16);
+        #pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (k0 + u < kMaxTopk && ((mask >> (k0 + u)) & 1u))
+                add_bf16x8(acc, v[u]);
+    }
+    return round_bf16x8(acc);
+}
+
+// Combine slots at a token's origin (ep_combine.cu): [token][num_slots] rows of [hidden bfloat16, padded to 16 bytes |
+// num_topk float32 weights, padded to 16 bytes]. deepep_cupy/features/ep/layout.py combine_slot_bytes is the host's
+// copy of the row size.
+struct CombineSlots {
+    int num_slots;
+    int weights_offset;    // bytes from a slot's start to its weights
+    int bytes;             // bytes per slot
+    __device__ __forceinline__ CombineSlots(int num_slots_, int hidden, int num_topk)
+        : num_slots(num_slots_), weights_offset((hidden * 2 + 15) / 16 * 16),
+          bytes((hidden * 2 + 15) / 16 * 16 + (4 * num_topk + 15) / 16 * 16) {}
+    // Slot `s` of token `t` in the slot area starting at `slots`.
+    __device__ __forceinline__ uint8_t* slot(uint8_t* slots, int t, int s) const {
+        return slots + (static_cast<int64_t>(t) * num_slots + s) * bytes;
+    }
+    // The first slot of token `t`.
+    __device__ __forceinline__ const uint8_t* token(const uint8_t* slots, int t) const {
+        return slots + static_cast<int64_t>(t) * num_slots * bytes;
+    }
+};
 
 // ---- dispatch message layout ------------------------------------------------------------------------------------
 // [src token index | global expert ids (K) | weights (K) | position among the source's tokens of that expert (K)]

@@ -4,11 +4,12 @@
 // host-mapped memory is only written with plain stores.
 #pragma once
 #include "common/sync.cuh"
+#include "common/workspace.cuh"
 
 namespace deepep {
 
-// Byte offset of the claim word inside every rank's symmetric workspace (deepep_cupy/buffer_base.py mirrors it).
-constexpr uint64_t kErrorClaimOffset = 512;
+// Byte offset of the claim word inside every rank's symmetric workspace (common/workspace.cuh).
+constexpr uint64_t kErrorClaimOffset = kWsErrorClaimOffset;
 
 struct ErrorSink {
     int32_t* claim;    // device memory, local
@@ -62,6 +63,31 @@ __device__ __forceinline__ bool wait_epoch(const uint32_t* flag, uint32_t target
                 return false;
         }
     }
+}
+
+// Epoch exchange with one peer, the handshake of the barrier, the peer copy, engram and load balancing: this rank
+// announces `epoch` in slot [rank] of `peer`'s uint32 signal array (release store, system scope: it publishes
+// everything this rank wrote before, earlier kernels on its stream included), then waits (acquire, bounded, reported
+// as (phase, rank, peer, epoch, last seen, aux)) until `peer` announced `epoch` in slot [peer] of this rank's array.
+// Returns false on a timeout. The array sits at byte `signal_offset` of every rank's symmetric buffer.
+__device__ __forceinline__ bool exchange_epoch(const uint64_t* peer_bases, uint64_t signal_offset, int rank, int peer,
+                                               uint32_t epoch, uint64_t timeout_ns, const ErrorSink& sink, int phase,
+                                               int aux = 0) {
+    st_release_sys(reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(peer_bases[peer]) + signal_offset) + rank,
+                   epoch);
+    return wait_epoch(reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(peer_bases[rank]) +
+                                                        signal_offset) + peer,
+                      epoch, timeout_ns, sink, phase, rank, peer, aux);
+}
+
+// The same with the two arrays given (`peer_signals` in `peer`'s buffer, `my_signals` in this rank's), for kernels
+// without an error sink at hand: it is made (one read of the peer table) after the announcement.
+__device__ __forceinline__ bool exchange_epoch(uint32_t* peer_signals, const uint32_t* my_signals, int rank, int peer,
+                                               uint32_t epoch, uint64_t timeout_ns, const uint64_t* peer_bases,
+                                               int32_t* error_record, int phase, int aux = 0) {
+    st_release_sys(peer_signals + rank, epoch);
+    return wait_epoch(my_signals + peer, epoch, timeout_ns, make_error_sink(peer_bases, rank, error_record), phase,
+                      rank, peer, aux);
 }
 
 }  // namespace deepep

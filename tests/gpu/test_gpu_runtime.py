@@ -49,17 +49,18 @@ def test_event_overlap_waits_and_runs_hook_once():
 
 
 def test_cooperative_grid_too_large_is_rejected():
-    from deepep_cupy import barrier
+    from deepep_cupy.features import barrier
     from deepep_cupy.jit.launch import load_kernel
     k = load_kernel(barrier.TEST_WRITE)
     with pytest.raises(ValueError, match='cooperative grid'):
-        k.launch(1_000_000, 32, (0, 0, 0, 1, 0, 0), cooperative=True)
+        k.launch(1_000_000, 32, cooperative=True, peer_bases=0, check_offset=0, rank=0, num_ranks=1, value=0,
+                 delay_ns=0)
 
 
 def test_single_rank_buffer_barrier_and_memory_returns():
     import cupy
 
-    from deepep_cupy.buffer_base import BufferBase
+    from deepep_cupy import BufferBase
     free0 = cupy.cuda.runtime.memGetInfo()[0]
     for _ in range(10):
         buf = BufferBase(num_bytes=64 << 20, explicitly_destroy=True)
@@ -74,8 +75,33 @@ def test_single_rank_buffer_barrier_and_memory_returns():
     assert abs(free0 - free1) < (32 << 20), (free0, free1)
 
 
+def test_dropped_buffer_frees_its_memory():
+    """explicitly_destroy=False: a buffer nobody references frees its memory at once (local teardown, no
+    collective); with explicitly_destroy=True only destroy() does."""
+    import gc
+    import weakref
+
+    import cupy
+
+    from deepep_cupy import ElasticBuffer
+    free0 = cupy.cuda.runtime.memGetInfo()[0]
+    for _ in range(5):
+        buf = ElasticBuffer(num_bytes=256 << 20)
+        x = cupy.ones(4096, dtype=cupy.float32)
+        assert buf.all_reduce(x).wait() is x            # a feature component exists
+        buf.barrier(with_cpu_sync=True)
+        ref = weakref.ref(buf)
+        del buf
+        assert ref() is None            # no reference cycle through the features: freed by reference counting
+    gc.collect()
+    free1 = cupy.cuda.runtime.memGetInfo()[0]
+    assert abs(free0 - free1) < (128 << 20), (free0, free1)
+    kept = ElasticBuffer(num_bytes=256 << 20, explicitly_destroy=True)
+    kept.destroy()
+
+
 def test_bad_buffer_arguments():
-    from deepep_cupy.buffer_base import BufferBase
+    from deepep_cupy import BufferBase
     with pytest.raises(ValueError, match='multiple of 2097152'):
         BufferBase(num_bytes=1000)
     with pytest.raises(TypeError, match='num_bytes must be an int'):

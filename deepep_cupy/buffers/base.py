@@ -2,36 +2,27 @@
 
 Builds, in order: the host process group, a configuration check across ranks (before any CUDA work, so a
 misconfigured rank fails with a clear error on every rank instead of hanging), the rank → GPU binding, the topology,
-the symmetric memory `[workspace | num_bytes]`, a host-mapped error record, the communication stream and the GPU
-barrier (compiled here, never inside a timed or collective region).
+the symmetric memory `[workspace | num_bytes]`, a host-mapped area (error record and the records the host polls), the
+communication stream and the GPU barrier (compiled here, never inside a timed or collective region). The map of the
+workspace and of the host-mapped area is kernels_cu/common/workspace.cuh (mirrored by runtime/workspace.py).
 """
 
 from typing import Any, Dict, Optional
 
-from .barrier import Barrier
-from .constants import BUFFER_ALIGNMENT
-from .runtime import errors, interop
-from .runtime.event import EventHandle
-from .runtime.group import ProcessGroup, get_group
-from .runtime.symmetric import HostMappedMemory, SymmetricMemory
-from .runtime.topology import Topology, detect_topology, select_device
-from .validation import check_int
+from ..constants import BUFFER_ALIGNMENT
+from ..features.barrier import Barrier
+from ..runtime import errors, interop, workspace
+from ..runtime.checks import check_int
+from ..runtime.event import EventHandle
+from ..runtime.group import ProcessGroup, get_group
+from ..runtime.polling import wait_until
+from ..runtime.streams import StreamOrder
+from ..runtime.symmetric import HostMappedMemory, SymmetricMemory
+from ..runtime.topology import Topology, detect_topology, select_device
 
-# The first 2 MiB of every symmetric buffer hold signals and small control data. Map (byte offsets; each user
-# documents its words in the file named):
-#   0        barrier epoch and arrivals               kernels_cu/barrier.cu
-#   512      error claim word                         kernels_cu/common/timeout.cuh
-#   4096     barrier test check slots                 kernels_cu/barrier.cu
-#   8192     EP control: epochs, tickets, signals     kernels_cu/common/ep.cuh
-#   16384    peer-copy floor control words            kernels_cu/peer_copy.cu
-#   20480    PP send/recv control words               kernels_cu/pp.cu
-#   24576    all-gather / reduce-scatter sessions     kernels_cu/agrs.cu
-#   28672    engram control words                     kernels_cu/engram.cu
-#   30720    load-balancing control words             kernels_cu/lb.cu
-#   65536    EP notify counts [src][1 + L]            kernels_cu/common/ep.cuh (up to ~33 KB)
-#   131072   EP combine chunk signals [src][chunk]    kernels_cu/ep_combine.cu (up to 1 MiB)
-WORKSPACE_BYTES = BUFFER_ALIGNMENT
-HOST_MAPPED_BYTES = 64 * 1024
+WORKSPACE_BYTES = workspace.WORKSPACE_BYTES
+HOST_MAPPED_BYTES = workspace.HOST_MAPPED_BYTES
+assert WORKSPACE_BYTES == BUFFER_ALIGNMENT
 
 # Communication streams of destroyed buffers, per device, for reuse. Streams are never destroyed: torch may still hold
 # events recorded on them for tensors it frees later (record_stream), and destroying the stream first would make
@@ -58,10 +49,14 @@ class BufferBase:
         num_bytes: bytes of symmetric memory per rank beyond the workspace; a multiple of 2 MiB, the same on every rank.
         allow_hybrid_mode: NVLink inside a scale-up domain and NCCL between domains (False: one direct domain).
         num_cpu_timeout_secs: bound on host waits; num_gpu_timeout_secs: bound on GPU spin-waits.
-        explicitly_destroy: if True, memory is released only by `destroy()` (recommended; destroy is collective).
+        explicitly_destroy: if True, memory is released only by `destroy()` (collective; every rank calls it). If
+            False, a buffer that is garbage-collected frees its own memory (locally, without the other ranks).
         device: CUDA device of this rank (default: `DEEPEP_CUPY_DEVICE`, else local rank modulo the device count).
         config: further settings that must be identical on every rank (checked at construction).
     """
+
+    _destroyed = True           # until construction completes (also for a constructor that raised)
+    explicitly_destroy = True
 
     def __init__(self, group=None, comm=None, num_bytes: int = 0, allow_hybrid_mode: bool = True,
                  num_cpu_timeout_secs: float = 300, num_gpu_timeout_secs: float = 100,
@@ -93,18 +88,20 @@ class BufferBase:
         self.scaleup_rank_idx, self.scaleout_rank_idx = t.scaleup_rank_idx, t.scaleout_rank_idx
 
         self.host_mapped = HostMappedMemory(HOST_MAPPED_BYTES)
-        self.error_record = self.host_mapped.view('int32', errors.ERROR_RECORD_WORDS)
+        self.error_record = self.host_mapped.view('int32', errors.ERROR_RECORD_WORDS,
+                                                  workspace.HOST_ERROR_RECORD.offset)
         try:
             self.sym = SymmetricMemory(self.group, t.scaleup_peers, WORKSPACE_BYTES + num_bytes)
         except BaseException:
             self.host_mapped.free()
             raise
         self.comm_stream = _acquire_stream(self.device)
+        self.stream_order = StreamOrder(self.comm_stream)
         self._barrier = Barrier(self.sym, self.host_mapped.ptr, self.timeout_ns, with_tests=True)
         # Between scale-up domains the barrier goes through NCCL (an all-reduce of one word on the same stream).
         self.nccl = None
         if self.num_scaleout_ranks > 1:
-            from .runtime.nccl import create_nccl_comm
+            from ..runtime.nccl import create_nccl_comm
             self.nccl = create_nccl_comm(self.group)
             self._nccl_word = cupy.zeros(1, dtype=cupy.int32)
         self.num_device_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
@@ -150,6 +147,14 @@ class BufferBase:
                                f'{owner} needs a buffer of its own')
         self._data_region_owner = owner
 
+    def is_usable(self) -> bool:
+        """Neither destroyed nor failed (without looking at the error record)."""
+        return not self._destroyed and self._failed is None
+
+    def fail(self, reason: str) -> None:
+        """Mark the buffer unusable (a wait timed out): every later call raises `RuntimeError` with `reason`."""
+        self._failed = reason
+
     def check_usable(self) -> None:
         """Raise if the buffer was destroyed or a GPU wait timed out earlier; check the error record."""
         if self._destroyed:
@@ -162,46 +167,44 @@ class BufferBase:
             self._failed = str(e)
             raise
 
-    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False) -> None:
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """GPU barrier over every rank: the IPC barrier kernel inside the scale-up domain, then (several domains) an
         NCCL all-reduce of one word across all ranks on the same stream. Runs on the communication stream (which
         first waits for the current stream, and which the current stream then waits for) or on the current stream.
-        With `with_cpu_sync` the host also waits, and raises `TimeoutError` on a GPU timeout."""
+        With `with_cpu_sync` the host also waits, and raises `TimeoutError` on a GPU timeout. `sequential` is
+        accepted for DeepEP compatibility (the barrier kernel is one block: always sequential)."""
+        del sequential
         self.check_usable()
         current = interop.current_stream()
-        if use_comm_stream:
-            self.comm_stream.wait_event(current.record())
-            stream = self.comm_stream
-        else:
-            stream = current
+        stream = self.stream_order.begin(current) if use_comm_stream else current
         self._barrier(stream)
         if self.nccl is not None:
             self.nccl.all_reduce(self._nccl_word, self._nccl_word, stream=stream)
             self._barrier(stream)
         if use_comm_stream:
-            current.wait_event(stream.record())
+            self.stream_order.end(current)
         if with_cpu_sync:
             self.synchronize(stream)
 
     def synchronize(self, stream=None) -> None:
         """Wait for `stream` (default: the communication stream) on the host, bounded: raises `TimeoutError` if a
         kernel reported a GPU timeout, or if the stream is still busy after the GPU timeout plus a margin."""
-        import time
         stream = stream or self.comm_stream
         event = stream.record()
-        deadline = time.monotonic() + self.num_gpu_timeout_secs + 30
-        sleep = 1e-5
-        while not event.done:
-            if int(self.error_record[0]) != 0:
-                break
-            if time.monotonic() > deadline:
-                self._failed = 'host wait for the GPU timed out'
-                raise TimeoutError(f'deepep_cupy rank {self.rank_idx}: the GPU did not finish within '
-                                   f'{self.num_gpu_timeout_secs + 30:g} s and reported no timeout')
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 1e-3)
+        limit = self.num_gpu_timeout_secs + 30
+
+        def timed_out():
+            self._failed = 'host wait for the GPU timed out'
+            raise TimeoutError(f'deepep_cupy rank {self.rank_idx}: the GPU did not finish within {limit:g} s and '
+                               f'reported no timeout')
+        # Done, or a kernel reported a timeout (the stream then ends soon: the waits give up).
+        wait_until(lambda: event.done or int(self.error_record[0]) != 0, limit, timed_out, spin=False)
         event.synchronize()
         self.check_usable()
+
+    # Teardown
+    def _destroy_features(self) -> None:
+        """Release what the buffer's features hold (the subclasses' components); local, no collective."""
 
     def destroy(self) -> None:
         """Release all GPU memory (collective: every rank must call it). Idempotent."""
@@ -209,6 +212,7 @@ class BufferBase:
             return
         import cupy
         self._destroyed = True
+        self._destroy_features()
         try:
             cupy.cuda.runtime.deviceSynchronize()
         finally:
@@ -220,7 +224,33 @@ class BufferBase:
             _release_stream(self.device, self.comm_stream)
             self.comm_stream = None
 
+    def _release_local(self) -> None:
+        """Free this rank's memory without the other ranks: wait (bounded by the GPU timeout plus a margin) for the
+        communication stream, then close the peers' mappings and free the own allocation and host-mapped memory.
+        If the stream does not finish, the memory is left allocated rather than freed under a running kernel."""
+        self._destroyed = True
+        self._destroy_features()
+        event = self.comm_stream.record()
+        limit = self.num_gpu_timeout_secs + 30
+
+        def timed_out():
+            raise TimeoutError('the communication stream did not finish')
+        wait_until(lambda: event.done, limit, timed_out, spin=False)
+        if self.nccl is not None:
+            self.nccl.destroy()
+            self.nccl = None
+        self.sym.release_local()
+        self.host_mapped.free()
+        _release_stream(self.device, self.comm_stream)
+        self.comm_stream = None
+
     def __del__(self):
-        # Without explicitly_destroy, memory is reclaimed when the process exits (a collective teardown from a
-        # garbage-collector callback could deadlock, as upstream warns); nothing to do here.
-        pass
+        # With explicitly_destroy, memory is released by the collective destroy() only (a collective teardown from a
+        # garbage-collector callback could deadlock, as upstream warns). Without it, a dropped buffer frees its own
+        # memory here, locally; nothing may raise from a finalizer (the interpreter may be shutting down).
+        if self._destroyed or self.explicitly_destroy:
+            return
+        try:
+            self._release_local()
+        except Exception:
+            pass

@@ -15,7 +15,8 @@ Symmetric buffer of a rank: `[workspace (2 MiB) | dispatch receive slots | combi
 
 from dataclasses import dataclass
 
-from ..constants import BUFFER_ALIGNMENT
+from ...constants import BUFFER_ALIGNMENT
+from ...runtime.sizes import align, ceil_div
 
 # The notify kernel handles this many tokens per block (a warp per 32 tokens).
 NOTIFY_TOKENS_PER_BLOCK = 256
@@ -23,14 +24,6 @@ NUM_MAX_TOPK = 32
 NUM_MAX_LOCAL_EXPERTS = 1024
 # Scale factors: one 4-byte element per 128 channels at most (float32 scales; packed UE8M0 needs fewer).
 SF_GROUP = 128
-
-
-def align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-def ceil_div(x: int, a: int) -> int:
-    return (x + a - 1) // a
 
 
 def meta_bytes(num_topk: int) -> int:
@@ -43,6 +36,8 @@ def message_bytes(hidden_bytes: int, num_sf: int, num_topk: int) -> int:
 
 
 def combine_slot_bytes(hidden: int, num_topk: int) -> int:
+    """Bytes of one combine slot: `[hidden bfloat16 | num_topk float32 weights]`, each part padded to 16 bytes (the
+    kernels' `CombineSlots`, kernels_cu/common/ep.cuh)."""
     return align(2 * hidden, 16) + align(4 * num_topk, 16)
 
 

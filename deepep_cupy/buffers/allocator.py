@@ -13,7 +13,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .constants import BUFFER_ALIGNMENT
+from ..constants import BUFFER_ALIGNMENT
+from ..runtime import dtypes
+from ..runtime.sizes import align
 
 TMA_ALIGNMENT = 32
 RDMA_ALIGNMENT = 64
@@ -34,14 +36,6 @@ def get_num_rdma_alignment() -> int:
     return RDMA_ALIGNMENT
 
 
-def _align(x: int, y: int) -> int:
-    return (x + y - 1) // y * y
-
-
-# CuPy spellings of the dtypes CuPy lacks (as in runtime/interop.py).
-_CUPY_DTYPES = {'bfloat16': np.uint16, 'float8_e4m3fn': np.uint8, 'float8_e5m2': np.uint8}
-
-
 def _is_torch_dtype(dtype: Any) -> bool:
     import sys
     torch = sys.modules.get('torch')
@@ -49,8 +43,8 @@ def _is_torch_dtype(dtype: Any) -> bool:
 
 
 def _numpy_dtype(dtype: Any) -> np.dtype:
-    if isinstance(dtype, str) and dtype in _CUPY_DTYPES:
-        return np.dtype(_CUPY_DTYPES[dtype])
+    if isinstance(dtype, str) and dtype in dtypes.CUPY_STORAGE:
+        return np.dtype(dtypes.CUPY_STORAGE[dtype])
     try:
         return np.dtype(dtype)
     except TypeError:
@@ -109,7 +103,7 @@ class BufferAllocator:
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f'shape must have non-negative sizes, got {shape}')
-        offset = _align(self._end, self.alignment)
+        offset = align(self._end, self.alignment)
         numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if _is_torch_dtype(dtype):
             import torch
@@ -128,7 +122,7 @@ class BufferAllocator:
     @property
     def num_bytes(self) -> int:
         """Bytes the plan needs: the end of the last tensor rounded up to the alignment (0 for an empty plan)."""
-        return _align(self._end, self.alignment)
+        return align(self._end, self.alignment)
 
     @property
     def allocations(self) -> Tuple[Allocation, ...]:
@@ -159,7 +153,7 @@ class BufferAllocator:
             the materialised tensors in allocation order: the torch placeholders themselves (swapped in place; if the
             swap is refused, the new views instead) and the CuPy views.
         """
-        from .runtime import interop
+        from ..runtime import interop
         if self._materialized:
             raise RuntimeError('BufferAllocator.materialize may be called once per plan')
         info = interop.tensor_info(storage, 'storage')

@@ -7,11 +7,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .jit.launch import PTR, KernelSpec, Param, load_kernels
+from ..jit.launch import PTR, KernelSpec, Param, load_kernels
+from ..runtime import workspace
 
 # Symmetric workspace bytes [CTRL_OFFSET, CTRL_OFFSET + CTRL_BYTES) belong to this kernel (see kernels_cu/peer_copy.cu).
-CTRL_OFFSET = 16384
-CTRL_BYTES = 4096
+CTRL_OFFSET, CTRL_BYTES = workspace.PEER_COPY
 THREADS = 512           # kPeerCopyThreads
 VECTOR_BYTES = 16       # every per-peer byte count, offset and stride is a multiple of this
 
@@ -26,6 +26,11 @@ def peer_copy_spec(num_ranks: int) -> KernelSpec:
 def all_specs(num_ranks: int):
     """Every specialisation of the family a symmetric buffer of `num_ranks` ranks may request."""
     return [peer_copy_spec(num_ranks)]
+
+
+def shipped_specs(max_ranks: int):
+    """Family name → every specialisation for 1 to `max_ranks` ranks."""
+    return {'peer_copy': [peer_copy_spec(n) for n in range(1, max_ranks + 1)]}
 
 
 class PeerCopy:
@@ -67,7 +72,7 @@ class PeerCopy:
         """
         import cupy
 
-        from .runtime import interop
+        from ..runtime import interop
         num_ranks, rank = self.sym.num_peers, self.sym.local_idx
         send_bytes = [int(b) for b in send_bytes]
         if len(send_bytes) != num_ranks or any(b < 0 or b % VECTOR_BYTES for b in send_bytes):
@@ -89,9 +94,10 @@ class PeerCopy:
         if not isinstance(num_sms, int) or num_sms < 1:
             raise ValueError(f'num_sms must be a positive int, got {num_sms!r}')
         send_bytes_dev = cupy.asarray(np.array(cross, dtype=np.int64))
-        launch = self.kernel.prepare(num_sms, THREADS, (src, send_bytes_dev, self.sym.peer_bases_ptr, rank,
-                                                        recv_offset, recv_stride, self.error_record_ptr,
-                                                        self.timeout_ns))
+        launch = self.kernel.prepare(num_sms, THREADS, src=src, send_bytes=send_bytes_dev,
+                                     peer_bases=self.sym.peer_bases_ptr, rank=rank, recv_offset=recv_offset,
+                                     recv_stride=recv_stride, error_record=self.error_record_ptr,
+                                     timeout_ns=self.timeout_ns)
 
         def run(stream):
             launch(stream)

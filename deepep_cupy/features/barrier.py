@@ -1,12 +1,13 @@
-"""Launcher for the GPU barrier kernel family (`kernels_cu/barrier.cu`)."""
+"""The GPU barrier of a symmetric buffer (`kernels_cu/barrier.cu`) and its test kernels."""
 
 import numpy as np
 
-from .jit.launch import PTR, KernelSpec, Param, load_kernels
+from ..jit.launch import PTR, KernelSpec, Param, load_kernels
+from ..runtime import workspace
 
-# Symmetric workspace offsets used by the barrier (inside the buffer's workspace, see buffer_base.py).
-SIGNAL_OFFSET = 0
-TEST_CHECK_OFFSET = 4096
+# Workspace regions of the barrier's epochs and of the test kernels' check slots (common/workspace.cuh).
+SIGNAL_OFFSET = workspace.BARRIER.offset
+TEST_CHECK_OFFSET = workspace.BARRIER_TEST.offset
 
 
 def barrier_spec(num_ranks: int) -> KernelSpec:
@@ -15,10 +16,10 @@ def barrier_spec(num_ranks: int) -> KernelSpec:
         Param('error_record', PTR), Param('timeout_ns', np.uint64)))
 
 
-TEST_WRITE = KernelSpec('barrier', 'deepep::barrier_test_write', (
+TEST_WRITE = KernelSpec('barrier', 'deepep::ring_test_write', (
     Param('peer_bases', PTR), Param('check_offset', np.uint64), Param('rank', np.int32), Param('num_ranks', np.int32),
     Param('value', np.uint32), Param('delay_ns', np.uint64)))
-TEST_CHECK = KernelSpec('barrier', 'deepep::barrier_test_check', (
+TEST_CHECK = KernelSpec('barrier', 'deepep::ring_test_check', (
     Param('peer_bases', PTR), Param('check_offset', np.uint64), Param('rank', np.int32), Param('num_ranks', np.int32),
     Param('value', np.uint32), Param('num_mismatches', PTR)))
 
@@ -26,6 +27,11 @@ TEST_CHECK = KernelSpec('barrier', 'deepep::barrier_test_check', (
 def all_specs(num_ranks: int, with_tests: bool = True):
     """Every specialisation of the family a buffer of `num_ranks` scale-up ranks may request."""
     return [barrier_spec(num_ranks)] + ([TEST_WRITE, TEST_CHECK] if with_tests else [])
+
+
+def shipped_specs(max_ranks: int):
+    """Family name → every specialisation for 1 to `max_ranks` ranks."""
+    return {'barrier': [barrier_spec(n) for n in range(1, max_ranks + 1)] + [TEST_WRITE, TEST_CHECK]}
 
 
 class Barrier:
@@ -39,9 +45,9 @@ class Barrier:
         self.kernel = kernels[barrier_spec(sym.num_peers).name]
         self.test_write = kernels.get(TEST_WRITE.name)
         self.test_check = kernels.get(TEST_CHECK.name)
-
-        self._launch = self.kernel.prepare(1, 32, (self.sym.peer_bases_ptr, SIGNAL_OFFSET, self.sym.local_idx,
-                                                   self.error_record_ptr, self.timeout_ns))
+        self._launch = self.kernel.prepare(1, 32, peer_bases=self.sym.peer_bases_ptr, signal_offset=SIGNAL_OFFSET,
+                                           rank=self.sym.local_idx, error_record=self.error_record_ptr,
+                                           timeout_ns=self.timeout_ns)
 
     def __call__(self, stream):
         self._launch(stream)

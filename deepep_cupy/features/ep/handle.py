@@ -40,6 +40,8 @@ class EPHandle:
         recv_src_metadata: `[rows, num_topk + 2]`, int32: source global token index (`src_rank * M + index`);
             `src_rank * num_topk + combine slot`; per top-k slot the expanded row (expanded mode) or -1.
         dst_buffer_slot_idx: `[num_tokens, num_ranks]`, int32: slot of each token at each destination rank, or -1.
+        token_metadata_at_forward, channel_linked_list: hybrid-mode state of DeepEP; None inside one scale-up domain
+            (always, in this build).
 
     The small per-dispatch arrays (slots, expert positions, the receive layout, the top-k copy) share one
     allocation, the workspace; their tensors are views made on first access (the kernels take addresses), so that
@@ -146,6 +148,14 @@ class EPHandle:
         if self._psum_expert is not None:
             return self._psum_expert
         return self._view(3, (self.num_local_experts,))
+
+    @property
+    def token_metadata_at_forward(self):
+        return None
+
+    @property
+    def channel_linked_list(self):
+        return None
 
     @property
     def num_rows(self) -> int:

@@ -1,0 +1,25 @@
+"""Every kernel specialisation the package can request, by family: each feature contributes its own (CI compiles them
+all for sm_90, tests/test_jit.py)."""
+
+from typing import Dict, List
+
+from ..constants import NUM_MAX_SCALEUP_RANKS
+from ..features import barrier, peer_copy
+from ..features.agrs import kernels as agrs_kernels
+from ..features.engram import plan as engram_plan
+from ..features.ep import kernels as ep_kernels
+from ..features.lb import plan as lb_plan
+from ..features.pp import plan as pp_plan
+from ..jit.launch import KernelSpec
+
+
+def shipped_specs() -> Dict[str, List[KernelSpec]]:
+    """Family name → every `KernelSpec` the library may load (all template arguments it may use)."""
+    n = NUM_MAX_SCALEUP_RANKS
+    specs: Dict[str, List[KernelSpec]] = {}
+    for contribution in (barrier.shipped_specs(n), ep_kernels.shipped_specs(n), peer_copy.shipped_specs(n),
+                         pp_plan.shipped_specs(), agrs_kernels.shipped_specs(n), engram_plan.shipped_specs(n),
+                         lb_plan.shipped_specs(n)):
+        for family, family_specs in contribution.items():
+            specs.setdefault(family, []).extend(family_specs)
+    return specs

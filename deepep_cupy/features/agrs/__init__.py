@@ -1,0 +1,1 @@
+"""All-gather sessions, reduce-scatter and all-reduce inside one NVLink domain."""

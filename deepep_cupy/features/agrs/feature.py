@@ -1,0 +1,403 @@
+"""All-gather sessions, reduce-scatter and all-reduce inside one NVLink domain: the feature of a buffer
+(`kernels_cu/agrs.cu` for the protocols, plan.py for the host bookkeeping, reference.py for the bitwise references).
+
+DeepEP V2's all-gather session API (`agrs_set_config`, `create_agrs_session` / `destroy_agrs_session` /
+`agrs_new_session`, `agrs_get_inplace_tensor`, `all_gather`) and V2.5 BucketBuffer-style `reduce_scatter` /
+`all_reduce`. Copies are SM-driven NVLink stores (upstream uses copy engines); every wait is bounded.
+
+Memory: the data region holds the session area `[0, num_max_session_bytes)` and, after it (4 KiB aligned), the
+reduction area. Sessions are sequential (one open at a time); a session holds at most
+`num_max_all_gathers_per_session` (<= 32) gathered tensors. Reductions never touch the session area, so they may run
+while a session is open. Every rank must make the same calls in the same order with the same sizes; not CUDA-graph
+capturable (epochs are counted on the host).
+"""
+
+import contextlib
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from ...jit.launch import load_kernels
+from ...runtime import checks, dtypes, interop
+from ...runtime.event import EventOverlap, as_event_handle
+from ...runtime.sizes import ceil_div
+from .kernels import (
+    COMM_PRECISIONS,
+    DEFAULT_GATHER_SMS,
+    DEFAULT_REDUCE_SMS,
+    GATHER_UNROLL,
+    GROUP_ELEMS,
+    MAX_GATHERS_PER_SESSION,
+    REDUCE_VARIANTS,
+    THREADS,
+    all_specs,
+    gather_spec,
+    reduce_spec,
+    unpack_spec,
+    wait_spec,
+)
+from .plan import (
+    ReduceLayout,
+    SessionPlan,
+    all_reduce_shard_elems,
+    gather_grid,
+    gather_meta,
+    normalize_shapes,
+    reduce_area_offset,
+    reduce_layout,
+)
+
+DATA_REGION_OWNER = 'all-gather / reduce-scatter'
+
+
+class AGRSWaitHandle:
+    """Returned by `all_gather`: call it (on the stream that will read the outputs) before using the outputs. It
+    launches one small kernel that waits, bounded, until every rank's bytes of that call have arrived."""
+
+    def __init__(self, feature: 'AGRS', session_idx: int, epoch: int, meta: int, like: Any,
+                 keep_alive: Tuple[Any, ...]):
+        self._feature, self._session_idx, self._epoch, self._meta = feature, session_idx, epoch, meta
+        self._like, self._keep_alive = like, keep_alive
+
+    def __call__(self) -> None:
+        st = self._feature
+        buf = st._buf
+        if st.session_idx != self._session_idx or not st.plan.is_open:
+            raise RuntimeError('this all-gather\'s session was destroyed: call the wait handle before '
+                               'destroy_agrs_session() (the outputs are invalid now)')
+        buf.check_usable()
+        stream = interop.current_stream(self._like)
+        st.kernels['wait'].launch(1, 32, stream=stream, peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx,
+                                  epoch=self._epoch, meta=self._meta, error_record=buf.host_mapped.ptr,
+                                  timeout_ns=buf.timeout_ns)
+        self._keep_alive = ()
+
+
+class AGRS:
+    """The all-gather / reduction feature of one buffer: kernels, the session plan, epochs and views of the data
+    region. Creating it claims the data region.
+
+    Args:
+        buf: the buffer (a `BufferBase`); one NVLink domain of 1 to 8 ranks.
+    """
+
+    def __init__(self, buf):
+        buf.check_usable()
+        if buf.num_scaleout_ranks != 1:
+            raise NotImplementedError('all-gather / reduce-scatter need one NVLink (scale-up) domain; this buffer '
+                                      f'spans {buf.num_scaleout_ranks}')
+        buf.claim_data_region(DATA_REGION_OWNER)
+        self._buf = buf
+        self.kernels = self.load_kernels(buf.num_scaleup_ranks)
+        self.plan: Optional[SessionPlan] = None
+        self.session_capacity = 0
+        self.session_idx = 0
+        self.gather_epoch = 0
+        self.reduce_epoch = 0
+        self.num_sms = min(buf.num_device_sms, DEFAULT_GATHER_SMS)
+        self.data_base = buf.sym.base + buf.data_offset
+        self._bytes: Dict[str, Any] = {}
+
+    @staticmethod
+    def load_kernels(num_ranks: int) -> Dict[Any, Any]:
+        loaded = load_kernels(all_specs(num_ranks))
+        kernels = {'gather': loaded[gather_spec(num_ranks).name], 'wait': loaded[wait_spec(num_ranks).name],
+                   'unpack': loaded[unpack_spec(num_ranks).name]}
+        for i, s in REDUCE_VARIANTS:
+            kernels[('reduce', i, s)] = loaded[reduce_spec(num_ranks, i, s).name]
+        return kernels
+
+    def view(self, kind: str, offset: int, num_bytes: int, dtype_name: str, shape: Tuple[int, ...]):
+        """A torch / CuPy array over `num_bytes` bytes of the data region at `offset`, as `dtype_name`, `shape`."""
+        data = self._bytes.get(kind)
+        if data is None:
+            buf = self._buf
+            data = buf.sym.local_view(buf.data_offset, buf.num_bytes) if buf.num_bytes else None
+            if kind == 'torch':
+                data = interop.to_torch(data)
+            self._bytes[kind] = data
+        if kind == 'torch':
+            import torch
+            return data[offset:offset + num_bytes].view(getattr(torch, dtype_name)).view(shape)
+        return data[offset:offset + num_bytes].view(np.dtype(dtype_name)).reshape(shape)
+
+    def destroy(self) -> None:
+        self._bytes = {}
+        if self.plan is not None:
+            self.plan.is_open = False
+
+    # ---- configuration and sessions ------------------------------------------------------------------------------
+    def set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int = 32,
+                   num_sms: int = 0) -> None:
+        """Configure all-gather sessions (collective; ends with a GPU barrier so earlier work is complete everywhere).
+
+        Args:
+            num_max_session_bytes: session area (see `get_agrs_num_max_session_bytes`), at most the buffer's num_bytes.
+            num_max_all_gathers_per_session: tensors one session may gather, 1..32.
+            num_sms: blocks of a gather launch (0: min(device SMs, 32)).
+        """
+        buf = self._buf
+        if self.plan is not None and self.plan.is_open:
+            raise RuntimeError('agrs_set_config: destroy the open all-gather session first')
+        buf.group.check_same('agrs_set_config arguments', (num_max_session_bytes, num_max_all_gathers_per_session,
+                                                          num_sms), timeout=buf.num_cpu_timeout_secs)
+        self.plan = SessionPlan(buf.num_scaleup_ranks, num_max_session_bytes, num_max_all_gathers_per_session)
+        self.session_capacity = num_max_session_bytes
+        self.num_sms = min(num_sms or DEFAULT_GATHER_SMS, buf.num_device_sms)
+        buf.barrier(use_comm_stream=True)
+
+    @staticmethod
+    def check_config(num_bytes: int, num_max_session_bytes: int, num_max_all_gathers_per_session: int,
+                     num_sms: int) -> None:
+        """`agrs_set_config`'s argument checks (before the feature exists: a bad call claims nothing)."""
+        checks.check_int('num_max_session_bytes', num_max_session_bytes)
+        checks.check_int('num_max_all_gathers_per_session', num_max_all_gathers_per_session, 1)
+        checks.check_int('num_sms', num_sms)
+        if num_max_all_gathers_per_session > MAX_GATHERS_PER_SESSION:
+            raise ValueError(f'num_max_all_gathers_per_session must be <= {MAX_GATHERS_PER_SESSION}, '
+                             f'got {num_max_all_gathers_per_session}')
+        if num_max_session_bytes > num_bytes:
+            raise ValueError(f'num_max_session_bytes={num_max_session_bytes} exceeds the buffer\'s num_bytes='
+                             f'{num_bytes}; build it with get_agrs_buffer_size_hint(group, '
+                             f'{num_max_session_bytes})')
+
+    def create_session(self) -> None:
+        """Open a session: gathers reserve regions of the session area one after another (collective in order)."""
+        if self.plan is None:
+            raise RuntimeError('call agrs_set_config(num_max_session_bytes, ...) before creating a session')
+        self._buf.check_usable()
+        self.plan.open()
+        self.session_idx += 1
+
+    def destroy_session(self) -> None:
+        """Close the session: a GPU barrier after the current stream, so no rank still writes into (or reads) the
+        session area when the next session reuses it. The session's outputs are invalid afterwards."""
+        if self.plan is None or not self.plan.is_open:
+            raise RuntimeError('destroy_agrs_session: no all-gather session is open')
+        self.plan.close()
+        self._buf.barrier(use_comm_stream=True)
+
+    @contextlib.contextmanager
+    def new_session(self, enabled: bool = True):
+        """`with buf.agrs_new_session(): ...` creates a session and destroys it on exit (nothing if not `enabled`)."""
+        if not enabled:
+            yield
+            return
+        self.create_session()
+        try:
+            yield
+        finally:
+            if self._buf.is_usable():
+                self.destroy_session()
+            elif self.plan.is_open:
+                self.plan.close()
+
+    def get_inplace_tensor(self, shapes, dtype):
+        """Views of this rank's slot in the next gather region(s): fill them and pass them to `all_gather` in the
+        same order, and no copy of the source is made (zero-copy).
+
+        Args:
+            shapes: one shape, or a sequence of shapes (one view each).
+            dtype: torch dtype (torch views) or numpy dtype (CuPy views; bfloat16 as uint16).
+
+        Returns:
+            a view `[*shape]` (one shape) or a list of views; valid for the open session.
+        """
+        if self.plan is None:
+            raise RuntimeError('call agrs_set_config(...) and create a session first')
+        shape_list, single = normalize_shapes(shapes)
+        kind, name, itemsize = dtypes.describe(dtype)
+        regions = self.plan.peek([math.prod(s) * itemsize for s in shape_list])
+        rank = self._buf.sym.local_idx
+        views = [self.view(kind, r.slot_offset(rank), r.num_bytes, name, s) for r, s in zip(regions, shape_list)]
+        return views[0] if single else views
+
+    # ---- all-gather ----------------------------------------------------------------------------------------------
+    def all_gather(self, tensors):
+        """Gather every rank's tensor(s) into the open session.
+
+        Args:
+            tensors: one tensor or a list of tensors (torch or CuPy, one kind, contiguous, on this rank's GPU; any
+                dtype; 16-byte aligned sizes and sources take the fast path). Every rank passes the same shapes.
+
+        Returns:
+            `(gathered, wait_handle)` for one tensor, `(*gathered, wait_handle)` for a list: each `gathered` is a
+            `[R, *shape]` view into the session buffer (valid until the session is destroyed); call `wait_handle()`
+            on the stream that reads them first.
+        """
+        buf = self._buf
+        if self.plan is None or not self.plan.is_open:
+            raise RuntimeError('all_gather needs an open session: use create_agrs_session() or agrs_new_session()')
+        buf.check_usable()
+        single = not isinstance(tensors, (list, tuple))
+        items = [tensors] if single else list(tensors)
+        if not items:
+            raise ValueError('tensors must be a tensor or a non-empty list of tensors')
+        infos = []
+        for i, t in enumerate(items):
+            info = checks.info(t, 'tensors' if single else f'tensors[{i}]', buf.device)
+            checks.check_contiguous(info, 'tensors' if single else f'tensors[{i}]')
+            if infos:
+                checks.check_same_kind(infos[0].kind, info, f'tensors[{i}]')
+            infos.append(info)
+        sizes = [info.nbytes for info in infos]
+        regions = self.plan.peek(sizes)
+        rank, num_ranks = buf.sym.local_idx, buf.num_scaleup_ranks
+        # A source inside the not yet gathered part of the session area must be its own in-place slot.
+        free_start, free_end = self.data_base + self.plan.used_bytes, self.data_base + self.plan.capacity
+        inplace = []
+        for i, (info, region) in enumerate(zip(infos, regions)):
+            exact = info.nbytes > 0 and info.ptr == self.data_base + region.slot_offset(rank)
+            if not exact and info.nbytes > 0 and info.ptr < free_end and info.ptr + info.nbytes > free_start:
+                raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later gather '
+                                 f'writes; pass the views of agrs_get_inplace_tensor in order, or another tensor')
+            inplace.append(exact)
+
+        regions = self.plan.reserve(sizes)
+        self.gather_epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
+        epoch, meta = self.gather_epoch, gather_meta(regions[-1].end)
+        comm = buf.stream_order.begin(interop.current_stream(items[0]))
+        kernel = self.kernels['gather']
+        for i, (info, region) in enumerate(zip(infos, regions)):
+            aligned = info.nbytes % 16 == 0 and info.ptr % 16 == 0
+            kernel.launch(gather_grid(info.nbytes, aligned, self.num_sms), THREADS, stream=comm, src=info.ptr,
+                          num_bytes=info.nbytes, region_offset=buf.data_offset + region.offset,
+                          peer_bases=buf.sym.peer_bases_ptr, rank=rank, write_local=0 if inplace[i] else 1,
+                          do_signal=1 if i == len(infos) - 1 else 0, epoch=epoch, meta=meta)
+        if infos[0].kind == 'torch':
+            s = interop.torch_stream(comm.ptr)
+            for t, exact in zip(items, inplace):
+                if not exact:
+                    t.record_stream(s)
+        outputs = []
+        for info, region in zip(infos, regions):
+            outputs.append(self.view(info.kind, region.offset, num_ranks * info.nbytes, info.dtype,
+                                     (num_ranks, *info.shape)))
+        handle = AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0],
+                                tuple(t for t, exact in zip(items, inplace) if not exact))
+        return (*outputs, handle)
+
+    # ---- reductions ----------------------------------------------------------------------------------------------
+    def _reduce_area(self, layout: ReduceLayout) -> int:
+        buf = self._buf
+        start = reduce_area_offset(self.session_capacity)
+        if start + layout.num_bytes > buf.num_bytes:
+            raise ValueError(f'this reduction needs {layout.num_bytes} bytes of the reduction area but the buffer has '
+                             f'{max(0, buf.num_bytes - start)} after the session area ({self.session_capacity} bytes); '
+                             f'build it with get_agrs_buffer_size_hint(group, session_bytes, '
+                             f'get_agrs_reduce_num_bytes(...))')
+        return buf.data_offset + start
+
+    def _result(self, kind: str, tensors, result, record: bool = True) -> EventOverlap:
+        """The call's event on the communication stream, keeping `tensors` alive (and, with `record`, marking torch
+        ones as used there); `wait()` returns `result`."""
+        event = self._buf.stream_order.event(kind, tensors if record else (), tensors)
+        event.register_hook_after_wait(lambda: result)
+        return event
+
+    def _launch_reduce(self, kernel_key, x_ptr, out_ptr, layout, scale, area, is_all_reduce, comm) -> int:
+        buf = self._buf
+        # Wraps to 0 like every epoch (wrap-safe compares); skipping 0 would make the next senders wait for a `done`
+        # of epoch 0, which no rank publishes.
+        self.reduce_epoch = (self.reduce_epoch + 1) & 0xFFFFFFFF
+        self.kernels[kernel_key].launch(
+            layout.num_senders + layout.num_reducers, THREADS, stream=comm, cooperative=True, x=x_ptr, out=out_ptr,
+            num_elems=layout.num_elems, shard_elems=layout.shard_elems, chunk_elems=layout.chunk_elems,
+            scale=float(scale), num_senders=layout.num_senders, peer_bases=buf.sym.peer_bases_ptr,
+            rank=buf.sym.local_idx, recv_offset=area, slot_bytes=layout.slot_bytes,
+            gather_offset=area + layout.gather_offset, gather_slot_bytes=layout.gather_slot_bytes,
+            is_all_reduce=int(is_all_reduce), epoch=self.reduce_epoch, error_record=buf.host_mapped.ptr,
+            timeout_ns=buf.timeout_ns)
+        return self.reduce_epoch
+
+    def reduce_scatter(self, x, comm_precision: str = 'fp32', scale: float = 1.0, num_sms: int = 0,
+                       previous_event=None):
+        """Sum every rank's `x` and give rank r the r-th of R equal shards, times `scale`.
+
+        Args:
+            x: `[R * n, ...]` or `[R, ...]` (shard r = the r-th slice along dim 0), float32 or bfloat16 (CuPy:
+                float32 or uint16), contiguous, n elements per shard a multiple of 8, 16-byte aligned.
+            comm_precision: `'fp32'` or `'bf16'` (pieces travel, and enter the sum, rounded to bfloat16);
+                bfloat16 inputs always travel as bfloat16. The sum is FP32 in rank order 0..R-1 (deterministic).
+            scale: multiplies the FP32 sum before the final rounding.
+            num_sms: blocks of the kernel, half senders (at most 32) and half reducers (0: min(device SMs, 64)).
+            previous_event: `EventHandle` the communication stream waits for instead of the current stream.
+
+        Returns:
+            `EventOverlap`; `wait()` makes the current stream wait and returns the shard: `[n]` for 1-D `x`,
+            `[shape[0] / R, ...]` otherwise (`[...]` when shape[0] == R and x has 2+ dims), dtype of `x`.
+        """
+        buf = self._buf
+        buf.check_usable()
+        info = checks.info(x, 'x', buf.device)
+        checks.check_dtype(info, 'x', 'float32', 'bfloat16')
+        checks.check_contiguous(info, 'x')
+        if comm_precision not in COMM_PRECISIONS:
+            raise ValueError(f'comm_precision must be one of {COMM_PRECISIONS}, got {comm_precision!r}')
+        scale = checks.check_finite('scale', scale)
+        checks.check_int('num_sms', num_sms)
+        num_ranks = buf.num_scaleup_ranks
+        if info.ndim == 0 or info.shape[0] % num_ranks:
+            raise ValueError(f'x must have a first dimension divisible by R={num_ranks}, got shape {list(info.shape)}')
+        out_shape = (tuple(info.shape[1:]) if info.ndim >= 2 and info.shape[0] == num_ranks
+                     else (info.shape[0] // num_ranks, *info.shape[1:]))
+        shard = info.numel // num_ranks
+        if shard % GROUP_ELEMS or info.ptr % 16:
+            raise ValueError(f'x: each shard must hold a multiple of {GROUP_ELEMS} elements and x must be 16-byte '
+                             f'aligned, got {shard} elements per shard at address {info.ptr:#x}')
+        in_bf16 = info.dtype != 'float32'
+        stage_bf16 = in_bf16 or comm_precision == 'bf16'
+        layout = reduce_layout(num_ranks, info.numel, shard, 2 if stage_bf16 else 4, False,
+                               min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
+        area = self._reduce_area(layout)
+        event = as_event_handle(previous_event)
+        comm = buf.stream_order.begin(interop.current_stream(x), event)
+        # With previous_event the communication stream does not wait for the current stream, so memory just freed on
+        # the current stream (still in use by its queued kernels) must not become `out`: allocate on the
+        # communication stream then, and let torch's allocator also wait for the current stream's uses of `out`.
+        alloc_stream = comm if event is not None else None
+        out = interop.Allocator(info.kind).empty(out_shape, 'bfloat16' if in_bf16 else 'float32', alloc_stream)
+        if alloc_stream is not None and info.kind == 'torch':
+            import torch
+            out.record_stream(torch.cuda.current_stream())      # `current` (the stream of a torch `x`)
+        out_ptr = interop.tensor_info(out, 'out').ptr
+        self._launch_reduce(('reduce', in_bf16, stage_bf16), info.ptr, out_ptr, layout, scale, area, False, comm)
+        return self._result(info.kind, (x, out), out)
+
+    def all_reduce(self, x, scale: float = 1.0, num_sms: int = 0, previous_event=None):
+        """Sum every rank's `x` in place (FP32, rank order 0..R-1 per element, deterministic), times `scale`.
+
+        Args:
+            x: float32 tensor / CuPy array of any shape, contiguous, 16-byte aligned; overwritten with the result.
+            scale, num_sms, previous_event: as in `reduce_scatter`.
+
+        Returns:
+            `EventOverlap`; `wait()` makes the current stream wait and returns `x`.
+        """
+        buf = self._buf
+        buf.check_usable()
+        info = checks.info(x, 'x', buf.device)
+        checks.check_dtype(info, 'x', 'float32')
+        checks.check_contiguous(info, 'x')
+        scale = checks.check_finite('scale', scale)
+        checks.check_int('num_sms', num_sms)
+        if info.ptr % 16:
+            raise ValueError(f'x must be 16-byte aligned, got address {info.ptr:#x}')
+        num_ranks, rank = buf.num_scaleup_ranks, buf.sym.local_idx
+        shard = all_reduce_shard_elems(num_ranks, info.numel)
+        layout = reduce_layout(num_ranks, info.numel, shard, 4, True,
+                               min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
+        area = self._reduce_area(layout)
+        comm = buf.stream_order.begin(interop.current_stream(x), as_event_handle(previous_event))
+        if info.numel == 0:
+            return self._result(info.kind, (x,), x, record=False)
+        epoch = self._launch_reduce(('reduce', False, False), info.ptr, info.ptr + rank * shard * 4, layout, scale,
+                                    area, True, comm)
+        if num_ranks > 1:
+            self.kernels['unpack'].launch(
+                max(1, min(self.num_sms, ceil_div(info.numel, THREADS * 4 * GATHER_UNROLL))), THREADS, stream=comm,
+                x=info.ptr, num_elems=info.numel, shard_elems=shard, peer_bases=buf.sym.peer_bases_ptr, rank=rank,
+                gather_offset=area + layout.gather_offset, gather_slot_bytes=layout.gather_slot_bytes, epoch=epoch,
+                error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
+        return self._result(info.kind, (x,), x)

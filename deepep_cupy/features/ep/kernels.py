@@ -1,0 +1,121 @@
+"""Kernel declarations of the EP families (`kernels_cu/ep_notify.cu`, `ep_dispatch.cu`, `ep_combine.cu`) and the
+specialisations a buffer can request.
+
+The kernels are templated on the number of scale-up ranks and on a top-k bucket (the smallest of `TOPK_BUCKETS` that
+holds the exact top-k); the exact top-k is a run-time argument, `num_topk` ("top-k buckets" in
+kernels_cu/common/ep.cuh). 8 rank counts x 6 buckets keep the shipped set small enough to compile in CI.
+"""
+
+from typing import Dict, List
+
+import numpy as np
+
+from ...jit.launch import PTR, KernelSpec, Param, load_kernels
+from ...runtime.host_range import value_range_spec
+from ...runtime.workspace import EP_CHUNK_SIGNAL
+from .layout import NUM_MAX_TOPK
+
+NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
+SEND_THREADS = 512
+RECV_THREADS = 512
+COMBINE_THREADS = 512
+COMBINE_CHUNK_ROWS = 16                             # rows per released chunk of the combine (kernels_cu/ep_combine.cu)
+COMBINE_CHUNK_SIGNAL_BYTES = EP_CHUNK_SIGNAL.num_bytes   # kernels_cu/common/ep.cuh kChunkSignalBytes
+SUPPORTED_TOPK = tuple(range(1, NUM_MAX_TOPK + 1))
+TOPK_BUCKETS = (1, 2, 4, 8, 16, 32)                 # the kMaxTopk template values
+
+
+def topk_bucket(num_topk: int) -> int:
+    """The kMaxTopk the kernels are compiled with for a top-k of `num_topk` (1..32)."""
+    for bucket in TOPK_BUCKETS:
+        if num_topk <= bucket:
+            return bucket
+    raise ValueError(f'num_topk must be in [1, {NUM_MAX_TOPK}], got {num_topk}')
+
+
+_P = Param
+_COMMON_TAIL = (_P('peer_bases', PTR), _P('rank', np.int32))
+_ERR = (_P('error_record', PTR), _P('timeout_ns', np.uint64))
+
+
+def notify_spec(num_ranks: int, bucket: int) -> KernelSpec:
+    return KernelSpec('ep_notify', f'deepep::notify_dispatch<{num_ranks}, {bucket}>', (
+        _P('topk_idx', PTR), _P('num_tokens', np.int32), _P('num_topk', np.int32), _P('num_experts', np.int32),
+        _P('num_max_tokens_per_rank', np.int32), _P('expert_alignment', np.int32), *_COMMON_TAIL, *_ERR,
+        _P('scratch', PTR), _P('send_pos', PTR), _P('send_expert_pos', PTR), _P('recv_layout', PTR),
+        _P('psum_recv_per_expert', PTR), _P('do_expand', np.int32), _P('cumulative_stats', PTR),
+        _P('host_counts', PTR), _P('host_seq', np.int32), _P('topk_copy', PTR)))
+
+
+def topk_range_spec() -> KernelSpec:
+    return value_range_spec('ep_notify', 'long long')
+
+
+def dispatch_send_spec(num_ranks: int, bucket: int) -> KernelSpec:
+    return KernelSpec('ep_dispatch', f'deepep::dispatch_impl<{num_ranks}, {bucket}>', (
+        _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32),
+        _P('sf', PTR), _P('sf_stride_token', np.int64), _P('sf_stride_col', np.int64), _P('num_sf', np.int32),
+        _P('topk_idx', PTR), _P('topk_weights', PTR), _P('send_pos', PTR), _P('send_expert_pos', PTR),
+        _P('num_tokens', np.int32), _P('num_topk', np.int32), _P('num_max_tokens_per_rank', np.int32),
+        *_COMMON_TAIL, _P('recv_offset', np.uint64), *_ERR))
+
+
+def dispatch_recv_spec(num_ranks: int, bucket: int) -> KernelSpec:
+    return KernelSpec('ep_dispatch', f'deepep::dispatch_copy_epilogue_impl<{num_ranks}, {bucket}>', (
+        _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('num_sf', np.int32),
+        _P('num_topk', np.int32), _P('num_experts', np.int32),
+        _P('num_max_tokens_per_rank', np.int32), _P('recv_layout', PTR), _P('do_expand', np.int32),
+        _P('do_zero_padding', np.int32), _P('num_out_rows', np.int32), _P('num_meta_rows', np.int32),
+        _P('recv_x', PTR), _P('recv_sf', PTR), _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64),
+        _P('recv_topk_idx', PTR), _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), *_COMMON_TAIL,
+        _P('recv_offset', np.uint64), *_ERR))
+
+
+def _b(flag: bool) -> str:
+    return 'true' if flag else 'false'
+
+
+def combine_spec(num_ranks: int, bucket: int, local_reduce: bool) -> KernelSpec:
+    return KernelSpec('ep_combine', f'deepep::combine_impl_with_combine_reduce_epilogue_impl<{num_ranks}, {bucket}, '
+                                    f'{_b(local_reduce)}>', (
+        _P('x', PTR), _P('hidden', np.int32), _P('topk_weights', PTR), _P('do_expand', np.int32),
+        _P('recv_src_metadata', PTR), _P('recv_layout', PTR), _P('send_pos', PTR), _P('topk_idx', PTR),
+        _P('num_tokens', np.int32), _P('num_topk', np.int32), _P('num_experts', np.int32),
+        _P('num_max_tokens_per_rank', np.int32), _P('num_slots', np.int32), _P('bias0', PTR), _P('bias1', PTR),
+        _P('combined_x', PTR), _P('combined_topk_weights', PTR), _P('with_weights', np.int32),
+        _P('num_send_blocks', np.int32), _P('chunk_rows', np.int32), _P('chunk_stride', np.int32), *_COMMON_TAIL,
+        _P('combine_offset', np.uint64), *_ERR))
+
+
+def specs_for(num_ranks: int, bucket: int) -> Dict[str, List[KernelSpec]]:
+    """Every EP kernel a buffer of `num_ranks` ranks needs for a top-k in `bucket`, by family."""
+    return {
+        'ep_notify': [notify_spec(num_ranks, bucket), topk_range_spec()],
+        'ep_dispatch': [dispatch_send_spec(num_ranks, bucket), dispatch_recv_spec(num_ranks, bucket)],
+        'ep_combine': [combine_spec(num_ranks, bucket, lr) for lr in (True, False)],
+    }
+
+
+def shipped_specs(max_ranks: int) -> Dict[str, List[KernelSpec]]:
+    """Family name → every EP specialisation for 1 to `max_ranks` ranks and every top-k bucket."""
+    out: Dict[str, List[KernelSpec]] = {}
+    for n in range(1, max_ranks + 1):
+        for bucket in TOPK_BUCKETS:
+            for family, family_specs in specs_for(n, bucket).items():
+                known = out.setdefault(family, [])
+                known.extend(s for s in family_specs if s not in known)    # shared kernels (topk_range) once
+    return out
+
+
+class EPKernels:
+    """The loaded EP kernels for one (num_ranks, top-k bucket)."""
+
+    def __init__(self, num_ranks: int, bucket: int):
+        loaded = {}
+        for family_specs in specs_for(num_ranks, bucket).values():
+            loaded.update(load_kernels(family_specs))
+        self.notify = loaded[notify_spec(num_ranks, bucket).name]
+        self.topk_range = loaded[topk_range_spec().name]
+        self.dispatch_send = loaded[dispatch_send_spec(num_ranks, bucket).name]
+        self.dispatch_recv = loaded[dispatch_recv_spec(num_ranks, bucket).name]
+        self.combine = {lr: loaded[combine_spec(num_ranks, bucket, lr).name] for lr in (True, False)}

@@ -1,0 +1,428 @@
+"""The pure part of dispatch and combine: argument checks, sizes, the SM policy and the output allocation sizes, as
+functions of the buffer's settings (`EPSettings`) and the call's arguments. No GPU and no buffer object is needed:
+tests/test_ep_checks_cpu.py drives them with CPU tensors. Every user error raises `ValueError` / `TypeError` naming the
+argument, before any EP kernel runs (the buffer stays usable)."""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+from ...runtime import checks
+from ...runtime.event import EventHandle, as_event_handle
+from ...runtime.interop import TensorInfo
+from ...runtime.sizes import align, ceil_div
+from . import layout
+from .handle import EPHandle
+from .kernels import COMBINE_CHUNK_ROWS, COMBINE_CHUNK_SIGNAL_BYTES, NOTIFY_THREADS
+
+NUM_MAX_NOTIFY_SMEM_BYTES = 200 * 1024
+DIRECT_QPS, HYBRID_QPS = 17, 129        # DeepEP's num_allocated_qps for 0 (hybrid: 65 on MT4131 NICs)
+
+
+@dataclass(frozen=True)
+class EPSettings:
+    """What the plans know of the buffer (plain values)."""
+    device: int                        # this rank's CUDA device (-1 in CPU tests)
+    num_ranks: int                     # R: ranks of the scale-up domain
+    rank: int                          # this rank's index in it
+    owner_id: int                      # identity of the EP component (a handle names the buffer that made it)
+    num_max_tokens_per_rank: int       # the buffer's default M
+    num_topk: int                      # the buffer's top-k (0: any up to 32)
+    num_bytes: int                     # bytes of the data region
+    data_offset: int                   # where the data region starts in the symmetric buffer
+    sym_num_bytes: int                 # bytes of the symmetric buffer
+    num_device_sms: int
+    allow_multiple_reduction: bool
+    prefer_overlap_with_compute: bool
+    nvlink_gbs: float
+
+
+# ---- SM and QP policy ----------------------------------------------------------------------------------------------
+def theoretical_num_sms(num_ranks: int, num_experts: int, num_topk: int, nvlink_gbs: float, num_device_sms: int,
+                        prefer_overlap_with_compute: bool = True, sm_read_gbs: float = 200,
+                        sm_write_gbs: float = 50) -> int:
+    """SMs for the send kernels so that they can drive NVLink at full speed (DeepEP V2's analytic model, direct mode,
+    balanced routing assumed)."""
+    if num_ranks == 1:
+        return 4
+    # Expected distinct destination ranks of a token: R * (1 - C(E - E/R, K) / C(E, K)).
+    per_rank = num_experts // num_ranks
+    miss = math.comb(num_experts - per_rank, num_topk) / math.comb(num_experts, num_topk)
+    t = num_ranks * (1 - miss)
+    read = 1 / t
+    write = 1.0
+    nvlink = 1 - 1 / num_ranks
+    bw = nvlink_gbs / nvlink
+    sms = max(bw * read / sm_read_gbs, bw * write / sm_write_gbs)
+    sms = align(max(4, math.ceil(1.25 * sms)), 2)
+    if not prefer_overlap_with_compute:
+        sms = max(sms, 64)
+    return min(sms, num_device_sms)
+
+
+def resolve_num_allocated_qps(num_allocated_qps: int, hybrid: bool) -> int:
+    """DeepEP's default for `num_allocated_qps=0`: 17 in direct mode, 129 in hybrid mode (65 on ConnectX MT4131
+    NICs upstream; this build has no RDMA path); any other value is kept."""
+    if num_allocated_qps:
+        return num_allocated_qps
+    return HYBRID_QPS if hybrid else DIRECT_QPS
+
+
+def theoretical_num_qps(num_sms: int, hybrid: bool, num_allocated_qps: int) -> int:
+    """DeepEP's QPs for `num_sms` SMs: `min(num_sms, 9)` direct, `num_sms * 16 + 1` hybrid, at most
+    `num_allocated_qps` (QPs carry no traffic inside one NVLink domain)."""
+    return min(num_sms * 16 + 1 if hybrid else min(num_sms, 9), num_allocated_qps)
+
+
+# ---- sizes -----------------------------------------------------------------------------------------------------------
+def notify_smem_bytes(num_experts: int, num_ranks: int) -> int:
+    """Dynamic shared memory of the notify kernel: per-warp counts, block bases and totals per key."""
+    return (NOTIFY_THREADS // 32 + 2) * (num_experts + num_ranks) * 4
+
+
+def epilogue_blocks(num_rows: int, row_bytes: int, num_device_sms: int) -> int:
+    """Blocks (16 warps each) of a receive epilogue: a warp per row segment of up to 1 KiB (two 16-byte loads per
+    lane), at most one block per SM. Decode-size calls get enough warps to split rows instead of walking them."""
+    segments = max(1, ceil_div(row_bytes, 1024))
+    return min(num_device_sms, max(1, ceil_div(num_rows * segments, 16)))
+
+
+def worst_expanded_rows(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int,
+                        expert_alignment: int) -> int:
+    """Rows of an expanded output without a CPU sync: every (token, local expert) pair plus alignment gaps."""
+    pairs = num_ranks * num_max_tokens_per_rank * min(num_topk, num_local_experts)
+    return align(pairs + (expert_alignment - 1) * num_local_experts, expert_alignment)
+
+
+def layout_for(settings: EPSettings, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> layout.EPLayout:
+    """The EP regions of the data region for these sizes; `ValueError` if the buffer is too small."""
+    lay = layout.EPLayout(settings.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
+                          settings.allow_multiple_reduction, settings.data_offset)
+    if lay.end_offset > settings.sym_num_bytes:
+        raise ValueError(f'num_bytes={settings.num_bytes} is too small for num_max_tokens_per_rank='
+                         f'{num_max_tokens_per_rank}, hidden={hidden}, num_topk={num_topk}: need '
+                         f'{align(lay.end_offset - settings.data_offset, layout.BUFFER_ALIGNMENT)} bytes '
+                         f'(see get_buffer_size_hint)')
+    return lay
+
+
+def _bias_list(bias) -> Tuple[Any, ...]:
+    if bias is None:
+        return ()
+    if isinstance(bias, (tuple, list)):
+        if len(bias) > 2:
+            raise ValueError(f'bias must be None, a tensor or a tuple of at most 2 tensors, got {len(bias)}')
+        return tuple(b for b in bias if b is not None)
+    return (bias,)
+
+
+def _check_previous_event(previous_event, allocate_on_comm_stream: bool) -> Optional[EventHandle]:
+    if previous_event is not None and not allocate_on_comm_stream:
+        raise ValueError('previous_event requires allocate_on_comm_stream=True (DeepEP V2 rule)')
+    return as_event_handle(previous_event)
+
+
+# ---- dispatch --------------------------------------------------------------------------------------------------------
+@dataclass
+class DispatchPlan:
+    """A checked dispatch: what the launch path needs."""
+    kind: str                          # 'torch' or 'cupy'
+    fp8: bool                          # x came as (x_fp8, sf)
+    x: Any
+    xi: TensorInfo
+    sf: Any                            # scale factors (FP8), or None
+    sfi: Optional[TensorInfo]
+    num_sf: int
+    topk_idx: Any                      # the call's, or the handle's for a cached dispatch
+    ti: TensorInfo
+    topk_weights: Any
+    stats: Any                         # cumulative_local_expert_recv_stats
+    num_tokens: int
+    hidden: int
+    hidden_bytes: int
+    num_topk: int                      # K
+    num_local_experts: int             # L
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    handle: Optional[EPHandle]         # the cached dispatch's handle
+    do_cpu_sync: bool
+    do_expand: bool
+    do_zero_padding: bool
+    do_handle_copy: bool
+    use_tma_aligned_col_major_sf: bool
+    num_sms: int
+    notify_smem_bytes: int
+    layout: layout.EPLayout
+    new_layout: bool                   # the layout was made by this call (the EP feature claims the data region)
+    previous_event: Optional[EventHandle]
+
+    @property
+    def cached(self) -> bool:
+        return self.handle is not None
+
+
+def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, topk_weights, stats,
+                  num_experts: Optional[int], num_max_tokens_per_rank: Optional[int],
+                  expert_alignment: Optional[int], num_sms: int, previous_event, allocate_on_comm_stream: bool,
+                  handle: Optional[EPHandle], do_handle_copy: bool, do_cpu_sync: Optional[bool], do_expand: bool,
+                  do_zero_padding: bool, use_tma_aligned_col_major_sf: bool,
+                  start_range: Optional[Callable[[TensorInfo], Callable[[], Tuple[int, int]]]] = None
+                  ) -> DispatchPlan:
+    """Check a dispatch (`ElasticBuffer.dispatch`'s arguments) and size it.
+
+    `start_range(topk_idx_info)` starts reading topk_idx's (min, max) back (a GPU kernel) and returns the function that
+    waits for it; it is called for a CPU-sync dispatch once the top-k ids passed their other checks, so the GPU works
+    while the remaining checks run, and its values are checked last. None: no value check."""
+    fp8 = isinstance(x, (tuple, list))
+    if fp8:
+        if len(x) != 2:
+            raise ValueError(f'x must be a tensor or a (x_fp8, sf) pair, got a sequence of {len(x)}')
+        x, sf = x
+    else:
+        sf = None
+    xi = checks.info(x, 'x', s.device)
+    kind = xi.kind
+    checks.check_dtype(xi, 'x', 'float8_e4m3fn' if fp8 else 'bfloat16')
+    if xi.ndim != 2:
+        raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {list(xi.shape)}')
+    num_tokens, hidden = xi.shape
+    if xi.strides[1] != 1:
+        raise ValueError('x must have contiguous rows (stride 1 along hidden)')
+    hidden_bytes = hidden * xi.itemsize
+    if hidden_bytes % 16 != 0:
+        raise ValueError(f'x: hidden * element size must be a multiple of 16 bytes, got {hidden} x {xi.itemsize}')
+    if xi.strides[0] * xi.itemsize % 16 != 0 or xi.ptr % 16 != 0:
+        raise ValueError('x rows must start at 16-byte aligned addresses')
+    if sf is not None:
+        sfi = checks.info(sf, 'x[1] (scale factors)', s.device)
+        checks.check_same_kind(kind, sfi, 'x[1] (scale factors)')
+        checks.check_dtype(sfi, 'x[1] (scale factors)', 'float32', 'int32')
+        if sfi.ndim != 2 or sfi.shape[0] != num_tokens:
+            raise ValueError(f'x[1] (scale factors) must be [num_tokens={num_tokens}, P], got {list(sfi.shape)}')
+        num_sf = sfi.shape[1]
+        if num_sf > ceil_div(hidden, layout.SF_GROUP):
+            raise ValueError(f'x[1] (scale factors) has {num_sf} columns; at most ceil(hidden / 128) = '
+                             f'{ceil_div(hidden, layout.SF_GROUP)} are supported')
+    else:
+        sfi, num_sf = None, 0
+
+    cached = handle is not None
+    if cached:
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f'handle must be an EPHandle, got {type(handle).__name__}')
+        if handle.buffer_id != s.owner_id:
+            raise ValueError('handle was made by another buffer; use the buffer that dispatched it')
+        if topk_idx is not None:
+            raise ValueError('topk_idx must be None for a cached dispatch (it comes from the handle)')
+        for name, value, expect in (('num_experts', num_experts, handle.num_experts),
+                                    ('expert_alignment', expert_alignment, handle.expert_alignment),
+                                    ('num_max_tokens_per_rank', num_max_tokens_per_rank,
+                                     handle.num_max_tokens_per_rank)):
+            if value is not None and value != expect:
+                raise ValueError(f'{name}={value} does not match the handle ({expect})')
+        if do_cpu_sync:
+            raise ValueError('do_cpu_sync must be False (or None) for a cached dispatch')
+        if num_tokens != handle.num_tokens:
+            raise ValueError(f'x has {num_tokens} tokens but the handle was made for {handle.num_tokens}')
+        if handle.kind != kind:
+            raise TypeError(f'x is a {kind} array but the handle holds {handle.kind} arrays')
+        num_experts, expert_alignment = handle.num_experts, handle.expert_alignment
+        num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+        topk_idx = handle.topk_idx
+        do_cpu_sync = False
+    else:
+        if topk_idx is None:
+            raise ValueError('topk_idx is required (or pass handle= for a cached dispatch)')
+        if num_experts is None:
+            raise ValueError('num_experts is required')
+        num_max_tokens_per_rank = (s.num_max_tokens_per_rank if num_max_tokens_per_rank is None
+                                   else num_max_tokens_per_rank)
+        expert_alignment = 1 if expert_alignment is None else expert_alignment
+        do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+    checks.check_int('num_experts', num_experts, 1)
+    checks.check_int('expert_alignment', expert_alignment, 1)
+    checks.check_int('num_max_tokens_per_rank', num_max_tokens_per_rank, 1)
+    checks.check_int('num_sms', num_sms, 0)
+    R = s.num_ranks
+    if num_experts % R != 0:
+        raise ValueError(f'num_experts={num_experts} must be a multiple of the number of ranks ({R})')
+    L = num_experts // R
+    if L > layout.NUM_MAX_LOCAL_EXPERTS:
+        raise ValueError(f'num_experts / num_ranks = {L} local experts; at most {layout.NUM_MAX_LOCAL_EXPERTS}')
+    if num_tokens > num_max_tokens_per_rank:
+        raise ValueError(f'x has {num_tokens} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}')
+    if do_zero_padding and not do_expand:
+        raise ValueError('do_zero_padding=True needs do_expand=True')
+
+    ti = checks.info(topk_idx, 'topk_idx', s.device)
+    checks.check_same_kind(kind, ti, 'topk_idx')
+    checks.check_dtype(ti, 'topk_idx', 'int64')
+    if ti.ndim != 2 or ti.shape[0] != num_tokens:
+        raise ValueError(f'topk_idx must be [num_tokens={num_tokens}, num_topk], got {list(ti.shape)}')
+    checks.check_contiguous(ti, 'topk_idx')
+    K = ti.shape[1]
+    if not 1 <= K <= layout.NUM_MAX_TOPK:
+        raise ValueError(f'topk_idx: num_topk must be in [1, {layout.NUM_MAX_TOPK}], got {K}')
+    if s.num_topk and K > s.num_topk:
+        raise ValueError(f'topk_idx has {K} columns but the buffer was built for num_topk={s.num_topk}')
+    # The value range needs the GPU: start it now, read it after the other checks.
+    range_check = start_range(ti) if start_range is not None and do_cpu_sync and not cached else None
+    if topk_weights is not None:
+        wi = checks.info(topk_weights, 'topk_weights', s.device)
+        checks.check_same_kind(kind, wi, 'topk_weights')
+        checks.check_dtype(wi, 'topk_weights', 'float32')
+        checks.check_shape(wi, 'topk_weights', (num_tokens, K))
+        checks.check_contiguous(wi, 'topk_weights')
+    if stats is not None:
+        ci = checks.info(stats, 'cumulative_local_expert_recv_stats', s.device)
+        checks.check_same_kind(kind, ci, 'cumulative_local_expert_recv_stats')
+        checks.check_dtype(ci, 'cumulative_local_expert_recv_stats', 'int32')
+        checks.check_shape(ci, 'cumulative_local_expert_recv_stats', (L,))
+        checks.check_contiguous(ci, 'cumulative_local_expert_recv_stats')
+    smem = notify_smem_bytes(num_experts, R)
+    if smem > NUM_MAX_NOTIFY_SMEM_BYTES:
+        raise ValueError(f'num_experts={num_experts} is too large for the notify kernel (at most 4096)')
+    new_layout = lay is None
+    if new_layout:
+        lay = layout_for(s, num_max_tokens_per_rank, hidden, K)
+    msg_bytes = layout.message_bytes(hidden_bytes, num_sf, K)
+    if R * num_max_tokens_per_rank * msg_bytes > lay.dispatch_recv_bytes:
+        raise ValueError(f'buffer too small for this dispatch (num_max_tokens_per_rank={num_max_tokens_per_rank}, '
+                         f'hidden={hidden}, num_topk={K}): build it with get_buffer_size_hint for these sizes')
+    if ceil_div(num_max_tokens_per_rank, NOTIFY_THREADS) * (num_experts + R) * 4 > \
+            lay.scratch_bytes(R * layout.NUM_MAX_LOCAL_EXPERTS):
+        raise ValueError('num_max_tokens_per_rank is larger than the buffer was built for')
+    num_sms = num_sms or theoretical_num_sms(R, num_experts, K, s.nvlink_gbs, s.num_device_sms,
+                                             s.prefer_overlap_with_compute)
+    num_sms = min(num_sms, s.num_device_sms)
+    if range_check is not None:
+        lo, hi = range_check()
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f'topk_idx values must be in [-1, {num_experts}), got min {lo}, max {hi}')
+    event = _check_previous_event(previous_event, allocate_on_comm_stream)
+    return DispatchPlan(kind, fp8, x, xi, sf, sfi, num_sf, topk_idx, ti, topk_weights, stats, num_tokens, hidden,
+                        hidden_bytes, K, L, num_experts, expert_alignment, num_max_tokens_per_rank,
+                        handle if cached else None, do_cpu_sync, bool(do_expand), bool(do_zero_padding),
+                        bool(do_handle_copy), bool(use_tma_aligned_col_major_sf), num_sms, smem, lay, new_layout, event)
+
+
+@dataclass(frozen=True)
+class DispatchOutputs:
+    """Sizes of a dispatch's outputs once the receive counts are known (exact after a CPU sync, worst case else)."""
+    num_recv: int                      # rows of the non-expanded outputs and of the metadata
+    num_expanded: int
+    aligned_counts: List[int]          # num_recv_tokens_per_expert_list (empty without a CPU sync)
+    num_out_rows: int                  # rows of recv_x (expanded or not)
+    sf_shape: Optional[Tuple[int, int]]   # storage of recv_sf: (num_sf, padded rows) column-major, or (rows, num_sf)
+    sf_strides: Tuple[int, int]        # element strides of recv_sf (row, column)
+    topk_idx_shape: Optional[Tuple[int, int]]
+    topk_weights_shape: Optional[Tuple[int, ...]]
+    metadata_shape: Tuple[int, int]
+    epilogue_blocks: int
+
+
+def dispatch_counts(p: DispatchPlan) -> Tuple[int, int, List[int]]:
+    """`(num_recv, num_expanded, aligned counts)` of a dispatch without a CPU sync: the handle's for a cached one
+    (worst case for an expanded output the handle was not made for), else the worst case."""
+    R, M, K, L, A = p.layout.num_ranks, p.num_max_tokens_per_rank, p.num_topk, p.num_local_experts, p.expert_alignment
+    if p.cached:
+        h = p.handle
+        num_expanded = h.num_expanded_tokens
+        if p.do_expand and not h.do_expand and not h.do_cpu_sync:
+            num_expanded = worst_expanded_rows(R, M, K, L, A)
+        return h.num_recv_tokens, num_expanded, list(h.num_recv_tokens_per_expert_list)
+    return R * M, worst_expanded_rows(R, M, K, L, A), []
+
+
+def dispatch_outputs(p: DispatchPlan, num_recv: int, num_expanded: int, aligned_counts: List[int],
+                     num_device_sms: int) -> DispatchOutputs:
+    """The output sizes of a checked dispatch for these receive counts."""
+    num_out_rows = num_expanded if p.do_expand else num_recv
+    sf_shape, sf_strides = None, (0, 0)
+    if p.sfi is not None:
+        if p.use_tma_aligned_col_major_sf:
+            padded = align(num_out_rows, 4)
+            sf_shape, sf_strides = (p.num_sf, padded), (1, padded)
+        else:
+            sf_shape, sf_strides = (num_out_rows, p.num_sf), (p.num_sf, 1)
+    K = p.num_topk
+    weights = None
+    if p.topk_weights is not None:
+        weights = (num_out_rows,) if p.do_expand else (num_recv, K)
+    return DispatchOutputs(num_recv, num_expanded, aligned_counts, num_out_rows, sf_shape, sf_strides,
+                           None if p.do_expand else (num_recv, K), weights, (num_recv, K + 2),
+                           epilogue_blocks(max(num_recv, num_out_rows), p.hidden_bytes, num_device_sms))
+
+
+# ---- combine ---------------------------------------------------------------------------------------------------------
+@dataclass
+class CombinePlan:
+    """A checked combine: what the launch path needs."""
+    kind: str
+    x: Any
+    xi: TensorInfo
+    handle: EPHandle
+    hidden: int
+    topk_weights: Any
+    biases: Tuple[Any, ...]
+    local_reduce: bool
+    num_slots: int
+    num_send_blocks: int
+    num_reduce_blocks: int
+    chunk_stride: int
+    previous_event: Optional[EventHandle]
+
+
+def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_weights, bias, num_sms: int,
+                 previous_event, allocate_on_comm_stream: bool) -> CombinePlan:
+    """Check a combine (`ElasticBuffer.combine`'s arguments) and size it: `num_sms` blocks send (default: the
+    dispatch's), the SMs they leave (as many as the reduction can use) reduce."""
+    if not isinstance(handle, EPHandle):
+        raise TypeError(f'handle must be an EPHandle, got {type(handle).__name__}')
+    if handle.buffer_id != s.owner_id:
+        raise ValueError('handle was made by another buffer; use the buffer that dispatched it')
+    xi = checks.info(x, 'x', s.device)
+    kind = handle.kind
+    checks.check_same_kind(kind, xi, 'x')
+    checks.check_dtype(xi, 'x', 'bfloat16')
+    hidden = handle.hidden if xi.ndim != 2 else xi.shape[1]
+    checks.check_shape(xi, 'x', (handle.num_rows, hidden))
+    checks.check_contiguous(xi, 'x')
+    if hidden % 8 != 0:
+        raise ValueError(f'x: hidden must be a multiple of 8 for combine, got {hidden}')
+    if xi.ptr % 16 != 0:
+        raise ValueError('x must start at a 16-byte aligned address')
+    K, N, R = handle.num_topk, handle.num_tokens, s.num_ranks
+    local_reduce = not (handle.do_expand and not s.allow_multiple_reduction)
+    num_slots = layout.num_combine_slots(R, K, local_reduce)
+    if N * num_slots * layout.combine_slot_bytes(hidden, K) > lay.combine_recv_bytes or \
+            handle.num_max_tokens_per_rank * num_slots * layout.combine_slot_bytes(hidden, K) > \
+            lay.combine_recv_bytes:
+        raise ValueError(f'buffer too small for a combine with hidden={hidden}, num_topk={K}')
+    if topk_weights is not None:
+        wi = checks.info(topk_weights, 'topk_weights', s.device)
+        checks.check_same_kind(kind, wi, 'topk_weights')
+        checks.check_dtype(wi, 'topk_weights', 'float32')
+        checks.check_shape(wi, 'topk_weights', (handle.num_rows,) if handle.do_expand else (handle.num_rows, K))
+        checks.check_contiguous(wi, 'topk_weights')
+    biases = _bias_list(bias)
+    for j, b in enumerate(biases):
+        bi = checks.info(b, f'bias[{j}]', s.device)
+        checks.check_same_kind(kind, bi, f'bias[{j}]')
+        checks.check_dtype(bi, f'bias[{j}]', 'bfloat16')
+        checks.check_shape(bi, f'bias[{j}]', (N, hidden))
+        checks.check_contiguous(bi, f'bias[{j}]')
+    checks.check_int('num_sms', num_sms, 0)
+    num_sms = min(num_sms or handle.num_sms, s.num_device_sms)
+    chunk_stride = ceil_div(handle.num_max_tokens_per_rank, COMBINE_CHUNK_ROWS)
+    if R * chunk_stride * 4 > COMBINE_CHUNK_SIGNAL_BYTES:
+        raise ValueError(f'num_max_tokens_per_rank={handle.num_max_tokens_per_rank} is too large for combine '
+                         f'(at most {COMBINE_CHUNK_SIGNAL_BYTES // 4 // R * COMBINE_CHUNK_ROWS} with {R} ranks)')
+    event = _check_previous_event(previous_event, allocate_on_comm_stream)
+    # One launch: num_sms blocks send, the other SMs reduce as the senders' chunks arrive (one block per SM, all
+    # co-resident).
+    num_send = min(num_sms, s.num_device_sms - 1)
+    num_reduce = max(1, min(s.num_device_sms - num_send, epilogue_blocks(N, 2 * hidden, s.num_device_sms)))
+    return CombinePlan(kind, x, xi, handle, hidden, topk_weights, biases, local_reduce, num_slots, num_send,
+                       num_reduce, chunk_stride, event)
