@@ -33,8 +33,9 @@ barrier_kernel(const uint64_t* peer_bases, uint64_t signal_offset, int rank, int
     const int peer = threadIdx.x;
     if (peer < kNumRanks) {
         auto* remote = reinterpret_cast<uint8_t*>(peer_bases[peer]) + signal_offset + kBarrierArriveOffset;
-        exchange_epoch(reinterpret_cast<uint32_t*>(remote), reinterpret_cast<const uint32_t*>(local + kBarrierArriveOffset),
-                       rank, peer, e, timeout_ns, peer_bases, error_record, kPhaseBarrier);
+        exchange_epoch(reinterpret_cast<uint32_t*>(remote),
+                       reinterpret_cast<const uint32_t*>(local + kBarrierArriveOffset), rank, peer, e, timeout_ns,
+                       peer_bases, error_record, kPhaseBarrier);
     }
     __syncthreads();
 }

@@ -24,17 +24,17 @@ constexpr int kNotifyWarps = kNotifyThreads / 32;
 template <int kNumRanks, int kMaxTopk>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
 notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
-              int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
-              int32_t* scratch,                 // [gridDim.x][num_experts + kNumRanks], local
-              int32_t* send_pos,                // [num_tokens][kNumRanks] out: slot at each destination or -1
-              int32_t* send_expert_pos,         // [num_tokens][num_topk] out: position among tokens of that expert
-              int32_t* recv_layout,             // layout blob (see RecvLayout) out
-              int32_t* psum_recv_per_expert,    // [L] out, or null (see features/ep/handle.py: two conventions)
-              int do_expand,
-              int32_t* cumulative_stats,        // [L] += unaligned counts, or null
-              int32_t* host_counts,             // host-mapped [3 + L]: seq, num_recv, num_expanded, aligned counts
-              int host_seq,
-              int64_t* topk_copy) {             // [num_tokens][num_topk] out: a copy of topk_idx, or null
+                int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
+                int32_t* scratch,                 // [gridDim.x][num_experts + kNumRanks], local
+                int32_t* send_pos,                // [num_tokens][kNumRanks] out: slot at each destination or -1
+                int32_t* send_expert_pos,         // [num_tokens][num_topk] out: position among tokens of that expert
+                int32_t* recv_layout,             // layout blob (see RecvLayout) out
+                int32_t* psum_recv_per_expert,    // [L] out, or null (see features/ep/handle.py: two conventions)
+                int do_expand,
+                int32_t* cumulative_stats,        // [L] += unaligned counts, or null
+                int32_t* host_counts,             // host-mapped [3 + L]: seq, num_recv, num_expanded, aligned counts
+                int host_seq,
+                int64_t* topk_copy) {             // [num_tokens][num_topk] out: a copy of topk_idx, or null
     extern __shared__ int32_t smem[];           // [kNotifyWarps][num_keys] per-warp counts, then block bases
     const int num_keys = num_experts + kNumRanks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
