@@ -59,6 +59,8 @@ class EP:
         self.layout = None
         self._kernels: Dict[int, EPKernels] = {}
         self._host_seq = 0
+        # Fixed for the buffer's life: kept here so that the hot path does not go through the buffer's proxy.
+        self._sym, self._order, self._host_ptr = buf.sym, buf.stream_order, buf.host_mapped.ptr
         self.host_counts = buf.host_mapped.view('int32', 3 + NUM_MAX_LOCAL_EXPERTS, HOST_COUNTS_OFFSET)
         self._topk_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
         if num_max_tokens_per_rank and hidden:
@@ -115,11 +117,13 @@ class EP:
         buf, lay, s = self._buf, p.layout, self.settings
         kernels = self.kernels(p.num_topk)
         R, K, L = s.num_ranks, p.num_topk, p.num_local_experts
-        comm = buf.stream_order.begin(current, p.previous_event)
+        sym = self._sym
+        comm = self._order.begin(current, p.previous_event)
         alloc_stream = comm if allocate_on_comm_stream else None     # None: allocate on the current stream
         alloc = interop.Allocator(p.kind)
-        common = {'peer_bases': buf.sym.peer_bases_ptr, 'rank': buf.sym.local_idx,
-                  'error_record': buf.host_mapped.ptr, 'timeout_ns': buf.timeout_ns}
+        # The parameters every EP kernel ends with (passed by name, literally: a `**dict` would take CPython's slow
+        # generic call path).
+        peer_bases, rank, error_record, timeout_ns = sym.peer_bases_ptr, sym.local_idx, self._host_ptr, buf.timeout_ns
         if p.cached:
             h = p.handle
             ws, ws_ptr, offsets, user_topk, topk_ptr = h.workspace, h.workspace_ptr, h.offsets, h._topk_idx, \
@@ -139,12 +143,13 @@ class EP:
             kernels.notify.launch(
                 grid, NOTIFY_THREADS, stream=comm, shared_mem=p.notify_smem_bytes, cooperative=grid > 1,
                 topk_idx=topk_ptr, num_tokens=p.num_tokens, num_topk=K, num_experts=p.num_experts,
-                num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment, **common,
-                scratch=buf.sym.base + lay.scratch_offset, send_pos=ws_ptr + 4 * offsets[0],
+                num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment,
+                peer_bases=peer_bases, rank=rank, error_record=error_record, timeout_ns=timeout_ns,
+                scratch=sym.base + lay.scratch_offset, send_pos=ws_ptr + 4 * offsets[0],
                 send_expert_pos=ws_ptr + 4 * offsets[1], recv_layout=ws_ptr + 4 * offsets[2],
                 psum_recv_per_expert=ws_ptr + 4 * offsets[3], do_expand=int(p.do_expand),
                 cumulative_stats=_ptr(p.stats),
-                host_counts=buf.host_mapped.ptr + HOST_COUNTS_OFFSET if p.do_cpu_sync else 0, host_seq=self._host_seq,
+                host_counts=self._host_ptr + HOST_COUNTS_OFFSET if p.do_cpu_sync else 0, host_seq=self._host_seq,
                 topk_copy=ws_ptr + 4 * offsets[4] if p.do_handle_copy else 0)
         xi, sfi = p.xi, p.sfi
         kernels.dispatch_send.launch(
@@ -153,7 +158,8 @@ class EP:
             sf_stride_col=sfi.strides[1] if sfi else 0, num_sf=p.num_sf, topk_idx=topk_ptr,
             topk_weights=_ptr(p.topk_weights), send_pos=ws_ptr + 4 * offsets[0],
             send_expert_pos=ws_ptr + 4 * offsets[1], num_tokens=p.num_tokens, num_topk=K,
-            num_max_tokens_per_rank=p.num_max_tokens_per_rank, recv_offset=lay.dispatch_recv_offset, **common)
+            num_max_tokens_per_rank=p.num_max_tokens_per_rank, peer_bases=peer_bases, rank=rank,
+            recv_offset=lay.dispatch_recv_offset, error_record=error_record, timeout_ns=timeout_ns)
 
         counts = self._wait_host_counts(self._host_seq, L) if p.do_cpu_sync else ep_plan.dispatch_counts(p)
         out = ep_plan.dispatch_outputs(p, *counts, s.num_device_sms)
@@ -178,8 +184,8 @@ class EP:
             do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=out.num_out_rows,
             num_meta_rows=out.num_recv, recv_x=recv_x, recv_sf=_ptr(recv_sf), recv_sf_stride_row=out.sf_strides[0],
             recv_sf_stride_col=out.sf_strides[1], recv_topk_idx=_ptr(recv_topk_idx),
-            recv_topk_weights=_ptr(recv_topk_weights), recv_src_metadata=recv_src_metadata,
-            recv_offset=lay.dispatch_recv_offset, **common)
+            recv_topk_weights=_ptr(recv_topk_weights), recv_src_metadata=recv_src_metadata, peer_bases=peer_bases,
+            rank=rank, recv_offset=lay.dispatch_recv_offset, error_record=error_record, timeout_ns=timeout_ns)
 
         psum_expert = None
         if p.cached and p.do_expand != p.handle.do_expand:
@@ -194,9 +200,9 @@ class EP:
             recv_src_metadata=recv_src_metadata, num_tokens=p.num_tokens, num_topk=K, hidden=p.hidden, kind=p.kind,
             buffer_id=s.owner_id, do_cpu_sync=p.do_cpu_sync or (p.cached and p.handle.do_cpu_sync), num_ranks=R,
             workspace=ws, workspace_ptr=ws_ptr, offsets=offsets, topk_idx=user_topk, psum_expert=psum_expert)
-        event = buf.stream_order.finish(p.kind, current, async_with_compute_stream,
-                                        (p.x, p.sf, p.topk_idx, p.topk_weights, p.stats, recv_x, recv_sf,
-                                         recv_topk_idx, recv_topk_weights, recv_src_metadata, ws))
+        event = self._order.finish(p.kind, current, async_with_compute_stream,
+                                   (p.x, p.sf, p.topk_idx, p.topk_weights, p.stats, recv_x, recv_sf,
+                                    recv_topk_idx, recv_topk_weights, recv_src_metadata, ws))
         out_x = (recv_x, recv_sf) if p.fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
 
@@ -228,7 +234,7 @@ class EP:
         h, N, K, hidden, lay = p.handle, p.handle.num_tokens, p.handle.num_topk, p.hidden, self.layout
         kernels = self.kernels(K)
         current = interop.current_stream(x)
-        comm = buf.stream_order.begin(current, p.previous_event)
+        comm = self._order.begin(current, p.previous_event)
         alloc_stream = comm if allocate_on_comm_stream else None
         alloc = interop.Allocator(p.kind)
         combined_x = alloc.empty((N, hidden), 'bfloat16', alloc_stream)
@@ -241,11 +247,11 @@ class EP:
             bias0=p.biases[0] if p.biases else 0, bias1=p.biases[1] if len(p.biases) > 1 else 0,
             combined_x=combined_x, combined_topk_weights=_ptr(combined_w), with_weights=int(topk_weights is not None),
             num_send_blocks=p.num_send_blocks, chunk_rows=COMBINE_CHUNK_ROWS, chunk_stride=p.chunk_stride,
-            peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx, combine_offset=lay.combine_recv_offset,
-            error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
-        event = buf.stream_order.finish(p.kind, current, async_with_compute_stream,
-                                        (x, topk_weights, *p.biases, combined_x, combined_w, h.recv_src_metadata,
-                                         h.workspace, h._topk_idx))
+            peer_bases=self._sym.peer_bases_ptr, rank=self._sym.local_idx, combine_offset=lay.combine_recv_offset,
+            error_record=self._host_ptr, timeout_ns=buf.timeout_ns)
+        event = self._order.finish(p.kind, current, async_with_compute_stream,
+                                   (x, topk_weights, *p.biases, combined_x, combined_w, h.recv_src_metadata,
+                                    h.workspace, h._topk_idx))
         return combined_x, combined_w, event
 
 

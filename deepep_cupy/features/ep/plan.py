@@ -123,7 +123,7 @@ def _check_previous_event(previous_event, allocate_on_comm_stream: bool) -> Opti
 
 
 # ---- dispatch --------------------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class DispatchPlan:
     """A checked dispatch: what the launch path needs."""
     kind: str                          # 'torch' or 'cupy'
@@ -307,7 +307,7 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
                         bool(do_handle_copy), bool(use_tma_aligned_col_major_sf), num_sms, smem, lay, new_layout, event)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DispatchOutputs:
     """Sizes of a dispatch's outputs once the receive counts are known (exact after a CPU sync, worst case else)."""
     num_recv: int                      # rows of the non-expanded outputs and of the metadata
@@ -356,7 +356,7 @@ def dispatch_outputs(p: DispatchPlan, num_recv: int, num_expanded: int, aligned_
 
 
 # ---- combine ---------------------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class CombinePlan:
     """A checked combine: what the launch path needs."""
     kind: str

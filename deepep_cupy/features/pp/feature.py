@@ -12,7 +12,7 @@ raises `RuntimeError` describing the pair and both sizes.
 """
 
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 import numpy as np
 
@@ -39,6 +39,18 @@ from .plan import (
     neighbours,
     unmatched_messages,
 )
+
+
+class PPCall(NamedTuple):
+    """A checked `pp_send` / `pp_recv`: the tensor, the peer and both sides' neighbour indices of the pair, the grid,
+    the slot layout and the event the communication stream waits for."""
+    info: Any
+    peer: int
+    my_slot_for_peer: int       # the peer's neighbour index as seen by this rank
+    peer_slot_for_me: int       # this rank's neighbour index as seen by the peer
+    grid: int
+    layout: PPLayout
+    event: Any
 
 
 class PPKernels:
@@ -171,8 +183,8 @@ class PP:
             record[:] = 0
             raise RuntimeError(message)
 
-    def plan(self, is_send: bool, x, peer: int, num_sms: int, previous_event):
-        """Check one call (raises before any GPU work); returns `(kernel, grid, info, arguments by name, event)`."""
+    def plan(self, is_send: bool, x, peer: int, num_sms: int, previous_event) -> PPCall:
+        """Check one call (raises before any GPU work) and size it."""
         buf = self._buf
         name = 'dst_rank_idx' if is_send else 'src_rank_idx'
         self.check_usable()
@@ -210,24 +222,29 @@ class PP:
 
         num_sms = min(num_sms or buf.num_device_sms, buf.num_device_sms)
         grid = max(1, min(num_sms, ceil_div(num_bytes // 16, THREADS * UNROLL)))
-        args = {'x': info.ptr, 'num_bytes': num_bytes, 'peer_bases': buf.sym.peer_bases_ptr, 'rank': buf.rank_idx,
-                'num_inflight': layout.num_max_inflight_tensors, 'headers_offset': layout.headers_offset,
-                'slots_offset': layout.slots_offset, 'slot_bytes': layout.slot_bytes,
-                'error_record': buf.host_mapped.ptr, 'timeout_ns': buf.timeout_ns}
-        if is_send:
-            args.update(dst=peer, dst_slot_idx=my_slot_for_peer, src_slot_idx_at_dst=peer_slot_for_me)
-            return self.kernels.send, grid, info, args, event
-        args.update(src=peer, src_slot_idx=my_slot_for_peer, dst_slot_idx_at_src=peer_slot_for_me,
-                    pp_error=self.error_ptr)
-        return self.kernels.recv, grid, info, args, event
+        return PPCall(info, peer, my_slot_for_peer, peer_slot_for_me, grid, layout, event)
 
     def _transfer(self, is_send: bool, x, peer: int, num_sms: int, previous_event,
                   async_with_compute_stream: bool) -> EventOverlap:
-        kernel, grid, info, args, event = self.plan(is_send, x, peer, num_sms, previous_event)
-        order = self._buf.stream_order
+        c = self.plan(is_send, x, peer, num_sms, previous_event)
+        buf, lay, info = self._buf, c.layout, c.info
+        order = buf.stream_order
         current = interop.current_stream(x)
-        comm = order.begin(current, event)
-        kernel.launch(grid, THREADS, stream=comm, **args)
+        comm = order.begin(current, c.event)
+        if is_send:
+            self.kernels.send.launch(
+                c.grid, THREADS, stream=comm, x=info.ptr, num_bytes=info.nbytes, peer_bases=buf.sym.peer_bases_ptr,
+                rank=buf.rank_idx, dst=c.peer, dst_slot_idx=c.my_slot_for_peer, src_slot_idx_at_dst=c.peer_slot_for_me,
+                num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
+                slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
+                timeout_ns=buf.timeout_ns)
+        else:
+            self.kernels.recv.launch(
+                c.grid, THREADS, stream=comm, x=info.ptr, num_bytes=info.nbytes, peer_bases=buf.sym.peer_bases_ptr,
+                rank=buf.rank_idx, src=c.peer, src_slot_idx=c.my_slot_for_peer, dst_slot_idx_at_src=c.peer_slot_for_me,
+                num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
+                slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
+                pp_error=self.error_ptr, timeout_ns=buf.timeout_ns)
         counts = self.num_sent if is_send else self.num_recv
-        counts[int(peer)] = counts.get(int(peer), 0) + 1
+        counts[c.peer] = counts.get(c.peer, 0) + 1
         return order.finish(info.kind, current, async_with_compute_stream, (x,))
