@@ -217,3 +217,19 @@ def test_every_shipped_kernel_has_a_named_launcher():
         for spec in specs:
             fn = launch.named_launcher(spec, lambda *a: None)
             assert fn.__kwdefaults__ == {'stream': None, 'shared_mem': 0, 'cooperative': False}, spec.name
+
+
+# DeepEP's `bench_kineto(fn, kernel_names)` matches each name as a substring of the profiler table's lines (kernel
+# names cut at 100 characters) and asserts it matches at most one line: every name it may be given must fall inside
+# the first 100 characters of exactly one of our kernels' demangled names.
+DEEPEP_PROFILER_NAMES = ('notify_dispatch', 'dispatch_impl', 'dispatch_copy_epilogue_impl', 'combine_impl',
+                         'combine_reduce_epilogue_impl', 'engram_fetch_impl', 'send_impl', 'recv_impl', 'barrier')
+
+
+def test_deepep_profiler_names_match_one_kernel_each():
+    kernels = {spec.name.split('<')[0] for specs in shipped.shipped_specs().values() for spec in specs}
+    for name in DEEPEP_PROFILER_NAMES:
+        hits = [k for k in kernels if name in f'void {k}'[:100]]
+        assert len(hits) == 1, (name, hits)
+    # Our fused combine is both of DeepEP's combine kernels in one launch: both names find the same kernel.
+    assert 'deepep::combine_impl_with_combine_reduce_epilogue_impl' in kernels
