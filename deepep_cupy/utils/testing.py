@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -116,6 +117,16 @@ def bench(fn: Callable[[], object], num_warmups: int = 50, num_tests: int = 50,
     cupy.cuda.runtime.deviceSynchronize()
     times = np.array([cupy.cuda.get_elapsed_time(s, e) / 1e3 for s, e in zip(start_events, end_events)])[1:]
     return BenchResult(float(times.mean()), float(times.min()), float(times.max()))
+
+
+class empty_suppress:
+    """A context manager that does nothing (what `bench_kineto` uses when output is not suppressed)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
 
 
 class suppress_stdout_stderr:
@@ -298,3 +309,22 @@ def _split_periods(trace_events, name: str, num_kernels_per_period: int) -> Tupl
                            f'{num_kernels_per_period}')
     num_periods = len(durations) // num_kernels_per_period
     return tuple(sum(durations[i::num_kernels_per_period]) / num_periods for i in range(num_kernels_per_period))
+
+
+def parse_num_bytes(text: str) -> int:
+    """A byte count with an optional binary suffix: `1G`, `64M`, `512k`, `1.5GiB`, `1048576` (DeepEP V2.5).
+
+    Raises:
+        ValueError: not a byte count, or not positive.
+    """
+    match = re.fullmatch(r'\s*([0-9.]+)\s*([kmgt])?(?:i?b)?\s*', text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f'{text!r} is not a byte count; expected e.g. 1G, 64M, 512K, 1048576')
+    scale = {None: 1, 'k': 1 << 10, 'm': 1 << 20, 'g': 1 << 30, 't': 1 << 40}[(match.group(2) or '').lower() or None]
+    try:
+        value = int(float(match.group(1)) * scale)
+    except ValueError as e:
+        raise ValueError(f'{text!r} has an unparseable number') from e
+    if value <= 0:
+        raise ValueError(f'byte count must be positive, got {value}')
+    return value
