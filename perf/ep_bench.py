@@ -351,11 +351,13 @@ def main(argv=None) -> int:
 
     from deepep_cupy.ep.buffer import ElasticBuffer
     from deepep_cupy.peer_copy import PeerCopy
+    from deepep_cupy.runtime.group import get_group
     from deepep_cupy.runtime.nccl import create_nccl_comm
     from deepep_cupy.utils import bench_bytes
     from deepep_cupy.utils.envs import init_dist
     from deepep_cupy.utils.math import per_token_cast_to_fp8
-    rank, num_ranks, group = init_dist(seed=args.seed)
+    rank, num_ranks, _ = init_dist(seed=args.seed)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     dtypes = [d for d in args.dtypes.split(',') if d]
     config = {**{k: v for k, v in vars(args).items() if k != 'plot_from'}, 'dtypes': dtypes, 'num_ranks': num_ranks,

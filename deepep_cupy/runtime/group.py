@@ -164,7 +164,8 @@ class TorchProcessGroup(ProcessGroup):
         return box[0]
 
     def barrier(self, timeout=None):
-        self._dist.barrier(group=self.group)
+        # An object collective, not dist.barrier: with init_dist's 'cpu:gloo,cuda:nccl' it stays on gloo
+        self.allgather_object(None)
 
 
 class TcpProcessGroup(ProcessGroup):
