@@ -606,7 +606,7 @@ def dispatch(x: Union[torch.Tensor, tuple], topk_idx: torch.Tensor, topk_weights
         return _all_to_all_rows(t[send_token_idx.to(t.device)], num_send, num_recv, group)
 
     recv_x = exchange(x)
-    recv_src = exchange((send_token_idx + rank * num_max_tokens_per_rank).to(torch.int32))
+    recv_src = exchange((torch.arange(x.shape[0], device=x.device) + rank * num_max_tokens_per_rank).to(torch.int32))
     return RefDispatchResult(
         recv_x=(recv_x, exchange(sf)) if use_sf else recv_x,
         recv_topk_idx=to_local_topk_idx(exchange(topk_idx), rank, num_experts_per_rank),
