@@ -63,4 +63,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES) | {'topk_idx_t'})
