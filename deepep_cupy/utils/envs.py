@@ -40,6 +40,9 @@ _local_rank: Optional[int] = None
 _local_seed: Optional[int] = None
 _global_seed: Optional[int] = None
 
+# `get_rdma_gbs` when neither an InfiniBand NIC nor NVLink is found: one PCIe Gen5 x16 link, GB/s.
+FALLBACK_LINK_GBS = 50.0
+
 # Backends of the torch world `init_dist` makes: NCCL for CUDA tensors (one GPU per rank), gloo for CPU objects.
 TORCH_BACKEND_OWN_GPUS = 'cpu:gloo,cuda:nccl'
 TORCH_BACKEND_SHARED_GPUS = 'gloo'
@@ -363,8 +366,8 @@ def get_rdma_gbs(nic_name: str = 'mlx5_0') -> float:
     """RDMA bandwidth of `nic_name` in GB/s: its `ibstat` rate (Gb/s) / 8.
 
     Without that NIC (or without `ibstat`) deepep_cupy carries the traffic DeepEP sends over RDMA (PP send/recv,
-    scale-out) over NVLink or NCCL, so this returns `get_nvlink_gbs()` instead (DeepEP returns 0, which makes its PP
-    test divide by zero on such machines), and 0.0 if that is unknown too.
+    scale-out) over NVLink or NCCL, so this returns `get_nvlink_gbs()` instead, and `FALLBACK_LINK_GBS` (a PCIe Gen5
+    x16 link) when no NVLink is reported either. DeepEP returns 0 there, which makes its PP test divide by zero.
 
     Args:
         nic_name: the InfiniBand CA name.
@@ -373,7 +376,7 @@ def get_rdma_gbs(nic_name: str = 'mlx5_0') -> float:
     rate = None if text is None else parse_ibstat_rate(text, nic_name)
     if rate is not None:
         return rate / 8
-    return get_nvlink_gbs()
+    return get_nvlink_gbs() or FALLBACK_LINK_GBS
 
 
 @functools.lru_cache
