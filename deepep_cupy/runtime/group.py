@@ -523,8 +523,9 @@ def init_torch_distributed(rank: int, size: int, master_addr: str, master_port: 
 
     Args:
         rank, size: this rank and the number of ranks.
-        master_addr, master_port: where rank 0 serves the store (ignored with `mpi_group`: rank 0 picks a free port
-            and sends it over MPI).
+        master_addr, master_port: where rank 0 serves the store (ignored with `mpi_group`: rank 0 serves it on
+            MASTER_ADDR, else 127.0.0.1 on one host or its hostname, on MASTER_PORT, else a free port, and sends the
+            address over MPI).
         backend: torch backend string (`'cpu:gloo,cuda:nccl'`, `'gloo'`, ...).
         timeout: seconds (default `DEEPEP_CUPY_CPU_TIMEOUT_SECS`, else 300); also torch's collective timeout.
         origin: what announced the job, quoted in errors.
@@ -540,7 +541,7 @@ def init_torch_distributed(rank: int, size: int, master_addr: str, master_port: 
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=delta)
         return
     if mpi_group is not None:
-        host = master_addr if 'MASTER_ADDR' in os.environ else (
+        host = os.environ.get('MASTER_ADDR') or (
             DEFAULT_MASTER_ADDR if mpi_group.num_hosts == 1 else socket.gethostname())
         store = None
         if rank == 0:
