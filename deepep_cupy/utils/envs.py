@@ -223,10 +223,14 @@ def _join_launched(group, comm, torch):
     return launch.rank, launch.size, dist.group.WORLD, group_mod.TorchProcessGroup()
 
 
-def _current_group() -> ProcessGroup:
+def _current_rank() -> int:
+    """This process's rank without a collective when possible (the `init_dist` group, torch.distributed)."""
     if _group is not None:
-        return _group
-    return group_mod.get_group()
+        return _group.rank
+    if group_mod._torch_distributed_initialized():
+        import torch.distributed as dist
+        return dist.get_rank()
+    return group_mod.get_group().rank
 
 
 def init_seed(global_seed: int, group: Optional[ProcessGroup] = None) -> None:
@@ -234,13 +238,12 @@ def init_seed(global_seed: int, group: Optional[ProcessGroup] = None) -> None:
 
     Args:
         global_seed: the seed shared by all ranks (what `get_global_seed` returns).
-        group: whose rank to add (default: the `init_dist` group, else `get_group()`: the torch world when
-            initialised, MPI under mpirun).
+        group: whose rank to add (default: the `init_dist` group, else the torch.distributed rank as DeepEP, else
+            `get_group()`'s, a collective under mpirun).
     """
     global _local_seed, _global_seed
-    group = group if group is not None else _current_group()
     _global_seed = int(global_seed)
-    _local_seed = _global_seed + group.rank
+    _local_seed = _global_seed + (group.rank if group is not None else _current_rank())
     random.seed(_local_seed)
     import numpy as np
     np.random.seed(_local_seed % 2**32)
