@@ -209,7 +209,7 @@ def test_bench_post_fn_and_cupy_work():
 
 
 @pytest.mark.gpu
-def test_bench_kineto_torch_profiler(tmp_path):
+def test_bench_kineto_torch_profiler(tmp_path, capsys):
     torch = pytest.importorskip('torch')
     if not torch.cuda.is_available():
         pytest.skip('torch without CUDA: covered by the fallback test')
@@ -224,8 +224,8 @@ def test_bench_kineto_torch_profiler(tmp_path):
     assert trace.exists() and isinstance(t_sleep, float) and 2e-5 < t_sleep < 1e-2
     t_sleep2, t_add = testing.bench_kineto(fn, ('sleep_cycles', 'elementwise'), num_tests=5)
     assert t_add < t_sleep2
-    with pytest.raises(RuntimeError, match='no profiled kernel'):
-        testing.bench_kineto(fn, 'no_such_kernel', num_tests=2)
+    assert testing.bench_kineto(fn, 'no_such_kernel', num_tests=2) == 0        # DeepEP: 0 when nothing matches
+    assert 'no profiled kernel name contains' in capsys.readouterr().err
 
     def two_phases():
         testing.sleep_gpu(2e4)
