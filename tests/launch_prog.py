@@ -26,7 +26,9 @@ if os.environ.get('NO_TORCH') == '1':
 
 
 def report(**fields):
-    print('RESULT ' + json.dumps(fields), flush=True)
+    # One write per line: ranks sharing a pipe (torchrun, mpirun) must not interleave inside a line
+    sys.stdout.write('RESULT ' + json.dumps(fields) + '\n')
+    sys.stdout.flush()
 
 
 def join():
