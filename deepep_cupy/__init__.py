@@ -21,9 +21,19 @@ _LAZY = {
     'get_physical_domain_size': 'deepep_cupy.runtime.topology',
     'get_logical_domain_size': 'deepep_cupy.runtime.topology',
     'get_group': 'deepep_cupy.runtime.group',
+    'install_as_deep_ep': 'deepep_cupy.deep_ep_alias',
+    'destroy_all_managed_nccl_comm': 'deepep_cupy.utils.comm',
+    # DeepEP's V1 API (the legacy buffer); resolves once `deepep_cupy.buffers.legacy` exists
+    'Buffer': 'deepep_cupy.buffers.legacy',
+    'Config': 'deepep_cupy.buffers.legacy',
 }
 
-__all__ = ['__version__', 'topk_idx_t', *_LAZY]
+# Public name -> module that IS the value (DeepEP V2.5's `deep_ep.comm`).
+_LAZY_MODULES = {
+    'comm': 'deepep_cupy.utils.comm',
+}
+
+__all__ = ['__version__', 'topk_idx_t', *_LAZY, *_LAZY_MODULES]
 
 
 def __getattr__(name):
@@ -35,14 +45,22 @@ def __getattr__(name):
         except ImportError:
             import numpy
             return numpy.int64
+    import importlib
+    if name in _LAZY_MODULES:
+        return importlib.import_module(_LAZY_MODULES[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-    import importlib
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module == e.name or module.startswith(e.name + '.')):
+            raise
+        # hasattr() and un-deferred annotations (`buffer: deep_ep.Buffer`) expect AttributeError for a missing name
+        raise AttributeError(f'{__name__}.{name} is not available: {module} is not part of this installation') from e
     globals()[name] = value
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES) | {'topk_idx_t'})

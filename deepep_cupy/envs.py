@@ -76,3 +76,10 @@ def use_nvidia_tools() -> bool:
     Systems / Compute), so `utils.testing.bench_kineto` skips torch's profiler and returns 1 s placeholders
     (upstream's `EP_USE_NVIDIA_TOOLS`)."""
     return _get_bool('DEEPEP_CUPY_USE_NVIDIA_TOOLS')
+
+
+def shadow_deep_ep() -> bool:
+    """`DEEPEP_CUPY_SHADOW_DEEP_EP` (bool, default off): let `deepep_cupy.install_as_deep_ep()` and
+    `python -m deepep_cupy.as_deep_ep` stand in for `deep_ep` even though a real DeepEP is installed (a warning is
+    printed once); without it they refuse."""
+    return _get_bool('DEEPEP_CUPY_SHADOW_DEEP_EP')

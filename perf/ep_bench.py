@@ -5,7 +5,7 @@
 
 Paths per case (tokens x {bf16, fp8} x num_sms; hidden 7168, top-8, 256 experts, balanced routing by default):
   ours  `ElasticBuffer.dispatch` (do_cpu_sync=True) and `combine` (input: recv_x converted to bfloat16)
-  refs  `deepep_cupy.utils.refs.dispatch` / `combine_nccl` (NCCL all_to_all_single + index ops, what users write)
+  refs  `deepep_cupy.utils.refs.dispatch_nccl` / `combine_nccl` (NCCL all_to_all_single + index ops, what users write)
   a2a   one raw NCCL all_to_all_single of exactly the cross-GPU bytes of the case
   floor the peer-copy kernel (`deepep_cupy.features.peer_copy`) moving exactly the cross-GPU bytes, with the same SM
         count as ours (/floor) and with every SM of the GPU (/flall)
@@ -96,7 +96,7 @@ def bench_baselines(group, args, comm, floor, buf, x_in, topk_idx, topk_weights,
         out['refs'] = out['a2a'] = {'dispatch': {'error': 'no NCCL communicator'}, 'combine': {'error': 'no NCCL'}}
     else:
         def refs_dispatch():
-            return refs.dispatch(x_in, topk_idx, topk_weights, buf.num_max_tokens_per_rank, args.num_experts, comm)
+            return refs.dispatch_nccl(x_in, topk_idx, topk_weights, buf.num_max_tokens_per_rank, args.num_experts, comm)
         ref, err = collect(group, refs_dispatch)
         out['refs'] = {'dispatch': timed(group, args, refs_dispatch) if err is None else {'error': err}}
         if err is None:
@@ -351,11 +351,13 @@ def main(argv=None) -> int:
 
     from deepep_cupy import ElasticBuffer
     from deepep_cupy.features.peer_copy import PeerCopy
+    from deepep_cupy.runtime.group import get_group
     from deepep_cupy.runtime.nccl import create_nccl_comm
     from deepep_cupy.utils import bench_bytes
     from deepep_cupy.utils.envs import init_dist
     from deepep_cupy.utils.math import per_token_cast_to_fp8
-    rank, num_ranks, group = init_dist(seed=args.seed)
+    rank, num_ranks, _ = init_dist(seed=args.seed)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     dtypes = [d for d in args.dtypes.split(',') if d]
     config = {**{k: v for k, v in vars(args).items() if k != 'plot_from'}, 'dtypes': dtypes, 'num_ranks': num_ranks,

@@ -134,9 +134,11 @@ def main(argv=None) -> int:
 
     from deepep_cupy import ElasticBuffer
     from deepep_cupy.features.ep.feature import EP
+    from deepep_cupy.runtime.group import get_group
     from deepep_cupy.utils.envs import init_dist
     from deepep_cupy.utils.math import per_token_cast_to_fp8
-    rank, num_ranks, group = init_dist(seed=0)
+    rank, num_ranks, _ = init_dist(seed=0)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     tokens = [int(t) for t in args.tokens.split(',')]
     timer = LineTimer()

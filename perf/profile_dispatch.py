@@ -12,6 +12,7 @@ import time
 import torch
 
 from deepep_cupy import ElasticBuffer
+from deepep_cupy.runtime.group import get_group
 from deepep_cupy.utils.envs import init_dist
 
 
@@ -23,7 +24,8 @@ def main():
     p.add_argument('--num-experts', type=int, default=256)
     p.add_argument('--calls', type=int, default=200)
     args = p.parse_args()
-    rank, num_ranks, group = init_dist()
+    rank, num_ranks, _ = init_dist()
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     buf = ElasticBuffer(group, num_max_tokens_per_rank=args.num_tokens, hidden=args.hidden, num_topk=args.num_topk,
                         explicitly_destroy=True)
     x = torch.randn(args.num_tokens, args.hidden, device='cuda').to(torch.bfloat16)

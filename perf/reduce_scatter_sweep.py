@@ -19,6 +19,7 @@ import torch
 
 from deepep_cupy import ElasticBuffer
 from deepep_cupy.features.agrs import plan as agrs  # reduce_layout reads SENDER_SHARE / CHUNK_MAX_ELEMS here
+from deepep_cupy.runtime.group import get_group
 from deepep_cupy.runtime.nccl import create_nccl_comm
 from deepep_cupy.tests.allocation import make_buffer
 from deepep_cupy.utils.envs import init_dist
@@ -37,7 +38,8 @@ def main(argv=None) -> int:
     p.add_argument('--host-only', action='store_true', help='only the host time per call')
     p.add_argument('--profile', action='store_true', help='cProfile the host-time loops (rank 0 prints the top)')
     args = p.parse_args(argv)
-    rank, num_ranks, group = init_dist()
+    rank, num_ranks, _ = init_dist()
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     worst = lambda t: max(group.allgather_object(t))     # noqa: E731
     sizes = [int(s) * MiB for s in args.sizes_mib.split(',')]

@@ -67,7 +67,7 @@ def test_precise_rank_count_and_topk_idx():
     assert rank_count.shape == (num_tokens, num_ranks) and rank_count.dtype == torch.int32
     assert (rank_count.sum(dim=1) == num_topk).all()
     assert (rank_count >= 0).all() and (rank_count <= num_experts // num_ranks).all()
-    topk_idx = generate_topk_idx(rank_count, num_experts)
+    topk_idx = generate_topk_idx(rank_count, num_tokens, num_experts, num_ranks, num_topk)
     assert topk_idx.shape == (num_tokens, num_topk) and topk_idx.dtype == torch.int64
     assert (topk_idx.sort(dim=1).values.diff(dim=1) > 0).all()
     # The experts reproduce the counts
@@ -102,7 +102,7 @@ def test_precise_unreachable_and_bad_args():
     with pytest.raises(ValueError, match='num_tokens'):
         get_unbalanced_scores(-1, 8, 2, 2, device='cpu')
     with pytest.raises(ValueError, match='rank_count'):
-        generate_topk_idx(torch.tensor([[1, 1], [2, 1]]), 4)
+        generate_topk_idx(torch.tensor([[1, 1], [2, 1]]), 2, 4, 2, 2)
 
 
 def test_edge_shapes():

@@ -370,7 +370,7 @@ def test_nccl_forms_match_gathered_reference(num_bias):
 
     def rank_program(comm):
         r = comm.rank
-        out = refs.dispatch((xs[r], sfs[r]), TOPK[r], weights[r], M, E, comm)
+        out = refs.dispatch_nccl((xs[r], sfs[r]), TOPK[r], weights[r], M, E, comm)
         y = refs.generate_pre_combine_data(out.result.recv_src_token_global_idx, M, K, H, comm.size, seed)
         x = refs.reduce_local_slots(y, out.result.recv_topk_idx)
         gen = torch.Generator().manual_seed(100 + r)

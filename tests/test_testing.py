@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from deepep_cupy.runtime import group as group_mod
 from deepep_cupy.utils import envs as utils_envs
 from deepep_cupy.utils import testing
 
@@ -98,7 +99,7 @@ def test_imports_have_no_side_effects():
 # utils.envs
 @pytest.fixture
 def fresh_envs_state(monkeypatch):
-    for name in ('_group', '_local_seed', '_global_seed'):
+    for name in ('_group', '_local_rank', '_local_seed', '_global_seed'):
         monkeypatch.setattr(utils_envs, name, None)
 
 
@@ -109,10 +110,16 @@ def test_seed_getters_before_init(fresh_envs_state):
         utils_envs.get_global_seed()
 
 
-def test_init_dist_single_process(fresh_envs_state, capsys):
+def test_init_dist_single_process(fresh_envs_state, capsys, monkeypatch):
     import torch
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip('torch.distributed already initialised')
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'TORCHELASTIC_RUN_ID', 'SLURM_PROCID', *group_mod.MPI_MARKERS):
+        monkeypatch.delenv(k, raising=False)
     rank, world_size, group = utils_envs.init_dist(seed=5)
-    assert (rank, world_size, group.backend) == (0, 1, 'single')
+    # torch is installed: a one-process torch.distributed world (gloo on a CPU-only machine)
+    assert (rank, world_size, group) == (0, 1, dist.group.WORLD) and dist.get_world_size() == 1
     assert utils_envs.get_local_seed() == 5 and utils_envs.get_global_seed() == 5
     first = (torch.rand(3), random.random(), np.random.rand())
     utils_envs.init_seed(5)
@@ -123,6 +130,7 @@ def test_init_dist_single_process(fresh_envs_state, capsys):
     assert capsys.readouterr().out == 'hello\n\n'
     with pytest.raises(ValueError, match='local_rank'):
         utils_envs.init_dist(local_rank=2, num_local_ranks=2)
+    dist.destroy_process_group()
 
 
 def test_init_seed_adds_rank(fresh_envs_state):
@@ -201,7 +209,7 @@ def test_bench_post_fn_and_cupy_work():
 
 
 @pytest.mark.gpu
-def test_bench_kineto_torch_profiler(tmp_path):
+def test_bench_kineto_torch_profiler(tmp_path, capsys):
     torch = pytest.importorskip('torch')
     if not torch.cuda.is_available():
         pytest.skip('torch without CUDA: covered by the fallback test')
@@ -216,8 +224,8 @@ def test_bench_kineto_torch_profiler(tmp_path):
     assert trace.exists() and isinstance(t_sleep, float) and 2e-5 < t_sleep < 1e-2
     t_sleep2, t_add = testing.bench_kineto(fn, ('sleep_cycles', 'elementwise'), num_tests=5)
     assert t_add < t_sleep2
-    with pytest.raises(RuntimeError, match='no profiled kernel'):
-        testing.bench_kineto(fn, 'no_such_kernel', num_tests=2)
+    assert testing.bench_kineto(fn, 'no_such_kernel', num_tests=2) == 0        # DeepEP: 0 when nothing matches
+    assert 'no profiled kernel name contains' in capsys.readouterr().err
 
     def two_phases():
         testing.sleep_gpu(2e4)

@@ -160,9 +160,9 @@ def test_fp8_ue8m0_needs_round_scale_and_checks():
     with pytest.raises(TypeError, match='floating'):
         per_token_cast_to_fp8(torch.zeros((1, 128), dtype=torch.int32))
     x_fp8, sf = per_token_cast_to_fp8(torch.zeros((2, 256)))
-    with pytest.raises(ValueError, match='sf must be'):
+    with pytest.raises(ValueError, match='x_scales must be'):
         per_token_cast_back(x_fp8, sf[:, :1])
-    with pytest.raises(TypeError, match='sf must be'):
+    with pytest.raises(TypeError, match='x_scales must be'):
         per_token_cast_back(x_fp8, sf.double())
 
 

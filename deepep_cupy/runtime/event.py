@@ -51,10 +51,10 @@ class EventOverlap:
         self.hook_after_wait: Optional[Callable] = None
         self._release_handle_by_call = False
 
-    def register_hook_after_wait(self, hook: Callable) -> None:
+    def register_hook_after_wait(self, hook_after_wait: Callable) -> None:
         if self.hook_after_wait is not None:
             raise ValueError('register_hook_after_wait: a hook is already registered on this event')
-        self.hook_after_wait = hook
+        self.hook_after_wait = hook_after_wait
 
     def current_stream_wait(self, release_handle: bool = False) -> Any:
         if self.event is None:
@@ -73,7 +73,7 @@ class EventOverlap:
         """Wait on the current stream and return the registered hook's result (None without a hook)."""
         return self.current_stream_wait()
 
-    def __call__(self, release_handle: bool = True) -> 'EventOverlap':
+    def __call__(self, release_handle: bool = False) -> 'EventOverlap':
         self._release_handle_by_call = release_handle
         return self
 

@@ -27,6 +27,7 @@ import torch
 from .. import ElasticBuffer
 from ..features.agrs import kernels as agrs_kernels
 from ..features.agrs import reference as agrs_reference
+from ..runtime.group import get_group
 from ..utils.envs import init_dist
 from ..utils.testing import bench, flush_l2_cache
 from .common import Failure, check, expect_error
@@ -431,7 +432,8 @@ def main(argv=None) -> int:
     p.add_argument('--skip-failure-test', action='store_true')
     args = p.parse_args(argv)
 
-    rank, num_ranks, group = init_dist(seed=args.seed)
+    rank, num_ranks, _ = init_dist(seed=args.seed)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     inflight = args.num_max_inflight_agrs
     timeouts = {'num_gpu_timeout_secs': args.num_gpu_timeout_secs, 'num_cpu_timeout_secs': args.num_cpu_timeout_secs}

@@ -21,6 +21,7 @@ import torch
 from .. import BufferBase, ElasticBuffer
 from ..buffers.allocator import BufferAllocator, Placeholder, get_num_allocation_alignment
 from ..runtime import interop
+from ..runtime.group import get_group
 from ..utils.envs import init_dist
 from ..utils.testing import bench
 from .common import Failure, check, expect_error, log  # noqa: F401  (re-exported for engram/reduce_grads)
@@ -180,7 +181,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description='deepep_cupy BufferAllocator test')
     parser.add_argument('--num-gpu-timeout-secs', type=float, default=100)
     args = parser.parse_args(argv)
-    rank, num_ranks, group = init_dist()
+    rank, num_ranks, _ = init_dist()
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     ok = True
     try:
         for line in test_plan(group, args.num_gpu_timeout_secs):

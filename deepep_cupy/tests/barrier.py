@@ -20,6 +20,7 @@ from .. import BufferBase
 from ..features.barrier import TEST_CHECK_OFFSET, all_specs
 from ..jit import launch
 from ..runtime.group import get_group
+from ..utils.envs import init_dist
 from .common import log
 
 
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument('--skip-config-test', action='store_true')
     args = parser.parse_args(argv)
 
+    init_dist()  # joins the job the launcher made (mpirun, torchrun, SLURM)
     group = get_group()
     ok = True
     if not args.skip_config_test and group.size > 1:

@@ -218,8 +218,10 @@ def main(argv=None) -> int:
     p.add_argument('--skip-error-test', action='store_true')
     args = p.parse_args(argv)
 
+    from ..runtime.group import get_group
     from ..utils.envs import init_dist
-    rank, num_ranks, group = init_dist(seed=args.seed)
+    rank, num_ranks, _ = init_dist(seed=args.seed)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     t0 = time.perf_counter()
     test = EngramTest(args, group)
     gpu_bytes, cpu_bytes = test.hint

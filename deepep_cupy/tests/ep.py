@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .. import ElasticBuffer
+from ..runtime.group import get_group
 from ..utils import gate, refs
 from ..utils.envs import init_dist
 from ..utils.math import align, per_token_cast_to_fp8
@@ -397,7 +398,8 @@ def main(argv=None) -> int:
     p.add_argument('--num-create-destroy', type=int, default=100)
     args = p.parse_args(argv)
 
-    rank, num_ranks, group = init_dist(seed=args.seed)
+    rank, num_ranks, _ = init_dist(seed=args.seed)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     if args.num_experts % num_ranks:
         args.num_experts = num_ranks * max(1, args.num_experts // num_ranks)
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)

@@ -25,6 +25,7 @@ import torch
 
 from .. import ElasticBuffer
 from ..features.pp.plan import get_pp_buffer_size_hint, neighbours
+from ..runtime.group import get_group
 from ..utils.envs import init_dist
 from ..utils.testing import bench_kineto, sleep_gpu
 from .common import Failure, check
@@ -420,7 +421,8 @@ def main(argv=None) -> int:
     if args.num_max_inflight_tensors < 1:
         p.error('--num-max-inflight-tensors must be at least 1')
 
-    rank, num_ranks, group = init_dist(seed=args.seed)
+    rank, num_ranks, _ = init_dist(seed=args.seed)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     shape = (args.num_tokens, args.hidden)
     num_max_tensor_bytes = int(np.prod(shape)) * 2

@@ -26,6 +26,7 @@ import torch
 
 from ..features.lb.plan import send_bytes_per_peer
 from ..runtime.event import EventOverlap
+from ..runtime.group import get_group
 from ..utils.envs import get_nvlink_gbs, init_dist
 from ..utils.testing import bench, bench_kineto
 from .allocation import (
@@ -380,7 +381,8 @@ def main(argv=None, op: str = 'reduce') -> int:
     p.add_argument('--skip-timeout-test', action='store_true')
     args = p.parse_args(argv)
 
-    rank, num_ranks, group = init_dist(seed=args.seed)
+    rank, num_ranks, _ = init_dist(seed=args.seed)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     if args.num_experts % num_ranks:
         args.num_experts = num_ranks * max(1, args.num_experts // num_ranks)
     t0 = time.perf_counter()

@@ -1,8 +1,9 @@
-"""Test and benchmark utilities (DeepEP's `deep_ep.utils`): math and FP8 helpers, unbalanced gating, timing, setup.
+"""Test and benchmark utilities (DeepEP's `deep_ep.utils`): setup, math and FP8 helpers, unbalanced gating, timing,
+references, events, NCCL handles.
 
-Names resolve lazily (PEP 562): `math` and `gate` need torch, `testing` and `envs` do not, and importing this
-package imports none of them. `refs` (torch references of dispatch/combine) is a submodule:
-`from deepep_cupy.utils import refs`.
+Names resolve lazily (PEP 562): `math`, `gate` and `refs` need torch, the others do not, and importing this package
+imports none of them. Submodules: `envs`, `testing`, `gate`, `math`, `refs`, `event`, `semantic`, `comm`
+(DeepEP's modules of the same names) and `bench_bytes`.
 """
 
 # Public name -> submodule defining it.
@@ -12,13 +13,15 @@ _LAZY = {
                      'safe_div'), 'math'),
     **dict.fromkeys(('get_unbalanced_scores', 'generate_rank_count', 'generate_topk_idx', 'count_tokens_per_rank'),
                     'gate'),
-    **dict.fromkeys(('bench', 'bench_kineto', 'BenchResult', 'flush_l2_cache', 'sleep_gpu', 'suppress_stdout_stderr'),
-                    'testing'),
-    **dict.fromkeys(('init_dist', 'init_seed', 'get_local_seed', 'get_global_seed', 'dist_print', 'get_nvlink_gbs'),
-                    'envs'),
+    **dict.fromkeys(('bench', 'bench_kineto', 'BenchResult', 'flush_l2_cache', 'sleep_gpu', 'suppress_stdout_stderr',
+                     'empty_suppress', 'parse_num_bytes'), 'testing'),
+    **dict.fromkeys(('init_dist', 'init_seed', 'get_local_seed', 'get_global_seed', 'dist_print', 'get_nvlink_gbs',
+                     'get_rdma_gbs'), 'envs'),
+    **dict.fromkeys(('EventHandle', 'EventOverlap'), 'event'),
+    **dict.fromkeys(('value_or', 'weak_lru'), 'semantic'),
 }
 
-_SUBMODULES = ('envs', 'gate', 'math', 'refs', 'testing')
+_SUBMODULES = ('envs', 'gate', 'math', 'refs', 'testing', 'event', 'semantic', 'comm', 'bench_bytes')
 
 __all__ = sorted(_LAZY)
 

@@ -184,28 +184,32 @@ def generate_rank_count(num_tokens: int, num_experts: int, num_ranks: int, num_t
     return rank_count
 
 
-def generate_topk_idx(rank_count: torch.Tensor, num_experts: int) -> torch.Tensor:
+def generate_topk_idx(rank_count: torch.Tensor, num_tokens: int, num_experts: int, num_ranks: int,
+                      num_topk: int) -> torch.Tensor:
     """Concrete distinct experts for a per-token, per-rank count matrix (uniform among each rank's experts).
 
     Args:
-        rank_count: `[num_tokens, num_ranks]`, integer, rows with equal sums `num_topk`, entries at most
+        rank_count: `[num_tokens, num_ranks]`, integer, rows summing to `num_topk`, entries at most
             `num_experts // num_ranks`.
-        num_experts: total number of experts.
+        num_tokens, num_experts, num_ranks, num_topk: the routing problem (`num_experts % num_ranks == 0`).
 
     Returns:
         `[num_tokens, num_topk]`, int64, experts ascending by rank (random order within a rank).
     """
-    num_tokens, num_ranks = rank_count.shape
+    if tuple(rank_count.shape) != (num_tokens, num_ranks):
+        raise ValueError(f'rank_count must be [num_tokens={num_tokens}, num_ranks={num_ranks}], '
+                         f'got {tuple(rank_count.shape)}')
     num_experts_per_rank = num_experts // num_ranks
     if num_experts_per_rank * num_ranks != num_experts:
         raise ValueError(f'num_experts={num_experts} must be divisible by num_ranks={num_ranks}')
-    row_sums = rank_count.sum(dim=1)
-    num_topk = int(row_sums[0].item()) if num_tokens > 0 else 0
-    if (row_sums != num_topk).any() or (rank_count < 0).any() or (rank_count > num_experts_per_rank).any():
-        raise ValueError('rank_count rows must share one sum and hold counts in [0, num_experts // num_ranks]')
-    local_order = torch.rand((num_tokens, num_ranks, num_experts_per_rank), device=rank_count.device).argsort(dim=2)
-    selected = torch.arange(num_experts_per_rank, device=rank_count.device) < rank_count.unsqueeze(2).long()
-    expert_idx = local_order + (torch.arange(num_ranks, device=rank_count.device) * num_experts_per_rank).view(1, -1, 1)
+    if ((rank_count.sum(dim=1) != num_topk).any() or (rank_count < 0).any()
+            or (rank_count > num_experts_per_rank).any()):
+        raise ValueError(f'rank_count rows must sum to num_topk={num_topk} and hold counts in '
+                         f'[0, num_experts // num_ranks = {num_experts_per_rank}]')
+    device = rank_count.device
+    local_order = torch.rand((num_tokens, num_ranks, num_experts_per_rank), device=device).argsort(dim=2)
+    selected = torch.arange(num_experts_per_rank, device=device) < rank_count.unsqueeze(2).long()
+    expert_idx = local_order + (torch.arange(num_ranks, device=device) * num_experts_per_rank).view(1, -1, 1)
     return expert_idx.masked_select(selected).view(num_tokens, num_topk)
 
 
@@ -215,7 +219,7 @@ def get_precise_unbalanced_scores(num_tokens: int, num_experts: int, num_ranks: 
     (0.9, 1], all others in [0, 0.9). See `get_unbalanced_scores`."""
     device = _default_device(device)
     rank_count = generate_rank_count(num_tokens, num_experts, num_ranks, num_topk, ratio, device)
-    topk_idx = generate_topk_idx(rank_count, num_experts)
+    topk_idx = generate_topk_idx(rank_count, num_tokens, num_experts, num_ranks, num_topk)
     scores = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=device).uniform_(0, THRESHOLD)
     topk_scores = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device)
     topk_scores.uniform_(THRESHOLD + 1e-6, 1.0)

@@ -103,12 +103,13 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
     return x_fp8, packed.view(torch.int32)
 
 
-def per_token_cast_back(x_fp8: torch.Tensor, sf: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantise the output of `per_token_cast_to_fp8`: `x_fp8 · scale` per 128-channel group.
 
     Args:
         x_fp8: `[num_tokens, hidden]`, float8_e4m3fn (any hidden size).
-        sf: `[num_tokens, ceil(hidden / 128)]`, float32 scales (row- or column-major), or packed UE8M0
+        x_scales: `[num_tokens, ceil(hidden / 128)]`, float32 scales (row- or column-major), or packed UE8M0
             `[num_tokens, ceil(ceil(hidden / 128) / 4)]`, int32, each byte `b` standing for the float with bits
             `b << 23`.
         out_dtype: dtype of the result (upstream returns bfloat16).
@@ -117,22 +118,23 @@ def per_token_cast_back(x_fp8: torch.Tensor, sf: torch.Tensor, out_dtype: torch.
         `[num_tokens, hidden]`, `out_dtype`.
     """
     _check_2d_float(x_fp8, 'x_fp8')
+    sf = x_scales
     if not isinstance(sf, torch.Tensor):
-        raise TypeError(f'sf must be a torch.Tensor, got {type(sf).__name__}')
+        raise TypeError(f'x_scales must be a torch.Tensor, got {type(sf).__name__}')
     num_tokens, hidden = x_fp8.shape
     num_groups = ceil_div(hidden, FP8_GROUP_SIZE)
     if sf.dtype == torch.int32:
         if tuple(sf.shape) != (num_tokens, ceil_div(num_groups, 4)):
-            raise ValueError(f'sf (packed UE8M0) must be [{num_tokens}, {ceil_div(num_groups, 4)}], '
+            raise ValueError(f'x_scales (packed UE8M0) must be [{num_tokens}, {ceil_div(num_groups, 4)}], '
                              f'got {tuple(sf.shape)}')
         exponent_bytes = sf.contiguous().view(torch.uint8)[:, :num_groups].to(torch.int32)
         scales = (exponent_bytes << 23).view(torch.float32)
     elif sf.dtype == torch.float32:
         if tuple(sf.shape) != (num_tokens, num_groups):
-            raise ValueError(f'sf must be [{num_tokens}, {num_groups}], got {tuple(sf.shape)}')
+            raise ValueError(f'x_scales must be [{num_tokens}, {num_groups}], got {tuple(sf.shape)}')
         scales = sf
     else:
-        raise TypeError(f'sf must be float32 scales or int32 packed UE8M0 factors, got dtype {sf.dtype}')
+        raise TypeError(f'x_scales must be float32 scales or int32 packed UE8M0 factors, got dtype {sf.dtype}')
 
     x = torch.nn.functional.pad(x_fp8.float(), (0, num_groups * FP8_GROUP_SIZE - hidden))
     x = x.view(num_tokens, num_groups, FP8_GROUP_SIZE) * scales.unsqueeze(2)
@@ -205,8 +207,11 @@ def hash_tensor(t: torch.Tensor) -> int:
 
 
 def hash_tensors(*tensors: Any) -> int:
-    """Sum of `hash_tensor` over tensors (nested tuples/lists allowed, None skipped)."""
-    return sum(hash_tensor(t) for t in _flatten(tensors))
+    """XOR of `hash_tensor` over tensors (nested tuples/lists allowed, None skipped), as DeepEP combines them."""
+    value = 0
+    for t in _flatten(tensors):
+        value ^= hash_tensor(t)
+    return value
 
 
 def _flatten(items: Iterable[Any]):
@@ -249,6 +254,7 @@ def align(x: int, y: int) -> int:
     return ceil_div(x, y) * y
 
 
-def safe_div(x: float, y: float) -> float:
-    """`x / y`, or 0 when `y` is 0 (e.g. bytes per token on a rank that received none)."""
-    return 0 if y == 0 else x / y
+def safe_div(a: float, b: float) -> float:
+    """`a / b`, or 0 when `b` is 0 (e.g. bytes per token on a rank that received none; DeepEP returns 0 for 0 / 0
+    and raises `ZeroDivisionError` for other `a`, which this never does)."""
+    return 0 if b == 0 else a / b

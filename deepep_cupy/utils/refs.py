@@ -7,9 +7,9 @@ Three layers:
    code under test; CPU tests call them with lists of per-rank inputs.
 2. Combine: `generate_pre_combine_data` (DeepEP's deterministic test data), `ordered_accumulate` and `combine`, the
    exact fixed-order reduction the combine kernels must reproduce bit for bit.
-3. NCCL all-to-all forms (`dispatch`, `combine_nccl`): what a user would write without this library; benchmark
-   baselines. They run on torch CUDA tensors and share the per-destination selection and the reduction order with
-   layers 1 and 2.
+3. All-to-all forms: `dispatch`, DeepEP's reference (signature and result tuple as DeepEP's, over torch.distributed),
+   and `dispatch_nccl` / `combine_nccl` over our `NcclComm` (what a user would write without this library; benchmark
+   baselines). They share the per-destination selection and the reduction order with layers 1 and 2.
 
 Conventions (DeepEP V2): expert `e` lives on rank `e // (num_experts // num_ranks)` with local id
 `e % (num_experts // num_ranks)`; `-1` in `topk_idx` means "no expert"; a token is received once per destination rank
@@ -316,7 +316,8 @@ def expand_slots(values: torch.Tensor, layout: ExpandedLayoutRef) -> torch.Tenso
 
 
 def generate_pre_combine_data(src_token_global_idx: torch.Tensor, num_max_tokens_per_rank: int, num_topk: int,
-                              hidden: int, num_ranks: int, global_seed: int) -> torch.Tensor:
+                              hidden: int, num_ranks: Optional[int] = None,
+                              global_seed: Optional[int] = None) -> torch.Tensor:
     """DeepEP's deterministic combine test data: a function of the source token's global index only.
 
     With `g = src_token_global_idx[i]`, `seed = g * K + k`, `max_seed = num_ranks * M * K`:
@@ -329,12 +330,17 @@ def generate_pre_combine_data(src_token_global_idx: torch.Tensor, num_max_tokens
         num_max_tokens_per_rank: M.
         num_topk: K.
         hidden: H.
-        num_ranks: R.
-        global_seed: the job's global seed (the same on every rank).
+        num_ranks: R (default: the torch.distributed world size, as DeepEP, else the `init_dist` group's).
+        global_seed: the job's global seed, the same on every rank (default: `envs.get_global_seed()`, as DeepEP).
 
     Returns:
         `[n, K, H]`, bfloat16, values in [-1, 1], on the device of `src_token_global_idx`.
     """
+    if num_ranks is None:
+        num_ranks = _world_size()
+    if global_seed is None:
+        from .envs import get_global_seed
+        global_seed = get_global_seed()
     if src_token_global_idx.dim() != 1:
         raise ValueError(f'src_token_global_idx must be 1-D, got shape {tuple(src_token_global_idx.shape)}')
     device = src_token_global_idx.device
@@ -346,18 +352,21 @@ def generate_pre_combine_data(src_token_global_idx: torch.Tensor, num_max_tokens
     return y.to(torch.bfloat16)
 
 
-def ordered_accumulate(data: torch.Tensor, initial: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Sum over dim 1 in ascending order in float32, starting from `initial`, rounded once to `data.dtype`.
+def ordered_accumulate(data: torch.Tensor, initial_value: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum over dim 1 in ascending order, adding each slot as float32 to an accumulator that starts as a copy of
+    `initial_value` (its dtype: pass float32, as `combine` does) or as float32 zeros; rounded once to `data.dtype`.
 
     Args:
         data: `[n, K, H]`.
-        initial: `[n, H]` start value (converted to float32), or None for zeros.
+        initial_value: `[n, H]` start value, or None for zeros.
 
     Returns:
         `[n, H]`, `data.dtype`.
     """
-    acc = torch.zeros((data.shape[0], data.shape[2]), dtype=torch.float32, device=data.device) if initial is None \
-        else initial.float().clone()
+    if initial_value is None:
+        acc = torch.zeros((data.shape[0], data.shape[2]), dtype=torch.float32, device=data.device)
+    else:
+        acc = initial_value.clone()
     for k in range(data.shape[1]):
         acc += data[:, k].float()
     return acc.to(data.dtype)
@@ -502,11 +511,112 @@ def expected_combined_x(topk_idx: torch.Tensor, rank: int, num_max_tokens_per_ra
 
 
 # -------------------------------------------------------------------------------------------------------------------
-# Layer 3: NCCL all-to-all baselines (torch CUDA tensors)
+# Layer 3: all-to-all forms
+
+
+def _world_size(group=None) -> int:
+    """Ranks of `group` (default: the torch.distributed world, else the `init_dist` group)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    from . import envs
+    if envs._group is not None:
+        return envs._group.size
+    raise RuntimeError('no process group: call deepep_cupy.utils.envs.init_dist first, or pass num_ranks')
+
+
+def _all_to_all_rows(send: torch.Tensor, num_send: list, num_recv: list, group) -> torch.Tensor:
+    """`torch.distributed.all_to_all_single` of whole rows, for any dtype and either backend: rows travel as raw
+    bytes (gloo and NCCL both move uint8; neither needs to know float8), through host memory when the group cannot
+    move CUDA tensors (gloo alone, as for ranks sharing a GPU)."""
+    import torch.distributed as dist
+    send = send.contiguous()
+    row_shape = tuple(send.shape[1:])
+    row_bytes = math.prod(row_shape) * send.element_size()
+    send_bytes = send.reshape(send.shape[0], math.prod(row_shape)).view(torch.uint8).reshape(send.shape[0], row_bytes)
+    staged = send.is_cuda and 'nccl' not in str(dist.get_backend(group)).lower()
+    if staged:
+        send_bytes = send_bytes.cpu()
+    recv = torch.empty((sum(num_recv), row_bytes), dtype=torch.uint8, device=send_bytes.device)
+    dist.all_to_all_single(recv, send_bytes, output_split_sizes=list(num_recv), input_split_sizes=list(num_send),
+                           group=group)
+    if staged:
+        recv = recv.to(send.device)
+    return recv.view(send.dtype).reshape(sum(num_recv), *row_shape)
+
+
+class RefDispatchResult(NamedTuple):
+    """DeepEP's `refs.dispatch` result, in DeepEP's tuple order (rows sorted by source rank, then source token).
+
+    Attributes:
+        recv_x: `[num_recv, hidden]`, the dtype of `x`; or `(recv_x, recv_sf)` when `x` was `(x, sf)`.
+        recv_topk_idx: `[num_recv, num_topk]`, the dtype of `topk_idx`: local expert id, -1 where the expert is on
+            another rank.
+        recv_topk_weights: `[num_recv, num_topk]`, the original weights (not masked), or None without weights.
+        recv_src_token_idx: `[num_recv]`, int32, `src_rank * num_max_tokens_per_rank + src_token_idx`.
+        num_recv_tokens_per_rank: `[num_ranks]`, int32 (CPU), rows received from each source rank.
+    """
+    recv_x: Union[torch.Tensor, tuple]
+    recv_topk_idx: torch.Tensor
+    recv_topk_weights: Optional[torch.Tensor]
+    recv_src_token_idx: torch.Tensor
+    num_recv_tokens_per_rank: torch.Tensor
+
+
+def dispatch(x: Union[torch.Tensor, tuple], topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+             num_max_tokens_per_rank: int, num_experts: int, group=None) -> RefDispatchResult:
+    """DeepEP's reference dispatch: each token goes once to every rank owning one of its experts, through
+    `torch.distributed.all_to_all_single` over `group` (default: the world, as DeepEP). Collective; synchronises the
+    host (the count exchange sizes the outputs). Works on CUDA tensors (NCCL, or gloo through host memory) and on CPU
+    tensors (gloo).
+
+    Args:
+        x: `[num_tokens, hidden]`, or `(x [num_tokens, hidden], sf [num_tokens, num_sf])` (e.g. float8 with scales).
+        topk_idx: `[num_tokens, num_topk]`, integer, global expert ids or -1.
+        topk_weights: `[num_tokens, num_topk]` float32, or None (DeepEP requires them; here the result holds None).
+        num_max_tokens_per_rank: M, at least `num_tokens` (defines `recv_src_token_idx`).
+        num_experts: total experts, a multiple of the number of ranks.
+        group: a torch.distributed ProcessGroup (default: the world).
+
+    Returns:
+        `RefDispatchResult` (a 5-tuple like DeepEP's), equal to `dispatch_from_gathered` on the gathered inputs.
+    """
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError('refs.dispatch exchanges tokens with torch.distributed, which is not initialised: call '
+                           'deepep_cupy.utils.envs.init_dist first')
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    num_experts_per_rank = _experts_per_rank(num_experts, num_ranks)
+    use_sf = isinstance(x, tuple)
+    x, sf = x if use_sf else (x, None)
+    if x.dim() != 2 or x.shape[0] > num_max_tokens_per_rank or tuple(topk_idx.shape[:1]) != (x.shape[0],):
+        raise ValueError(f'x must be [num_tokens <= {num_max_tokens_per_rank}, hidden] matching topk_idx '
+                         f'{tuple(topk_idx.shape)}, got {tuple(x.shape)}')
+    if topk_weights is not None and topk_weights.shape != topk_idx.shape:
+        raise ValueError(f'topk_weights must be {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}')
+
+    per_dst = [tokens_for_rank(topk_idx, dst, num_experts_per_rank) for dst in range(num_ranks)]
+    send_token_idx = torch.cat(per_dst)
+    num_send = [int(idx.numel()) for idx in per_dst]
+    counts = _all_to_all_rows(torch.tensor(num_send, dtype=torch.int64, device=x.device).view(num_ranks, 1),
+                              [1] * num_ranks, [1] * num_ranks, group)
+    num_recv = counts.view(-1).tolist()
+
+    def exchange(t: torch.Tensor) -> torch.Tensor:
+        return _all_to_all_rows(t[send_token_idx.to(t.device)], num_send, num_recv, group)
+
+    recv_x = exchange(x)
+    recv_src = exchange((torch.arange(x.shape[0], device=x.device) + rank * num_max_tokens_per_rank).to(torch.int32))
+    return RefDispatchResult(
+        recv_x=(recv_x, exchange(sf)) if use_sf else recv_x,
+        recv_topk_idx=to_local_topk_idx(exchange(topk_idx), rank, num_experts_per_rank),
+        recv_topk_weights=exchange(topk_weights) if topk_weights is not None else None,
+        recv_src_token_idx=recv_src,
+        num_recv_tokens_per_rank=torch.tensor(num_recv, dtype=torch.int32))
 
 
 class NcclDispatchHandle(NamedTuple):
-    """What `combine_nccl` needs from `dispatch`.
+    """What `combine_nccl` needs from `dispatch_nccl`.
 
     Attributes:
         topk_idx: `[num_tokens, K]`, the dispatch's input (global expert ids or -1).
@@ -523,7 +633,8 @@ class NcclDispatchHandle(NamedTuple):
 
 
 class NcclDispatchOutput(NamedTuple):
-    """`dispatch`'s result: the received data (same form as `dispatch_from_gathered`) and the handle for combine."""
+    """`dispatch_nccl`'s result: the received data (same form as `dispatch_from_gathered`) and the handle for
+    combine."""
     result: DispatchRef
     handle: NcclDispatchHandle
 
@@ -535,8 +646,8 @@ class CombineRef(NamedTuple):
     combined_topk_weights: Optional[torch.Tensor]
 
 
-def dispatch(x: Union[torch.Tensor, tuple], topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-             num_max_tokens_per_rank: int, num_experts: int, comm, group=None) -> NcclDispatchOutput:
+def dispatch_nccl(x: Union[torch.Tensor, tuple], topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                  num_max_tokens_per_rank: int, num_experts: int, comm, group=None) -> NcclDispatchOutput:
     """Dispatch with NCCL all-to-alls, the way a user would write it: counts, then rows, scales, top-k ids, weights
     and source indices, then a local-expert remap. Collective over `comm`; runs on torch's current stream and
     synchronises the host (per-destination `nonzero`, and the count exchange that sizes the outputs).
@@ -595,8 +706,8 @@ def combine_nccl(x: torch.Tensor, handle: NcclDispatchHandle, comm, topk_weights
     `combine(y, topk_idx, 1, R, E, bias, reduce_in_local=True)` when every rank passes `reduce_local_slots(y_recv)`.
 
     Args:
-        x: `[num_recv, H]` bfloat16 CUDA, rows aligned with `dispatch`'s `recv_x` (each the rank's local sum).
-        handle: from `dispatch`.
+        x: `[num_recv, H]` bfloat16 CUDA, rows aligned with `dispatch_nccl`'s `recv_x` (each the rank's local sum).
+        handle: from `dispatch_nccl`.
         comm: the `NcclComm` of the dispatch.
         topk_weights: `[num_recv, K]` float32 to send back, or None.
         bias: None, a tensor, or a tuple of 1 or 2 tensors, each `[num_tokens, H]`.

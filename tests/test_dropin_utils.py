@@ -1,0 +1,178 @@
+"""DeepEP-compatible utilities added for the drop-in surface: envs (RDMA / NVLink bandwidth, EnvOverride, checks),
+semantic, comm (handles, barrier, domain sizes of a buffer), testing.parse_num_bytes / empty_suppress, math's DeepEP
+semantics."""
+
+import gc
+import os
+import types
+
+import pytest
+
+from deepep_cupy.utils import comm, semantic, testing
+from deepep_cupy.utils import envs as utils_envs
+
+IBSTAT = """CA 'mlx5_0'
+\tCA type: MT4129
+\tPort 1:
+\t\tState: Active
+\t\tRate: 400
+CA 'mlx5_1'
+\tCA type: MT4131
+\tPort 1:
+\t\tRate: 200
+"""
+
+
+def test_ibstat_parsing():
+    assert utils_envs.parse_ibstat_rate(IBSTAT, 'mlx5_0') == 400
+    assert utils_envs.parse_ibstat_rate(IBSTAT, 'mlx5_1') == 200
+    assert utils_envs.parse_ibstat_rate(IBSTAT, 'mlx5_9') is None
+
+
+@pytest.fixture
+def fake_tools(monkeypatch):
+    outputs = {}
+    monkeypatch.setattr(utils_envs, '_run', lambda args: outputs.get(args[0]))
+    for f in (utils_envs.get_rdma_gbs, utils_envs.get_nvlink_gbs, utils_envs.check_fast_rdma_atomic_support):
+        f.cache_clear()
+    yield outputs
+    for f in (utils_envs.get_rdma_gbs, utils_envs.get_nvlink_gbs, utils_envs.check_fast_rdma_atomic_support):
+        f.cache_clear()
+
+
+def test_rdma_gbs_and_fallbacks(fake_tools):
+    fake_tools['ibstat'] = IBSTAT
+    assert utils_envs.get_rdma_gbs() == 50.0 and utils_envs.get_rdma_gbs('mlx5_1') == 25.0
+    assert not utils_envs.check_fast_rdma_atomic_support() and utils_envs.check_fast_rdma_atomic_support('mlx5_1')
+    fake_tools.clear()
+    utils_envs.get_rdma_gbs.cache_clear()
+    fake_tools['nvidia-smi'] = 'GPU 0: NVIDIA H200 (UUID: x)\n\t Link 0: 26.562 GB/s\n\t Link 1: 26.562 GB/s\n'
+    assert utils_envs.get_rdma_gbs() == pytest.approx(2 * 26.562 * 0.9)     # no NIC: NVLink carries it
+    fake_tools.clear()
+    utils_envs.get_rdma_gbs.cache_clear()
+    utils_envs.get_nvlink_gbs.cache_clear()
+    assert utils_envs.get_rdma_gbs() == utils_envs.FALLBACK_LINK_GBS > 0     # never 0: DeepEP's test_pp divides by it
+    assert utils_envs.get_sm_read_gbs() == 180 and utils_envs.get_sm_write_gbs() == 45
+
+
+def test_env_override(monkeypatch):
+    monkeypatch.setenv('DEEPEP_TEST_A', 'old')
+    monkeypatch.delenv('DEEPEP_TEST_B', raising=False)
+    with utils_envs.EnvOverride([('DEEPEP_TEST_A', 'new', True), ('DEEPEP_TEST_B', 'b', True),
+                                 ('DEEPEP_TEST_C', 'c', False)]):
+        assert (os.environ['DEEPEP_TEST_A'], os.environ['DEEPEP_TEST_B']) == ('new', 'b')
+        assert 'DEEPEP_TEST_C' not in os.environ
+    assert os.environ['DEEPEP_TEST_A'] == 'old' and 'DEEPEP_TEST_B' not in os.environ
+
+
+def test_check_torch_deterministic():
+    torch = pytest.importorskip('torch')
+    utils_envs.check_torch_deterministic()
+    saved = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        with pytest.raises(RuntimeError, match='fill_uninitialized_memory'):
+            utils_envs.check_torch_deterministic()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = saved
+
+
+def test_semantic():
+    assert semantic.value_or(None, 3) == 3 and semantic.value_or(0, 3) == 0
+
+    class Thing:
+        calls = 0
+
+        @semantic.weak_lru(maxsize=8)
+        def square(self, x):
+            Thing.calls += 1
+            return x * x
+
+    t = Thing()
+    assert t.square(3) == 9 and t.square(3) == 9 and Thing.calls == 1
+    import weakref
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None          # the cache held only a weak reference
+
+
+def test_parse_num_bytes_and_empty_suppress():
+    assert testing.parse_num_bytes('64M') == 64 << 20 and testing.parse_num_bytes('1GiB') == 1 << 30
+    assert testing.parse_num_bytes(' 512k ') == 512 << 10 and testing.parse_num_bytes('1048576') == 1 << 20
+    for bad in ('abc', '0', '-1M', '1X'):
+        with pytest.raises(ValueError):
+            testing.parse_num_bytes(bad)
+    with testing.empty_suppress() as s:
+        assert isinstance(s, testing.empty_suppress)
+
+
+class FakeBuffer:
+    def __init__(self):
+        self.calls = []
+
+    def get_physical_domain_size(self):
+        return (1, 4)
+
+    def get_logical_domain_size(self):
+        return (2, 2)
+
+    def barrier(self, use_comm_stream=True, with_cpu_sync=False):
+        self.calls.append((use_comm_stream, with_cpu_sync))
+
+    def get_comm_stream(self):
+        return 'stream'
+
+
+def test_comm_helpers_on_a_buffer(monkeypatch):
+    buf = FakeBuffer()
+    assert comm.get_physical_domain_size(buf) == (1, 4) and comm.get_logical_domain_size(buf) == (2, 2)
+    comm.barrier(buf, wait_comm_stream=False, with_cpu_sync=True)
+    assert buf.calls == [(False, True)]
+    with pytest.raises(ValueError, match='single context'):
+        comm.barrier(buf, context_idx=1)
+
+    class WithSequential(FakeBuffer):
+        def barrier(self, use_comm_stream=True, with_cpu_sync=False, sequential=False):
+            self.calls.append(sequential)
+    seq = WithSequential()
+    comm.barrier(seq)
+    assert seq.calls == [True]
+
+
+def test_nccl_comm_handle_reuses_torchs_communicator(monkeypatch):
+    torch = pytest.importorskip('torch')
+    backend = types.SimpleNamespace(_comm_ptr=lambda: 0xABC)
+
+    class FakeTorchGroup:
+        def _get_backend(self, device):
+            assert device == torch.device('cuda')
+            return backend
+
+    group = FakeTorchGroup()
+    handle = comm.get_nccl_comm_handle(group)
+    assert handle.get() == 0xABC and not handle.managed and comm.get_nccl_comm_handle(group) is handle
+    comm.destroy_all_managed_nccl_comm()
+    assert comm.get_nccl_comm_handle(group) is not handle
+    comm.destroy_all_managed_nccl_comm()
+
+    destroyed = []
+    ours = types.SimpleNamespace(comm=types.SimpleNamespace(ptr=0x123), destroy=lambda: destroyed.append(1))
+    managed = comm.NCCLCommHandle(ours, True)
+    assert managed.get() == 0x123
+    del managed
+    gc.collect()
+    assert destroyed == [1]
+
+
+def test_math_deepep_semantics():
+    torch = pytest.importorskip('torch')
+    from deepep_cupy.utils import math as m
+    a, b = torch.tensor([5], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    assert m.hash_tensors(a, (b, None), [a]) == 5 ^ 3 ^ 5          # XOR, nested, None skipped (DeepEP)
+    assert m.safe_div(0, 0) == 0 and m.safe_div(3, 2) == 1.5
+    x = torch.randn(4, 256)
+    q, sf = m.per_token_cast_to_fp8(x)
+    assert torch.equal(m.per_token_cast_back(q, x_scales=sf), m.per_token_cast_back(q, sf))
