@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from deepep_cupy.runtime import nvlink
 from deepep_cupy.utils import comm, semantic, testing
 from deepep_cupy.utils import envs as utils_envs
 
@@ -33,6 +34,7 @@ def test_ibstat_parsing():
 def fake_tools(monkeypatch):
     outputs = {}
     monkeypatch.setattr(utils_envs, '_run', lambda args: outputs.get(args[0]))
+    monkeypatch.setattr(nvlink, '_run', lambda args: outputs.get(args[0]))
     for f in (utils_envs.get_rdma_gbs, utils_envs.get_nvlink_gbs, utils_envs.check_fast_rdma_atomic_support):
         f.cache_clear()
     yield outputs

@@ -19,6 +19,8 @@ from typing import Dict, List, Optional, Set, Tuple
 PACKAGE = 'deepep_cupy'
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 BESIDE = ('utils', 'tests')                   # beside the library: may import anything, imported by nothing in it
+# Top-level modules of the api layer besides the package itself: the buffers and the `deep_ep` alias with its runner.
+API_MODULES = ('buffers', 'deep_ep_alias', 'as_deep_ep', '_deep_ep_bootstrap', 'comm')
 LAYERS = {'api': 3, 'features': 2, 'runtime': 1, 'jit': 1, 'base': 0}
 
 
@@ -70,7 +72,7 @@ def package_of(module: str) -> str:
 
 def layer_of(module: str) -> Optional[str]:
     parts = module.split('.')[1:]
-    if not parts or parts[0] == 'buffers':
+    if not parts or parts[0] in API_MODULES:
         return 'api'
     if parts[0] in ('features', 'runtime', 'jit'):
         return parts[0]

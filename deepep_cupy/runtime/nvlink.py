@@ -26,10 +26,14 @@ def get_nvlink_gbs(factor: float = 0.9) -> float:
     Returns:
         GB/s, or 0.0 when nvidia-smi is missing, fails or lists no NVLink (e.g. PCIe GPUs).
     """
+    text = _run(['nvidia-smi', 'nvlink', '-s'])
+    return 0.0 if text is None else parse_nvlink_gbs(text) * factor
+
+
+def _run(args) -> 'str | None':
+    """stdout of a short command, or None when it is missing or fails."""
     try:
-        result = subprocess.run(['nvidia-smi', 'nvlink', '-s'], capture_output=True, text=True, timeout=30)
+        result = subprocess.run(args, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return 0.0
-    if result.returncode != 0:
-        return 0.0
-    return parse_nvlink_gbs(result.stdout) * factor
+        return None
+    return result.stdout if result.returncode == 0 else None
