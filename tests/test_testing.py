@@ -110,7 +110,7 @@ def test_seed_getters_before_init(fresh_envs_state):
 
 
 def test_init_dist_single_process(fresh_envs_state, capsys):
-    import torch
+    torch = pytest.importorskip('torch')
     rank, world_size, group = utils_envs.init_dist(seed=5)
     assert (rank, world_size, group.backend) == (0, 1, 'single')
     assert utils_envs.get_local_seed() == 5 and utils_envs.get_global_seed() == 5
