@@ -11,6 +11,7 @@ from typing import Optional
 
 from .. import envs
 from ..constants import NUM_MAX_SCALEUP_RANKS
+from . import preflight
 from .group import ProcessGroup
 
 
@@ -22,6 +23,7 @@ def select_device(group: ProcessGroup, device: Optional[int] = None) -> int:
         device: explicit device index; default `DEEPEP_CUPY_DEVICE`, else `local_rank % num_visible_devices`
             (several ranks share a GPU when a host runs more ranks than it has GPUs, for logic tests).
     """
+    preflight.check_cuda()      # driver, CuPy build, NVRTC, a visible GPU: one-line SetupError naming the fix
     import cupy
     num_devices = cupy.cuda.runtime.getDeviceCount()
     if num_devices == 0:
