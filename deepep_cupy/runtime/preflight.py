@@ -74,7 +74,7 @@ def driver_cuda_version() -> int:
     except OSError:
         raise SetupError('no NVIDIA driver on this host (libcuda.so.1 cannot be loaded): run on a machine with an '
                          'NVIDIA GPU and its driver (nvidia-smi must work); the CPU tests need no GPU: '
-                         'python -m pytest -q tests') from None
+                         'python -m pytest -q tests -m "not slow"') from None
     version = ctypes.c_int(0)
     if lib.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value <= 0:
         raise SetupError('the NVIDIA driver did not report its CUDA version (cuDriverGetVersion failed): check that '
