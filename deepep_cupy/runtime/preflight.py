@@ -149,8 +149,7 @@ def check_cuda() -> None:
         cupy = _import_cupy()
     except ImportError:
         raise SetupError(f'CuPy is not installed: {_install_hint(driver_major)} (the extra for this host\'s CUDA '
-                         f'{_cuda_version_text(driver)} driver; use [cu12] for a CUDA 12 driver, [cu13] for CUDA 13)'
-                         ) from None
+                         f'{_cuda_version_text(driver)} driver)') from None
     cupy_major = _cupy_cuda_major(cupy)
     cupy_name = installed_cupy() or f'CuPy for CUDA {cupy_major}'
     if driver_major < cupy_major:
