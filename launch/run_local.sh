@@ -3,7 +3,8 @@
 #
 #   launch/run_local.sh N python -m deepep_cupy.tests.ep [args...]
 #
-# Works with Open MPI (root flags, oversubscription when ranks > cores) and MPICH (pip install mpich).
+# Works with Open MPI (root flags, oversubscription when ranks > cores) and MPICH (the [mpi] extra: pip install mpich).
+# MPIRUN=/path/to/mpirun picks another one.
 # Each rank binds to GPU (local rank % GPU count) itself; more ranks than GPUs share GPUs (logic tests only).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0) unless the caller set it explicitly.
 set -euo pipefail
@@ -17,6 +18,11 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 export PYTHONUNBUFFERED=1
 mpirun=${MPIRUN:-mpirun}
+if ! command -v "$mpirun" >/dev/null 2>&1; then
+    echo "deepep_cupy: no $mpirun on PATH: pip install -e \".[mpi]\" (mpi4py with MPICH, mpirun lands in the" \
+         "environment's bin/; activate it), or start the ranks with torchrun or srun (see the README, Launching)" >&2
+    exit 1
+fi
 extra=()
 if "$mpirun" --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

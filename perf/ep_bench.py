@@ -31,6 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)     # run from a checkout without installing
 
+from deepep_cupy.runtime import preflight  # noqa: E402  (torch-free: --help and --plot-from need no GPU)
+
 TARGETS = {'floor_ratio_max': 1.15, 'target_tokens': 4096, 'target_max_sms': 24, 'refs_speedup_min': 5.0,
            'decode_dispatch_us_max': 20.0, 'decode_combine_us_max': 25.0}
 PATHS = ('ours', 'floor', 'a2a', 'refs')
@@ -254,6 +256,16 @@ def bench_decode(group, args, timeout):
         buf.destroy()
 
 
+def nccl_version():
+    """NCCL's version number, or why there is none. `cupy.cuda.nccl` is a submodule, an attribute of `cupy.cuda` only
+    once imported: reading `cupy.cuda.nccl.get_version()` before anything imported it logged an AttributeError."""
+    try:
+        from deepep_cupy.runtime import preflight
+        return preflight.nccl().get_version()
+    except Exception as e:  # no NCCL library: the refs and a2a paths report it too
+        return f'{type(e).__name__}: {e}'
+
+
 def environment(group):
     import cupy
     import torch
@@ -264,10 +276,7 @@ def environment(group):
             'cupy': cupy.__version__, 'cuda_runtime': cupy.cuda.runtime.runtimeGetVersion(),
             'cuda_driver': cupy.cuda.runtime.driverGetVersion(), 'nvrtc': list(compiler.nvrtc_version()),
             'deepep_cupy': deepep_cupy.__version__, 'host': platform.node()}
-    try:
-        info['nccl'] = cupy.cuda.nccl.get_version()
-    except Exception as e:
-        info['nccl'] = repr(e)
+    info['nccl'] = nccl_version()
     try:
         info['git'] = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=ROOT, capture_output=True, text=True,
                                      timeout=10).stdout.strip()
@@ -322,30 +331,50 @@ def plot(data, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line; the description keeps its line breaks."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='perf/ep_bench.py', description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument('--out', default=None,
+                   help='directory for ep_bench.json and ep_bench.png (default: ep_bench_out; with --plot-from: the '
+                        'directory of that JSON)')
+    p.add_argument('--tokens', type=ints, default=[128, 512, 4096, 8192], help='tokens per rank, comma separated')
+    p.add_argument('--dtypes', default='bf16,fp8', help='dispatch input types, comma separated (bf16, fp8)')
+    p.add_argument('--num-sms', type=ints, default=[0, 24],
+                   help='SM counts to measure, comma separated (0: the library heuristic)')
+    p.add_argument('--hidden', type=int, default=7168, help='hidden size: elements per token')
+    p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=256, help='experts in all')
+    p.add_argument('--unbalanced-ratio', type=float, default=1.0,
+                   help='load of the hottest rank relative to the others (1.0: balanced routing)')
+    p.add_argument('--num-warmups', type=int, default=20, help='untimed calls before each measurement')
+    p.add_argument('--num-tests', type=int, default=50, help='timed calls per measurement')
+    p.add_argument('--decode-tokens', type=int, default=128, help='tokens per rank of the CUDA-graph decode case')
+    p.add_argument('--decode-num-sms', type=int, default=0, help='SMs of the decode case (0: the library heuristic)')
+    p.add_argument('--decode-replays', type=int, default=200, help='graph replays timed in the decode case')
+    p.add_argument('--skip-decode', action='store_true', help='skip the CUDA-graph decode case')
+    p.add_argument('--num-gpu-timeout-secs', type=float, default=30, help='bound on every GPU wait of the buffer')
+    p.add_argument('--seed', type=int, default=0, help='seed of the inputs')
+    p.add_argument('--plot-from', metavar='JSON',
+                   help='only redraw ep_bench.png from this ep_bench.json (no GPU, no MPI; needs the [perf] extra)')
+    return p
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description='deepep_cupy EP benchmark (run under mpirun)')
-    parser.add_argument('--out', default='ep_bench_out', help='directory for ep_bench.json and ep_bench.png')
-    parser.add_argument('--tokens', type=ints, default=[128, 512, 4096, 8192])
-    parser.add_argument('--dtypes', default='bf16,fp8')
-    parser.add_argument('--num-sms', type=ints, default=[0, 24], help='0: the library heuristic')
-    parser.add_argument('--hidden', type=int, default=7168)
-    parser.add_argument('--num-topk', type=int, default=8)
-    parser.add_argument('--num-experts', type=int, default=256)
-    parser.add_argument('--unbalanced-ratio', type=float, default=1.0)
-    parser.add_argument('--num-warmups', type=int, default=20)
-    parser.add_argument('--num-tests', type=int, default=50)
-    parser.add_argument('--decode-tokens', type=int, default=128)
-    parser.add_argument('--decode-num-sms', type=int, default=0)
-    parser.add_argument('--decode-replays', type=int, default=200)
-    parser.add_argument('--skip-decode', action='store_true')
-    parser.add_argument('--num-gpu-timeout-secs', type=float, default=30)
-    parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--plot-from', help='only redraw the PNG from this JSON (no GPU, no MPI)')
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.plot_from:
         with open(args.plot_from) as f:
-            plot(json.load(f), os.path.join(os.path.dirname(args.plot_from) or '.', 'ep_bench.png'))
+            data = json.load(f)
+        out = args.out or os.path.dirname(args.plot_from) or '.'
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, 'ep_bench.png')
+        plot(data, path)
+        print(f'[ep_bench] wrote {path}')
         return 0
+    args.out = args.out or 'ep_bench_out'
+    preflight.check_cuda()
 
     import torch
 
@@ -443,7 +472,8 @@ def main(argv=None) -> int:
             plot(data, os.path.join(args.out, 'ep_bench.png'))
             log(f"[ep_bench] wrote {os.path.join(args.out, 'ep_bench.png')}")
         except Exception as e:  # e.g. no matplotlib on the GPU machine: the JSON is enough to redraw
-            log(f'[ep_bench] no PNG ({type(e).__name__}: {e}); redraw later with --plot-from {path}')
+            log(f'[ep_bench] no PNG ({type(e).__name__}: {e}); redraw later where the [perf] extra is installed: '
+                f'python perf/ep_bench.py --plot-from {path}')
     group.barrier()
     if comm is not None:
         torch.cuda.synchronize()
@@ -453,4 +483,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

@@ -29,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from deepep_cupy.runtime import preflight  # noqa: E402  (torch-free: --help needs no GPU)
+
 KERNELS = ('notify_kernel', 'dispatch_send_kernel', 'dispatch_recv_kernel', 'combine_kernel')
 
 
@@ -117,18 +119,27 @@ class LineTimer:
         return '\n'.join(f'    {v / calls / 1e3:7.1f} us  {k[0]}:{k[1]}  {self.sources.get(k, "")}' for k, v in rows)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--tokens', default='128,4096')
-    p.add_argument('--num-sms', type=int, default=22)
-    p.add_argument('--hidden', type=int, default=7168)
-    p.add_argument('--num-topk', type=int, default=8)
-    p.add_argument('--num-experts', type=int, default=256)
-    p.add_argument('--num-calls', type=int, default=30)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line; the description keeps its line breaks."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='perf/ep_profile.py', description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument('--tokens', default='128,4096', help='tokens per rank, comma separated')
+    p.add_argument('--num-sms', type=int, default=22, help='SMs per dispatch/combine')
+    p.add_argument('--hidden', type=int, default=7168, help='hidden size: elements per token')
+    p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=256, help='experts in all')
+    p.add_argument('--num-calls', type=int, default=30, help='calls per case')
     p.add_argument('--graph-max-tokens', type=int, default=512, help='also CUDA-graph replays up to this size')
     p.add_argument('--profile', action='store_true', help='cProfile of each case (rank 0)')
     p.add_argument('--lines', action='store_true', help='time per statement of dispatch/combine (rank 0)')
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    preflight.check_cuda()
 
     import torch
 
@@ -245,4 +256,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

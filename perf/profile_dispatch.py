@@ -7,23 +7,34 @@ import argparse
 import cProfile
 import io
 import pstats
+import sys
 import time
 
-import torch
-
 from deepep_cupy import ElasticBuffer
+from deepep_cupy.runtime import preflight
 from deepep_cupy.runtime.group import get_group
 from deepep_cupy.utils.envs import init_dist
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument('--num-tokens', type=int, default=128)
-    p.add_argument('--hidden', type=int, default=7168)
-    p.add_argument('--num-topk', type=int, default=8)
-    p.add_argument('--num-experts', type=int, default=256)
-    p.add_argument('--calls', type=int, default=200)
-    args = p.parse_args()
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line; the description keeps its line breaks."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='perf/profile_dispatch.py', description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument('--num-tokens', type=int, default=128, help='tokens of this rank')
+    p.add_argument('--hidden', type=int, default=7168, help='hidden size: bfloat16 elements per token')
+    p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=256, help='experts in all')
+    p.add_argument('--calls', type=int, default=200, help='calls timed per case, and profiled')
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    preflight.check_cuda()
+    import torch
     rank, num_ranks, _ = init_dist()
     group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     buf = ElasticBuffer(group, num_max_tokens_per_rank=args.num_tokens, hidden=args.hidden, num_topk=args.num_topk,
@@ -68,7 +79,8 @@ def main():
         pstats.Stats(prof, stream=s).sort_stats('tottime').print_stats(22)
         print(s.getvalue()[:6000], flush=True)
     buf.destroy()
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(preflight.run(main))

@@ -15,29 +15,40 @@ import pstats
 import sys
 import time
 
-import torch
-
 from deepep_cupy import ElasticBuffer
 from deepep_cupy.features.agrs import plan as agrs  # reduce_layout reads SENDER_SHARE / CHUNK_MAX_ELEMS here
+from deepep_cupy.runtime import preflight
 from deepep_cupy.runtime.group import get_group
 from deepep_cupy.runtime.nccl import create_nccl_comm
-from deepep_cupy.tests.allocation import make_buffer
 from deepep_cupy.utils.envs import init_dist
 from deepep_cupy.utils.testing import bench
 
 MiB = 1 << 20
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line; the description keeps its line breaks."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='perf/reduce_scatter_sweep.py', description=__doc__,
+                                formatter_class=HelpFormatter)
     p.add_argument('--sizes-mib', default='16,64', help='input MiB per rank, comma separated')
-    p.add_argument('--num-sms', default='48,64,96,128')
-    p.add_argument('--sender-shares', default='1/2,2/3')
-    p.add_argument('--chunk-max-elems', default='32768,65536')
-    p.add_argument('--num-tests', type=int, default=20)
+    p.add_argument('--num-sms', default='48,64,96,128', help='block counts to sweep, comma separated')
+    p.add_argument('--sender-shares', default='1/2,2/3', help='shares of the blocks that send, comma separated')
+    p.add_argument('--chunk-max-elems', default='32768,65536', help='chunk sizes (elements) to sweep, comma separated')
+    p.add_argument('--num-tests', type=int, default=20, help='timed calls per configuration')
     p.add_argument('--host-only', action='store_true', help='only the host time per call')
     p.add_argument('--profile', action='store_true', help='cProfile the host-time loops (rank 0 prints the top)')
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    preflight.check_cuda()
+    import torch
+
+    from deepep_cupy.tests.allocation import make_buffer
     rank, num_ranks, _ = init_dist()
     group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
@@ -99,4 +110,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

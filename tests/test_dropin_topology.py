@@ -8,7 +8,7 @@ import types
 import pytest
 
 from deepep_cupy.runtime import group as group_mod
-from deepep_cupy.runtime import topology
+from deepep_cupy.runtime import preflight, topology
 
 cupy = pytest.importorskip('cupy')
 
@@ -48,6 +48,7 @@ class FakeCuda:
         monkeypatch.setattr(rt, 'deviceGetByPCIBusId', self.by_bus_id)
         monkeypatch.setattr(rt, 'deviceCanAccessPeer', self.can_access)
         monkeypatch.setattr(cupy.cuda, 'Device', lambda d: types.SimpleNamespace(use=lambda: None))
+        monkeypatch.setattr(preflight, '_cuda_checked', True)      # the fake devices stand for a working driver
 
     def by_bus_id(self, bus):
         devices = self.visible[self.local.rank]

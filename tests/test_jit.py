@@ -24,6 +24,7 @@ def _compile_chunk(family, names):
     return module.cubin[:4], sorted(module.lowered)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('family', sorted(shipped.shipped_specs()))
 def test_every_shipped_specialisation_compiles_for_sm90(family):
     """All template instantiations the package can request, compiled with NVRTC for sm_90 (no GPU needed), in

@@ -31,6 +31,30 @@ def test_wheel_contains_every_kernel_source(wheel):
         assert f'deepep_cupy/kernels_cu/{s}' in names, s
 
 
+def test_wheel_contains_every_module_and_the_license(wheel):
+    """Every module of the checkout is in the wheel (a new subpackage missing from setup.cfg's list shows up here),
+    and so is the MIT license text."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / 'deepep_cupy').rglob('*.py')}
+    assert modules
+    assert sorted(modules - names) == []
+    licenses = [n for n in names if n.endswith('.dist-info/licenses/LICENSE')]
+    assert licenses, sorted(n for n in names if 'dist-info' in n)
+    text = zipfile.ZipFile(wheel).read(licenses[0]).decode()
+    assert text.startswith('MIT License') and 'Copyright (c) 2026 the deepep_cupy authors' in text
+
+
+def test_metadata_classifiers_urls_and_extras(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith('.dist-info/METADATA'))).decode()
+    for line in ('License: MIT', 'Classifier: Environment :: GPU :: NVIDIA CUDA :: 12',
+                 'Classifier: Environment :: GPU :: NVIDIA CUDA :: 13',
+                 'Classifier: Operating System :: POSIX :: Linux',
+                 'Classifier: Topic :: Scientific/Engineering :: Artificial Intelligence', 'Project-URL: Source, ',
+                 'Requires-Dist: matplotlib; extra == "perf"', 'Requires-Dist: torch; extra == "torch"'):
+        assert line in meta, line
+
+
 def test_installed_wheel_finds_and_compiles_kernels(wheel, tmp_path):
     site = tmp_path / 'site'
     subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--target', str(site), str(wheel)],

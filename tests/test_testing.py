@@ -111,7 +111,7 @@ def test_seed_getters_before_init(fresh_envs_state):
 
 
 def test_init_dist_single_process(fresh_envs_state, capsys, monkeypatch):
-    import torch
+    torch = pytest.importorskip('torch')
     import torch.distributed as dist
     if dist.is_initialized():
         pytest.skip('torch.distributed already initialised')

@@ -18,8 +18,8 @@ from .group import ProcessGroup
 
 
 def _nccl():
-    from cupy.cuda import nccl
-    return nccl
+    from .preflight import nccl
+    return nccl()      # SetupError naming the package when libnccl is missing
 
 
 def _nccl_dtype(dtype: str, name: str) -> int:

@@ -13,6 +13,7 @@ from typing import Optional
 
 from .. import envs
 from ..constants import NUM_MAX_SCALEUP_RANKS
+from . import preflight
 from .group import ProcessGroup
 
 
@@ -34,6 +35,7 @@ def select_device(group: ProcessGroup, device: Optional[int] = None) -> int:
             `local_rank % num_visible_devices` (several ranks share a GPU when a host runs more ranks than it has
             GPUs, for logic tests).
     """
+    preflight.check_cuda()      # driver, CuPy build, NVRTC, a visible GPU: one-line SetupError naming the fix
     import cupy
     num_devices = cupy.cuda.runtime.getDeviceCount()
     if num_devices == 0:

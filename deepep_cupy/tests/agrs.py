@@ -15,14 +15,21 @@ sweep 1 MiB … 64 MiB per rank: all-gather `GB/s = bytes · R · inflight / avg
 (skipped when ranks share a GPU).
 """
 
-import argparse
 import random
 import sys
 import time
 import traceback
 
 import numpy as np
-import torch
+
+from ..runtime import preflight
+from . import cli
+
+try:
+    import torch
+except ImportError as e:  # `--help` works without torch; a run names the extra that brings it
+    preflight.exit_if_main(e, __name__, cli.agrs_parser)
+    raise
 
 from .. import ElasticBuffer
 from ..features.agrs import kernels as agrs_kernels
@@ -416,21 +423,9 @@ def perf(buf, args, group, nccl, num_tests: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description='deepep_cupy all-gather sessions / reduce-scatter / all-reduce test')
-    p.add_argument('--num-max-inflight-agrs', type=int, default=4)
-    p.add_argument('--num-stress-iterations', type=int, default=4)
-    p.add_argument('--num-stress-gathers', type=int, default=16, help='gathered tensors per stress iteration')
-    p.add_argument('--num-stress-reductions', type=int, default=8, help='reductions per stress iteration')
-    p.add_argument('--num-sms', type=int, default=0, help='blocks per gather / reduction launch (0: heuristic)')
-    p.add_argument('--num-perf-tests', type=int, default=50)
-    p.add_argument('--num-gpu-timeout-secs', type=float, default=100)
-    p.add_argument('--num-cpu-timeout-secs', type=float, default=100)
-    p.add_argument('--timeout-test-secs', type=float, default=3.0)
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--skip-check', action='store_true')
-    p.add_argument('--skip-perf-test', action='store_true')
-    p.add_argument('--skip-failure-test', action='store_true')
+    p = cli.agrs_parser()
     args = p.parse_args(argv)
+    preflight.check_cuda()
 
     rank, num_ranks, _ = init_dist(seed=args.seed)
     group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
@@ -510,4 +505,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

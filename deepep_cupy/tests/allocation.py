@@ -10,13 +10,19 @@ Then the misuse cases: a plan that differs between ranks or does not fit raises 
 materialised only once.
 """
 
-import argparse
-import re
 import sys
 from typing import List, Optional
 
 import numpy as np
-import torch
+
+from ..runtime import preflight
+from . import cli
+
+try:
+    import torch
+except ImportError as e:  # `--help` works without torch; a run names the extra that brings it
+    preflight.exit_if_main(e, __name__, cli.allocation_parser)
+    raise
 
 from .. import BufferBase, ElasticBuffer
 from ..buffers.allocator import BufferAllocator, Placeholder, get_num_allocation_alignment
@@ -24,6 +30,7 @@ from ..runtime import interop
 from ..runtime.group import get_group
 from ..utils.envs import init_dist
 from ..utils.testing import bench
+from .cli import parse_num_bytes  # noqa: F401  (re-exported)
 from .common import Failure, check, expect_error, log  # noqa: F401  (re-exported for engram/reduce_grads)
 
 
@@ -34,14 +41,6 @@ def make_buffer(group, num_bytes: int, num_gpu_timeout_secs: float = 100, **kwar
     num_bytes = max(alignment, (num_bytes + alignment - 1) // alignment * alignment)
     return ElasticBuffer(group=group, num_bytes=num_bytes, num_gpu_timeout_secs=num_gpu_timeout_secs,
                          explicitly_destroy=True, **kwargs)
-
-
-def parse_num_bytes(text: str) -> int:
-    """`'64M'` → 64 MiB; also `K`, `G` (binary) and plain byte counts."""
-    match = re.fullmatch(r'\s*(\d+)\s*([KMG]?)i?B?\s*', str(text), re.IGNORECASE)
-    if match is None:
-        raise argparse.ArgumentTypeError(f'not a byte count: {text!r} (use e.g. 64M, 512K or 4096)')
-    return int(match.group(1)) << {'': 0, 'K': 10, 'M': 20, 'G': 30}[match.group(2).upper()]
 
 
 def ranks_share_gpu(buf) -> bool:
@@ -178,9 +177,9 @@ def test_plan(group, timeout: float) -> List[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description='deepep_cupy BufferAllocator test')
-    parser.add_argument('--num-gpu-timeout-secs', type=float, default=100)
+    parser = cli.allocation_parser()
     args = parser.parse_args(argv)
+    preflight.check_cuda()
     rank, num_ranks, _ = init_dist()
     group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
     ok = True
@@ -196,4 +195,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

@@ -10,7 +10,6 @@ barrier and checks that every other rank raises `TimeoutError` naming it; the co
 different buffer size and checks that every rank raises `ValueError`.
 """
 
-import argparse
 import sys
 import time
 
@@ -19,8 +18,10 @@ import numpy as np
 from .. import BufferBase
 from ..features.barrier import TEST_CHECK_OFFSET, all_specs
 from ..jit import launch
+from ..runtime import preflight
 from ..runtime.group import get_group
 from ..utils.envs import init_dist
+from . import cli
 from .common import log
 
 
@@ -117,15 +118,9 @@ def test_wrong_config(group) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description='deepep_cupy GPU barrier test')
-    parser.add_argument('--num-barriers', type=int, default=1000)
-    parser.add_argument('--num-rounds', type=int, default=64, help='correctness rounds')
-    parser.add_argument('--delay-us', type=float, default=200.0, help='GPU sleep of the late rank per round')
-    parser.add_argument('--num-gpu-timeout-secs', type=float, default=100)
-    parser.add_argument('--timeout-test-secs', type=float, default=3.0)
-    parser.add_argument('--skip-timeout-test', action='store_true')
-    parser.add_argument('--skip-config-test', action='store_true')
+    parser = cli.barrier_parser()
     args = parser.parse_args(argv)
+    preflight.check_cuda()
 
     init_dist()  # joins the job the launcher made (mpirun, torchrun, SLURM)
     group = get_group()
@@ -152,11 +147,12 @@ def main(argv=None) -> int:
                f'{"OK" if good else "FAILED"}')
     ok &= good
 
-    us = bench_barrier(buf, args.num_barriers)
-    all_us = group.allgather_object(us)
-    for r, (graph_us, issued_us) in enumerate(all_us):
-        log(group, f'[perf] rank {r}: {graph_us:.2f} us per barrier (GPU, CUDA-graph replay of {args.num_barriers}); '
-                   f'{issued_us:.2f} us per barrier launched one by one from Python')
+    if not args.skip_perf_test:
+        us = bench_barrier(buf, args.num_barriers)
+        all_us = group.allgather_object(us)
+        for r, (graph_us, issued_us) in enumerate(all_us):
+            log(group, f'[perf] rank {r}: {graph_us:.2f} us per barrier (GPU, CUDA-graph replay of '
+                       f'{args.num_barriers}); {issued_us:.2f} us per barrier launched one by one from Python')
     buf.destroy()
 
     # NCCL waits between scale-up domains cannot be bounded from the GPU side: the timeout test covers the IPC barrier.
@@ -171,4 +167,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

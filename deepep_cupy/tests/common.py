@@ -1,8 +1,9 @@
-"""Helpers shared by the rank programs: failures, bitwise checks, expected-error checks, host gathers, logging."""
+"""Helpers shared by the rank programs: failures, bitwise checks, expected-error checks, host gathers, logging.
+
+torch is imported by the helpers that compare or gather tensors, so CuPy-only programs (the barrier) can use the rest.
+"""
 
 from typing import Callable, List
-
-import torch
 
 
 class Failure(AssertionError):
@@ -14,8 +15,9 @@ def check(cond: bool, what: str):
         raise Failure(what)
 
 
-def check_equal(got: torch.Tensor, want: torch.Tensor, what: str):
-    """Bitwise equality (through an integer view), reporting the first mismatch."""
+def check_equal(got, want, what: str):
+    """Bitwise equality of two torch tensors (through an integer view), reporting the first mismatch."""
+    import torch
     if got.shape != want.shape:
         raise Failure(f'{what}: shape {tuple(got.shape)} != expected {tuple(want.shape)}')
     if got.dtype != want.dtype:
@@ -34,6 +36,7 @@ def check_equal(got: torch.Tensor, want: torch.Tensor, what: str):
 def gather_tensors(group, tensors):
     """Every rank's copy of `tensors` (CPU torch tensors), through the host process group. Tensors travel as numpy
     arrays of their raw bytes (torch cannot unpickle float8 tensors everywhere)."""
+    import torch
     packed = tuple((str(t.dtype).replace('torch.', ''), t.view(torch.uint8).cpu().numpy() if t.element_size() == 1
                     else t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
                     .cpu().numpy()) for t in tensors)

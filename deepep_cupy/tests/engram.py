@@ -11,13 +11,20 @@ time (issue), the hook's wait, the host time of the call, GB/s (`T * n * hidden 
 per second, next to the peer-copy floor and an NCCL all-to-all moving the same cross-GPU bytes (one rank per GPU).
 """
 
-import argparse
 import sys
 import time
 from typing import List, Tuple
 
 import numpy as np
-import torch
+
+from ..runtime import preflight
+from . import cli
+
+try:
+    import torch
+except ImportError as e:  # `--help` works without torch; a run names the extra that brings it
+    preflight.exit_if_main(e, __name__, cli.engram_parser)
+    raise
 
 from ..features.engram.plan import storage_size_hint
 from ..utils.testing import bench, bench_kineto
@@ -203,20 +210,9 @@ class EngramTest:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description='deepep_cupy engram test')
-    p.add_argument('--num-qps', type=int, default=0, help='blocks of the fetch kernel (0: all SMs)')
-    p.add_argument('--num-entries', type=int, default=524288)
-    p.add_argument('--hidden', type=int, default=128)
-    p.add_argument('--num-tokens', type=int, default=512)
-    p.add_argument('--num-entries-per-token', type=int, default=24)
-    p.add_argument('--use-fp8', action='store_true')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--num-gpu-timeout-secs', type=float, default=100)
-    p.add_argument('--skip-check', action='store_true')
-    p.add_argument('--skip-perf-test', action='store_true')
-    p.add_argument('--skip-baselines', action='store_true', help='no peer-copy floor / NCCL baselines')
-    p.add_argument('--skip-error-test', action='store_true')
+    p = cli.engram_parser()
     args = p.parse_args(argv)
+    preflight.check_cuda()
 
     from ..runtime.group import get_group
     from ..utils.envs import init_dist
@@ -256,4 +252,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

@@ -10,12 +10,19 @@ combines; every output is compared with `deepep_cupy.utils.refs` bit for bit. Th
 gathered through the host process group, never NCCL or the code under test.
 """
 
-import argparse
 import sys
 import time
 
 import numpy as np
-import torch
+
+from ..runtime import preflight
+from . import cli
+
+try:
+    import torch
+except ImportError as e:  # `--help` works without torch; a run names the extra that brings it
+    preflight.exit_if_main(e, __name__, cli.ep_parser)
+    raise
 
 from .. import ElasticBuffer
 from ..runtime.group import get_group
@@ -373,30 +380,9 @@ def perf(buf: ElasticBuffer, case: Case, args):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description='deepep_cupy EP dispatch/combine test')
-    p.add_argument('--num-tokens', type=int, default=4096)
-    p.add_argument('--hidden', type=int, default=7168)
-    p.add_argument('--num-topk', type=int, default=6)
-    p.add_argument('--num-experts', type=int, default=256)
-    p.add_argument('--num-sms', type=int, default=0)
-    p.add_argument('--num-gpu-timeout-secs', type=float, default=100)
-    p.add_argument('--num-cpu-timeout-secs', type=float, default=100)
-    p.add_argument('--allow-multiple-reduction', type=int, default=1)
-    p.add_argument('--deterministic', action='store_true')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--unbalanced-ratio', type=float, default=1.0)
-    p.add_argument('--precise-unbalanced-ratio', action='store_true')
-    p.add_argument('--masked-ratio', type=float, default=0.0)
-    p.add_argument('--skip-check', action='store_true')
-    p.add_argument('--skip-perf-test', action='store_true')
-    p.add_argument('--test-first-only', action='store_true')
-    p.add_argument('--do-pressure-test', action='store_true')
-    p.add_argument('--num-pressure-seeds', type=int, default=100)
-    p.add_argument('--skip-error-test', action='store_true')
-    p.add_argument('--skip-timeout-test', action='store_true')
-    p.add_argument('--timeout-test-secs', type=float, default=3.0)
-    p.add_argument('--num-create-destroy', type=int, default=100)
+    p = cli.ep_parser()
     args = p.parse_args(argv)
+    preflight.check_cuda()
 
     rank, num_ranks, _ = init_dist(seed=args.seed)
     group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
@@ -467,4 +453,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

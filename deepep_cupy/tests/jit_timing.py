@@ -4,13 +4,15 @@ warm start (a second process that finds them in the cache).
     python -m deepep_cupy.tests.jit_timing [--num-ranks 2 --num-topk 8]
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+
+from ..runtime import preflight
+from . import cli
 
 _CHILD = r'''
 import json, sys, time
@@ -53,10 +55,9 @@ def run_child(cache_dir: str, num_ranks: int, num_topk: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description='deepep_cupy JIT timings')
-    parser.add_argument('--num-ranks', type=int, default=2)
-    parser.add_argument('--num-topk', type=int, default=8)
+    parser = cli.jit_timing_parser()
     args = parser.parse_args(argv)
+    preflight.check_cuda()
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, '-c', 'import time; t = time.perf_counter(); import deepep_cupy; '
                            'import sys; print(time.perf_counter() - t); '
@@ -80,4 +81,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

@@ -14,14 +14,21 @@ Message contents are regenerated on the receiver from a per-message seed, so no 
 under test. `--num-processes` is accepted for DeepEP compatibility and ignored (start the ranks with mpirun).
 """
 
-import argparse
 import random
 import sys
 import time
 from typing import List, NamedTuple, Optional
 
 import numpy as np
-import torch
+
+from ..runtime import preflight
+from . import cli
+
+try:
+    import torch
+except ImportError as e:  # `--help` works without torch; a run names the extra that brings it
+    preflight.exit_if_main(e, __name__, cli.pp_parser)
+    raise
 
 from .. import ElasticBuffer
 from ..features.pp.plan import get_pp_buffer_size_hint, neighbours
@@ -399,23 +406,9 @@ def perf(buf, args, group, shape) -> List[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description='deepep_cupy PP send/recv test')
-    p.add_argument('--num-processes', type=int, default=4, help='ignored: start the ranks with mpirun')
-    p.add_argument('--num-tokens', type=int, default=4096)
-    p.add_argument('--hidden', type=int, default=7168)
-    p.add_argument('--num-max-inflight-tensors', type=int, default=4)
-    p.add_argument('--num-stress-iterations', type=int, default=4)
-    p.add_argument('--num-sends', type=int, default=128)
-    p.add_argument('--num-sleep-cycles', type=float, default=1e7)
-    p.add_argument('--num-sms', type=int, default=0)
-    p.add_argument('--num-gpu-timeout-secs', type=float, default=100)
-    p.add_argument('--num-perf-tests', type=int, default=30)
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--skip-perf-test', action='store_true')
-    p.add_argument('--skip-error-test', action='store_true')
-    p.add_argument('--skip-timeout-test', action='store_true')
-    p.add_argument('--timeout-test-secs', type=float, default=3.0)
+    p = cli.pp_parser()
     args = p.parse_args(argv)
+    preflight.check_cuda()
     if args.num_tokens * args.hidden * 2 < 65536 or args.num_tokens < 4:
         p.error('the checks need tensors of at least 64 KiB and 4 rows (--num-tokens x --hidden x 2 bytes)')
     if args.num_max_inflight_tensors < 1:
@@ -483,4 +476,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

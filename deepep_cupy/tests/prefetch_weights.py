@@ -10,7 +10,14 @@ checks as the gradient reduction (the bytes an owner pushes are the bytes it wou
 
 import sys
 
-from .reduce_grads import main as _main
+from ..runtime import preflight
+from . import cli
+
+try:
+    from .reduce_grads import main as _main
+except ImportError as e:  # `--help` works without torch; a run names the extra that brings it
+    preflight.exit_if_main(e, __name__, lambda: cli.lb_parser('prefetch'))
+    raise
 
 
 def main(argv=None) -> int:
@@ -18,4 +25,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

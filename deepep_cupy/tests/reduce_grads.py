@@ -16,13 +16,20 @@ others raise TimeoutError, and the performance lines: per-rank and critical-path
 floor moving the same bytes per peer with the same SMs, and NCCL all-to-all of the same bytes (one rank per GPU).
 """
 
-import argparse
 import sys
 import time
 from typing import List, Optional, Tuple
 
 import numpy as np
-import torch
+
+from ..runtime import preflight
+from . import cli
+
+try:
+    import torch
+except ImportError as e:  # `--help` works without torch; a run names the extra that brings it
+    preflight.exit_if_main(e, __name__, lambda: cli.lb_parser('reduce'))
+    raise
 
 from ..features.lb.plan import send_bytes_per_peer
 from ..runtime.event import EventOverlap
@@ -34,7 +41,6 @@ from .allocation import (
     log,
     make_buffer,
     nccl_all_to_all,
-    parse_num_bytes,
     peer_copy_floor,
     ranks_share_gpu,
 )
@@ -362,24 +368,9 @@ def test_timeout(args, group, op: str) -> bool:
 
 def main(argv=None, op: str = 'reduce') -> int:
     name = 'reduce_grads' if op == 'reduce' else 'prefetch_weights'
-    p = argparse.ArgumentParser(description=f'deepep_cupy lb_{name} test')
-    p.add_argument('--num-experts', type=int, default=64)
-    p.add_argument('--num-redundant-experts', type=int, default=8)
-    p.add_argument('--num-hidden-bytes', type=parse_num_bytes, default=64 << 20,
-                   help='bytes per expert in the benchmark (64M, 512K or plain bytes)')
-    p.add_argument('--num-rounds', type=int, default=2, help='mappings per hidden size in the correctness sweep')
-    p.add_argument('--empty-ratio', type=float, default=0.25)
-    p.add_argument('--pattern', type=str, default='random', choices=('random', 'ring', 'spread'))
-    p.add_argument('--num-sms', type=int, default=0, help='0: lb_get_theoretical_num_sms()')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--num-gpu-timeout-secs', type=float, default=100)
-    p.add_argument('--timeout-test-secs', type=float, default=3.0)
-    p.add_argument('--skip-check', action='store_true')
-    p.add_argument('--skip-perf-test', action='store_true')
-    p.add_argument('--skip-baselines', action='store_true', help='no peer-copy floor / NCCL baselines')
-    p.add_argument('--skip-error-test', action='store_true')
-    p.add_argument('--skip-timeout-test', action='store_true')
+    p = cli.lb_parser(op)
     args = p.parse_args(argv)
+    preflight.check_cuda()
 
     rank, num_ranks, _ = init_dist(seed=args.seed)
     group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
@@ -433,4 +424,4 @@ def main(argv=None, op: str = 'reduce') -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(preflight.run(main))

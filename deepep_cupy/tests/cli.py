@@ -1,0 +1,219 @@
+"""Command lines of the rank programs, in one torch-free module.
+
+Each program builds its parser here, so `python -m deepep_cupy.tests.NAME --help` works before torch or a GPU is
+present, and one CPU test checks that every option of every program explains itself and shows its default. Flags and
+defaults follow DeepEP's test programs where the program has a DeepEP counterpart.
+"""
+
+import argparse
+import re
+
+LAUNCH = ('Start the ranks with a launcher, e.g. mpirun on this host:\n'
+          '  launch/run_local.sh N python -m deepep_cupy.tests.{name} [options]\n'
+          'torchrun and srun work too (see the README, Launching).')
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line; descriptions keep their line breaks."""
+
+
+def _parser(name: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f'python -m deepep_cupy.tests.{name}', description=description,
+                                   epilog=LAUNCH.format(name=name), formatter_class=HelpFormatter)
+
+
+def parse_num_bytes(text: str) -> int:
+    """`'64M'` → 64 MiB; also `K`, `G` (binary) and plain byte counts."""
+    match = re.fullmatch(r'\s*(\d+)\s*([KMG]?)i?B?\s*', str(text), re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f'not a byte count: {text!r} (use e.g. 64M, 512K or 4096)')
+    return int(match.group(1)) << {'': 0, 'K': 10, 'M': 20, 'G': 30}[match.group(2).upper()]
+
+
+def _timeouts(p: argparse.ArgumentParser, cpu: bool = False) -> None:
+    p.add_argument('--num-gpu-timeout-secs', type=float, default=100,
+                   help='bound on every GPU wait of the buffer; a wait that runs out raises TimeoutError naming the '
+                        'missing rank')
+    if cpu:
+        p.add_argument('--num-cpu-timeout-secs', type=float, default=100,
+                       help='bound on the buffer\'s host-side waits (host collectives, CPU sync)')
+
+
+def _skip(p: argparse.ArgumentParser, *which: str) -> None:
+    texts = {
+        'check': 'skip the bitwise correctness checks',
+        'perf': 'skip the timing output (use it when ranks share a GPU: the figures would mean nothing)',
+        'error': 'skip the invalid-argument checks',
+        'timeout': 'skip the check that a missing rank makes every other rank raise TimeoutError',
+        'baselines': 'no peer-copy floor or NCCL baseline next to the timings',
+    }
+    for w in which:
+        p.add_argument(f'--skip-{w}-test' if w in ('perf', 'error', 'timeout') else f'--skip-{w}',
+                       action='store_true', help=texts[w])
+
+
+def ep_parser() -> argparse.ArgumentParser:
+    p = _parser('ep', 'EP dispatch/combine test (DeepEP\'s tests/elastic/test_ep.py flags): every dispatch and combine '
+                      'mode checked bit for bit\nagainst host references, then argument, timeout and create/destroy '
+                      'checks and DeepEP-style performance lines.')
+    p.add_argument('--num-tokens', type=int, default=4096,
+                   help='tokens per rank (rank r dispatches max(1, num_tokens - r)); also num_max_tokens_per_rank')
+    p.add_argument('--hidden', type=int, default=7168, help='hidden size: bfloat16 elements per token')
+    p.add_argument('--num-topk', type=int, default=6, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=256,
+                   help='experts in all (rounded down to a multiple of the rank count)')
+    p.add_argument('--num-sms', type=int, default=0,
+                   help='SMs per dispatch/combine in the performance lines (0: the library heuristic)')
+    _timeouts(p, cpu=True)
+    p.add_argument('--allow-multiple-reduction', type=int, default=1, choices=(0, 1),
+                   help='ElasticBuffer(allow_multiple_reduction=...): 1 reduces expanded rows per rank before sending')
+    p.add_argument('--deterministic', action='store_true',
+                   help='ElasticBuffer(deterministic=True); accepted, dispatch order is always deterministic here')
+    p.add_argument('--seed', type=int, default=0, help='seed of the inputs (rank r draws from seed * 1000 + r)')
+    p.add_argument('--unbalanced-ratio', type=float, default=1.0,
+                   help='load of the hottest rank relative to the others (1.0: balanced routing)')
+    p.add_argument('--precise-unbalanced-ratio', action='store_true',
+                   help='route so the hot rank gets exactly --unbalanced-ratio, not just on average')
+    p.add_argument('--masked-ratio', type=float, default=0.0,
+                   help='fraction of top-k slots set to -1 (tokens that skip an expert)')
+    _skip(p, 'check', 'perf')
+    p.add_argument('--test-first-only', action='store_true',
+                   help='check only the first dispatch/combine mode (a quick smoke test)')
+    p.add_argument('--do-pressure-test', action='store_true',
+                   help='after the checks, run the first mode again for --num-pressure-seeds more input seeds')
+    p.add_argument('--num-pressure-seeds', type=int, default=100, help='seeds of the pressure test')
+    _skip(p, 'error', 'timeout')
+    p.add_argument('--timeout-test-secs', type=float, default=3.0,
+                   help='GPU timeout of the buffer used by the missing-rank check')
+    p.add_argument('--num-create-destroy', type=int, default=100,
+                   help='buffer create/destroy cycles of the memory-leak check (0: skip it)')
+    return p
+
+
+def pp_parser() -> argparse.ArgumentParser:
+    p = _parser('pp', 'PP send/recv test (DeepEP\'s tests/elastic/test_pp.py flags): a random-timing ring stress, '
+                      'back-pressure, CuPy,\nevents, argument errors, size mismatch, reconfiguration and timeout '
+                      'checks, then performance lines.')
+    p.add_argument('--num-processes', type=int, default=4,
+                   help='accepted for DeepEP compatibility and ignored: the launcher decides the rank count')
+    p.add_argument('--num-tokens', type=int, default=4096, help='rows of each sent tensor')
+    p.add_argument('--hidden', type=int, default=7168, help='bfloat16 elements per row of each sent tensor')
+    p.add_argument('--num-max-inflight-tensors', type=int, default=4,
+                   help='messages a sender may have in flight per peer before it waits')
+    p.add_argument('--num-stress-iterations', type=int, default=4, help='random schedules of the stress test')
+    p.add_argument('--num-sends', type=int, default=128, help='messages per stress schedule')
+    p.add_argument('--num-sleep-cycles', type=float, default=1e7,
+                   help='GPU sleep, in clock cycles, spread over each stress schedule between its operations')
+    p.add_argument('--num-sms', type=int, default=0, help='SMs per send (0: the library default)')
+    _timeouts(p)
+    p.add_argument('--num-perf-tests', type=int, default=30, help='timed calls per performance case')
+    p.add_argument('--seed', type=int, default=0, help='seed of the schedules and message contents')
+    _skip(p, 'perf', 'error', 'timeout')
+    p.add_argument('--timeout-test-secs', type=float, default=3.0,
+                   help='GPU timeout of the buffer used by the missing-rank check')
+    return p
+
+
+def agrs_parser() -> argparse.ArgumentParser:
+    p = _parser('agrs', 'All-gather sessions / reduce-scatter / all-reduce test (DeepEP\'s tests/elastic/test_agrs.py '
+                        'flags): a random\nstress checked bit for bit, CuPy arrays, argument errors, size-mismatch and '
+                        'missing-rank checks, then a\nperformance sweep next to NCCL.')
+    p.add_argument('--num-max-inflight-agrs', type=int, default=4, help='all-gathers a session may have in flight')
+    p.add_argument('--num-stress-iterations', type=int, default=4, help='random interleavings of the stress test')
+    p.add_argument('--num-stress-gathers', type=int, default=16, help='gathered tensors per stress iteration')
+    p.add_argument('--num-stress-reductions', type=int, default=8, help='reductions per stress iteration')
+    p.add_argument('--num-sms', type=int, default=0, help='blocks per gather / reduction launch (0: heuristic)')
+    p.add_argument('--num-perf-tests', type=int, default=50, help='timed calls per performance case')
+    _timeouts(p, cpu=True)
+    p.add_argument('--timeout-test-secs', type=float, default=3.0,
+                   help='GPU timeout of the buffer used by the size-mismatch and missing-rank checks')
+    p.add_argument('--seed', type=int, default=0, help='seed of the stress schedule and inputs')
+    _skip(p, 'check', 'perf')
+    p.add_argument('--skip-failure-test', action='store_true',
+                   help='skip the size-mismatch and missing-rank checks (both must raise TimeoutError)')
+    return p
+
+
+def engram_parser() -> argparse.ArgumentParser:
+    p = _parser('engram', 'Engram test (DeepEP\'s tests/elastic/test_engram.py flags): engram_write / engram_fetch '
+                          'checked bit for bit\nagainst a host-gathered table, invalid calls, then fetch timings next '
+                          'to the peer-copy floor and NCCL.')
+    p.add_argument('--num-qps', type=int, default=0, help='blocks of the fetch kernel (0: all SMs)')
+    p.add_argument('--num-entries', type=int, default=524288, help='rows of each rank\'s table')
+    p.add_argument('--hidden', type=int, default=128, help='elements per table row')
+    p.add_argument('--num-tokens', type=int, default=512, help='tokens per fetch')
+    p.add_argument('--num-entries-per-token', type=int, default=24, help='table rows each token fetches')
+    p.add_argument('--use-fp8', action='store_true', help='FP8 table rows with per-row scale factors (else bfloat16)')
+    p.add_argument('--seed', type=int, default=0, help='seed of the tables and fetch indices')
+    _timeouts(p)
+    _skip(p, 'check', 'perf', 'baselines', 'error')
+    return p
+
+
+def lb_parser(op: str) -> argparse.ArgumentParser:
+    """`reduce_grads` (op 'reduce') and `prefetch_weights` (op 'prefetch') share one command line."""
+    name = 'reduce_grads' if op == 'reduce' else 'prefetch_weights'
+    what = ('lb_reduce_grads: every redundant copy of an expert\'s gradient summed into its owner' if op == 'reduce'
+            else 'lb_prefetch_weights: every owner\'s expert weights copied to the ranks that host a copy')
+    p = _parser(name, f'Load-balancing test of {what}\n(DeepEP\'s tests/ep/test_{name}.py flags): checked bit for bit '
+                      f'over a sweep of sizes and mappings, then invalid\narguments, a missing rank and performance '
+                      f'lines.')
+    p.add_argument('--num-experts', type=int, default=64,
+                   help='experts in all (rounded down to a multiple of the rank count)')
+    p.add_argument('--num-redundant-experts', type=int, default=8, help='redundant expert slots per rank')
+    p.add_argument('--num-hidden-bytes', type=parse_num_bytes, default=64 << 20,
+                   help='bytes per expert in the benchmark (64M, 512K or plain bytes)')
+    p.add_argument('--num-rounds', type=int, default=2, help='mappings per hidden size in the correctness sweep')
+    p.add_argument('--empty-ratio', type=float, default=0.25, help='fraction of redundant slots left empty')
+    p.add_argument('--pattern', type=str, default='random', choices=('random', 'ring', 'spread'),
+                   help='placement of the redundant copies in the benchmark')
+    p.add_argument('--num-sms', type=int, default=0, help='blocks per call (0: lb_get_theoretical_num_sms())')
+    p.add_argument('--seed', type=int, default=0, help='seed of the mappings and values')
+    _timeouts(p)
+    p.add_argument('--timeout-test-secs', type=float, default=3.0,
+                   help='GPU timeout of the buffer used by the missing-rank check')
+    _skip(p, 'check', 'perf', 'baselines', 'error', 'timeout')
+    return p
+
+
+def allocation_parser() -> argparse.ArgumentParser:
+    p = _parser('allocation', 'BufferAllocator test: plans torch and CuPy tensors of odd sizes and dtypes, '
+                              'materialises them in a buffer\nand checks offsets, views and peer reads; then the '
+                              'misuse cases.')
+    _timeouts(p)
+    p.add_argument('--skip-perf-test', action='store_true',
+                   help='accepted like in every rank program; this one prints no timings, so it changes nothing')
+    return p
+
+
+def barrier_parser() -> argparse.ArgumentParser:
+    p = _parser('barrier', 'GPU barrier test: correctness with a late rank, microseconds per barrier, timeout '
+                           'diagnosis and\nmisconfiguration checks. Needs CuPy only (no torch).')
+    p.add_argument('--num-barriers', type=int, default=1000, help='barriers timed for the per-barrier figure')
+    p.add_argument('--num-rounds', type=int, default=64, help='correctness rounds')
+    p.add_argument('--delay-us', type=float, default=200.0, help='GPU sleep of the late rank per round')
+    _timeouts(p)
+    p.add_argument('--timeout-test-secs', type=float, default=3.0,
+                   help='GPU timeout of the buffer used by the missing-rank check')
+    _skip(p, 'perf', 'timeout')
+    p.add_argument('--skip-config-test', action='store_true',
+                   help='skip the check that mismatched buffer sizes raise ValueError on every rank')
+    return p
+
+
+def jit_timing_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog='python -m deepep_cupy.tests.jit_timing', formatter_class=HelpFormatter,
+        description='JIT and start-up timings (one process, one GPU): import time, a cold compile of the kernels one '
+                    'buffer needs\n(empty cache) and a warm start that finds them in the cache. Needs CuPy only.')
+    p.add_argument('--num-ranks', type=int, default=2, help='rank count whose kernel specialisations are compiled')
+    p.add_argument('--num-topk', type=int, default=8, help='top-k whose kernel specialisations are compiled')
+    return p
+
+
+# Program name -> parser builder, for tests and tools.
+PARSERS = {
+    'ep': ep_parser, 'pp': pp_parser, 'agrs': agrs_parser, 'engram': engram_parser,
+    'reduce_grads': lambda: lb_parser('reduce'), 'prefetch_weights': lambda: lb_parser('prefetch'),
+    'allocation': allocation_parser, 'barrier': barrier_parser, 'jit_timing': jit_timing_parser,
+}

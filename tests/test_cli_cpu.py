@@ -1,0 +1,114 @@
+"""Command lines: every option of every rank program and perf script has help text and shows its default, `--help`
+works without torch (and without a GPU), and a few behaviours the README promises."""
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepep_cupy.tests import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PERF_SCRIPTS = ('ep_bench', 'ep_profile', 'profile_dispatch', 'reduce_scatter_sweep')
+
+
+def load_perf_script(name: str):
+    spec = importlib.util.spec_from_file_location(f'perf_{name}', ROOT / 'perf' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def all_parsers():
+    out = [(f'deepep_cupy.tests.{name}', build) for name, build in cli.PARSERS.items()]
+    out += [(f'perf/{name}.py', lambda name=name: load_perf_script(name).build_parser()) for name in PERF_SCRIPTS]
+    return out
+
+
+def check_parser(parser: argparse.ArgumentParser, what: str):
+    assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter), what
+    summary = (parser.description or '').strip().split('\n\n')[0]
+    assert summary.endswith(('.', ')')), f'{what}: description cut short: {summary!r}'
+    options = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert options, what
+    for action in options:
+        assert action.help and action.help.strip(), f'{what} {action.option_strings}: no help text'
+    text = parser.format_help()
+    assert text.count('(default:') >= len(options), f'{what}: some option does not show its default'
+
+
+def test_rank_program_files_cover_every_parser():
+    programs = {p.stem for p in (ROOT / 'deepep_cupy' / 'tests').glob('*.py')} - {'__init__', 'cli', 'common'}
+    assert programs == set(cli.PARSERS)
+
+
+@pytest.mark.parametrize('what, build', all_parsers(), ids=[w for w, _ in all_parsers()])
+def test_every_option_has_help_and_a_default(what, build):
+    check_parser(build(), what)
+
+
+def test_deepep_flags_and_defaults_of_the_ep_program():
+    args = cli.ep_parser().parse_args([])
+    assert (args.num_tokens, args.hidden, args.num_topk, args.num_experts, args.num_sms) == (4096, 7168, 6, 256, 0)
+    assert (args.num_gpu_timeout_secs, args.num_cpu_timeout_secs, args.unbalanced_ratio) == (100, 100, 1.0)
+    for flag in ('--skip-check', '--skip-perf-test', '--test-first-only', '--do-pressure-test',
+                 '--precise-unbalanced-ratio', '--masked-ratio', '--seed'):
+        assert flag in cli.ep_parser().format_help()
+
+
+@pytest.mark.parametrize('name', sorted(set(cli.PARSERS) - {'jit_timing'}))
+def test_every_rank_program_takes_skip_perf_test(name):
+    assert cli.PARSERS[name]().parse_args(['--skip-perf-test']).skip_perf_test
+
+
+def test_byte_counts():
+    assert cli.parse_num_bytes('64M') == 64 << 20 and cli.parse_num_bytes('512K') == 512 << 10
+    assert cli.parse_num_bytes('4096') == 4096
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_num_bytes('lots')
+
+
+@pytest.mark.parametrize('name', sorted(cli.PARSERS))
+def test_help_works_without_torch(name):
+    """`python -m deepep_cupy.tests.NAME --help` with torch hidden (as in the test environment without it)."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            f"sys.argv = ['{name}', '--help']; runpy.run_module('deepep_cupy.tests.{name}', run_name='__main__')")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS='120')
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, cwd='/', timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f'usage: python -m deepep_cupy.tests.{name}')
+    assert '(default:' in proc.stdout
+
+
+def test_plot_from_honours_out(tmp_path, monkeypatch):
+    bench = load_perf_script('ep_bench')
+    drawn = []
+    monkeypatch.setattr(bench, 'plot', lambda data, path: drawn.append((data, path)))
+    src = tmp_path / 'run' / 'ep_bench.json'
+    src.parent.mkdir()
+    src.write_text(json.dumps({'results': []}))
+    assert bench.main(['--plot-from', str(src), '--out', str(tmp_path / 'plots')]) == 0
+    assert drawn[-1] == ({'results': []}, str(tmp_path / 'plots' / 'ep_bench.png'))
+    assert (tmp_path / 'plots').is_dir()
+    assert bench.main(['--plot-from', str(src)]) == 0      # without --out: next to the JSON
+    assert drawn[-1][1] == str(src.parent / 'ep_bench.png')
+
+
+def test_ep_bench_reads_the_nccl_version():
+    """The committed logs printed `NCCL AttributeError("module 'cupy.cuda' has no attribute 'nccl'")`; in a fresh
+    process (nothing has imported `cupy.cuda.nccl` yet) the version now comes back."""
+    pytest.importorskip('cupy')
+    code = ('import importlib.util, sys; spec = importlib.util.spec_from_file_location("b", sys.argv[1]); '
+            'b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); print(repr(b.nccl_version()))')
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, '-W', 'ignore', '-c', code, str(ROOT / 'perf' / 'ep_bench.py')],
+                          capture_output=True, text=True, env=env, cwd='/', timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    version = eval(proc.stdout)
+    assert 'AttributeError' not in str(version)
+    assert isinstance(version, int) or version.startswith('SetupError: NCCL (libnccl.so.2) is not installed')
