@@ -22,7 +22,8 @@ def shipped_specs() -> Dict[str, List[KernelSpec]]:
     from .. import peer_copy
     specs['peer_copy'] = [peer_copy.peer_copy_spec(n) for n in range(1, NUM_MAX_SCALEUP_RANKS + 1)]
     from .. import agrs, engram, lb, pp
-    for module in (pp, agrs, engram, lb):
+    from ..features import ll
+    for module in (pp, agrs, engram, lb, ll):
         for family, family_specs in module.shipped_specs().items():
             specs.setdefault(family, []).extend(family_specs)
     return specs

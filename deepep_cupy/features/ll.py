@@ -1,0 +1,752 @@
+"""Low-latency (decode) EP engine: DeepEP V1's `low_latency_dispatch` / `low_latency_combine` and their helpers
+(masks, clean, zero-copy combine buffer, size hint) on the `ep_ll` kernel family (kernels_cu/ep_ll.cu, where the
+protocol is described).
+
+The engine owns a region of a `BufferBase`'s symmetric memory (by default its whole data region). The region's
+layout is fixed at construction from maxima (tokens per rank M, hidden H, experts E, top-k K), so that every flag
+word only ever holds epochs of its own kind: no call ever needs the buffer cleared. Calls may use any M' <= M,
+H' <= H (H' % 128 == 0), E' <= E (E' % R == 0) and K' <= K.
+
+Layering: `LLLayout` (sizes and offsets, pure), `LLPlanner` (argument checks, pure: runs without a GPU),
+`LowLatencyEngine` (allocation, streams, launches). The V1 `Buffer` holds an engine and forwards
+`low_latency_dispatch` / `low_latency_combine` / `get_next_low_latency_combine_buffer` /
+`clean_low_latency_buffer` / `low_latency_{update,query,clean}_mask_buffer` / `get_low_latency_rdma_size_hint`.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..jit.launch import PTR, KernelSpec, Param
+from ..runtime import interop
+from ..runtime.interop import TensorInfo
+
+FAMILY = 'ep_ll'
+THREADS = 512                   # kernels_cu/ep_ll.cu kThreads
+SEG_CHANNELS = 512              # channels per flag segment (kSegChannels)
+CONTROL_BYTES = 4096            # kControlBytes
+CTL_MASK_WORD = 16              # kCtlMask: int32 [R] mask words in the control area
+NUM_MAX_TOPK = 32               # a top-k slot is a lane of a warp
+NUM_MAX_RANKS = 8               # ranks of one NVLink domain (row routes pack the source rank in 3 bits)
+NUM_MAX_EXPERTS = 4096          # the receive layout of all (expert, source) pairs sits in shared memory
+NUM_MAX_TOKENS = 1 << 24        # row routes pack the token index in 24 bits
+PHASE_SEND, PHASE_RECV = 1, 2
+SECTION_ALIGN = 256
+SIZE_ALIGN = 2 * 1024 * 1024    # BufferBase sizes are multiples of 2 MiB
+
+# `aux` of the error records the kernels write (kernels_cu/ep_ll.cu kAux*).
+WAIT_KINDS = {
+    101: 'the destination to copy out our dispatch messages of the call before last (a third call while two were '
+         'still un-hooked, or the peer stopped calling)',
+    102: 'the source\'s dispatch token counts',
+    103: 'a dispatch message from the source',
+    104: 'the origin to reduce our combine rows of the call before last',
+    105: 'combine rows from the expert owner',
+    106: 'the peer at the clean barrier',
+}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _align(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+# ---- layout --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LLLayout:
+    """Byte layout of the engine's region for maxima (M tokens per rank, hidden H, R ranks, E experts, top-k K).
+
+    Region: `[control 4096 B | half 0 | half 1 | zero-copy staging 0 | staging 1]`; each half:
+    `[counts u64 E | cflags u32 M*K*nseg | lists i32 E*M | dispatch messages R*M | combine rows M*K of 2H B]`;
+    a message is `[nseg u32 flags | hidden: 2H B (BF16) or H B FP8 + H/128 float scales]`; a staging half is
+    `[E*M rows of 2H B]` (the `[L, R*M, H]` bfloat16 combine input). Sizes in bytes, offsets from the half start.
+    """
+    num_max_tokens: int
+    hidden: int
+    num_ranks: int
+    num_experts: int
+    num_max_topk: int
+
+    @property
+    def num_segs(self) -> int:
+        return _ceil_div(self.hidden, SEG_CHANNELS)
+
+    @property
+    def msg_hidden_offset(self) -> int:
+        return _align(4 * self.num_segs, 16)
+
+    @property
+    def msg_bytes(self) -> int:
+        # BF16 (2H) is never smaller than FP8 + scales (H + H/32)
+        return _align(self.msg_hidden_offset + 2 * self.hidden, 16)
+
+    @property
+    def counts_words(self) -> int:
+        return self.num_experts
+
+    @property
+    def cflags_offset(self) -> int:
+        return _align(8 * self.num_experts, SECTION_ALIGN)
+
+    @property
+    def cflags_words(self) -> int:
+        return self.num_max_tokens * self.num_max_topk * self.num_segs
+
+    @property
+    def lists_offset(self) -> int:
+        return _align(self.cflags_offset + 4 * self.cflags_words, SECTION_ALIGN)
+
+    @property
+    def dslots_offset(self) -> int:
+        return _align(self.lists_offset + 4 * self.num_experts * self.num_max_tokens, SECTION_ALIGN)
+
+    @property
+    def num_messages(self) -> int:
+        return self.num_ranks * self.num_max_tokens
+
+    @property
+    def cslots_offset(self) -> int:
+        return _align(self.dslots_offset + self.num_messages * self.msg_bytes, SECTION_ALIGN)
+
+    @property
+    def half_bytes(self) -> int:
+        return _align(self.cslots_offset + self.num_max_tokens * self.num_max_topk * 2 * self.hidden, SECTION_ALIGN)
+
+    @property
+    def staging_offset(self) -> int:
+        """From the region start."""
+        return CONTROL_BYTES + 2 * self.half_bytes
+
+    @property
+    def staging_half_bytes(self) -> int:
+        return _align(self.num_experts * self.num_max_tokens * 2 * self.hidden, SECTION_ALIGN)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.staging_offset + 2 * self.staging_half_bytes
+
+
+def check_dims(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int, num_topk: Optional[int] = None,
+               prefix: str = '') -> None:
+    """Validate low-latency dimensions (ValueError / TypeError naming the argument)."""
+    for name, value, minimum in (('num_max_dispatch_tokens_per_rank', num_max_tokens, 1), ('hidden', hidden, 128),
+                                 ('num_ranks', num_ranks, 1), ('num_experts', num_experts, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f'{prefix}{name} must be an int, got {type(value).__name__} ({value!r})')
+        if value < minimum:
+            raise ValueError(f'{prefix}{name} must be >= {minimum}, got {value}')
+    if num_max_tokens >= NUM_MAX_TOKENS:
+        raise ValueError(f'{prefix}num_max_dispatch_tokens_per_rank must be below {NUM_MAX_TOKENS}, '
+                         f'got {num_max_tokens}')
+    if hidden % 128 != 0:
+        raise ValueError(f'{prefix}hidden must be a multiple of 128 (one FP8 scale per 128 channels), got {hidden}')
+    if num_ranks > NUM_MAX_RANKS:
+        raise ValueError(f'{prefix}low-latency mode supports at most {NUM_MAX_RANKS} ranks in one NVLink domain, '
+                         f'got {num_ranks}')
+    if num_experts % num_ranks != 0:
+        raise ValueError(f'{prefix}num_experts={num_experts} must be a multiple of the number of ranks {num_ranks}')
+    if num_experts > NUM_MAX_EXPERTS:
+        raise ValueError(f'{prefix}num_experts must be at most {NUM_MAX_EXPERTS}, got {num_experts}')
+    if num_topk is not None and not 1 <= num_topk <= NUM_MAX_TOPK:
+        raise ValueError(f'{prefix}num_topk must be in [1, {NUM_MAX_TOPK}], got {num_topk}')
+
+
+def get_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of symmetric memory the engine needs (DeepEP's `get_low_latency_rdma_size_hint` signature), for any
+    top-k up to 32, a multiple of 2 MiB. Formula (S = H/128 scales, nseg = ceil(H/512), K = 32):
+    `4096 + 2 * (8E + 4*M*K*nseg + 4*E*M + R*M*(align16(4 nseg) + 2H) + M*K*2H) + 2 * E*M*2H` plus alignment."""
+    check_dims(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    layout = LLLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, NUM_MAX_TOPK)
+    return _align(layout.total_bytes, SIZE_ALIGN)
+
+
+def layout_for_region(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int, region_bytes: int,
+                      num_max_topk: Optional[int] = None) -> LLLayout:
+    """The layout for these maxima that fits `region_bytes`: `num_max_topk` if given, else the largest top-k <= 32
+    that fits. ValueError naming the sizes if none does."""
+    check_dims(num_max_tokens, hidden, num_ranks, num_experts, num_max_topk)
+    candidates = [num_max_topk] if num_max_topk is not None else list(range(NUM_MAX_TOPK, 0, -1))
+    for k in candidates:
+        layout = LLLayout(num_max_tokens, hidden, num_ranks, num_experts, k)
+        if layout.total_bytes <= region_bytes:
+            return layout
+    need = LLLayout(num_max_tokens, hidden, num_ranks, num_experts, candidates[-1]).total_bytes
+    raise ValueError(f'the low-latency region has {region_bytes} bytes but M={num_max_tokens}, hidden={hidden}, '
+                     f'R={num_ranks}, E={num_experts}, top-k {candidates[-1]} need {need}; size the buffer with '
+                     f'get_low_latency_rdma_size_hint({num_max_tokens}, {hidden}, {num_ranks}, {num_experts}) = '
+                     f'{get_rdma_size_hint(num_max_tokens, hidden, num_ranks, num_experts)}')
+
+
+# ---- kernels -------------------------------------------------------------------------------------------------------
+_P = Param
+_REGION = (_P('peer_bases', PTR), _P('rank', np.int32), _P('region_offset', np.uint64), _P('half_bytes', np.uint64))
+_ERR = (_P('error_record', PTR), _P('timeout_ns', np.uint64))
+
+
+def dispatch_spec(num_ranks: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::ll::dispatch<{num_ranks}>', (
+        _P('x', PTR), _P('topk_idx', PTR), _P('num_tokens', np.int32), _P('num_topk', np.int32),
+        _P('hidden', np.int32), _P('num_experts', np.int32), _P('num_max_tokens', np.int32),
+        _P('use_fp8', np.int32), _P('round_scale', np.int32), _P('use_ue8m0', np.int32),
+        _P('recv_x', PTR), _P('recv_sf', PTR), _P('recv_count', PTR), _P('src_info', PTR), _P('layout_range', PTR),
+        _P('row_route', PTR), _P('send_pos', PTR), _P('call_info', PTR), _P('cumulative_stats', PTR),
+        _P('wait_stats', PTR), *_REGION, _P('lists_offset', np.uint64), _P('dslots_offset', np.uint64),
+        _P('slot_tokens', np.int32), _P('msg_bytes', np.int32), _P('msg_hidden_offset', np.int32),
+        _P('shrink', np.int32), _P('phases', np.int32), *_ERR))
+
+
+def combine_spec(num_ranks: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::ll::combine<{num_ranks}>', (
+        _P('x', PTR), _P('recv_count', PTR), _P('row_route', PTR), _P('layout_range', PTR), _P('send_pos', PTR),
+        _P('topk_idx', PTR), _P('topk_weights', PTR), _P('combined_x', PTR), _P('num_tokens', np.int32),
+        _P('num_topk', np.int32), _P('hidden', np.int32), _P('num_experts', np.int32),
+        _P('num_max_tokens', np.int32), _P('call_info', PTR), _P('wait_stats', PTR), *_REGION,
+        _P('cflags_offset', np.uint64), _P('cslots_offset', np.uint64), _P('slot_segs', np.int32),
+        _P('shrink', np.int32), _P('phases', np.int32), *_ERR))
+
+
+def clean_spec(num_ranks: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::ll::clean<{num_ranks}>', (
+        _P('reset', np.int32), *_REGION, _P('counts_words', np.uint64), _P('cflags_offset', np.uint64),
+        _P('cflags_words', np.uint64), _P('dslots_offset', np.uint64), _P('num_messages', np.int32),
+        _P('msg_bytes', np.int32), _P('msg_flag_words', np.int32), _P('shrink', np.int32), *_ERR))
+
+
+def specs_for(num_ranks: int) -> List[KernelSpec]:
+    return [dispatch_spec(num_ranks), combine_spec(num_ranks), clean_spec(num_ranks)]
+
+
+def shipped_specs() -> Dict[str, List[KernelSpec]]:
+    """Every `ep_ll` specialisation (one per domain size: the kernel name must not vary with the call's options,
+    DeepEP's profiler-based tests expect one `dispatch` and one `combine` kernel)."""
+    return {FAMILY: [s for n in range(1, NUM_MAX_RANKS + 1) for s in specs_for(n)]}
+
+
+def dispatch_smem_bytes(num_experts: int, num_ranks: int) -> int:
+    """Dynamic shared memory of the dispatch kernel: count [E], begin [E], row base [L + 1] (int32)."""
+    return 4 * (2 * num_experts + num_experts // num_ranks + 1)
+
+
+def combine_smem_bytes(num_experts: int, num_ranks: int) -> int:
+    return 4 * (num_experts // num_ranks + 1)
+
+
+# ---- handle --------------------------------------------------------------------------------------------------------
+class LLHandle(tuple):
+    """DeepEP's low-latency handle `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)`:
+    `src_info` `[L, R*M]` int32 (the token's index at its source rank), `layout_range` `[L, R]` int64
+    (`begin << 32 | count` of source r's rows in expert j). Extra fields (attributes) the combine needs:
+
+    Attributes:
+        recv_count: `[L]` int32, rows received per local expert (the dispatch's `recv_count`).
+        row_route: `[L, R*M]` int32, per received row `(src_rank << 29) | (topk_slot << 24) | token`.
+        send_pos: `[N, K]` int32, per top-k slot of this rank's tokens: the token's position among this rank's
+            tokens sent to that expert, or -1 (no expert, masked owner).
+        num_tokens, num_topk: N and K of the dispatch; kind: 'torch' or 'cupy'.
+    """
+
+    def __new__(cls, src_info, layout_range, num_max_tokens: int, hidden: int, num_experts: int, **extra):
+        self = super().__new__(cls, (src_info, layout_range, num_max_tokens, hidden, num_experts))
+        self.__dict__.update(extra)
+        return self
+
+    def __reduce__(self):
+        raise TypeError('a low-latency handle refers to GPU tensors and cannot be pickled')
+
+
+# ---- argument checks (pure) ----------------------------------------------------------------------------------------
+@dataclass
+class DispatchPlan:
+    kind: str
+    num_tokens: int
+    num_topk: int
+    hidden: int
+    num_experts: int
+    num_max_tokens: int
+    num_local_experts: int
+    num_rows: int          # T = R * M
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    x: TensorInfo
+    topk_idx: TensorInfo
+    cumulative_stats: Optional[TensorInfo]
+    wait_stats: Optional[TensorInfo]
+
+
+@dataclass
+class CombinePlan:
+    kind: str
+    num_tokens: int
+    num_topk: int
+    hidden: int
+    num_experts: int
+    num_max_tokens: int
+    num_local_experts: int
+    num_rows: int
+    x: TensorInfo
+    topk_idx: TensorInfo
+    topk_weights: TensorInfo
+    out: Optional[TensorInfo]
+    wait_stats: Optional[TensorInfo]
+    zero_copy: bool
+
+
+def _int_arg(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f'{name} must be an int, got {type(value).__name__} ({value!r})')
+    if value < minimum:
+        raise ValueError(f'{name} must be >= {minimum}, got {value}')
+    return int(value)
+
+
+def _bool_arg(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f'{name} must be a bool, got {type(value).__name__} ({value!r})')
+    return bool(value)
+
+
+class LLPlanner:
+    """Checks low-latency call arguments against the engine's layout; runs without a GPU (CPU tensors pass when
+    `device` is -1). Every user error raises ValueError / TypeError naming the argument, before any kernel runs."""
+
+    def __init__(self, layout: LLLayout, rank: int, device: int):
+        self.layout, self.rank, self.device = layout, rank, device
+
+    def _info(self, x: Any, name: str) -> TensorInfo:
+        t = interop.tensor_info(x, name)
+        if t.device != self.device:
+            where = 'the host' if t.device < 0 else f'cuda:{t.device}'
+            raise ValueError(f'{name} must be on cuda:{self.device} (this rank\'s GPU), got an array on {where}')
+        return t
+
+    @staticmethod
+    def _expect(t: TensorInfo, name: str, dtype: str, shape: Tuple[int, ...], kind: str) -> None:
+        if t.kind != kind:
+            raise TypeError(f'{name} is a {t.kind} array but x is a {kind} array; pass one kind')
+        if not t.dtype_matches(dtype):
+            raise TypeError(f'{name} must be {dtype}, got {t.dtype}')
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f'{name} must have shape {list(shape)}, got {list(t.shape)}')
+        if not t.is_contiguous():
+            raise ValueError(f'{name} must be contiguous, got strides {list(t.strides)}')
+        if t.ptr % 16 != 0 and t.numel > 0 and dtype in ('bfloat16', 'float8_e4m3fn'):
+            raise ValueError(f'{name} must start at a 16-byte aligned address')
+
+    def _call_dims(self, num_max_tokens: Any, num_experts: Any, hidden: int, num_topk: Optional[int]) -> None:
+        lay = self.layout
+        check_dims(num_max_tokens, hidden, lay.num_ranks, num_experts, num_topk)
+        if num_max_tokens > lay.num_max_tokens:
+            raise ValueError(f'num_max_dispatch_tokens_per_rank={num_max_tokens} exceeds the {lay.num_max_tokens} '
+                             f'this buffer was laid out for')
+        if hidden > lay.hidden:
+            raise ValueError(f'hidden={hidden} exceeds the {lay.hidden} this buffer was laid out for')
+        if num_experts > lay.num_experts:
+            raise ValueError(f'num_experts={num_experts} exceeds the {lay.num_experts} this buffer was laid out for')
+        if num_topk is not None and num_topk > lay.num_max_topk:
+            raise ValueError(f'num_topk={num_topk} exceeds the {lay.num_max_topk} top-k slots this buffer has room '
+                             f'for (a larger buffer holds up to {NUM_MAX_TOPK})')
+
+    def plan_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any,
+                      cumulative_local_expert_recv_stats: Any = None, dispatch_wait_recv_cost_stats: Any = None,
+                      use_fp8: Any = True, round_scale: Any = False, use_ue8m0: Any = False, async_finish: Any = False,
+                      return_recv_hook: Any = False) -> DispatchPlan:
+        use_fp8, round_scale, use_ue8m0 = (_bool_arg('use_fp8', use_fp8), _bool_arg('round_scale', round_scale),
+                                           _bool_arg('use_ue8m0', use_ue8m0))
+        if _bool_arg('async_finish', async_finish) and _bool_arg('return_recv_hook', return_recv_hook):
+            raise ValueError('async_finish and return_recv_hook are mutually exclusive')
+        if use_ue8m0 and not round_scale:
+            raise ValueError('use_ue8m0=True requires round_scale=True (UE8M0 holds power-of-two scales only)')
+        xi = self._info(x, 'x')
+        if len(xi.shape) != 2:
+            raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {list(xi.shape)}')
+        num_tokens, hidden = xi.shape
+        ti = self._info(topk_idx, 'topk_idx')
+        if len(ti.shape) != 2 or ti.shape[0] != num_tokens:
+            raise ValueError(f'topk_idx must be [num_tokens={num_tokens}, num_topk], got shape {list(ti.shape)}')
+        num_topk = ti.shape[1]
+        M = _int_arg('num_max_dispatch_tokens_per_rank', num_max_dispatch_tokens_per_rank, 1)
+        E = _int_arg('num_experts', num_experts, 1)
+        self._call_dims(M, E, hidden, num_topk)
+        if use_fp8 and use_ue8m0 and hidden % 512 != 0:
+            raise ValueError(f'use_ue8m0 packs 4 scales (512 channels) per int32: hidden must be a multiple of 512, '
+                             f'got {hidden}')
+        if num_tokens > M:
+            raise ValueError(f'x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={M}')
+        kind = xi.kind
+        self._expect(xi, 'x', 'bfloat16', (num_tokens, hidden), kind)
+        self._expect(ti, 'topk_idx', 'int64', (num_tokens, num_topk), kind)
+        R = self.layout.num_ranks
+        L = E // R
+        cs = ws = None
+        if cumulative_local_expert_recv_stats is not None:
+            cs = self._info(cumulative_local_expert_recv_stats, 'cumulative_local_expert_recv_stats')
+            self._expect(cs, 'cumulative_local_expert_recv_stats', 'int32', (L,), kind)
+        if dispatch_wait_recv_cost_stats is not None:
+            ws = self._info(dispatch_wait_recv_cost_stats, 'dispatch_wait_recv_cost_stats')
+            self._expect(ws, 'dispatch_wait_recv_cost_stats', 'int64', (R,), kind)
+        return DispatchPlan(kind, num_tokens, num_topk, hidden, E, M, L, R * M, use_fp8, round_scale, use_ue8m0,
+                            xi, ti, cs, ws)
+
+    def plan_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, use_logfmt: Any = False,
+                     zero_copy: Any = False, async_finish: Any = False, return_recv_hook: Any = False,
+                     out: Any = None, combine_wait_recv_cost_stats: Any = None) -> CombinePlan:
+        if _bool_arg('use_logfmt', use_logfmt):
+            raise NotImplementedError('use_logfmt=True (DeepEP\'s LogFMT-10 combine) is not supported: its encoding '
+                                      'uses approximate hardware log2/exp2, so no host reference can check it bit for '
+                                      'bit; use BF16 combine (use_logfmt=False)')
+        zero_copy = _bool_arg('zero_copy', zero_copy)
+        if _bool_arg('async_finish', async_finish) and _bool_arg('return_recv_hook', return_recv_hook):
+            raise ValueError('async_finish and return_recv_hook are mutually exclusive')
+        if not isinstance(handle, LLHandle):
+            raise TypeError(f'handle must be the handle a low_latency_dispatch of this buffer returned, got '
+                            f'{type(handle).__name__}')
+        M, hidden, E = handle[2], handle[3], handle[4]
+        R = self.layout.num_ranks
+        L, T, N, K = E // R, R * M, handle.num_tokens, handle.num_topk
+        xi = self._info(x, 'x')
+        kind = handle.kind
+        self._expect(xi, 'x', 'bfloat16', (L, T, hidden), kind)
+        ti = self._info(topk_idx, 'topk_idx')
+        self._expect(ti, 'topk_idx', 'int64', (N, K), kind)
+        wi = self._info(topk_weights, 'topk_weights')
+        self._expect(wi, 'topk_weights', 'float32', (N, K), kind)
+        oi = si = None
+        if out is not None:
+            oi = self._info(out, 'out')
+            self._expect(oi, 'out', 'bfloat16', (N, hidden), kind)
+        if combine_wait_recv_cost_stats is not None:
+            si = self._info(combine_wait_recv_cost_stats, 'combine_wait_recv_cost_stats')
+            self._expect(si, 'combine_wait_recv_cost_stats', 'int64', (R,), kind)
+        return CombinePlan(kind, N, K, hidden, E, M, L, T, xi, ti, wi, oi, si, zero_copy)
+
+
+# ---- engine --------------------------------------------------------------------------------------------------------
+def describe_wait(record) -> str:
+    """What the failed wait of an error record (int32 [8], see runtime/errors.py) was waiting for."""
+    return WAIT_KINDS.get(int(record[6]), f'aux {int(record[6])}')
+
+
+class LowLatencyEngine:
+    """Low-latency dispatch / combine over a `BufferBase` (one NVLink domain of R <= 8 ranks).
+
+    Args:
+        base: the `BufferBase` (symmetric memory, streams, error record, GPU timeout).
+        num_max_dispatch_tokens_per_rank, hidden, num_experts: maxima of every later call (the layout's strides).
+        num_max_topk: top-k slots reserved per token (default: the largest <= 32 that fits the region).
+        enable_shrink: a rank that stays silent past the GPU timeout gets masked (DeepEP's shrink mode) instead of
+            failing the buffer; the mask calls need it.
+        region_offset, region_bytes: the engine's part of the symmetric buffer (default: the whole data region,
+            claimed as 'EP low-latency').
+        kernels: preloaded `(dispatch, combine, clean)` kernels (tests); default: compiled and loaded here, never
+            inside a call.
+    """
+
+    def __init__(self, base, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
+                 num_max_topk: Optional[int] = None, enable_shrink: bool = False, region_offset: Optional[int] = None,
+                 region_bytes: Optional[int] = None, kernels: Optional[Tuple[Any, Any, Any]] = None):
+        if getattr(base, 'num_scaleout_ranks', 1) != 1:
+            raise ValueError('low-latency mode needs every rank in one NVLink domain (no scale-out ranks); got '
+                             f'{base.num_scaleout_ranks} scale-out domains')
+        self.base = base
+        self.num_ranks = base.num_scaleup_ranks
+        self.rank = base.scaleup_rank_idx
+        if region_offset is None:
+            base.claim_data_region('EP low-latency')
+            region_offset, region_bytes = base.data_offset, base.num_bytes
+        elif region_bytes is None:
+            raise ValueError('region_bytes is required with region_offset')
+        self.region_offset, self.region_bytes = int(region_offset), int(region_bytes)
+        self.layout = layout_for_region(num_max_dispatch_tokens_per_rank, hidden, self.num_ranks, num_experts,
+                                        self.region_bytes, num_max_topk)
+        self.enable_shrink = bool(enable_shrink)
+        self.planner = LLPlanner(self.layout, self.rank, base.device)
+        if kernels is None:
+            from ..jit.launch import load_kernels
+            loaded = load_kernels(specs_for(self.num_ranks), device=base.device)
+            kernels = tuple(loaded[s.name] for s in specs_for(self.num_ranks))
+        self._dispatch_kernel, self._combine_kernel, self._clean_kernel = kernels
+        self._num_combines = 0           # host count: picks the zero-copy staging half of the next combine
+        self._order_events = None
+        self._staging_views: Dict[Tuple, Any] = {}
+        self._mask_view = None
+
+    # -- small helpers --
+    @property
+    def num_max_topk(self) -> int:
+        return self.layout.num_max_topk
+
+    def _check_usable(self) -> None:
+        try:
+            self.base.check_usable()
+        except TimeoutError as e:
+            raise TimeoutError(f'{e} (low-latency wait for {describe_wait(self.base.error_record)})') from e
+
+    def _region_args(self) -> Tuple:
+        sym = self.base.sym
+        return (sym.peer_bases_ptr, self.rank, self.region_offset, self.layout.half_bytes)
+
+    def _err_args(self) -> Tuple:
+        return (self.base.host_mapped.ptr, self.base.timeout_ns)
+
+    def _events(self):
+        if self._order_events is None:
+            import cupy
+            self._order_events = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
+        return self._order_events
+
+    def _enter_comm(self, current):
+        comm = self.base.comm_stream
+        ev = self._events()[0]
+        ev.record(current)
+        comm.wait_event(ev)
+        return comm
+
+    def _leave_comm(self, kind: str, current, comm, async_finish: bool, tensors):
+        from ..runtime.event import EventHandle, EventOverlap
+        live = tuple(t for t in tensors if t is not None)
+        if async_finish:
+            if kind == 'torch':
+                s = interop.torch_stream(comm.ptr)
+                for t in live:
+                    t.record_stream(s)
+            return EventOverlap(EventHandle(comm), extra_tensors=live)
+        ev = self._events()[1]
+        ev.record(comm)
+        current.wait_event(ev)
+        return EventOverlap(None)
+
+    @staticmethod
+    def _swap_last(a, kind: str):
+        return a.transpose(1, 2) if kind == 'torch' else a.swapaxes(1, 2)
+
+    # -- dispatch --
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                 cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8: bool = True,
+                 round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                 return_recv_hook: bool = False):
+        """DeepEP's `low_latency_dispatch`.
+
+        Args:
+            x: `[N, H]`, bfloat16, contiguous, N <= num_max_dispatch_tokens_per_rank.
+            topk_idx: `[N, K]`, int64, K <= 32; -1 (or any id outside [0, E)) sends nothing. A token's experts must
+                be distinct (as DeepEP assumes): repeats beyond a source's M rows per expert are dropped.
+            num_max_dispatch_tokens_per_rank: M, the same on every rank; num_experts: E, a multiple of R.
+            cumulative_local_expert_recv_stats: `[L]`, int32, += rows received per local expert.
+            dispatch_wait_recv_cost_stats: `[R]`, int64, += clock cycles this rank's receive warps spent waiting for
+                each source (its token counts, in block 0, and its messages, in every warp).
+            use_fp8: cast to float8_e4m3fn in the kernel with one scale per 128 channels (round_scale: power-of-two
+                scales; use_ue8m0: pack them as exponent bytes, needs round_scale and H % 512 == 0).
+            async_finish: return an event instead of making the current stream wait (not with a hook).
+            return_recv_hook: launch only the send phase on the current stream; `hook()` launches the receive phase.
+
+        Returns:
+            `(recv_x, recv_count, handle, event, hook)`: recv_x `[L, R*M, H]` bfloat16, or with FP8
+            `(float8_e4m3fn [L, R*M, H], scales)` with scales float32 `[L, R*M, H/128]` (int32 `[L, R*M, H/512]`
+            with UE8M0), a transposed view of a `[L, H/128, R*M]` buffer; rows of expert j: source blocks in
+            ascending rank order, each in the source's token order, the first recv_count[j] valid. recv_count `[L]`
+            int32. handle: `LLHandle`. event: `EventOverlap`. hook: callable or None.
+        """
+        self._check_usable()
+        p = self.planner.plan_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                       cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                       round_scale, use_ue8m0, async_finish, return_recv_hook)
+        lay, R = self.layout, self.num_ranks
+        L, T, H, N, K = p.num_local_experts, p.num_rows, p.hidden, p.num_tokens, p.num_topk
+        current = interop.current_stream(x)
+        alloc = interop.Allocator(p.kind)
+        if p.use_fp8:
+            recv_x = alloc.empty((L, T, H), 'float8_e4m3fn')
+            sf_buffer = alloc.empty((L, H // 512, T), 'int32') if p.use_ue8m0 else alloc.empty((L, H // 128, T),
+                                                                                                  'float32')
+            recv_out = (recv_x, self._swap_last(sf_buffer, p.kind))
+        else:
+            recv_x = alloc.empty((L, T, H), 'bfloat16')
+            sf_buffer = None
+            recv_out = recv_x
+        recv_count = alloc.empty((L,), 'int32')
+        src_info = alloc.empty((L, T), 'int32')
+        layout_range = alloc.empty((L, R), 'int64')
+        row_route = alloc.empty((L, T), 'int32')
+        send_pos = alloc.empty((N, K), 'int32')
+        call_info = alloc.empty((1,), 'int32')
+
+        def args(phases: int):
+            return (p.x.ptr, p.topk_idx.ptr, N, K, H, p.num_experts, p.num_max_tokens, int(p.use_fp8),
+                    int(p.round_scale), int(p.use_ue8m0), recv_x, 0 if sf_buffer is None else sf_buffer, recv_count,
+                    src_info, layout_range, row_route, send_pos, call_info,
+                    0 if p.cumulative_stats is None else p.cumulative_stats.ptr,
+                    0 if p.wait_stats is None else p.wait_stats.ptr, *self._region_args(), lay.lists_offset,
+                    lay.dslots_offset, lay.num_max_tokens, lay.msg_bytes, lay.msg_hidden_offset,
+                    int(self.enable_shrink), phases, *self._err_args())
+
+        grid, smem = self.base.num_device_sms, dispatch_smem_bytes(p.num_experts, R)
+        handle = LLHandle(src_info, layout_range, p.num_max_tokens, H, p.num_experts, recv_count=recv_count,
+                          row_route=row_route, send_pos=send_pos, call_info=call_info, num_tokens=N, num_topk=K,
+                          kind=p.kind, engine_id=id(self))
+        hook: Optional[Callable[[], None]] = None
+        if return_recv_hook:
+            self._dispatch_kernel.launch(grid, THREADS, args(PHASE_SEND), stream=current, shared_mem=smem)
+            recv_launch = self._dispatch_kernel.prepare(grid, THREADS, args(PHASE_RECV), shared_mem=smem)
+            hook = _make_hook(recv_launch, recv_x, (x, topk_idx))
+            from ..runtime.event import EventOverlap
+            event = EventOverlap(None)
+        else:
+            comm = self._enter_comm(current)
+            self._dispatch_kernel.launch(grid, THREADS, args(PHASE_SEND | PHASE_RECV), stream=comm, shared_mem=smem)
+            event = self._leave_comm(p.kind, current, comm, bool(async_finish), (
+                x, topk_idx, recv_x, sf_buffer, recv_count, src_info, layout_range, row_route, send_pos, call_info,
+                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
+        return recv_out, recv_count, handle, event, hook
+
+    # -- combine --
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False, zero_copy: bool = False,
+                async_finish: bool = False, return_recv_hook: bool = False, out=None,
+                combine_wait_recv_cost_stats=None):
+        """DeepEP's `low_latency_combine`: `combined_x[t] = sum over k with topk_idx[t, k] >= 0 (owner not masked)
+        of topk_weights[t, k] * x[row of (t, k)]`, in FP32 in ascending k (`acc = acc + w * row`, each operation
+        rounded), rounded to bfloat16 once.
+
+        Args:
+            x: `[L, R*M, H]`, bfloat16, contiguous, the dispatch's masked layout (ignored with zero_copy, where the
+                rows were written into `get_next_combine_buffer(handle)`).
+            topk_idx, topk_weights: the dispatch's `[N, K]` int64 ids and `[N, K]` float32 weights.
+            handle: the dispatch's `LLHandle`.
+            use_logfmt: not supported (NotImplementedError).
+            out: `[N, H]` bfloat16 to write into (default: a new tensor).
+            combine_wait_recv_cost_stats: `[R]`, int64, += clock cycles spent waiting for each owner's rows.
+
+        Returns:
+            `(combined_x [N, H] bfloat16, event, hook)`.
+        """
+        self._check_usable()
+        p = self.planner.plan_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                      return_recv_hook, out, combine_wait_recv_cost_stats)
+        if getattr(handle, 'engine_id', None) != id(self):
+            raise ValueError('handle comes from another buffer\'s low_latency_dispatch')
+        lay, R = self.layout, self.num_ranks
+        current = interop.current_stream(x)
+        alloc = interop.Allocator(p.kind)
+        src_ptr = self._staging_ptr(self._num_combines % 2) if p.zero_copy else p.x.ptr
+        self._num_combines += 1
+        combined = out if out is not None else alloc.empty((p.num_tokens, p.hidden), 'bfloat16')
+        call_info = alloc.empty((1,), 'int32')
+
+        def args(phases: int):
+            return (src_ptr, handle.recv_count, handle.row_route, handle[1], handle.send_pos, p.topk_idx.ptr,
+                    p.topk_weights.ptr, combined, p.num_tokens, p.num_topk, p.hidden, p.num_experts,
+                    p.num_max_tokens, call_info, 0 if p.wait_stats is None else p.wait_stats.ptr,
+                    *self._region_args(), lay.cflags_offset, lay.cslots_offset, lay.num_segs,
+                    int(self.enable_shrink), phases, *self._err_args())
+
+        grid, smem = self.base.num_device_sms, combine_smem_bytes(p.num_experts, R)
+        hook = None
+        if return_recv_hook:
+            self._combine_kernel.launch(grid, THREADS, args(PHASE_SEND), stream=current, shared_mem=smem)
+            recv_launch = self._combine_kernel.prepare(grid, THREADS, args(PHASE_RECV), shared_mem=smem)
+            hook = _make_hook(recv_launch, combined, (x, topk_idx, topk_weights, handle, call_info))
+            from ..runtime.event import EventOverlap
+            event = EventOverlap(None)
+        else:
+            comm = self._enter_comm(current)
+            self._combine_kernel.launch(grid, THREADS, args(PHASE_SEND | PHASE_RECV), stream=comm, shared_mem=smem)
+            event = self._leave_comm(p.kind, current, comm, bool(async_finish), (
+                x, topk_idx, topk_weights, combined, call_info, handle[0], handle[1], handle.recv_count,
+                handle.row_route, handle.send_pos, combine_wait_recv_cost_stats))
+        return combined, event, hook
+
+    # -- zero-copy staging --
+    def _staging_offset(self, half: int) -> int:
+        return self.region_offset + self.layout.staging_offset + half * self.layout.staging_half_bytes
+
+    def _staging_ptr(self, half: int) -> int:
+        return self.base.sym.base + self._staging_offset(half)
+
+    def get_next_combine_buffer(self, handle):
+        """DeepEP's `get_next_low_latency_combine_buffer(handle)`: the `[L, R*M, H]` bfloat16 view (contiguous) of
+        the staging buffer the next `combine(..., zero_copy=True)` reads; write the expert outputs into it."""
+        if not isinstance(handle, LLHandle) or getattr(handle, 'engine_id', None) != id(self):
+            raise TypeError('handle must come from this buffer\'s low_latency_dispatch')
+        M, H, E = handle[2], handle[3], handle[4]
+        L, T = E // self.num_ranks, self.num_ranks * M
+        half = self._num_combines % 2
+        key = (half, L, T, H, handle.kind)
+        view = self._staging_views.get(key)
+        if view is None:
+            sym = self.base.sym
+            flat = sym.local_view(self._staging_offset(half), L * T * H, np.uint16)
+            view = flat.reshape(L, T, H)
+            if handle.kind == 'torch':
+                view = interop.to_torch(view, 'bfloat16')
+            self._staging_views[key] = view
+        return view
+
+    # -- masks (shrink mode) --
+    def _masks(self):
+        if self._mask_view is None:
+            self._mask_view = self.base.sym.local_view(self.region_offset + 4 * CTL_MASK_WORD, self.num_ranks,
+                                                       np.int32)
+        return self._mask_view
+
+    def _require_shrink(self, what: str) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError(f'{what} needs a buffer built with enable_shrink=True')
+
+    def update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (`mask=True`) or unmask rank `rank_to_mask` on this rank (stream-ordered on the current stream)."""
+        self._require_shrink('low_latency_update_mask_buffer')
+        rank_to_mask = _int_arg('rank_to_mask', rank_to_mask, 0)
+        if rank_to_mask >= self.num_ranks:
+            raise ValueError(f'rank_to_mask must be below {self.num_ranks}, got {rank_to_mask}')
+        with interop.current_stream():
+            self._masks()[rank_to_mask] = 1 if mask else 0
+
+    def query_mask_buffer(self, mask_status) -> None:
+        """Copy the mask (1 = masked) into `mask_status` (`[R]` int32 on this GPU), on the current stream."""
+        self._require_shrink('low_latency_query_mask_buffer')
+        mi = self.planner._info(mask_status, 'mask_status')
+        self.planner._expect(mi, 'mask_status', 'int32', (self.num_ranks,), mi.kind)
+        with interop.current_stream(mask_status):
+            interop.to_cupy(mask_status)[...] = self._masks()
+
+    def clean_mask_buffer(self) -> None:
+        """Unmask every rank (on this rank, current stream)."""
+        self._require_shrink('low_latency_clean_mask_buffer')
+        with interop.current_stream():
+            self._masks().fill(0)
+
+    # -- clean --
+    def clean_buffer(self, num_max_dispatch_tokens_per_rank: Optional[int] = None, hidden: Optional[int] = None,
+                     num_experts: Optional[int] = None, reset: bool = True) -> None:
+        """DeepEP's `clean_low_latency_buffer` (collective: every live rank calls it, with no low-latency result
+        outstanding). A GPU barrier over the unmasked ranks, then (reset) every call counter, signal and flag of
+        this rank back to zero, then a second barrier: afterwards every rank's epochs restart together (needed only
+        when ranks did different numbers of calls, e.g. a masked rank sat out; the epochs make it unnecessary
+        otherwise). A silent rank is masked (shrink) or fails the buffer with TimeoutError (later calls raise)."""
+        self._check_usable()
+        lay = self.layout
+        if num_max_dispatch_tokens_per_rank is not None:
+            self.planner._call_dims(num_max_dispatch_tokens_per_rank, num_experts or lay.num_experts,
+                                    hidden or lay.hidden, None)
+        current = interop.current_stream()
+        comm = self._enter_comm(current)
+        self._clean_kernel.launch(1, THREADS, (
+            int(reset), *self._region_args(), lay.counts_words, lay.cflags_offset, lay.cflags_words,
+            lay.dslots_offset, lay.num_messages, lay.msg_bytes, lay.num_segs, int(self.enable_shrink),
+            *self._err_args()), stream=comm)
+        self._leave_comm('cupy', current, comm, False, ())
+
+
+def _make_hook(recv_launch: Callable, like: Any, keep: Tuple) -> Callable[[], None]:
+    """`hook()`: launches the receive phase on the current stream (torch's when `like` is a torch tensor). Holds
+    `keep` (the call's inputs) until then."""
+    state = {'keep': keep}
+
+    def hook() -> None:
+        recv_launch(interop.current_stream(like))
+        state['keep'] = None
+    return hook
