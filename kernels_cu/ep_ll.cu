@@ -514,6 +514,7 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
     const int row_chunks = out_row_bytes / 16;
     const Parts parts(total_rows, num_segs, total_warps);
     const int32_t* my_lists = reinterpret_cast<const int32_t*>(region.at(rank) + half + lists_offset);
+    bool aborted = false;   // a wait timed out without shrink: stop (the buffer is unusable from here on)
     for (int item = global_warp; item < total_rows * parts.num; item += total_warps) {
         const int g_row = item / parts.num, part = item - g_row * parts.num;
         const int seg_begin = part * parts.segs, seg_end = min(num_segs, seg_begin + parts.segs);
@@ -530,7 +531,8 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
         uint8_t* dst_row = recv_x + (static_cast<int64_t>(j) * num_rows_out + r) * out_row_bytes;
         if (part == 0 && lane == 0) {
             src_info[static_cast<int64_t>(j) * num_rows_out + r] = t;
-            row_route[static_cast<int64_t>(j) * num_rows_out + r] = (s << 29) | (k << 24) | t;
+            row_route[static_cast<int64_t>(j) * num_rows_out + r] =
+                static_cast<int32_t>((static_cast<uint32_t>(s) << 29) | (static_cast<uint32_t>(k) << 24) | t);
         }
         if (direct && s == rank) {
             cast_row_part(x + static_cast<int64_t>(t) * hidden * 2, hidden, use_fp8 != 0, round_scale != 0,
@@ -550,7 +552,8 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
         if (!__all_sync(0xffffffffu, ok)) {
             if (waiter.shrink)
                 continue;   // the source went silent and is masked now: its rows stay stale
-            return;
+            aborted = true;
+            break;
         }
         const int c_begin = seg_begin * chunks_per_seg, c_end = min(row_chunks, seg_end * chunks_per_seg);
         warp_copy(dst_row + c_begin * 16, m + msg_hidden_offset + c_begin * 16, (c_end - c_begin) * 16, lane);
@@ -567,6 +570,8 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
             }
         }
     }
+    if (__syncthreads_or(aborted))
+        return;
     flush_wait_stats<kNumRanks>(s_wait, wait_stats);
     // Every block copied its rows out: the sources may reuse this half's slots (call n + 2).
     if (last_block_done(ctl + kCtlDispatchRecvTicket)) {
@@ -673,6 +678,7 @@ combine(const uint8_t* x, const int32_t* recv_count, const int32_t* row_route, c
     __syncthreads();
     const uint32_t live = ~s_masked;
     const Parts parts(num_tokens, num_segs, total_warps);
+    bool aborted = false;
     for (int item = global_warp; item < num_tokens * parts.num; item += total_warps) {
         const int t = item / parts.num, part = item - t * parts.num;
         const int seg_begin = part * parts.segs, seg_end = min(num_segs, seg_begin + parts.segs);
@@ -715,8 +721,10 @@ combine(const uint8_t* x, const int32_t* recv_count, const int32_t* row_route, c
             }
         }
         if (!__all_sync(0xffffffffu, ok)) {
-            if (!waiter.shrink)
-                return;
+            if (!waiter.shrink) {
+                aborted = true;
+                break;
+            }
             // Shrink: an owner went silent mid-call and is masked now; drop its slots.
             const uint32_t now_live = ~read_mask_bits(mask, kNumRanks);
             if (lane < num_topk && valid && !((now_live >> owner) & 1u))
@@ -751,6 +759,8 @@ combine(const uint8_t* x, const int32_t* recv_count, const int32_t* row_route, c
         }
         __syncwarp();
     }
+    if (__syncthreads_or(aborted))
+        return;
     flush_wait_stats<kNumRanks>(s_wait, wait_stats);
     // Every block reduced its tokens: the owners may reuse this half's slots (call c + 2).
     if (last_block_done(ctl + kCtlCombineRecvTicket)) {

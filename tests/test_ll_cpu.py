@@ -338,3 +338,151 @@ def test_ll_kernels_compile_for_sm90():
     assert module.cubin[:4] == b'\x7fELF' and sorted(module.lowered) == sorted(names)
     # demangled names stay in namespace deepep::ll
     assert all(m.startswith('_ZN6deepep2ll') for m in module.lowered.values())
+
+
+# ---- the engine's host path with a fake BufferBase and recording kernels ------------------------------------------
+class _FakeStream:
+    def __init__(self, name):
+        self.name, self.ptr, self.waits = name, id(self), []
+
+    def wait_event(self, ev):
+        self.waits.append(ev)
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        self.stream = stream
+
+
+class _FakeKernel:
+    def __init__(self, spec, log):
+        self.spec, self.log = spec, log
+
+    def launch(self, grid, block, args, stream=None, shared_mem=0, cooperative=False):
+        from deepep_cupy.jit.launch import pack_args
+        packed = pack_args(self.spec, args)         # every argument has its declared type
+        named = {p.name: v for p, v in zip(self.spec.params, packed)}
+        self.log.append((self.spec.name, grid, block, shared_mem, stream.name, named))
+
+    def prepare(self, grid, block, args, shared_mem=0, cooperative=False):
+        from deepep_cupy.jit.launch import pack_args
+        pack_args(self.spec, args)
+        return lambda stream: self.launch(grid, block, args, stream, shared_mem)
+
+
+class _FakeBase:
+    def __init__(self, num_ranks, rank, num_bytes):
+        from types import SimpleNamespace
+        self.num_scaleup_ranks, self.scaleup_rank_idx, self.num_scaleout_ranks = num_ranks, rank, 1
+        self.data_offset, self.num_bytes, self.device = 2 << 20, num_bytes, -1
+        self.sym = SimpleNamespace(peer_bases_ptr=0x1000, base=0x7f0000000000)
+        self.host_mapped = SimpleNamespace(ptr=0x2000)
+        self.timeout_ns, self.num_device_sms = 10 ** 9, 132
+        self.comm_stream = _FakeStream('comm')
+        self.error_record = np.zeros(8, np.int32)
+        self.claimed = None
+
+    def claim_data_region(self, owner):
+        self.claimed = owner
+
+    def check_usable(self):
+        pass
+
+
+@pytest.fixture()
+def fake_engine(monkeypatch):
+    from deepep_cupy.runtime import event as event_mod
+    from deepep_cupy.runtime import interop
+    current = _FakeStream('current')
+    monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
+    monkeypatch.setattr(interop.Allocator, 'empty',
+                        lambda self, shape, dtype, stream=None: torch.zeros(shape, dtype=getattr(torch, dtype)))
+
+    class _Handle:
+        def __init__(self, stream=None):
+            self.stream = stream
+    monkeypatch.setattr(event_mod, 'EventHandle', _Handle)
+    monkeypatch.setattr(interop, 'torch_stream', lambda handle: None)
+    monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: None)
+    monkeypatch.setattr(ll.LowLatencyEngine, '_events', lambda self: (_FakeEvent(), _FakeEvent()))
+    R, M, H, E = 2, 16, 1024, 16
+    base = _FakeBase(R, 1, ll.get_rdma_size_hint(M, H, R, E))
+    log = []
+    kernels = tuple(_FakeKernel(s, log) for s in ll.specs_for(R))
+    eng = ll.LowLatencyEngine(base, M, H, E, kernels=kernels)
+    return eng, log, base
+
+
+@pytest.mark.parametrize('use_fp8, round_scale, use_ue8m0', [(False, False, False), (True, False, False),
+                                                              (True, True, True)])
+@pytest.mark.parametrize('hook', [False, True])
+def test_engine_host_path(fake_engine, use_fp8, round_scale, use_ue8m0, hook):
+    eng, log, base = fake_engine
+    assert base.claimed == 'EP low-latency' and eng.num_max_topk == 32
+    N, K, H, M, E, L, T = 5, 4, 1024, 16, 16, 8, 32
+    x = torch.zeros((N, H), dtype=torch.bfloat16)
+    topk = torch.zeros((N, K), dtype=torch.int64)
+    stats = torch.zeros(L, dtype=torch.int32)
+    recv, count, handle, event, recv_hook = eng.dispatch(
+        x, topk, M, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, round_scale=round_scale,
+        use_ue8m0=use_ue8m0, async_finish=not hook, return_recv_hook=hook)
+    if use_fp8:
+        q, sf = recv
+        assert q.shape == (L, T, H) and q.dtype == torch.float8_e4m3fn
+        cols = H // 512 if use_ue8m0 else H // 128
+        assert sf.shape == (L, T, cols) and sf.stride() == (cols * T, 1, T)
+        assert sf.dtype == (torch.int32 if use_ue8m0 else torch.float32)
+    else:
+        assert recv.shape == (L, T, H) and recv.dtype == torch.bfloat16
+    assert count.shape == (L,) and handle[0].shape == (L, T) and handle[1].shape == (L, 2)
+    assert tuple(handle[2:]) == (M, H, E) and handle.send_pos.shape == (N, K)
+    name, grid, block, smem, stream, args = log[-1]
+    assert name == 'deepep::ll::dispatch<2>' and grid == 132 and block == ll.THREADS
+    assert smem == ll.dispatch_smem_bytes(E, 2)
+    assert args['phases'] == (ll.PHASE_SEND if hook else ll.PHASE_SEND | ll.PHASE_RECV)
+    assert stream == ('current' if hook else 'comm')
+    assert args['rank'] == 1 and args['cumulative_stats'] == stats.data_ptr()
+    assert args['region_offset'] == base.data_offset and args['use_ue8m0'] == int(use_ue8m0)
+    assert (recv_hook is not None) == hook and (event.event is not None) == (not hook)
+    if hook:
+        recv_hook()
+        assert log[-1][0] == 'deepep::ll::dispatch<2>' and log[-1][5]['phases'] == ll.PHASE_RECV
+        assert log[-1][4] == 'current'
+    y = torch.zeros((L, T, H), dtype=torch.bfloat16)
+    w = torch.zeros((N, K), dtype=torch.float32)
+    out = torch.zeros((N, H), dtype=torch.bfloat16)
+    for zero_copy in (False, True):
+        combined, event, recv_hook = eng.combine(y, topk, w, handle, zero_copy=zero_copy, async_finish=not hook,
+                                                 return_recv_hook=hook, out=out)
+        assert combined is out
+        name, grid, block, smem, stream, args = log[-1]
+        assert name == 'deepep::ll::combine<2>' and smem == ll.combine_smem_bytes(E, 2)
+        assert args['phases'] == (ll.PHASE_SEND if hook else ll.PHASE_SEND | ll.PHASE_RECV)
+        assert args['x'] == (eng._staging_ptr(1 if zero_copy else 0) if zero_copy else y.data_ptr())
+        assert args['recv_count'] == handle.recv_count.data_ptr() and args['send_pos'] == handle.send_pos.data_ptr()
+        if hook:
+            recv_hook()
+            assert log[-1][5]['phases'] == ll.PHASE_RECV
+    eng.clean_buffer()
+    assert log[-1][0] == 'deepep::ll::clean<2>' and log[-1][1] == 1 and log[-1][5]['reset'] == 1
+
+
+def test_engine_rejects_handles_and_modes(fake_engine):
+    eng, log, base = fake_engine
+    x = torch.zeros((2, 1024), dtype=torch.bfloat16)
+    topk = torch.zeros((2, 4), dtype=torch.int64)
+    _, _, handle, _, _ = eng.dispatch(x, topk, 16, 16)
+    foreign = ll.LLHandle(*handle, **{**handle.__dict__, 'engine_id': 0})
+    y = torch.zeros((8, 32, 1024), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match='another buffer'):
+        eng.combine(y, topk, torch.zeros((2, 4)), foreign)
+    with pytest.raises(RuntimeError, match='enable_shrink=True'):
+        eng.update_mask_buffer(0, True)
+    with pytest.raises(ValueError, match='no scale-out'):
+        fake = _FakeBase(2, 0, 1 << 30)
+        fake.num_scaleout_ranks = 2
+        ll.LowLatencyEngine(fake, 16, 1024, 16, kernels=(None, None, None))
+    n = len(log)
+    with pytest.raises(ValueError):
+        eng.dispatch(torch.zeros((17, 1024), dtype=torch.bfloat16), torch.zeros((17, 4), dtype=torch.int64), 16, 16)
+    assert len(log) == n, 'no kernel may run for a bad call'
