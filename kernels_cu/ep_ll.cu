@@ -219,39 +219,60 @@ struct ScaleOut {
     }
 };
 
+// Segments in flight per lane: a lane loads 32 bytes of each segment, all before it converts any.
+constexpr int kSegBatch = 4;
+
+// The lane's 16 channels of segments [g0, g0 + kSegBatch) ∩ [g0, seg_end) of bfloat16 row `src` (zeros past hidden).
+__device__ __forceinline__ void load_segments(const uint8_t* src, int hidden, int g0, int seg_end, int lane,
+                                              Vec16 (&v0)[kSegBatch], Vec16 (&v1)[kSegBatch]) {
+    #pragma unroll
+    for (int u = 0; u < kSegBatch; ++u) {
+        const int c0 = (g0 + u) * kSegChannels + lane * 16;
+        v0[u] = v1[u] = {0, 0, 0, 0};
+        if (g0 + u < seg_end && c0 < hidden) {
+            v0[u] = ld_nc_v4(src + static_cast<int64_t>(c0) * 2);
+            v1[u] = ld_nc_v4(src + static_cast<int64_t>(c0) * 2 + 16);
+        }
+    }
+}
+
 // The FP8 (or BF16) bytes and scales of segments [seg_begin, seg_end) of token row `src` (bfloat16 x), cast here,
 // into output row (j, r). Every lane of the warp calls it.
 __device__ __forceinline__ void cast_row_part(const uint8_t* src, int hidden, bool use_fp8, bool round_scale,
                                               int seg_begin, int seg_end, uint8_t* dst_row, const ScaleOut& sf,
                                               int j, int r, int lane) {
-    for (int g = seg_begin; g < seg_end; ++g) {
-        const int c0 = g * kSegChannels + lane * 16;
-        const bool active = c0 < hidden;
-        Vec16 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
-        if (active) {
-            v0 = ld_nc_v4(src + static_cast<int64_t>(c0) * 2);
-            v1 = ld_nc_v4(src + static_cast<int64_t>(c0) * 2 + 16);
-        }
-        if (!use_fp8) {
-            if (active) {
-                st_na_v4(dst_row + static_cast<int64_t>(c0) * 2, v0);
-                st_na_v4(dst_row + static_cast<int64_t>(c0) * 2 + 16, v1);
+    for (int g0 = seg_begin; g0 < seg_end; g0 += kSegBatch) {
+        Vec16 v0[kSegBatch], v1[kSegBatch];
+        load_segments(src, hidden, g0, seg_end, lane, v0, v1);
+        #pragma unroll
+        for (int u = 0; u < kSegBatch; ++u) {
+            const int g = g0 + u;
+            if (g >= seg_end)
+                break;
+            const int c0 = g * kSegChannels + lane * 16;
+            const bool active = c0 < hidden;
+            if (!use_fp8) {
+                if (active) {
+                    st_na_v4(dst_row + static_cast<int64_t>(c0) * 2, v0[u]);
+                    st_na_v4(dst_row + static_cast<int64_t>(c0) * 2 + 16, v1[u]);
+                }
+                continue;
             }
-            continue;
-        }
-        float scale_inv;
-        const Vec16 q = cast_fp8_lane(v0, v1, round_scale, scale_inv);
-        if (active)
-            st_na_v4(dst_row + c0, q);
-        if (!sf.ue8m0) {
-            if (active && lane % 8 == 0)
-                sf.put_float(j, c0 / 128, r, scale_inv);
-        } else {
-            const uint32_t e = ue8m0_byte(scale_inv);
-            const uint32_t packed = __shfl_sync(0xffffffffu, e, 0) | (__shfl_sync(0xffffffffu, e, 8) << 8) |
-                                    (__shfl_sync(0xffffffffu, e, 16) << 16) | (__shfl_sync(0xffffffffu, e, 24) << 24);
-            if (lane == 0)
-                sf.put_packed(j, g, r, packed);
+            float scale_inv;
+            const Vec16 q = cast_fp8_lane(v0[u], v1[u], round_scale, scale_inv);
+            if (active)
+                st_na_v4(dst_row + c0, q);
+            if (!sf.ue8m0) {
+                if (active && lane % 8 == 0)
+                    sf.put_float(j, c0 / 128, r, scale_inv);
+            } else {
+                const uint32_t e = ue8m0_byte(scale_inv);
+                const uint32_t packed = __shfl_sync(0xffffffffu, e, 0) | (__shfl_sync(0xffffffffu, e, 8) << 8) |
+                                        (__shfl_sync(0xffffffffu, e, 16) << 16) |
+                                        (__shfl_sync(0xffffffffu, e, 24) << 24);
+                if (lane == 0)
+                    sf.put_packed(j, g, r, packed);
+            }
         }
     }
 }
@@ -408,34 +429,36 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
             if (dest == 0)
                 continue;
             const uint8_t* src = x + static_cast<int64_t>(t) * hidden * 2;
-            for (int g = seg_begin; g < seg_end; ++g) {
-                const int c0 = g * kSegChannels + lane * 16;
-                const bool active = c0 < hidden;
-                Vec16 v0 = {0, 0, 0, 0}, v1 = {0, 0, 0, 0};
-                if (active) {
-                    v0 = ld_nc_v4(src + static_cast<int64_t>(c0) * 2);
-                    v1 = ld_nc_v4(src + static_cast<int64_t>(c0) * 2 + 16);
-                }
-                if (use_fp8) {
-                    float scale_inv;
-                    const Vec16 q = cast_fp8_lane(v0, v1, round_scale != 0, scale_inv);
-                    #pragma unroll
-                    for (int d = 0; d < kNumRanks; ++d) {
-                        if (!((dest >> d) & 1u) || !active)
-                            continue;
-                        uint8_t* m = message(d, rank, t);
-                        st_na_v4(m + msg_hidden_offset + c0, q);
-                        if (lane % 8 == 0)
-                            reinterpret_cast<float*>(m + scale_offset)[c0 / 128] = scale_inv;
-                    }
-                } else {
-                    #pragma unroll
-                    for (int d = 0; d < kNumRanks; ++d) {
-                        if (!((dest >> d) & 1u) || !active)
-                            continue;
-                        uint8_t* m = message(d, rank, t) + msg_hidden_offset + static_cast<int64_t>(c0) * 2;
-                        st_na_v4(m, v0);
-                        st_na_v4(m + 16, v1);
+            for (int g0 = seg_begin; g0 < seg_end; g0 += kSegBatch) {
+                Vec16 v0[kSegBatch], v1[kSegBatch];
+                load_segments(src, hidden, g0, seg_end, lane, v0, v1);
+                #pragma unroll
+                for (int u = 0; u < kSegBatch; ++u) {
+                    if (g0 + u >= seg_end)
+                        break;
+                    const int c0 = (g0 + u) * kSegChannels + lane * 16;
+                    const bool active = c0 < hidden;
+                    if (use_fp8) {
+                        float scale_inv;
+                        const Vec16 q = cast_fp8_lane(v0[u], v1[u], round_scale != 0, scale_inv);
+                        #pragma unroll
+                        for (int d = 0; d < kNumRanks; ++d) {
+                            if (!((dest >> d) & 1u) || !active)
+                                continue;
+                            uint8_t* m = message(d, rank, t);
+                            st_na_v4(m + msg_hidden_offset + c0, q);
+                            if (lane % 8 == 0)
+                                reinterpret_cast<float*>(m + scale_offset)[c0 / 128] = scale_inv;
+                        }
+                    } else {
+                        #pragma unroll
+                        for (int d = 0; d < kNumRanks; ++d) {
+                            if (!((dest >> d) & 1u) || !active)
+                                continue;
+                            uint8_t* m = message(d, rank, t) + msg_hidden_offset + static_cast<int64_t>(c0) * 2;
+                            st_na_v4(m, v0[u]);
+                            st_na_v4(m + 16, v1[u]);
+                        }
                     }
                 }
             }
@@ -555,6 +578,7 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
             aborted = true;
             break;
         }
+        __syncwarp();   // lanes read segments whose flags other lanes acquired
         const int c_begin = seg_begin * chunks_per_seg, c_end = min(row_chunks, seg_end * chunks_per_seg);
         warp_copy(dst_row + c_begin * 16, m + msg_hidden_offset + c_begin * 16, (c_end - c_begin) * 16, lane);
         if (use_fp8) {
