@@ -486,12 +486,10 @@ class LowLatencyEngine:
         except TimeoutError as e:
             raise TimeoutError(f'{e} (low-latency wait for {describe_wait(self.base.error_record)})') from e
 
-    def _region_args(self) -> Tuple:
-        sym = self.base.sym
-        return (sym.peer_bases_ptr, self.rank, self.region_offset, self.layout.half_bytes)
-
-    def _err_args(self) -> Tuple:
-        return (self.base.host_mapped.ptr, self.base.timeout_ns)
+    def _common_args(self) -> Dict[str, Any]:
+        return dict(peer_bases=self.base.sym.peer_bases_ptr, rank=self.rank, region_offset=self.region_offset,
+                    half_bytes=self.layout.half_bytes, shrink=int(self.enable_shrink),
+                    error_record=self.base.host_mapped.ptr, timeout_ns=self.base.timeout_ns)
 
     def _events(self):
         if self._order_events is None:
@@ -575,14 +573,17 @@ class LowLatencyEngine:
         send_pos = alloc.empty((N, K), 'int32')
         call_info = alloc.empty((1,), 'int32')
 
-        def args(phases: int):
-            return (p.x.ptr, p.topk_idx.ptr, N, K, H, p.num_experts, p.num_max_tokens, int(p.use_fp8),
-                    int(p.round_scale), int(p.use_ue8m0), recv_x, 0 if sf_buffer is None else sf_buffer, recv_count,
-                    src_info, layout_range, row_route, send_pos, call_info,
-                    0 if p.cumulative_stats is None else p.cumulative_stats.ptr,
-                    0 if p.wait_stats is None else p.wait_stats.ptr, *self._region_args(), lay.lists_offset,
-                    lay.dslots_offset, lay.num_max_tokens, lay.msg_bytes, lay.msg_hidden_offset,
-                    int(self.enable_shrink), phases, *self._err_args())
+        def args(phases: int) -> Dict[str, Any]:
+            return dict(
+                x=p.x.ptr, topk_idx=p.topk_idx.ptr, num_tokens=N, num_topk=K, hidden=H, num_experts=p.num_experts,
+                num_max_tokens=p.num_max_tokens, use_fp8=int(p.use_fp8), round_scale=int(p.round_scale),
+                use_ue8m0=int(p.use_ue8m0), recv_x=recv_x, recv_sf=0 if sf_buffer is None else sf_buffer,
+                recv_count=recv_count, src_info=src_info, layout_range=layout_range, row_route=row_route,
+                send_pos=send_pos, call_info=call_info,
+                cumulative_stats=0 if p.cumulative_stats is None else p.cumulative_stats.ptr,
+                wait_stats=0 if p.wait_stats is None else p.wait_stats.ptr, lists_offset=lay.lists_offset,
+                dslots_offset=lay.dslots_offset, slot_tokens=lay.num_max_tokens, msg_bytes=lay.msg_bytes,
+                msg_hidden_offset=lay.msg_hidden_offset, phases=phases, **self._common_args())
 
         grid, smem = self.base.num_device_sms, dispatch_smem_bytes(p.num_experts, R)
         handle = LLHandle(src_info, layout_range, p.num_max_tokens, H, p.num_experts, recv_count=recv_count,
@@ -590,14 +591,14 @@ class LowLatencyEngine:
                           kind=p.kind, engine_id=id(self))
         hook: Optional[Callable[[], None]] = None
         if return_recv_hook:
-            self._dispatch_kernel.launch(grid, THREADS, args(PHASE_SEND), stream=current, shared_mem=smem)
-            recv_launch = self._dispatch_kernel.prepare(grid, THREADS, args(PHASE_RECV), shared_mem=smem)
+            _launch(self._dispatch_kernel, grid, args(PHASE_SEND), current, smem)
+            recv_launch = _prepare(self._dispatch_kernel, grid, args(PHASE_RECV), smem)
             hook = _make_hook(recv_launch, recv_x, (x, topk_idx))
             from ..runtime.event import EventOverlap
             event = EventOverlap(None)
         else:
             comm = self._enter_comm(current)
-            self._dispatch_kernel.launch(grid, THREADS, args(PHASE_SEND | PHASE_RECV), stream=comm, shared_mem=smem)
+            _launch(self._dispatch_kernel, grid, args(PHASE_SEND | PHASE_RECV), comm, smem)
             event = self._leave_comm(p.kind, current, comm, bool(async_finish), (
                 x, topk_idx, recv_x, sf_buffer, recv_count, src_info, layout_range, row_route, send_pos, call_info,
                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
@@ -636,24 +637,26 @@ class LowLatencyEngine:
         combined = out if out is not None else alloc.empty((p.num_tokens, p.hidden), 'bfloat16')
         call_info = alloc.empty((1,), 'int32')
 
-        def args(phases: int):
-            return (src_ptr, handle.recv_count, handle.row_route, handle[1], handle.send_pos, p.topk_idx.ptr,
-                    p.topk_weights.ptr, combined, p.num_tokens, p.num_topk, p.hidden, p.num_experts,
-                    p.num_max_tokens, call_info, 0 if p.wait_stats is None else p.wait_stats.ptr,
-                    *self._region_args(), lay.cflags_offset, lay.cslots_offset, lay.num_segs,
-                    int(self.enable_shrink), phases, *self._err_args())
+        def args(phases: int) -> Dict[str, Any]:
+            return dict(
+                x=src_ptr, recv_count=handle.recv_count, row_route=handle.row_route, layout_range=handle[1],
+                send_pos=handle.send_pos, topk_idx=p.topk_idx.ptr, topk_weights=p.topk_weights.ptr,
+                combined_x=combined, num_tokens=p.num_tokens, num_topk=p.num_topk, hidden=p.hidden,
+                num_experts=p.num_experts, num_max_tokens=p.num_max_tokens, call_info=call_info,
+                wait_stats=0 if p.wait_stats is None else p.wait_stats.ptr, cflags_offset=lay.cflags_offset,
+                cslots_offset=lay.cslots_offset, slot_segs=lay.num_segs, phases=phases, **self._common_args())
 
         grid, smem = self.base.num_device_sms, combine_smem_bytes(p.num_experts, R)
         hook = None
         if return_recv_hook:
-            self._combine_kernel.launch(grid, THREADS, args(PHASE_SEND), stream=current, shared_mem=smem)
-            recv_launch = self._combine_kernel.prepare(grid, THREADS, args(PHASE_RECV), shared_mem=smem)
+            _launch(self._combine_kernel, grid, args(PHASE_SEND), current, smem)
+            recv_launch = _prepare(self._combine_kernel, grid, args(PHASE_RECV), smem)
             hook = _make_hook(recv_launch, combined, (x, topk_idx, topk_weights, handle, call_info))
             from ..runtime.event import EventOverlap
             event = EventOverlap(None)
         else:
             comm = self._enter_comm(current)
-            self._combine_kernel.launch(grid, THREADS, args(PHASE_SEND | PHASE_RECV), stream=comm, shared_mem=smem)
+            _launch(self._combine_kernel, grid, args(PHASE_SEND | PHASE_RECV), comm, smem)
             event = self._leave_comm(p.kind, current, comm, bool(async_finish), (
                 x, topk_idx, topk_weights, combined, call_info, handle[0], handle[1], handle.recv_count,
                 handle.row_route, handle.send_pos, combine_wait_recv_cost_stats))
@@ -734,11 +737,33 @@ class LowLatencyEngine:
                                     hidden or lay.hidden, None)
         current = interop.current_stream()
         comm = self._enter_comm(current)
-        self._clean_kernel.launch(1, THREADS, (
-            int(reset), *self._region_args(), lay.counts_words, lay.cflags_offset, lay.cflags_words,
-            lay.dslots_offset, lay.num_messages, lay.msg_bytes, lay.num_segs, int(self.enable_shrink),
-            *self._err_args()), stream=comm)
+        _launch(self._clean_kernel, 1, dict(
+            reset=int(reset), counts_words=lay.counts_words, cflags_offset=lay.cflags_offset,
+            cflags_words=lay.cflags_words, dslots_offset=lay.dslots_offset, num_messages=lay.num_messages,
+            msg_bytes=lay.msg_bytes, msg_flag_words=lay.num_segs, **self._common_args()), comm, 0)
         self._leave_comm('cupy', current, comm, False, ())
+
+
+def _ordered(kernel, named: Dict[str, Any]) -> Tuple:
+    """The arguments of `named` (parameter name -> value) in the kernel's declaration order; TypeError naming any
+    missing or unknown parameter."""
+    names = [p.name for p in kernel.spec.params]
+    missing, extra = [n for n in names if n not in named], [n for n in named if n not in names]
+    if missing or extra:
+        raise TypeError(f'{kernel.spec.name}: missing parameters {missing}, unknown parameters {extra}')
+    return tuple(named[n] for n in names)
+
+
+def _launch(kernel, grid: int, named: Dict[str, Any], stream, shared_mem: int) -> None:
+    """Launch by parameter name (positional `launch_args` where the launcher has it, else `launch`)."""
+    go = getattr(kernel, 'launch_args', None) or kernel.launch
+    go(grid, THREADS, _ordered(kernel, named), stream=stream, shared_mem=shared_mem)
+
+
+def _prepare(kernel, grid: int, named: Dict[str, Any], shared_mem: int) -> Callable:
+    """A packed launch (`launch(stream)`) by parameter name."""
+    pack = getattr(kernel, 'prepare_args', None) or kernel.prepare
+    return pack(grid, THREADS, _ordered(kernel, named), shared_mem=shared_mem)
 
 
 def _make_hook(recv_launch: Callable, like: Any, keep: Tuple) -> Callable[[], None]:

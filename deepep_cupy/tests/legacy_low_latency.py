@@ -268,7 +268,7 @@ def test_masks(group, args, M: int) -> str:
     """Shrink mode: a rank that skips a dispatch is masked by the others after the GPU timeout; then an explicit
     mask; then everyone unmasks, cleans (epochs reset) and runs a normal round."""
     rank, R = group.rank, group.size
-    H, N = min(args.hidden, 1024), min(args.num_tokens, 32)
+    H, N = 1024, min(args.num_tokens, 32)
     E = R * max(1, args.num_experts // R)
     M = max(N, 1)
     base = BufferBase(group=group, num_bytes=get_rdma_size_hint(M, H, R, E),
@@ -426,7 +426,7 @@ def main(argv=None) -> int:
     p.add_argument('--num-experts', type=int, default=288)
     p.add_argument('--allow-mnnvl', action='store_true', help='accepted for DeepEP compatibility (no effect)')
     p.add_argument('--disable-nvlink', action='store_true', help='accepted for DeepEP compatibility (no effect)')
-    p.add_argument('--use-logfmt', action='store_true', help='LogFMT combine: not supported (checked to raise)')
+    p.add_argument('--use-logfmt', action='store_true', help='LogFMT is not supported ([errors] checks it raises)')
     p.add_argument('--pressure-test', action='store_true')
     p.add_argument('--num-pressure-seeds', type=int, default=20)
     p.add_argument('--shrink-test', action='store_true', help='accepted: the mask test always runs (--skip-mask-test)')
