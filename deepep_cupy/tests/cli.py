@@ -212,8 +212,42 @@ def jit_timing_parser() -> argparse.ArgumentParser:
 
 
 # Program name -> parser builder, for tests and tools.
+def legacy_low_latency_parser() -> argparse.ArgumentParser:
+    p = _parser('legacy_low_latency', 'Low-latency dispatch/combine test (DeepEP\'s tests/legacy/test_low_latency.py '
+                                      'flags): every mode (receive hook or not, BF16 / FP8 /\nFP8 round_scale / '
+                                      'UE8M0, zero-copy combine) checked bit for bit against host references, with '
+                                      'ragged and 0-token\nranks, two hooked calls in flight, CUDA-graph replays, '
+                                      'masks, a timeout check, then performance lines.')
+    p.add_argument('--num-processes', type=int, default=8,
+                   help='accepted for DeepEP compatibility and ignored: the ranks come from the launcher')
+    p.add_argument('--num-tokens', type=int, default=128,
+                   help='tokens per rank; also num_max_dispatch_tokens_per_rank')
+    p.add_argument('--hidden', type=int, default=7168, help='hidden size (a multiple of 128)')
+    p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=288,
+                   help='experts in all (rounded down to a multiple of the number of ranks)')
+    p.add_argument('--allow-mnnvl', action='store_true', help='accepted for DeepEP compatibility (no effect)')
+    p.add_argument('--disable-nvlink', action='store_true', help='accepted for DeepEP compatibility (no effect)')
+    p.add_argument('--use-logfmt', action='store_true',
+                   help='LogFMT is not supported: the [errors] checks expect NotImplementedError')
+    p.add_argument('--pressure-test', action='store_true', help='repeat every mode over many seeds')
+    p.add_argument('--num-pressure-seeds', type=int, default=20, help='seeds of the pressure test')
+    p.add_argument('--shrink-test', action='store_true',
+                   help='accepted for DeepEP compatibility: the mask test always runs (see --skip-mask-test)')
+    p.add_argument('--seed', type=int, default=0, help='global random seed')
+    _timeouts(p)
+    p.add_argument('--timeout-test-secs', type=float, default=3.0,
+                   help='GPU timeout of the buffer the timeout check builds')
+    _skip(p, 'check')
+    p.add_argument('--skip-graph-test', action='store_true', help='skip the CUDA-graph capture and replay checks')
+    p.add_argument('--skip-mask-test', action='store_true', help='skip the mask / shrink checks')
+    _skip(p, 'timeout', 'perf')
+    return p
+
+
 PARSERS = {
     'ep': ep_parser, 'pp': pp_parser, 'agrs': agrs_parser, 'engram': engram_parser,
     'reduce_grads': lambda: lb_parser('reduce'), 'prefetch_weights': lambda: lb_parser('prefetch'),
     'allocation': allocation_parser, 'barrier': barrier_parser, 'jit_timing': jit_timing_parser,
+    'legacy_low_latency': legacy_low_latency_parser,
 }

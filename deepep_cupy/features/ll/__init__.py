@@ -1,0 +1,35 @@
+"""Low-latency (decode) EP engine: DeepEP V1's low_latency_dispatch / low_latency_combine (plan.py: pure layout
+and checks; feature.py: the engine)."""
+
+from .feature import LowLatencyEngine, describe_wait  # noqa: F401
+from .plan import (  # noqa: F401
+    CONTROL_BYTES,
+    CTL_MASK_WORD,
+    FAMILY,
+    NUM_MAX_EXPERTS,
+    NUM_MAX_RANKS,
+    NUM_MAX_TOKENS,
+    NUM_MAX_TOPK,
+    PHASE_RECV,
+    PHASE_SEND,
+    SECTION_ALIGN,
+    SEG_CHANNELS,
+    SIZE_ALIGN,
+    THREADS,
+    WAIT_KINDS,
+    CombinePlan,
+    DispatchPlan,
+    LLHandle,
+    LLLayout,
+    LLPlanner,
+    check_dims,
+    clean_spec,
+    combine_smem_bytes,
+    combine_spec,
+    dispatch_smem_bytes,
+    dispatch_spec,
+    get_rdma_size_hint,
+    layout_for_region,
+    shipped_specs,
+    specs_for,
+)
