@@ -55,7 +55,8 @@ constexpr int kThreads = 512;
 constexpr int kNumWarps = kThreads / 32;
 constexpr int kSend = 1, kRecv = 2;
 constexpr int kSegChannels = 512;             // channels per flag segment (one UE8M0 int32 of 4 scale bytes)
-constexpr int kControlBytes = 4096;
+constexpr int kControlWords = 1024;                 // uint32 control words at the start of the region
+constexpr int kControlBytes = kControlWords * 4;
 constexpr int kScanUnroll = 8;
 
 constexpr int kCtlDispatchCalls = 0, kCtlCombineCalls = 1;
