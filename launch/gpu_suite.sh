@@ -1,38 +1,64 @@
 #!/usr/bin/env bash
-# The GPU suite, for the GPU machine: install this checkout (no deps: the packages are preinstalled there), run every
-# rank program with 1 GPU, with all GPUs (one rank per GPU), and with 4 and 8 ranks sharing the GPUs (logic only),
-# then the benchmarks. Logs go under $OUT (default ./out): suite.log (everything), summary.txt (one line per step).
+# The GPU suite, for the GPU machine: install this checkout (no deps: the packages are preinstalled there), then run
+# the rank programs, DeepEP's own test programs through the `deep_ep` runner, every launcher and the benchmarks.
+# Logs go under $OUT (default ./out): suite.log (everything, lane by lane), summary.txt (one line per step).
 #
-#   bash launch/gpu_suite.sh [STAGE...]      STAGE in: info jit barrier pytest ep bench coll tune (default: all but tune)
+#   bash launch/gpu_suite.sh [STAGE...]
+#
+# Stages (default: all but tune and firsthour):
+#   info       versions, nvidia-smi
+#   jit        cold and warm JIT timing
+#   perf1      one rank alone on the GPU: the EP and low-latency rank programs with their perf lines, perf/ep_profile.py,
+#              and the same for the pre-refactor snapshot in .baseline/ when it exists (side by side, same run)
+#   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure
+#   ll         low-latency rank program at 2/4/8 ranks sharing the GPUs (and one rank per GPU)
+#   legacy     V1 Buffer (normal mode) rank program, 1 and 2/4/8 ranks
+#   coll       PP, all-gather / reduce-scatter / all-reduce, engram, load balancing, allocation, barrier
+#   deepep     DeepEP's own test programs (.upstream/) through `python -m deepep_cupy.as_deep_ep`
+#   launchers  the EP rank program under torchrun and under SLURM-style variables (2 ranks)
+#   pytest     the GPU pytest tests
+#   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs)
+#   tune       reduce-scatter sweep and load-balancing ring patterns (needs 2 GPUs)
+#   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
+# Stages marked parallel below run their steps in lanes at the same time (logic only: ranks share the GPU anyway);
+# perf1 and bench run alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 LOG=$OUT/suite.log
 SUMMARY=$OUT/summary.txt
+LANES=$(mktemp -d)
 : > "$SUMMARY"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_jit}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(info jit barrier pytest ep bench coll)
+[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll deepep launchers pytest bench)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+CUR_LOG=$LOG
 
 # step NAME TIMEOUT_S COMMAND...: run, log, record PASS/FAIL with the wall time.
 step() {
     local name=$1 limit=$2; shift 2
-    echo "=== [$name] $*" | tee -a "$LOG"
-    local t0=$(date +%s%N)
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
+    echo "=== [$name] $*" >> "$CUR_LOG"
+    local t0; t0=$(date +%s%N)
+    timeout --kill-after=10 "$limit" "$@" >> "$CUR_LOG" 2>&1
+    local rc=$?
     local dt=$(( ($(date +%s%N) - t0) / 1000000 ))
     local verdict=PASS; [ "$rc" -ne 0 ] && verdict="FAIL(rc=$rc)"
-    printf '%-40s %-12s %8d ms\n' "$name" "$verdict" "$dt" | tee -a "$SUMMARY" "$LOG"
+    printf '%-58s %-12s %8d ms\n' "$name" "$verdict" "$dt" | tee -a "$SUMMARY" >> "$CUR_LOG"
 }
+# lane NAME: the following function runs in the background with its own log, appended to suite.log at `join`.
+lane() { local name=$1; shift; ( CUR_LOG=$LANES/$name.log; "$@" ) & }
+join() { wait; for f in "$LANES"/*.log; do [ -f "$f" ] && { cat "$f" >> "$LOG"; rm -f "$f"; }; done; }
 
-$PY -m pip install -q -e . --no-deps --no-build-isolation 2>&1 | tail -2 | tee -a "$LOG"
+$PY -m pip install -q -e . --no-deps --no-build-isolation >> "$LOG" 2>&1 || echo "pip install failed" | tee -a "$SUMMARY"
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 R="launch/run_local.sh"
+ONE="env CUDA_VISIBLE_DEVICES=0"      # logic runs: every rank on GPU 0
 
 if want info; then
     { nvidia-smi; nvidia-smi topo -m; $PY -c "import cupy, numpy, sys; print('python', sys.version.split()[0],
@@ -40,69 +66,157 @@ if want info; then
 import mpi4py; print('mpi4py', mpi4py.__version__); from cupy.cuda import nccl; print('nccl', nccl.get_version());
 from cupy_backends.cuda.libs import nvrtc; print('nvrtc', nvrtc.getVersion())"; mpirun --version | head -1; } \
         >> "$LOG" 2>&1
-    tail -n 12 "$LOG"
 fi
 if want jit; then
     rm -rf "$DEEPEP_CUPY_JIT_CACHE_DIR"
     step "jit timing (cold/warm)" 300 $PY -m deepep_cupy.tests.jit_timing
 fi
-if want barrier; then
-    step "barrier np=1" 120 $R 1 $PY -m deepep_cupy.tests.barrier
-    [ "$NGPU" -ge 2 ] && step "barrier np=$NGPU (1 rank/GPU)" 180 $R "$NGPU" $PY -m deepep_cupy.tests.barrier
-    [ "$NGPU" -ge 2 ] && step "barrier np=$NGPU scale-up 1 (NCCL between domains)" 180 \
-        env DEEPEP_CUPY_SCALEUP_SIZE=1 $R "$NGPU" $PY -m deepep_cupy.tests.barrier
-    step "barrier np=2 on 1 GPU" 180 env CUDA_VISIBLE_DEVICES=0 $R 2 $PY -m deepep_cupy.tests.barrier
-    step "barrier np=4 (shared GPUs)" 300 $R 4 $PY -m deepep_cupy.tests.barrier --num-barriers 200 --num-rounds 16
-    step "barrier np=8 (shared GPUs)" 300 $R 8 $PY -m deepep_cupy.tests.barrier --num-barriers 100 --num-rounds 16
+
+EP="$PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120"
+LL="$PY -m deepep_cupy.tests.legacy_low_latency --num-gpu-timeout-secs 60"
+if want perf1; then
+    # Alone on the GPU: one rank, checks then perf lines; the snapshot before the refactor beside it when present.
+    step "ep np=1 (perf)" 240 $ONE $R 1 $EP --num-create-destroy 5
+    step "ep_profile np=1" 180 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096
+    if [ -d .baseline/deepep_cupy ]; then
+        step "baseline: ep np=1 (perf)" 240 bash -c "cd .baseline && CUDA_VISIBLE_DEVICES=0 $ROOT/$R 1 \
+            $PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 --num-create-destroy 0 \
+            --skip-timeout-test"
+        step "baseline: ep_profile np=1" 180 bash -c "cd .baseline && CUDA_VISIBLE_DEVICES=0 $ROOT/$R 1 \
+            $PY perf/ep_profile.py --tokens 128,4096"
+    fi
+    [ -f deepep_cupy/tests/legacy_low_latency.py ] && step "ll np=1 (perf)" 240 $ONE $R 1 $LL
+    [ -f deepep_cupy/tests/legacy_intranode.py ] && step "legacy intranode np=1 (perf)" 240 $ONE $R 1 \
+        $PY -m deepep_cupy.tests.legacy_intranode
 fi
-if want pytest; then
-    step "pytest GPU tests" 300 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
-fi
-if want ep && [ -f deepep_cupy/tests/ep.py ]; then
-    EP="$PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60"
-    # Smoke first (small, first mode only): when it fails, the long runs would only repeat the failure.
-    step "ep smoke np=$NGPU" 120 $R "$NGPU" $EP --num-tokens 256 --hidden 2048 --test-first-only --skip-perf-test \
-        --skip-timeout-test --num-create-destroy 0
-    if grep -q "ep smoke.*FAIL" "$SUMMARY"; then stages=(); fi
-    [ "$NGPU" -ge 2 ] && want ep && step "ep np=$NGPU (1 rank/GPU)" 420 $R "$NGPU" $EP
-    [ "$NGPU" -ge 2 ] && want ep && step "ep np=$NGPU allow_multiple_reduction=0" 300 $R "$NGPU" $EP \
-        --allow-multiple-reduction 0 --num-tokens 1024 --hidden 4096 --skip-perf-test --skip-timeout-test \
-        --num-create-destroy 0 --masked-ratio 0.2
-    [ "$NGPU" -ge 2 ] && want ep && step "ep np=$NGPU pressure (100 seeds)" 300 $R "$NGPU" $EP --num-tokens 512 \
-        --hidden 2048 --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0 --unbalanced-ratio 2 \
+
+ep_lane_topk() {
+    local k
+    for k in 1 3 9 17 32; do
+        step "ep np=1 top-$k" 120 $ONE $R 1 $EP --num-tokens 256 --hidden 1024 --num-topk $k --skip-perf-test \
+            --skip-timeout-test --num-create-destroy 0
+    done
+}
+ep_lane_shared() {
+    step "ep np=2 (sharing 1 GPU)" 300 $ONE $R 2 $EP --num-tokens 512 --hidden 2048 --skip-perf-test \
+        --num-create-destroy 3
+    step "ep np=2 allow_multiple_reduction=0 (sharing)" 300 $ONE $R 2 $EP --allow-multiple-reduction 0 \
+        --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0 --masked-ratio 0.2
+    step "ep np=4 (sharing 1 GPU)" 300 $ONE $R 4 $EP --num-tokens 256 --hidden 2048 --skip-perf-test \
+        --num-create-destroy 2
+    step "ep np=8 (sharing 1 GPU)" 400 $ONE $R 8 $EP --num-tokens 128 --hidden 1024 --skip-perf-test \
+        --num-create-destroy 1 --test-first-only
+    step "ep np=2 pressure 100 seeds (sharing)" 300 $ONE $R 2 $EP --num-tokens 256 --hidden 1024 \
+        --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0 --unbalanced-ratio 2 \
         --precise-unbalanced-ratio --num-topk 8
-    want ep && step "ep np=1" 300 $R 1 $EP --num-create-destroy 20
-    want ep && step "ep np=4 (shared GPUs)" 300 $R 4 $EP --num-tokens 256 --hidden 2048 --skip-perf-test --num-create-destroy 5
-    want ep && step "ep np=8 (shared GPUs)" 400 $R 8 $EP --num-tokens 128 --hidden 1024 --skip-perf-test --num-create-destroy 2 \
-        --test-first-only
+}
+ll_lane() {
+    local n
+    for n in 2 4 8; do
+        step "ll np=$n (sharing 1 GPU)" 300 $ONE $R $n $LL --num-tokens 64 --hidden 2048 --num-experts 64 \
+            --skip-perf-test
+    done
+}
+legacy_lane() {
+    local n
+    for n in 1 2 4 8; do
+        step "legacy intranode np=$n (sharing 1 GPU)" 300 $ONE $R $n $PY -m deepep_cupy.tests.legacy_intranode \
+            --num-tokens 512 --hidden 2048 --skip-perf-test
+    done
+}
+coll_lane() {
+    local np=$1 prog
+    step "allocation np=$np" 300 $ONE $R $np $PY -m deepep_cupy.tests.allocation
+    for prog in pp agrs engram reduce_grads prefetch_weights; do
+        step "$prog np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.$prog --skip-perf-test
+    done
+    step "engram fp8 np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.engram --use-fp8 --skip-perf-test
+    step "barrier np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.barrier --num-barriers 100 \
+        --num-rounds 8 --skip-perf-test
+}
+deepep_lane() {
+    local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep"
+    [ -d $U ] || { echo "no .upstream/ (DeepEP's programs): skipped" >> "$CUR_LOG"; return; }
+    step "DeepEP elastic/test_ep.py np=1" 400 $ONE $RUN $U/head/tests/elastic/test_ep.py --num-processes 1
+    step "DeepEP elastic/test_ep.py np=2 (sharing)" 400 $ONE $RUN $U/head/tests/elastic/test_ep.py \
+        --num-processes 2 --num-tokens 512 --hidden 2048
+    step "DeepEP elastic/test_agrs.py np=1" 300 $ONE $RUN $U/head/tests/elastic/test_agrs.py --num-processes 1
+    step "DeepEP elastic/test_barrier.py np=1" 300 $ONE $RUN $U/head/tests/elastic/test_barrier.py --num-processes 1
+    step "DeepEP elastic/test_pp.py np=2 (sharing)" 300 $ONE $RUN $U/head/tests/elastic/test_pp.py --num-processes 2
+    step "DeepEP elastic/test_engram.py np=1" 300 $ONE $RUN $U/head/tests/elastic/test_engram.py --num-processes 1
+    step "DeepEP legacy/test_intranode.py np=1" 400 bash -c "cd $U/head/tests/legacy && CUDA_VISIBLE_DEVICES=0 \
+        $RUN test_intranode.py --num-processes 1"
+    step "DeepEP legacy/test_low_latency.py np=1" 400 bash -c "cd $U/head/tests/legacy && CUDA_VISIBLE_DEVICES=0 \
+        $RUN test_low_latency.py --num-processes 1"
+    step "DeepEP v1 test_intranode.py np=1" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
+        $RUN test_intranode.py --num-processes 1"
+    step "DeepEP v1 test_low_latency.py np=1" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
+        $RUN test_low_latency.py --num-processes 1"
+    local t
+    for t in ep/test_ep.py comm/test_barrier.py buffer/test_allocation.py pp/test_pp.py engram/test_engram.py \
+             bucket/test_all_gather.py bucket/test_reduce_scatter.py bucket/test_all_reduce.py; do
+        step "DeepEP v25 $t np=1" 300 $ONE $RUN $U/v25/tests/$t --num-processes 1
+    done
+}
+launchers_lane() {
+    local A="--num-tokens 256 --hidden 2048 --skip-perf-test --num-create-destroy 1"
+    step "ep under torchrun np=2 (sharing)" 300 $ONE launch/torchrun.sh 2 -m deepep_cupy.tests.ep $A
+    step "ep under SLURM variables np=2 (sharing)" 300 $ONE bash -c "pids=(); for r in 0 1; do SLURM_PROCID=\$r \
+        SLURM_NTASKS=2 SLURM_LOCALID=\$r SLURM_TASKS_PER_NODE=2 SLURM_NODELIST=localhost MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=29555 $PY -m deepep_cupy.tests.ep $A & pids+=(\$!); done; rc=0; \
+        for p in \${pids[@]}; do wait \$p || rc=1; done; exit \$rc"
+}
+
+# Lanes run at the same time, three or four at a time (more processes time-slicing one GPU only slows every wait).
+if want ep; then
+    lane ep_topk ep_lane_topk
+    lane ep_shared ep_lane_shared
 fi
-if want bench && [ -f perf/ep_bench.py ] && [ "$NGPU" -ge 2 ]; then
+want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll ll_lane
+want legacy && [ -f deepep_cupy/tests/legacy_intranode.py ] && lane legacy legacy_lane
+join
+if want coll; then
+    lane coll2 coll_lane 2
+    lane coll4 coll_lane 4
+fi
+want launchers && lane launchers launchers_lane
+join
+want deepep && lane deepep deepep_lane
+join
+if want pytest; then
+    step "pytest GPU tests" 400 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
+fi
+if want ep && [ "$NGPU" -ge 2 ]; then
+    step "ep np=$NGPU (1 rank/GPU)" 420 $R "$NGPU" $EP
+    step "ep np=$NGPU pressure (100 seeds)" 300 $R "$NGPU" $EP --num-tokens 512 --hidden 2048 --do-pressure-test \
+        --skip-perf-test --skip-timeout-test --num-create-destroy 0 --unbalanced-ratio 2 --precise-unbalanced-ratio \
+        --num-topk 8
+fi
+if want bench && [ "$NGPU" -ge 2 ]; then
     step "ep_bench np=$NGPU" 600 $R "$NGPU" $PY perf/ep_bench.py --out "$OUT"
     step "ep_profile np=$NGPU" 300 $R "$NGPU" $PY perf/ep_profile.py
-fi
-if want coll; then
-    # Collectives, PP, engram and load balancing (issue 3): one rank per GPU with performance, then 4 and 8 ranks
-    # sharing the GPUs (logic only).
-    for prog in allocation pp agrs engram reduce_grads prefetch_weights; do
-        step "$prog np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.$prog
-    done
-    step "engram fp8 np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.engram --use-fp8
-    for np in ${COLL_SHARED_NPS-4 8}; do       # COLL_SHARED_NPS= (empty): one rank per GPU only
-        step "allocation np=$np (shared GPUs)" 300 $R $np $PY -m deepep_cupy.tests.allocation
-        for prog in pp agrs engram reduce_grads prefetch_weights; do
-            step "$prog np=$np (shared GPUs)" 300 $R $np $PY -m deepep_cupy.tests.$prog --skip-perf-test
-        done
-    done
+    [ -f deepep_cupy/tests/legacy_low_latency.py ] && step "ll np=$NGPU (perf)" 300 $R "$NGPU" $LL
 fi
 if want tune && [ "$NGPU" -ge 2 ]; then
-    # Not in the default list: the reduce-scatter sweep behind agrs.py's defaults, and the load-balancing ring pattern.
     step "reduce-scatter sweep np=$NGPU" 300 $R "$NGPU" $PY perf/reduce_scatter_sweep.py
-    step "reduce-scatter host profile np=$NGPU" 120 $R "$NGPU" $PY perf/reduce_scatter_sweep.py --host-only --profile
     step "reduce_grads ring np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.reduce_grads --pattern ring --skip-check \
         --skip-error-test --skip-timeout-test
     step "prefetch_weights ring np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.prefetch_weights --pattern ring \
         --skip-check --skip-error-test --skip-timeout-test
 fi
-echo "=== summary" | tee -a "$LOG"
-cat "$SUMMARY"
+if want firsthour; then
+    # The README's commands as a new user runs them on this host (no registry here: --no-deps next to the
+    # preinstalled packages, in a fresh virtual environment that sees them).
+    V=$(mktemp -d)/venv
+    step "firsthour: fresh venv + offline install" 300 bash -c "$PY -m venv --system-site-packages $V && \
+        $V/bin/python -m pip install -q -e . --no-deps --no-build-isolation"
+    step "firsthour: --help without a GPU check" 60 $V/bin/python -m deepep_cupy.tests.ep --help
+    step "firsthour: launch/run_local.sh 2 python -m deepep_cupy.tests.ep" 600 env PATH="$V/bin:$PATH" \
+        $ONE $R 2 python -m deepep_cupy.tests.ep
+    step "firsthour: python -m pytest -q tests -m 'not slow'" 600 $V/bin/python -m pytest -q tests -m "not slow"
+    step "firsthour: no GPU visible (one line expected)" 60 bash -c "! CUDA_VISIBLE_DEVICES= $R 2 \
+        $V/bin/python -m deepep_cupy.tests.barrier"
+fi
+echo "=== summary" >> "$LOG"
+cat "$SUMMARY" | tee -a "$LOG"
 ! grep -q FAIL "$SUMMARY"
