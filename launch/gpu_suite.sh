@@ -152,7 +152,10 @@ deepep_lane() {
         $RUN test_intranode.py --num-processes 1"
     step "DeepEP v1 test_low_latency.py np=1" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
         $RUN test_low_latency.py --num-processes 1"
-    local t
+}
+deepep_v25_lane() {
+    local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep" t
+    [ -d $U ] || return
     for t in ep/test_ep.py comm/test_barrier.py buffer/test_allocation.py pp/test_pp.py engram/test_engram.py \
              bucket/test_all_gather.py bucket/test_reduce_scatter.py bucket/test_all_reduce.py; do
         step "DeepEP v25 $t np=1" 300 $ONE $RUN $U/v25/tests/$t --num-processes 1
@@ -181,7 +184,10 @@ if want coll; then
 fi
 want launchers && lane launchers launchers_lane
 join
-want deepep && lane deepep deepep_lane
+if want deepep; then
+    lane deepep deepep_lane
+    lane deepep_v25 deepep_v25_lane
+fi
 join
 if want pytest; then
     step "pytest GPU tests" 400 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
