@@ -31,7 +31,8 @@ if ROOT not in sys.path:
 
 from deepep_cupy.runtime import preflight  # noqa: E402  (torch-free: --help needs no GPU)
 
-KERNELS = ('notify_kernel', 'dispatch_send_kernel', 'dispatch_recv_kernel', 'combine_kernel')
+# Kernel names as the profiler shows them (features/ep/kernels.py); each name is matched as a substring.
+KERNELS = ('notify_dispatch', 'dispatch_copy_epilogue_impl', 'dispatch_impl', 'combine_impl')
 
 
 def kernel_timeline(trace_events, num_calls: int):

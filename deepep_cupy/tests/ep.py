@@ -239,7 +239,8 @@ def test_errors(buf: ElasticBuffer, case: Case) -> list:
     idx_strided = torch.empty((idx.shape[0], 2 * idx.shape[1]), dtype=idx.dtype, device=idx.device)[:, ::2]
     idx_strided.copy_(idx)
     expect('topk_idx non-contiguous', ValueError, lambda: buf.dispatch(x, idx_strided, w, num_experts=E))
-    expect('topk_weights shape', ValueError, lambda: buf.dispatch(x, idx, w[:, :1], num_experts=E))
+    w_wide = torch.cat([w, w[:, :1]], dim=1)       # one column too many (any top-k, 1 included)
+    expect('topk_weights shape', ValueError, lambda: buf.dispatch(x, idx, w_wide, num_experts=E))
     expect('topk_weights dtype', TypeError, lambda: buf.dispatch(x, idx, w.double(), num_experts=E))
     expect('num_tokens > num_max_tokens_per_rank', ValueError,
            lambda: buf.dispatch(x, idx, w, num_experts=E, num_max_tokens_per_rank=max(1, x.shape[0] - 1))
@@ -258,7 +259,7 @@ def test_errors(buf: ElasticBuffer, case: Case) -> list:
     expect('combine x dtype', TypeError, lambda: buf.combine(case.combine_x.float(), handle))
     expect('combine bias shape', ValueError, lambda: buf.combine(case.combine_x, handle, bias=case.biases[0][:, :8]))
     expect('combine three biases', ValueError, lambda: buf.combine(case.combine_x, handle, bias=tuple(case.biases) * 2))
-    expect('combine weights shape', ValueError, lambda: buf.combine(case.combine_x, handle, topk_weights=w[:, :1]))
+    expect('combine weights shape', ValueError, lambda: buf.combine(case.combine_x, handle, topk_weights=w_wide))
     expect('handle of the wrong type', TypeError, lambda: buf.combine(case.combine_x, (1, 2)))
     return tried
 
