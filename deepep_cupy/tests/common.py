@@ -62,3 +62,26 @@ def log(group, msg: str, all_ranks: bool = False) -> None:
     """Print on rank 0 (or on every rank)."""
     if all_ranks or group.rank == 0:
         print(msg, flush=True)
+
+
+def process_gpu_bytes() -> int:
+    """GPU memory this process holds: NVML's per-process figure when NVML lists this process (ranks sharing a GPU,
+    or other jobs on it, then do not count), else the device's used memory (`cudaMemGetInfo`)."""
+    import os
+
+    import cupy
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            bus = cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.runtime.getDevice())
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                    return int(p.usedGpuMemory)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001  (no NVML, or it cannot see this process: fall back)
+        pass
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return total - free

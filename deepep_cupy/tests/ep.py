@@ -30,7 +30,7 @@ from ..utils import gate, refs
 from ..utils.envs import init_dist
 from ..utils.math import align, per_token_cast_to_fp8
 from ..utils.testing import bench
-from .common import Failure, check, check_equal, expect_error, gather_tensors
+from .common import Failure, check, check_equal, expect_error, gather_tensors, process_gpu_bytes
 
 
 def enumerate_ep_modes(first_only: bool):
@@ -340,16 +340,16 @@ def test_timeout(args, group, case: Case) -> bool:
 
 
 def test_create_destroy(args, group, case: Case, num_cycles: int) -> tuple:
-    import cupy
     torch.cuda.synchronize()
-    free0 = cupy.cuda.runtime.memGetInfo()[0]
+    used0 = process_gpu_bytes()
     t0 = time.perf_counter()
     for _ in range(num_cycles):
         buf = ElasticBuffer(group, num_max_tokens_per_rank=case.M, hidden=case.H, num_topk=case.K,
                             explicitly_destroy=True)
         buf.destroy()
-    free1 = cupy.cuda.runtime.memGetInfo()[0]
-    return free0 - free1, (time.perf_counter() - t0) / max(1, num_cycles)
+    group.barrier()
+    used1 = process_gpu_bytes()
+    return used1 - used0, (time.perf_counter() - t0) / max(1, num_cycles)
 
 
 def perf(buf: ElasticBuffer, case: Case, args):
