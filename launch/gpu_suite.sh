@@ -51,7 +51,7 @@ step() {
     local verdict=PASS; [ "$rc" -ne 0 ] && verdict="FAIL(rc=$rc)"
     local line; line=$(printf '%-58s %-12s %8d ms' "$name" "$verdict" "$dt")
     echo "$line" >> "$tmp"
-    { flock 9; cat "$tmp" >> "$LOG"; echo "$line" >> "$SUMMARY"; } 9>> "$LOG.lock"
+    { flock 9; cat "$tmp" >> "$LOG"; echo "$line" >> "$SUMMARY"; } 9>> /tmp/deepep_cupy_gpu_suite.lock
     rm -f "$tmp"
 }
 lane() { ( "$@" ) & }
