@@ -182,6 +182,7 @@ class NormalMode:
             self.engine = make_engine(align(num_nvl_bytes, BUFFER_ALIGNMENT))
         self._rank_bases = {}
         self.num_growths = 0
+        self.tokens_seen = 0        # the most tokens any rank dispatched in a CPU-synced call (known to every rank)
 
     # -- sizing --
     def ensure(self, hidden: int, num_topk: int, num_tokens: int = 0) -> EP:
@@ -192,7 +193,7 @@ class NormalMode:
         if eng is not None and eng.ep is not None and hidden <= H and num_topk <= K and num_tokens <= M:
             return eng.ep
         # Synthetic top-k ids (a dispatch without top-k) have one column per rank: lay out for at least that.
-        H, K, need = max(hidden, H), max(num_topk, K, R), max(num_tokens, M, 1)
+        H, K, need = max(hidden, H), max(num_topk, K, R), max(num_tokens, self.tokens_seen, 1)
         if eng is not None:
             fit = fit_tokens(R, eng.num_bytes, H, K)
             if fit >= need:
@@ -264,6 +265,7 @@ class NormalMode:
                                      f'dispatch of the largest token count without num_worst_tokens (or pass a larger '
                                      f'num_nvl_bytes) before capturing CUDA graphs')
                 break
+            self.tokens_seen = max(self.tokens_seen, lg.max_num_tokens)
             if lg.max_num_tokens <= M:
                 break
             self.ensure(hidden, K, lg.max_num_tokens)      # every rank saw the same maximum: grow, then redo
