@@ -7,7 +7,9 @@ V1 streams any number of tokens through fixed rings of `num_nvl_bytes`; the EP e
 - Sizing. The memory is allocated at construction from `num_nvl_bytes` (collective, as V1's constructor is) and laid
   out at the first dispatch, when hidden and top-k are known: M = the most tokens that fit
   (`fit_tokens`). A call with a larger hidden size or top-k lays it out again (every rank sees the same values, so
-  every rank decides alike), on the same memory when it fits, else on a larger one.
+  every rank decides alike), keeping room for the most tokens any rank dispatched in a CPU-synced call so far
+  (`tokens_seen`, known to every rank), on the same memory when it fits, else on a larger one. The layout's top-k
+  is at least the number of ranks (a dispatch without top-k ids routes by synthetic ones, one column per rank).
 - Growth. A rank holding more tokens than M dispatches 0 tokens and reports its count through the notify exchange
   (`LegacyLayout.reported_num_tokens`); after the CPU wait for the receive counts every rank knows the largest count
   of all ranks (`max_num_tokens`), so when it exceeds M all ranks replace the engine by a larger one (M' = that count
@@ -269,6 +271,9 @@ class NormalMode:
             if lg.max_num_tokens <= M:
                 break
             self.ensure(hidden, K, lg.max_num_tokens)      # every rank saw the same maximum: grow, then redo
+        else:
+            raise RuntimeError(f'dispatch: the buffer did not hold {lg.max_num_tokens} tokens per rank after '
+                               f'{MAX_ATTEMPTS} growths (M={M})')
         recv_x, recv_topk_idx, recv_topk_weights, ep_handle, event = out
         handle = LegacyHandle((lg.rank_prefix_matrix, lg.channel_prefix_matrix, lg.recv_channel_prefix_matrix,
                                lg.recv_src_idx, is_token_in_rank, ep_handle.dst_buffer_slot_idx),
