@@ -13,7 +13,9 @@
 //     to slot k unreduced; the origin adds slots in ascending k.
 // Final sum at the origin: FP32 accumulator = bias_0 + bias_1 (as floats), then the surviving partials in ascending
 // top-k order, rounded to bfloat16 once. Weights: combined_topk_weights[t][k] = the weight the owner of top-k slot k
-// sent back for slot k (0 where topk_idx is -1).
+// sent back for slot k (0 where topk_idx is -1); with weights_over_ranks (DeepEP V1's definition, non-expanded input
+// only) the FP32 sum, from 0, over the token's destination ranks in order of first top-k appearance, of the weight
+// each sent back for slot k (equal to the owner's value when the others send 0, as V1's dispatch returns them).
 //
 // One launch, two roles, so that the reduction overlaps the sending (combine_impl_with_combine_reduce_epilogue_impl:
 // the name holds both of DeepEP's kernel names, combine_impl and combine_reduce_epilogue_impl, as it does both jobs).
@@ -131,9 +133,10 @@ template <int kNumRanks, int kMaxTopk, bool kLocalReduce>
 __device__ __forceinline__ void
 combine_recv_blocks(const int64_t* topk_idx, int num_tokens, int num_topk, int hidden, int num_experts, int num_slots,
                     const uint8_t* bias0, const uint8_t* bias1, uint8_t* combined_x, float* combined_topk_weights,
-                    int with_weights, const uint8_t* x, const float* topk_weights, int do_expand,
-                    const int32_t* send_pos, const int32_t* recv_layout, const int32_t* recv_src_metadata,
-                    const Peers& peers, int rank, uint64_t combine_offset, const ErrorSink& sink,
+                    int with_weights, int weights_over_ranks, const uint8_t* x, const float* topk_weights,
+                    int do_expand, const int32_t* send_pos, const int32_t* recv_layout,
+                    const int32_t* recv_src_metadata, const Peers& peers, int rank, uint64_t combine_offset,
+                    const ErrorSink& sink,
                     uint64_t timeout_ns, uint32_t epoch, int recv_block, int num_recv_blocks, int chunk_rows,
                     int chunk_stride) {
 
@@ -223,7 +226,22 @@ combine_recv_blocks(const int64_t* topk_idx, int num_tokens, int num_topk, int h
             }
             st_v4(combined_x + static_cast<int64_t>(t) * row_bytes + c * 16, round_bf16x8(acc));
         }
-        if (seg == 0 && with_weights && lane < num_topk) {
+        if (seg == 0 && with_weights && lane < num_topk && kLocalReduce && weights_over_ranks) {
+            // Every destination rank of the token, in order of first top-k appearance (= combine slot order; the
+            // owner of each first slot read from topk_idx: no shuffles in this divergent branch).
+            float w = 0.f;
+            uint32_t firsts = owners.firsts;
+            for (int ordinal = 0; firsts != 0; ++ordinal) {
+                const int f = __ffs(firsts) - 1;
+                firsts &= firsts - 1;
+                const int d = static_cast<int>(topk_idx[static_cast<int64_t>(t) * num_topk + f]) / num_local_experts;
+                w += d == rank ? topk_weights[static_cast<int64_t>(own_row) * num_topk + lane]
+                               : reinterpret_cast<const volatile float*>(token_slots + static_cast<int64_t>(ordinal) *
+                                                                         slot_layout.bytes +
+                                                                         slot_layout.weights_offset)[lane];
+            }
+            combined_topk_weights[static_cast<int64_t>(t) * num_topk + lane] = w;
+        } else if (seg == 0 && with_weights && lane < num_topk) {
             float w = 0.f;
             if (owner == rank)         // what the send kernel would have sent us for this slot
                 w = !do_expand ? topk_weights[static_cast<int64_t>(own_row) * num_topk + lane]
@@ -242,9 +260,9 @@ combine_impl_with_combine_reduce_epilogue_impl(
     const uint8_t* x, int hidden, const float* topk_weights, int do_expand, const int32_t* recv_src_metadata,
     const int32_t* recv_layout, const int32_t* send_pos, const int64_t* topk_idx, int num_tokens, int num_topk,
     int num_experts, int num_max_tokens_per_rank, int num_slots, const uint8_t* bias0, const uint8_t* bias1,
-    uint8_t* combined_x, float* combined_topk_weights, int with_weights, int num_send_blocks, int chunk_rows,
-    int chunk_stride, const uint64_t* peer_bases, int rank, uint64_t combine_offset, int32_t* error_record,
-    uint64_t timeout_ns) {
+    uint8_t* combined_x, float* combined_topk_weights, int with_weights, int weights_over_ranks,
+    int num_send_blocks, int chunk_rows, int chunk_stride, const uint64_t* peer_bases, int rank,
+    uint64_t combine_offset, int32_t* error_record, uint64_t timeout_ns) {
     const Peers peers{peer_bases, rank};
     uint32_t* ctrl = peers.local_ctrl();
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
@@ -257,8 +275,8 @@ combine_impl_with_combine_reduce_epilogue_impl(
     } else {
         combine_recv_blocks<kNumRanks, kMaxTopk, kLocalReduce>(
             topk_idx, num_tokens, num_topk, hidden, num_experts, num_slots, bias0, bias1, combined_x,
-            combined_topk_weights, with_weights, x, topk_weights, do_expand, send_pos, recv_layout, recv_src_metadata,
-            peers, rank, combine_offset, sink, timeout_ns, epoch, blockIdx.x - num_send_blocks,
+            combined_topk_weights, with_weights, weights_over_ranks, x, topk_weights, do_expand, send_pos, recv_layout,
+            recv_src_metadata, peers, rank, combine_offset, sink, timeout_ns, epoch, blockIdx.x - num_send_blocks,
             gridDim.x - num_send_blocks, chunk_rows, chunk_stride);
     }
     // Every block done (all our slots reduced, all our rows released): the next combine may overwrite them.

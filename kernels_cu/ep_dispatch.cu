@@ -115,7 +115,8 @@ dispatch_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
 //     (source, token) order; recv_topk_weights is 1-D. With do_zero_padding the alignment gaps get zeros.
 //   Metadata [num_recv][K + 2]: src_rank * M + src token index; src_rank * K + combine slot (the ordinal of this rank
 //   among the token's destination ranks in order of first top-k appearance); then per top-k slot the expanded row
-//   (expanded mode) or -1.
+//   (expanded mode) or -1. recv_src_idx (DeepEP V1's handle, when asked for): [num_recv] the token index at the source.
+//   Rows past num_meta_rows are not written (a no-sync caller's num_worst_tokens below the real count).
 template <int kNumRanks, int kMaxTopk>
 __global__ void __launch_bounds__(kRecvThreads)
 dispatch_copy_epilogue_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, int num_sf, int num_topk,
@@ -124,8 +125,8 @@ dispatch_copy_epilogue_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_by
                             int num_meta_rows,
                             uint8_t* recv_x, uint8_t* recv_sf, int64_t recv_sf_stride_row,
                             int64_t recv_sf_stride_col, int64_t* recv_topk_idx, float* recv_topk_weights,
-                            int32_t* recv_src_metadata, const uint64_t* peer_bases, int rank, uint64_t recv_offset,
-                            int32_t* error_record, uint64_t timeout_ns) {
+                            int32_t* recv_src_metadata, int32_t* recv_src_idx, const uint64_t* peer_bases, int rank,
+                            uint64_t recv_offset, int32_t* error_record, uint64_t timeout_ns) {
     const Peers peers{peer_bases, rank};
     uint32_t* ctrl = peers.local_ctrl();
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
@@ -135,7 +136,7 @@ dispatch_copy_epilogue_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_by
 
     const int num_local_experts = num_experts / kNumRanks;
     const RecvLayout layout{const_cast<int32_t*>(recv_layout), kNumRanks, num_local_experts};
-    const int num_recv = layout.totals()[0];
+    const int num_recv = min(layout.totals()[0], num_meta_rows);
     const MessageLayout msg(num_topk, num_sf, hidden_bytes);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int num_warps = blockDim.x / 32;
@@ -171,6 +172,8 @@ dispatch_copy_epilogue_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_by
         if (first_seg && lane == 0) {
             recv_src_metadata[static_cast<int64_t>(i) * meta_cols] = s * num_max_tokens_per_rank + *msg.src_idx(m);
             recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 1] = s * num_topk + combine_slot;
+            if (recv_src_idx != nullptr)
+                recv_src_idx[i] = *msg.src_idx(m);
         }
 
         if (!do_expand) {

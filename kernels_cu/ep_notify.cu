@@ -12,6 +12,15 @@
 //      of d's local experts, then releases notify_signal[me] at d with the new notify epoch; waits for every peer's
 //      signal; derives the receive layout (prefix sums over sources, per-expert counts, aligned expanded starts) into
 //      the handle's layout blob; and publishes the totals to host-mapped memory for the optional CPU wait.
+//   3. With it, every rank also learns the whole count matrix and every rank's dispatched token count (the notify
+//      rows, common/ep.cuh): block 0 writes its row into every peer with the counts. What DeepEP V1's handle holds
+//      comes from there when asked for: rank_prefix_matrix [R][R] (M[i][j] = tokens ranks 0..i send to j),
+//      channel_prefix_matrix [R][C] (per destination, inclusive prefix over V1's C channels, channel c = tokens
+//      [c * ceil(N / C), ...), of the tokens sent there; one more grid barrier) and recv_channel_prefix_matrix [R][C]
+//      (per source, where its channel c starts inside its block of ours); the largest dispatched token count over
+//      the ranks goes to host_counts[kHostMaxTokensWord] (the V1 adapter grows its buffer from it).
+//      expert_counts, when given, replaces the per-expert counts the exchange publishes (V1's num_tokens_per_expert
+//      for a dispatch without top-k, whose top-k ids are synthetic: one per destination rank).
 #include "common/ep.cuh"
 #include "common/value_range.cuh"
 
@@ -20,6 +29,7 @@ namespace deepep {
 constexpr int kNotifyThreads = 256;
 constexpr int kTokensPerBlock = kNotifyThreads;   // one token per thread
 constexpr int kNotifyWarps = kNotifyThreads / 32;
+constexpr int kHostMaxTokensWord = 3 + kNotifyMaxLocalExperts;   // in host_counts, after the per-expert counts
 
 template <int kNumRanks, int kMaxTopk>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
@@ -32,9 +42,16 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
                 int32_t* psum_recv_per_expert,    // [L] out, or null (see features/ep/handle.py: two conventions)
                 int do_expand,
                 int32_t* cumulative_stats,        // [L] += unaligned counts, or null
-                int32_t* host_counts,             // host-mapped [3 + L]: seq, num_recv, num_expanded, aligned counts
+                int32_t* host_counts,             // host-mapped: seq, num_recv, num_expanded, aligned counts [L];
+                                                  // [kHostMaxTokensWord] the most tokens any rank dispatches
                 int host_seq,
-                int64_t* topk_copy) {             // [num_tokens][num_topk] out: a copy of topk_idx, or null
+                int64_t* topk_copy,               // [num_tokens][num_topk] out: a copy of topk_idx, or null
+                int reported_num_tokens,          // published to the peers (the caller's count, >= num_tokens)
+                const int32_t* expert_counts,     // [num_experts] published per-expert counts instead, or null
+                int num_channels,                 // DeepEP V1 channels of the matrices below (0: none)
+                int32_t* channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null (num_channels = 0)
+                int32_t* recv_channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null
+                int32_t* rank_prefix_matrix) {    // [kNumRanks][kNumRanks] out, or null
     extern __shared__ int32_t smem[];           // [kNotifyWarps][num_keys] per-warp counts, then block bases
     const int num_keys = num_experts + kNumRanks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -142,6 +159,27 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
                     e >= 0 ? block_base[e] + warp_counts[warp * num_keys + e] + expert_pos[k] : -1;
         }
     }
+    // V1 channel prefixes: the thread of each channel's last token writes the count of tokens up to it, per
+    // destination (empty channels are block 0's, below); block 0 sends them on after one more grid barrier.
+    const bool with_channels = num_channels > 0 && channel_prefix_matrix != nullptr;
+    const int tokens_per_channel = with_channels ? (num_tokens + num_channels - 1) / num_channels : 0;
+    if (with_channels) {
+        if (valid) {
+            const int c = t / tokens_per_channel;
+            if (t == min(num_tokens, (c + 1) * tokens_per_channel) - 1) {
+                #pragma unroll
+                for (int d = 0; d < kNumRanks; ++d) {
+                    const int key = num_experts + d;
+                    channel_prefix_matrix[d * num_channels + c] =
+                        block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] + ((dst_mask >> d) & 1u);
+                }
+            }
+        }
+        if (gridDim.x > 1)
+            grid_sync(ctrl);
+        else
+            __syncthreads();
+    }
     if (blockIdx.x != 0)
         return;
 
@@ -158,7 +196,29 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
         const int d = i / row_words, j = i % row_words;
         const int value = j == 0 ? totals[num_experts + d] : totals[d * num_local_experts + j - 1];
         auto* area = reinterpret_cast<int32_t*>(peers.base(d) + kNotifyOffset);
-        area[rank * row_words + j] = value;
+        area[rank * row_words + j] = expert_counts != nullptr && j > 0 ? expert_counts[d * num_local_experts + j - 1]
+                                                                       : value;
+    }
+    // The notify rows: our row of the count matrix, our token count, and per destination our channel prefixes.
+    const int row_len = kNotifyRowChannels + (with_channels ? num_channels : 0);
+    for (int i = threadIdx.x; i < kNumRanks * row_len; i += blockDim.x) {
+        const int d = i / row_len, w = i % row_len;
+        int value;
+        if (w < kNumRanks) {
+            value = totals[num_experts + w];
+        } else if (w == kNotifyRowTokens) {
+            value = reported_num_tokens;
+        } else if (w >= kNotifyRowChannels) {
+            const int c = w - kNotifyRowChannels;
+            const bool empty = c * tokens_per_channel >= num_tokens;
+            value = empty ? totals[num_experts + d] : __ldcg(channel_prefix_matrix + d * num_channels + c);
+            if (empty && d == rank)   // once per (destination, empty channel): our own output
+                for (int dd = 0; dd < kNumRanks; ++dd)
+                    channel_prefix_matrix[dd * num_channels + c] = totals[num_experts + dd];
+        } else {
+            continue;
+        }
+        reinterpret_cast<int32_t*>(peers.base(d) + kNotifyRowsOffset)[rank * kNotifyRowWords + w] = value;
     }
     __syncthreads();
     if (threadIdx.x < kNumRanks) {
@@ -175,6 +235,27 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
         s_area[i] = area[i];
     __syncthreads();
     RecvLayout layout{recv_layout, kNumRanks, num_local_experts};
+    // What the notify rows give: V1's matrices and the largest token count of any rank.
+    const auto* rows = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyRowsOffset);
+    if (rank_prefix_matrix != nullptr && threadIdx.x < kNumRanks) {
+        int running = 0;
+        for (int i = 0; i < kNumRanks; ++i) {
+            running += rows[i * kNotifyRowWords + threadIdx.x];
+            rank_prefix_matrix[i * kNumRanks + threadIdx.x] = running;
+        }
+    }
+    if (with_channels && recv_channel_prefix_matrix != nullptr) {
+        for (int i = threadIdx.x; i < kNumRanks * num_channels; i += blockDim.x) {
+            const int s = i / num_channels, c = i % num_channels;
+            recv_channel_prefix_matrix[i] = c == 0 ? 0 : rows[s * kNotifyRowWords + kNotifyRowChannels + c - 1];
+        }
+    }
+    if (threadIdx.x == 0 && host_counts != nullptr) {
+        int most = 0;
+        for (int s = 0; s < kNumRanks; ++s)
+            most = max(most, static_cast<int>(rows[s * kNotifyRowWords + kNotifyRowTokens]));
+        reinterpret_cast<volatile int32_t*>(host_counts)[kHostMaxTokensWord] = most;
+    }
     if (threadIdx.x == 0) {
         int running = 0;
         #pragma unroll

@@ -74,15 +74,17 @@ def test_unknown_module_names_what_exists():
     assert proc.returncode == 0 and proc.stdout.strip() == 'OK', proc.stderr
 
 
-@pytest.mark.xfail(strict=False, reason='V1 Buffer not yet merged')
 def test_v1_buffer_and_config():
     proc = run_py('''
+        import sys
         import deepep_cupy
         deepep_cupy.install_as_deep_ep()
         import deep_ep
         from deep_ep.buffers.legacy import Buffer, Config
         assert deep_ep.Buffer is Buffer and deep_ep.Config is Config
         assert Buffer.__module__.startswith('deepep_cupy.buffers.legacy')
+        assert sys.modules['deep_ep.buffers.legacy'] is sys.modules['deepep_cupy.buffers.legacy']
+        assert Config(24, 8, 256).num_sms == 24 and Buffer.num_sms == 20 and Buffer.is_sm90_compiled()
         print('OK')
     ''')
     assert proc.returncode == 0 and proc.stdout.strip() == 'OK', proc.stderr

@@ -3,6 +3,8 @@
     base       BufferBase: process group, topology, symmetric memory, streams, GPU barrier
     elastic    ElasticBuffer (DeepEP V2), EPHandle
     ep         EPBuffer (DeepEP V2.5)
+    legacy     Buffer and Config (DeepEP V1): normal mode (legacy_normal) and low-latency mode (legacy_ll) inside one
+               NVLink domain; Config and its tables (legacy_config)
     allocator  BufferAllocator and the alignment getters
     shipped    every kernel specialisation the buffers may request (CI compiles them all)
 """

@@ -53,15 +53,18 @@ class BufferBase:
             False, a buffer that is garbage-collected frees its own memory (locally, without the other ranks).
         device: CUDA device of this rank (default: `DEEPEP_CUPY_DEVICE`, else local rank modulo the device count).
         config: further settings that must be identical on every rank (checked at construction).
+        comm_stream: a `cupy.cuda.Stream` to use as the communication stream (buffers that share one, such as the
+            engines of a DeepEP V1 `Buffer`); it stays the caller's. Default: one of the pool's.
     """
 
     _destroyed = True           # until construction completes (also for a constructor that raised)
     explicitly_destroy = True
+    _owns_stream = True         # the communication stream returns to the pool at teardown
 
     def __init__(self, group=None, comm=None, num_bytes: int = 0, allow_hybrid_mode: bool = True,
                  num_cpu_timeout_secs: float = 300, num_gpu_timeout_secs: float = 100,
                  explicitly_destroy: bool = False, device: Optional[int] = None,
-                 config: Optional[Dict[str, Any]] = None):
+                 config: Optional[Dict[str, Any]] = None, comm_stream=None):
         check_int('num_bytes', num_bytes)
         if num_bytes % BUFFER_ALIGNMENT != 0:
             raise ValueError(f'num_bytes must be a multiple of {BUFFER_ALIGNMENT} (2 MiB), got {num_bytes}')
@@ -95,7 +98,8 @@ class BufferBase:
         except BaseException:
             self.host_mapped.free()
             raise
-        self.comm_stream = _acquire_stream(self.device)
+        self._owns_stream = comm_stream is None
+        self.comm_stream = _acquire_stream(self.device) if comm_stream is None else comm_stream
         self.stream_order = StreamOrder(self.comm_stream)
         self._barrier = Barrier(self.sym, self.host_mapped.ptr, self.timeout_ns, with_tests=True)
         # Between scale-up domains the barrier goes through NCCL (an all-reduce of one word on the same stream).
@@ -221,7 +225,8 @@ class BufferBase:
                 self.nccl = None
             self.sym.destroy(timeout=self.num_cpu_timeout_secs)
             self.host_mapped.free()
-            _release_stream(self.device, self.comm_stream)
+            if self._owns_stream:
+                _release_stream(self.device, self.comm_stream)
             self.comm_stream = None
 
     def _release_local(self) -> None:
@@ -241,7 +246,8 @@ class BufferBase:
             self.nccl = None
         self.sym.release_local()
         self.host_mapped.free()
-        _release_stream(self.device, self.comm_stream)
+        if self._owns_stream:
+            _release_stream(self.device, self.comm_stream)
         self.comm_stream = None
 
     def __del__(self):

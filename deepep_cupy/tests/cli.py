@@ -245,9 +245,35 @@ def legacy_low_latency_parser() -> argparse.ArgumentParser:
     return p
 
 
+def legacy_intranode_parser() -> argparse.ArgumentParser:
+    p = _parser('legacy_intranode', 'DeepEP V1 Buffer, normal mode (DeepEP\'s tests/legacy/test_intranode.py flags): '
+                                    'get_dispatch_layout, dispatch (BF16,\nFP8 with float32 or UE8M0 scales, with and '
+                                    'without top-k, expert alignment, num_worst_tokens, cached) and combine (biases,\n'
+                                    'weights) checked bit for bit against host references, with vLLM\'s and SGLang\'s '
+                                    'call sequences (dual-batch\noverlap, one buffer serving both modes, the hook '
+                                    'pattern, 0-token ranks, a dispatch that grows the buffer,\nnum_worst_tokens in a '
+                                    'CUDA graph), then DeepEP-style performance lines next to ElasticBuffer\'s.')
+    p.add_argument('--num-processes', type=int, default=8,
+                   help='accepted for DeepEP compatibility and ignored: the ranks come from the launcher')
+    p.add_argument('--num-tokens', type=int, default=4096,
+                   help='tokens of rank 0 (rank r dispatches max(1, num_tokens - r))')
+    p.add_argument('--hidden', type=int, default=7168, help='hidden size: bfloat16 elements per token')
+    p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=256,
+                   help='experts in all (rounded down to a multiple of the rank count)')
+    p.add_argument('--allow-mnnvl', action='store_true', help='accepted for DeepEP compatibility (no effect)')
+    p.add_argument('--num-sms', type=int, default=24, help='Config(num_sms, ...) of the checked calls and the timings')
+    p.add_argument('--seed', type=int, default=0, help='seed of the inputs (rank r draws from seed * 1000 + r)')
+    _skip(p, 'check')
+    p.add_argument('--skip-scenario-test', action='store_true',
+                   help='skip the vLLM / SGLang call sequences, growth, both-modes and CUDA-graph checks')
+    _skip(p, 'error', 'perf')
+    return p
+
+
 PARSERS = {
     'ep': ep_parser, 'pp': pp_parser, 'agrs': agrs_parser, 'engram': engram_parser,
     'reduce_grads': lambda: lb_parser('reduce'), 'prefetch_weights': lambda: lb_parser('prefetch'),
     'allocation': allocation_parser, 'barrier': barrier_parser, 'jit_timing': jit_timing_parser,
-    'legacy_low_latency': legacy_low_latency_parser,
+    'legacy_low_latency': legacy_low_latency_parser, 'legacy_intranode': legacy_intranode_parser,
 }

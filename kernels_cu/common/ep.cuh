@@ -14,6 +14,12 @@
 //     combine_consumed[dst]  at +768: dst reduced our rows of combine epoch e (we may overwrite them)
 // Notify counts (byte offset kNotifyOffset of the workspace): int32 [src][1 + num_local_experts]:
 //   [0] tokens src sends us, [1 + j] (token, slot) pairs src sends to our local expert j.
+// Notify rows (byte offset kNotifyRowsOffset of the workspace, same epoch): int32 [src][kNotifyRowWords]:
+//   [0, R) tokens src sends to each rank (its whole row of the count matrix: every rank learns the full matrix, for
+//   DeepEP V1's rank_prefix_matrix); [kNotifyRowTokens] the tokens src dispatches (its caller's count, which may
+//   exceed what it sends when the V1 adapter probes a capacity overflow); [kNotifyRowChannels + c] src's inclusive
+//   prefix over its channels of tokens sent to us (V1's channel_prefix_matrix row for us; only when channels are
+//   asked for).
 #pragma once
 #include "common/timeout.cuh"
 
@@ -23,6 +29,15 @@ constexpr uint64_t kCtrlOffset = kWsEPCtrlOffset;        // common/workspace.cuh
 constexpr uint64_t kNotifyOffset = kWsEPNotifyOffset;
 constexpr uint64_t kChunkSignalOffset = kWsEPChunkSignalOffset;    // combine chunk signals
 constexpr uint64_t kChunkSignalBytes = kWsEPChunkSignalBytes;
+constexpr int kNotifyMaxRanks = 8, kNotifyMaxLocalExperts = 1024;
+constexpr uint64_t kNotifyRowsOffset = kNotifyOffset + 36864;
+constexpr int kNotifyMaxChannels = 128;     // DeepEP V1 channels = num_sms / 2
+constexpr int kNotifyRowTokens = kNotifyMaxRanks, kNotifyRowChannels = 16;
+constexpr int kNotifyRowWords = kNotifyRowChannels + kNotifyMaxChannels;
+static_assert(kNotifyOffset + 4 * kNotifyMaxRanks * (1 + kNotifyMaxLocalExperts) <= kNotifyRowsOffset,
+              "the notify counts overlap the notify rows");
+static_assert(kNotifyRowsOffset + 4 * kNotifyMaxRanks * kNotifyRowWords <= kWsEPNotifyOffset + kWsEPNotifyBytes,
+              "the notify rows overflow the notify region");
 constexpr int kCtrlNotifyEpoch = 0, kCtrlDataEpoch = 1, kCtrlCombineEpoch = 2;
 constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
 constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;

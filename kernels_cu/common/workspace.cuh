@@ -39,7 +39,7 @@ constexpr uint64_t kWsEPChunkSignalBytes = 1048576;
 constexpr uint64_t kHostMappedBytes = 65536;
 constexpr uint64_t kHostErrorRecordOffset = 0;           // common/types.cuh: the error record (kErrorRecordWords)
 constexpr uint64_t kHostErrorRecordBytes = 1024;
-constexpr uint64_t kHostEPCountsOffset = 1024;           // ep_notify.cu: [seq, num_recv, num_expanded, counts[L]]
+constexpr uint64_t kHostEPCountsOffset = 1024;           // ep_notify.cu: [seq, num_recv, num_expanded, counts[L]], max
 constexpr uint64_t kHostEPCountsBytes = 7168;
 constexpr uint64_t kHostEPRangeOffset = 8192;            // common/value_range.cuh: top-k id range [seq, lo, hi]
 constexpr uint64_t kHostEPRangeBytes = 64;
@@ -74,7 +74,8 @@ static_assert(kErrorRecordWords * 4 <= kHostErrorRecordBytes, "the error record 
 static_assert(8 * 3 <= kHostEPRangeBytes && 8 * 3 <= kHostEngramRangeBytes, "a range record is 3 int64 words");
 static_assert(4 * 8 <= kHostPPErrorBytes, "the PP error record is 8 int32 words");
 // EP: up to 8 ranks and 1024 local experts (deepep_cupy/features/ep/layout.py NUM_MAX_LOCAL_EXPERTS).
-static_assert(4 * (3 + 1024) <= kHostEPCountsBytes, "the dispatch counts of 1024 local experts overflow their region");
+static_assert(4 * (3 + 1024 + 1) <= kHostEPCountsBytes,
+              "the dispatch counts of 1024 local experts and the max token count overflow their region");
 static_assert(4 * 8 * (1 + 1024) <= kWsEPNotifyBytes, "the notify counts of 8 ranks x 1024 experts overflow");
 
 }  // namespace deepep

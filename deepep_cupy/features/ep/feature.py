@@ -22,13 +22,15 @@ from .handle import EPHandle, workspace_layout
 from .kernels import (
     COMBINE_CHUNK_ROWS,
     COMBINE_THREADS,
+    HOST_MAX_TOKENS_WORD,
     NOTIFY_THREADS,
     RECV_THREADS,
     SEND_THREADS,
     EPKernels,
     topk_bucket,
 )
-from .layout import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK
+from .layout import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK  # noqa: F401 (NUM_MAX_LOCAL_EXPERTS: tests read it here)
+from .legacy import LegacyLayout
 
 HOST_COUNTS_OFFSET = workspace.HOST_EP_COUNTS.offset    # the dispatch counts in the buffer's host-mapped memory
 HOST_RANGE_OFFSET = workspace.HOST_EP_RANGE.offset      # the top-k range check's [seq, lo, hi] (int64)
@@ -61,7 +63,7 @@ class EP:
         self._host_seq = 0
         # Fixed for the buffer's life: kept here so that the hot path does not go through the buffer's proxy.
         self._sym, self._order, self._host_ptr = buf.sym, buf.stream_order, buf.host_mapped.ptr
-        self.host_counts = buf.host_mapped.view('int32', 3 + NUM_MAX_LOCAL_EXPERTS, HOST_COUNTS_OFFSET)
+        self.host_counts = buf.host_mapped.view('int32', HOST_MAX_TOKENS_WORD + 1, HOST_COUNTS_OFFSET)
         self._topk_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
         if num_max_tokens_per_rank and hidden:
             buf.claim_data_region(DATA_REGION_OWNER)
@@ -89,8 +91,10 @@ class EP:
                  previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
                  allocate_on_comm_stream: bool = False, handle: Optional[EPHandle] = None, do_handle_copy: bool = True,
                  do_cpu_sync: Optional[bool] = None, do_expand: bool = False, do_zero_padding: bool = False,
-                 use_tma_aligned_col_major_sf: bool = False):
-        """`ElasticBuffer.dispatch` (see there)."""
+                 use_tma_aligned_col_major_sf: bool = False, num_worst_tokens: int = 0,
+                 allow_previous_event_alone: bool = False, legacy: Optional[LegacyLayout] = None):
+        """`ElasticBuffer.dispatch` (see there). The DeepEP V1 adapter's options (`num_worst_tokens`,
+        `allow_previous_event_alone`, `legacy`; their defaults keep V2's behaviour): see `plan.plan_dispatch`."""
         buf = self._buf
         buf.check_usable()
         del num_qps, previous_event_before_epilogue     # NVLink-only build: no QPs, single epilogue event
@@ -99,7 +103,7 @@ class EP:
             self.settings, self.layout, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
             num_max_tokens_per_rank, expert_alignment, num_sms, previous_event, allocate_on_comm_stream, handle,
             do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf,
-            lambda ti: self._start_range(ti, current))
+            lambda ti: self._start_range(ti, current), num_worst_tokens, allow_previous_event_alone, legacy)
         if p.new_layout:
             buf.claim_data_region(DATA_REGION_OWNER)
             self.layout = p.layout
@@ -138,6 +142,17 @@ class EP:
             if p.do_cpu_sync:
                 self._host_seq = (self._host_seq % 0x7FFFFFFF) + 1
                 self.host_counts[0] = 0
+            lg = p.legacy
+            reported, expert_counts, C, cpm, rcpm, rpm = p.num_tokens, 0, 0, 0, 0, 0
+            if lg is not None:      # V1's matrices: one allocation, written by notify
+                C = lg.num_channels
+                mats = alloc.empty((R * R + 2 * R * C,), 'int32', alloc_stream)
+                rpm = lg.rank_prefix_matrix = mats[:R * R].reshape(R, R)
+                cpm = lg.channel_prefix_matrix = mats[R * R:R * R + R * C].reshape(R, C)
+                rcpm = lg.recv_channel_prefix_matrix = mats[R * R + R * C:].reshape(R, C)
+                cpm, rcpm = (cpm, rcpm) if C else (0, 0)
+                reported = p.num_tokens if lg.reported_num_tokens < 0 else lg.reported_num_tokens
+                expert_counts = _ptr(lg.expert_counts)
             grid = max(1, ceil_div(p.num_tokens, NOTIFY_THREADS))
             # Cooperative for several blocks only (one block has no grid barrier to wait in).
             kernels.notify.launch(
@@ -150,7 +165,9 @@ class EP:
                 psum_recv_per_expert=ws_ptr + 4 * offsets[3], do_expand=int(p.do_expand),
                 cumulative_stats=_ptr(p.stats),
                 host_counts=self._host_ptr + HOST_COUNTS_OFFSET if p.do_cpu_sync else 0, host_seq=self._host_seq,
-                topk_copy=ws_ptr + 4 * offsets[4] if p.do_handle_copy else 0)
+                topk_copy=ws_ptr + 4 * offsets[4] if p.do_handle_copy else 0, reported_num_tokens=reported,
+                expert_counts=expert_counts, num_channels=C, channel_prefix_matrix=cpm,
+                recv_channel_prefix_matrix=rcpm, rank_prefix_matrix=rpm)
         xi, sfi = p.xi, p.sfi
         kernels.dispatch_send.launch(
             p.num_sms, SEND_THREADS, stream=comm, x=xi.ptr, x_row_bytes=xi.strides[0] * xi.itemsize,
@@ -163,6 +180,12 @@ class EP:
 
         counts = self._wait_host_counts(self._host_seq, L) if p.do_cpu_sync else ep_plan.dispatch_counts(p)
         out = ep_plan.dispatch_outputs(p, *counts, s.num_device_sms)
+        lg = p.legacy
+        recv_src_idx = None
+        if lg is not None:
+            if p.do_cpu_sync:
+                lg.max_num_tokens = int(self.host_counts[HOST_MAX_TOKENS_WORD])
+            recv_src_idx = lg.recv_src_idx = alloc.empty((out.num_recv,), 'int32', alloc_stream)
         recv_x = alloc.empty((out.num_out_rows, p.hidden), 'float8_e4m3fn' if p.fp8 else 'bfloat16', alloc_stream)
         recv_sf = None
         if out.sf_shape is not None:
@@ -184,7 +207,8 @@ class EP:
             do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=out.num_out_rows,
             num_meta_rows=out.num_recv, recv_x=recv_x, recv_sf=_ptr(recv_sf), recv_sf_stride_row=out.sf_strides[0],
             recv_sf_stride_col=out.sf_strides[1], recv_topk_idx=_ptr(recv_topk_idx),
-            recv_topk_weights=_ptr(recv_topk_weights), recv_src_metadata=recv_src_metadata, peer_bases=peer_bases,
+            recv_topk_weights=_ptr(recv_topk_weights), recv_src_metadata=recv_src_metadata,
+            recv_src_idx=_ptr(recv_src_idx), peer_bases=peer_bases,
             rank=rank, recv_offset=lay.dispatch_recv_offset, error_record=error_record, timeout_ns=timeout_ns)
 
         psum_expert = None
@@ -200,9 +224,11 @@ class EP:
             recv_src_metadata=recv_src_metadata, num_tokens=p.num_tokens, num_topk=K, hidden=p.hidden, kind=p.kind,
             buffer_id=s.owner_id, do_cpu_sync=p.do_cpu_sync or (p.cached and p.handle.do_cpu_sync), num_ranks=R,
             workspace=ws, workspace_ptr=ws_ptr, offsets=offsets, topk_idx=user_topk, psum_expert=psum_expert)
-        event = self._order.finish(p.kind, current, async_with_compute_stream,
-                                   (p.x, p.sf, p.topk_idx, p.topk_weights, p.stats, recv_x, recv_sf,
-                                    recv_topk_idx, recv_topk_weights, recv_src_metadata, ws))
+        keep = (p.x, p.sf, p.topk_idx, p.topk_weights, p.stats, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
+                recv_src_metadata, ws)
+        if lg is not None:
+            keep += (lg.expert_counts, lg.rank_prefix_matrix, recv_src_idx)    # the matrices share one allocation
+        event = self._order.finish(p.kind, current, async_with_compute_stream, keep)
         out_x = (recv_x, recv_sf) if p.fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
 
@@ -224,13 +250,15 @@ class EP:
     # ---- combine -------------------------------------------------------------------------------------------------
     def combine(self, x, handle: EPHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
                 previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
-                allocate_on_comm_stream: bool = False):
-        """`ElasticBuffer.combine` (see there)."""
+                allocate_on_comm_stream: bool = False, weights_over_ranks: bool = False,
+                allow_previous_event_alone: bool = False):
+        """`ElasticBuffer.combine` (see there). The DeepEP V1 adapter's options (`weights_over_ranks`,
+        `allow_previous_event_alone`; their defaults keep V2's behaviour): see `plan.plan_combine`."""
         buf = self._buf
         buf.check_usable()
         del num_qps, previous_event_before_epilogue
         p = ep_plan.plan_combine(self.settings, self.layout, x, handle, topk_weights, bias, num_sms, previous_event,
-                                 allocate_on_comm_stream)
+                                 allocate_on_comm_stream, weights_over_ranks, allow_previous_event_alone)
         h, N, K, hidden, lay = p.handle, p.handle.num_tokens, p.handle.num_topk, p.hidden, self.layout
         kernels = self.kernels(K)
         current = interop.current_stream(x)
@@ -246,7 +274,8 @@ class EP:
             num_experts=h.num_experts, num_max_tokens_per_rank=h.num_max_tokens_per_rank, num_slots=p.num_slots,
             bias0=p.biases[0] if p.biases else 0, bias1=p.biases[1] if len(p.biases) > 1 else 0,
             combined_x=combined_x, combined_topk_weights=_ptr(combined_w), with_weights=int(topk_weights is not None),
-            num_send_blocks=p.num_send_blocks, chunk_rows=COMBINE_CHUNK_ROWS, chunk_stride=p.chunk_stride,
+            weights_over_ranks=int(p.weights_over_ranks), num_send_blocks=p.num_send_blocks,
+            chunk_rows=COMBINE_CHUNK_ROWS, chunk_stride=p.chunk_stride,
             peer_bases=self._sym.peer_bases_ptr, rank=self._sym.local_idx, combine_offset=lay.combine_recv_offset,
             error_record=self._host_ptr, timeout_ns=buf.timeout_ns)
         event = self._order.finish(p.kind, current, async_with_compute_stream,

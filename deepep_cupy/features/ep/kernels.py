@@ -13,7 +13,7 @@ import numpy as np
 from ...jit.launch import PTR, KernelSpec, Param, load_kernels
 from ...runtime.host_range import value_range_spec
 from ...runtime.workspace import EP_CHUNK_SIGNAL
-from .layout import NUM_MAX_TOPK
+from .layout import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK
 
 NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
 SEND_THREADS = 512
@@ -21,6 +21,8 @@ RECV_THREADS = 512
 COMBINE_THREADS = 512
 COMBINE_CHUNK_ROWS = 16                             # rows per released chunk of the combine (kernels_cu/ep_combine.cu)
 COMBINE_CHUNK_SIGNAL_BYTES = EP_CHUNK_SIGNAL.num_bytes   # kernels_cu/common/ep.cuh kChunkSignalBytes
+NUM_MAX_CHANNELS = 128                              # kernels_cu/common/ep.cuh kNotifyMaxChannels (DeepEP V1 channels)
+HOST_MAX_TOKENS_WORD = 3 + NUM_MAX_LOCAL_EXPERTS      # kernels_cu/ep_notify.cu kHostMaxTokensWord (in the host counts)
 SUPPORTED_TOPK = tuple(range(1, NUM_MAX_TOPK + 1))
 TOPK_BUCKETS = (1, 2, 4, 8, 16, 32)                 # the kMaxTopk template values
 
@@ -44,7 +46,9 @@ def notify_spec(num_ranks: int, bucket: int) -> KernelSpec:
         _P('num_max_tokens_per_rank', np.int32), _P('expert_alignment', np.int32), *_COMMON_TAIL, *_ERR,
         _P('scratch', PTR), _P('send_pos', PTR), _P('send_expert_pos', PTR), _P('recv_layout', PTR),
         _P('psum_recv_per_expert', PTR), _P('do_expand', np.int32), _P('cumulative_stats', PTR),
-        _P('host_counts', PTR), _P('host_seq', np.int32), _P('topk_copy', PTR)))
+        _P('host_counts', PTR), _P('host_seq', np.int32), _P('topk_copy', PTR), _P('reported_num_tokens', np.int32),
+        _P('expert_counts', PTR), _P('num_channels', np.int32), _P('channel_prefix_matrix', PTR),
+        _P('recv_channel_prefix_matrix', PTR), _P('rank_prefix_matrix', PTR)))
 
 
 def topk_range_spec() -> KernelSpec:
@@ -67,8 +71,8 @@ def dispatch_recv_spec(num_ranks: int, bucket: int) -> KernelSpec:
         _P('num_max_tokens_per_rank', np.int32), _P('recv_layout', PTR), _P('do_expand', np.int32),
         _P('do_zero_padding', np.int32), _P('num_out_rows', np.int32), _P('num_meta_rows', np.int32),
         _P('recv_x', PTR), _P('recv_sf', PTR), _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64),
-        _P('recv_topk_idx', PTR), _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), *_COMMON_TAIL,
-        _P('recv_offset', np.uint64), *_ERR))
+        _P('recv_topk_idx', PTR), _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), _P('recv_src_idx', PTR),
+        *_COMMON_TAIL, _P('recv_offset', np.uint64), *_ERR))
 
 
 def _b(flag: bool) -> str:
@@ -83,8 +87,8 @@ def combine_spec(num_ranks: int, bucket: int, local_reduce: bool) -> KernelSpec:
         _P('num_tokens', np.int32), _P('num_topk', np.int32), _P('num_experts', np.int32),
         _P('num_max_tokens_per_rank', np.int32), _P('num_slots', np.int32), _P('bias0', PTR), _P('bias1', PTR),
         _P('combined_x', PTR), _P('combined_topk_weights', PTR), _P('with_weights', np.int32),
-        _P('num_send_blocks', np.int32), _P('chunk_rows', np.int32), _P('chunk_stride', np.int32), *_COMMON_TAIL,
-        _P('combine_offset', np.uint64), *_ERR))
+        _P('weights_over_ranks', np.int32), _P('num_send_blocks', np.int32), _P('chunk_rows', np.int32),
+        _P('chunk_stride', np.int32), *_COMMON_TAIL, _P('combine_offset', np.uint64), *_ERR))
 
 
 def specs_for(num_ranks: int, bucket: int) -> Dict[str, List[KernelSpec]]:

@@ -14,6 +14,7 @@ from ...runtime.sizes import align, ceil_div
 from . import layout
 from .handle import EPHandle
 from .kernels import COMBINE_CHUNK_ROWS, COMBINE_CHUNK_SIGNAL_BYTES, NOTIFY_THREADS
+from .legacy import LegacyLayout
 
 NUM_MAX_NOTIFY_SMEM_BYTES = 200 * 1024
 DIRECT_QPS, HYBRID_QPS = 17, 129        # DeepEP's num_allocated_qps for 0 (hybrid: 65 on MT4131 NICs)
@@ -116,8 +117,9 @@ def _bias_list(bias) -> Tuple[Any, ...]:
     return (bias,)
 
 
-def _check_previous_event(previous_event, allocate_on_comm_stream: bool) -> Optional[EventHandle]:
-    if previous_event is not None and not allocate_on_comm_stream:
+def _check_previous_event(previous_event, allocate_on_comm_stream: bool,
+                          allow_previous_event_alone: bool = False) -> Optional[EventHandle]:
+    if previous_event is not None and not allocate_on_comm_stream and not allow_previous_event_alone:
         raise ValueError('previous_event requires allocate_on_comm_stream=True (DeepEP V2 rule)')
     return as_event_handle(previous_event)
 
@@ -156,6 +158,8 @@ class DispatchPlan:
     layout: layout.EPLayout
     new_layout: bool                   # the layout was made by this call (the EP feature claims the data region)
     previous_event: Optional[EventHandle]
+    num_worst_tokens: int = 0          # no CPU sync, non-expanded: exactly this many output rows (0: R * M)
+    legacy: Optional[LegacyLayout] = None
 
     @property
     def cached(self) -> bool:
@@ -167,9 +171,15 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
                   expert_alignment: Optional[int], num_sms: int, previous_event, allocate_on_comm_stream: bool,
                   handle: Optional[EPHandle], do_handle_copy: bool, do_cpu_sync: Optional[bool], do_expand: bool,
                   do_zero_padding: bool, use_tma_aligned_col_major_sf: bool,
-                  start_range: Optional[Callable[[TensorInfo], Callable[[], Tuple[int, int]]]] = None
-                  ) -> DispatchPlan:
+                  start_range: Optional[Callable[[TensorInfo], Callable[[], Tuple[int, int]]]] = None,
+                  num_worst_tokens: int = 0, allow_previous_event_alone: bool = False,
+                  legacy: Optional[LegacyLayout] = None) -> DispatchPlan:
     """Check a dispatch (`ElasticBuffer.dispatch`'s arguments) and size it.
+
+    The DeepEP V1 adapter's options (defaults: V2's behaviour): `num_worst_tokens` > 0 gives a no-sync,
+    non-expanded dispatch exactly that many output rows (the rows past the real count: top-k -1, metadata -1; it must
+    be at least the rows received); `allow_previous_event_alone` accepts `previous_event` without
+    `allocate_on_comm_stream` (V1's rule); `legacy` (a `LegacyLayout`, non-cached only) asks for V1's handle parts.
 
     `start_range(topk_idx_info)` starts reading topk_idx's (min, max) back (a GPU kernel) and returns the function that
     waits for it; it is called for a CPU-sync dispatch once the top-k ids passed their other checks, so the GPU works
@@ -254,6 +264,13 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
         raise ValueError(f'x has {num_tokens} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}')
     if do_zero_padding and not do_expand:
         raise ValueError('do_zero_padding=True needs do_expand=True')
+    checks.check_int('num_worst_tokens', num_worst_tokens, 0)
+    if num_worst_tokens and (do_cpu_sync or do_expand or cached):
+        raise ValueError('num_worst_tokens > 0 needs a non-cached, non-expanded dispatch without CPU sync')
+    if legacy is not None:
+        if cached:
+            raise ValueError('a cached dispatch takes no LegacyLayout (its handle has the layout)')
+        legacy.check(num_tokens)
 
     ti = checks.info(topk_idx, 'topk_idx', s.device)
     checks.check_same_kind(kind, ti, 'topk_idx')
@@ -262,6 +279,8 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
         raise ValueError(f'topk_idx must be [num_tokens={num_tokens}, num_topk], got {list(ti.shape)}')
     checks.check_contiguous(ti, 'topk_idx')
     K = ti.shape[1]
+    if legacy is not None:
+        legacy.check_expert_counts(kind, num_experts, s.device)
     if not 1 <= K <= layout.NUM_MAX_TOPK:
         raise ValueError(f'topk_idx: num_topk must be in [1, {layout.NUM_MAX_TOPK}], got {K}')
     if s.num_topk and K > s.num_topk:
@@ -300,11 +319,12 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
         lo, hi = range_check()
         if lo < -1 or hi >= num_experts:
             raise ValueError(f'topk_idx values must be in [-1, {num_experts}), got min {lo}, max {hi}')
-    event = _check_previous_event(previous_event, allocate_on_comm_stream)
+    event = _check_previous_event(previous_event, allocate_on_comm_stream, allow_previous_event_alone)
     return DispatchPlan(kind, fp8, x, xi, sf, sfi, num_sf, topk_idx, ti, topk_weights, stats, num_tokens, hidden,
                         hidden_bytes, K, L, num_experts, expert_alignment, num_max_tokens_per_rank,
                         handle if cached else None, do_cpu_sync, bool(do_expand), bool(do_zero_padding),
-                        bool(do_handle_copy), bool(use_tma_aligned_col_major_sf), num_sms, smem, lay, new_layout, event)
+                        bool(do_handle_copy), bool(use_tma_aligned_col_major_sf), num_sms, smem, lay, new_layout, event,
+                        num_worst_tokens, legacy)
 
 
 @dataclass(slots=True)
@@ -332,7 +352,7 @@ def dispatch_counts(p: DispatchPlan) -> Tuple[int, int, List[int]]:
         if p.do_expand and not h.do_expand and not h.do_cpu_sync:
             num_expanded = worst_expanded_rows(R, M, K, L, A)
         return h.num_recv_tokens, num_expanded, list(h.num_recv_tokens_per_expert_list)
-    return R * M, worst_expanded_rows(R, M, K, L, A), []
+    return p.num_worst_tokens or R * M, worst_expanded_rows(R, M, K, L, A), []
 
 
 def dispatch_outputs(p: DispatchPlan, num_recv: int, num_expanded: int, aligned_counts: List[int],
@@ -372,12 +392,18 @@ class CombinePlan:
     num_reduce_blocks: int
     chunk_stride: int
     previous_event: Optional[EventHandle]
+    weights_over_ranks: bool = False   # DeepEP V1's combined_topk_weights: the sum over the destination ranks
 
 
 def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_weights, bias, num_sms: int,
-                 previous_event, allocate_on_comm_stream: bool) -> CombinePlan:
+                 previous_event, allocate_on_comm_stream: bool, weights_over_ranks: bool = False,
+                 allow_previous_event_alone: bool = False) -> CombinePlan:
     """Check a combine (`ElasticBuffer.combine`'s arguments) and size it: `num_sms` blocks send (default: the
-    dispatch's), the SMs they leave (as many as the reduction can use) reduce."""
+    dispatch's), the SMs they leave (as many as the reduction can use) reduce.
+
+    The DeepEP V1 adapter's options (defaults: V2's behaviour): `weights_over_ranks` makes combined_topk_weights[t][k]
+    the sum over the token's destination ranks of what each returned for slot k (non-expanded handles only);
+    `allow_previous_event_alone` as in `plan_dispatch`."""
     if not isinstance(handle, EPHandle):
         raise TypeError(f'handle must be an EPHandle, got {type(handle).__name__}')
     if handle.buffer_id != s.owner_id:
@@ -395,6 +421,8 @@ def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_
         raise ValueError('x must start at a 16-byte aligned address')
     K, N, R = handle.num_topk, handle.num_tokens, s.num_ranks
     local_reduce = not (handle.do_expand and not s.allow_multiple_reduction)
+    if weights_over_ranks and handle.do_expand:
+        raise ValueError('weights_over_ranks (DeepEP V1 combined weights) needs a non-expanded dispatch handle')
     num_slots = layout.num_combine_slots(R, K, local_reduce)
     if N * num_slots * layout.combine_slot_bytes(hidden, K) > lay.combine_recv_bytes or \
             handle.num_max_tokens_per_rank * num_slots * layout.combine_slot_bytes(hidden, K) > \
@@ -419,10 +447,10 @@ def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_
     if R * chunk_stride * 4 > COMBINE_CHUNK_SIGNAL_BYTES:
         raise ValueError(f'num_max_tokens_per_rank={handle.num_max_tokens_per_rank} is too large for combine '
                          f'(at most {COMBINE_CHUNK_SIGNAL_BYTES // 4 // R * COMBINE_CHUNK_ROWS} with {R} ranks)')
-    event = _check_previous_event(previous_event, allocate_on_comm_stream)
+    event = _check_previous_event(previous_event, allocate_on_comm_stream, allow_previous_event_alone)
     # One launch: num_sms blocks send, the other SMs reduce as the senders' chunks arrive (one block per SM, all
     # co-resident).
     num_send = min(num_sms, s.num_device_sms - 1)
     num_reduce = max(1, min(s.num_device_sms - num_send, epilogue_blocks(N, 2 * hidden, s.num_device_sms)))
     return CombinePlan(kind, x, xi, handle, hidden, topk_weights, biases, local_reduce, num_slots, num_send,
-                       num_reduce, chunk_stride, event)
+                       num_reduce, chunk_stride, event, bool(weights_over_ranks))

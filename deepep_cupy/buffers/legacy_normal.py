@@ -1,0 +1,320 @@
+"""Normal (high-throughput) mode of DeepEP V1's `Buffer`, on the EP engine (`features/ep`).
+
+V1 streams any number of tokens through fixed rings of `num_nvl_bytes`; the EP engine needs a slot per token: `M`
+(num_max_tokens_per_rank) token slots per source rank at every destination. `NormalMode` holds one `NormalEngine`
+(symmetric memory plus an EP component laid out for `(M, hidden, top-k)`) and keeps the engine big enough:
+
+- Sizing. The memory is allocated at construction from `num_nvl_bytes` (collective, as V1's constructor is) and laid
+  out at the first dispatch, when hidden and top-k are known: M = the most tokens that fit
+  (`fit_tokens`). A call with a larger hidden size or top-k lays it out again (every rank sees the same values, so
+  every rank decides alike), keeping room for the most tokens any rank dispatched in a CPU-synced call so far
+  (`tokens_seen`, known to every rank), on the same memory when it fits, else on a larger one. The layout's top-k
+  is at least the number of ranks (a dispatch without top-k ids routes by synthetic ones, one column per rank).
+- Growth. A rank holding more tokens than M dispatches 0 tokens and reports its count through the notify exchange
+  (`LegacyLayout.reported_num_tokens`); after the CPU wait for the receive counts every rank knows the largest count
+  of all ranks (`max_num_tokens`), so when it exceeds M all ranks replace the engine by a larger one (M' = that count
+  plus a quarter, aligned to 256) and redo the call. Only tokens that fitted their slots were sent, and the first
+  attempt's outputs are dropped. No host collective is added to any call; growth costs one collective buffer build.
+- No-sync calls (`num_worst_tokens > 0`, CUDA-graph capturable) cannot learn the other ranks' counts on the host:
+  every rank's count must fit M. A rank that holds more dispatches 0 tokens (its peers do not hang), then raises
+  `ValueError`; the others' outputs of that call lack its tokens. Warm the buffer up with a CPU-synced dispatch of
+  the largest token count (or build it with a larger `num_nvl_bytes`) before capturing graphs.
+- Handles (`LegacyHandle`) keep the engine they came from alive: combines and cached dispatches of a handle made
+  before a growth run on the old engine (every rank holds the same handles).
+
+The V1 handle is a 6-tuple (DeepEP's intranode layout, every element filled: see `LegacyHandle`).
+"""
+
+import weakref
+from typing import Any, Callable, Optional, Tuple
+
+from ..features.ep.feature import EP
+from ..features.ep.handle import EPHandle
+from ..features.ep.kernels import COMBINE_CHUNK_ROWS, COMBINE_CHUNK_SIGNAL_BYTES
+from ..features.ep.layout import EPLayout, buffer_size_hint
+from ..features.ep.legacy import LegacyLayout
+from ..runtime import checks, interop
+from ..runtime.event import EventOverlap
+from ..runtime.sizes import align
+from .base import BUFFER_ALIGNMENT, BufferBase
+
+TOKEN_ALIGNMENT = 256           # M is a multiple of the notify kernel's tokens per block
+DEFAULT_TOKENS = 1024           # M of a buffer built without num_nvl_bytes, before any growth
+MAX_ATTEMPTS = 3                # a dispatch redone after growing (once is enough; the rest is a safety bound)
+
+
+# ---- sizes (pure) --------------------------------------------------------------------------------------------------
+def max_tokens(num_ranks: int) -> int:
+    """The largest M the combine's chunk signals allow (`R * ceil(M / 16)` words in their workspace region)."""
+    return COMBINE_CHUNK_SIGNAL_BYTES // 4 // num_ranks * COMBINE_CHUNK_ROWS
+
+
+def needed_bytes(num_ranks: int, num_tokens: int, hidden: int, num_topk: int) -> int:
+    """Bytes of memory (2 MiB aligned) an EP layout of `num_tokens` slots needs."""
+    return buffer_size_hint(num_ranks, num_tokens, hidden, num_topk)
+
+
+def fit_tokens(num_ranks: int, num_bytes: int, hidden: int, num_topk: int) -> int:
+    """The most token slots (a multiple of TOKEN_ALIGNMENT, or 0) an EP layout of `(hidden, num_topk)` fits in
+    `num_bytes`."""
+    def fits(m):
+        return EPLayout(num_ranks, m, hidden, num_topk, True, 0).end_offset <= num_bytes
+    lo, hi = 0, max_tokens(num_ranks) // TOKEN_ALIGNMENT
+    while lo < hi:                      # the largest k with fits(k * TOKEN_ALIGNMENT)
+        mid = (lo + hi + 1) // 2
+        if fits(mid * TOKEN_ALIGNMENT):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * TOKEN_ALIGNMENT
+
+
+def grown_tokens(num_tokens: int, num_ranks: int) -> int:
+    """M after a growth to hold `num_tokens`: a quarter more, aligned; ValueError beyond the combine's limit."""
+    limit = max_tokens(num_ranks)
+    if num_tokens > limit:
+        raise ValueError(f'a rank dispatches {num_tokens} tokens; this build holds at most {limit} per rank with '
+                         f'{num_ranks} ranks (the combine\'s chunk signals)')
+    return min(limit, align(max(num_tokens + num_tokens // 4, DEFAULT_TOKENS), TOKEN_ALIGNMENT))
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+class NormalEngine(BufferBase):
+    """Symmetric memory and an EP component laid out for `geometry = (M, hidden, top-k)`.
+
+    Args:
+        group, num_bytes, device, num_cpu_timeout_secs, num_gpu_timeout_secs: as `BufferBase`'s.
+        comm_stream: the V1 Buffer's communication stream (shared by its engines).
+        nvlink_gbs: NVLink bandwidth for the engine's SM policy.
+    """
+
+    def __init__(self, group, num_bytes: int, comm_stream, device: int, nvlink_gbs: float,
+                 num_cpu_timeout_secs: float, num_gpu_timeout_secs: float):
+        super().__init__(group=group, num_bytes=num_bytes, num_cpu_timeout_secs=num_cpu_timeout_secs,
+                         num_gpu_timeout_secs=num_gpu_timeout_secs, explicitly_destroy=False, device=device,
+                         comm_stream=comm_stream)
+        self._nvlink_gbs = nvlink_gbs
+        self.ep: Optional[EP] = None
+        self.geometry = (0, 0, 0)
+
+    def lay_out(self, num_tokens: int, hidden: int, num_topk: int) -> EP:
+        """A new EP component for `(num_tokens, hidden, num_topk)` on this memory (kernels loaded now)."""
+        self.ep = EP(weakref.proxy(self), num_tokens, hidden, num_topk, True, True, self._nvlink_gbs)
+        self.geometry = (num_tokens, hidden, num_topk)
+        return self.ep
+
+    def _destroy_features(self) -> None:
+        if self.ep is not None:
+            self.ep.destroy()
+        self.ep = None
+
+
+# ---- the handle --------------------------------------------------------------------------------------------------
+class LegacyHandle(tuple):
+    """DeepEP V1's intranode handle, `(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+    recv_src_idx, is_token_in_rank, send_head)`:
+
+    - `rank_prefix_matrix` `[R, R]` int32: `M[i][j]` = tokens ranks 0..i send to rank j (rank j's rows from source i
+      are `[M[i-1][j], M[i][j])`);
+    - `channel_prefix_matrix` `[R, C]` int32 (C = `config.num_sms // 2`): per destination, the inclusive prefix over
+      V1's channels (channel c = tokens `[c * ceil(N / C), ...)`) of this rank's tokens sent there;
+    - `recv_channel_prefix_matrix` `[R, C]` int32: per source, where its channel c starts inside its block of rows;
+    - `recv_src_idx` `[num_recv]` int32: each received row's token index at its source;
+    - `is_token_in_rank` `[N, R]` bool: the dispatch's argument (for a dispatch with top-k ids, what they give);
+    - `send_head` `[N, R]` int32: the slot of token t at rank r (its position among this rank's tokens sent to r),
+      -1 if not sent (V1: the ring position; the combine rewrites it in place; here nothing reads it).
+
+    Attributes (for combine and cached dispatch): `ep_handle` (the `EPHandle`), `ep` (the EP component),
+    `engine` (the `NormalEngine`, kept alive), `with_topk` (the dispatch had top-k ids).
+    """
+
+    def __new__(cls, items, **extra):
+        self = super().__new__(cls, items)
+        self.__dict__.update(extra)
+        return self
+
+    def __reduce__(self):
+        raise TypeError('a DeepEP V1 handle refers to GPU tensors and cannot be pickled')
+
+
+# ---- argument checks (pure) ------------------------------------------------------------------------------------------
+def check_event_rule(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    """V1's rule: `allocate_on_comm_stream` needs `previous_event` and `async_finish` (a `previous_event` alone is
+    legal)."""
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        raise ValueError('allocate_on_comm_stream=True needs previous_event and async_finish=True (DeepEP V1 rule)')
+
+
+def check_num_sms(config) -> int:
+    num_sms = config.num_sms
+    if num_sms < 2 or num_sms % 2 != 0:
+        raise ValueError(f'config.num_sms must be a positive even number, got {num_sms}')
+    return num_sms
+
+
+def split_x(x) -> Tuple[Any, Any, int, int]:
+    """`(x, scales or None, num_tokens, hidden)` of V1's `x` (a tensor or an `(x_fp8, scales)` pair)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f'x must be a tensor or an (x_fp8, scales) pair, got a sequence of {len(x)}')
+        data, sf = x
+    else:
+        data, sf = x, None
+    info = interop.tensor_info(data, 'x')
+    if info.ndim != 2:
+        raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {list(info.shape)}')
+    return data, sf, info.shape[0], info.shape[1]
+
+
+# ---- normal mode ---------------------------------------------------------------------------------------------------
+class NormalMode:
+    """The normal-mode calls of one V1 `Buffer` (see the module docstring).
+
+    Args:
+        num_ranks, device: the group's size and this rank's GPU.
+        num_nvl_bytes: V1's buffer size: the memory is allocated now (rounded up to 2 MiB; 0: at the first dispatch).
+        make_engine: `make_engine(num_bytes)` builds a `NormalEngine` (collective).
+    """
+
+    def __init__(self, num_ranks: int, device: int, num_nvl_bytes: int, make_engine: Callable[[int], NormalEngine]):
+        self.num_ranks, self.device = num_ranks, device
+        self._make = make_engine
+        self.engine: Optional[NormalEngine] = None
+        if num_nvl_bytes > 0:
+            self.engine = make_engine(align(num_nvl_bytes, BUFFER_ALIGNMENT))
+        self._rank_bases = {}
+        self.num_growths = 0
+        self.tokens_seen = 0        # the most tokens any rank dispatched in a CPU-synced call (known to every rank)
+
+    # -- sizing --
+    def ensure(self, hidden: int, num_topk: int, num_tokens: int = 0) -> EP:
+        """The EP component for calls of `hidden` and `num_topk` with room for `num_tokens` tokens per rank, laid out
+        or grown as needed. Collective whenever it changes anything: every rank must call it with equal arguments."""
+        R, eng = self.num_ranks, self.engine
+        M, H, K = eng.geometry if eng is not None else (0, 0, 0)
+        if eng is not None and eng.ep is not None and hidden <= H and num_topk <= K and num_tokens <= M:
+            return eng.ep
+        # Synthetic top-k ids (a dispatch without top-k) have one column per rank: lay out for at least that.
+        H, K, need = max(hidden, H), max(num_topk, K, R), max(num_tokens, self.tokens_seen, 1)
+        if eng is not None:
+            fit = fit_tokens(R, eng.num_bytes, H, K)
+            if fit >= need:
+                return eng.lay_out(fit, H, K)
+        if eng is not None:
+            # Every rank's kernels on the old engine are done before it may be freed (handles may keep it).
+            eng.barrier(with_cpu_sync=True)
+        num_bytes = needed_bytes(R, grown_tokens(need, R), H, K)
+        self.engine = eng = self._make(num_bytes)
+        self.num_growths += 1
+        return eng.lay_out(fit_tokens(R, num_bytes, H, K), H, K)
+
+    def synthetic_topk(self, is_token_in_rank, num_experts: int):
+        """`[N, R]` int64 top-k ids for a dispatch without top-k: column r is `r * L` (rank r's first expert) where
+        `is_token_in_rank[t, r]`, else -1. No host synchronisation."""
+        R = self.num_ranks
+        info = checks.info(is_token_in_rank, 'is_token_in_rank', self.device)
+        checks.check_dtype(info, 'is_token_in_rank', 'bool')
+        if info.ndim != 2 or info.shape[1] != R:
+            raise ValueError(f'is_token_in_rank must be [num_tokens, {R}], got {list(info.shape)}')
+        L = num_experts // R
+        key = (info.kind, L)
+        base = self._rank_bases.get(key)
+        if info.kind == 'torch':
+            import torch
+            if base is None:
+                base = self._rank_bases[key] = torch.arange(R, dtype=torch.int64, device=is_token_in_rank.device) * L
+            return torch.where(is_token_in_rank, base, -1)
+        import cupy
+        if base is None:
+            base = self._rank_bases[key] = cupy.arange(R, dtype=cupy.int64) * L
+        return cupy.where(is_token_in_rank.view(cupy.bool_), base, -1)
+
+    # -- dispatch --
+    def dispatch(self, x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment: int,
+                 num_worst_tokens: int, num_experts: Optional[int], num_sms: int, previous_event, async_finish: bool,
+                 allocate_on_comm_stream: bool):
+        """A non-cached V1 dispatch (arguments checked by the caller, `num_experts` from the layout tensors).
+
+        Returns:
+            V1's `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)`.
+        """
+        data, sf, N, hidden = split_x(x)
+        with_topk = topk_idx is not None
+        expert_counts = None
+        if not with_topk:
+            topk_idx = self.synthetic_topk(is_token_in_rank, num_experts)
+            expert_counts = num_tokens_per_expert
+        K = interop.tensor_info(topk_idx, 'topk_idx').shape[-1]
+        worst = num_worst_tokens > 0
+        channels = num_sms // 2
+        for _ in range(MAX_ATTEMPTS):
+            ep = self.ensure(hidden, K)
+            M = self.engine.geometry[0]
+            over = N > M
+            lg = LegacyLayout(channels, N, None if over else expert_counts)
+            if over:        # probe: send nothing, report N, learn everyone's counts
+                xs = (data[:0], sf[:0]) if sf is not None else data[:0]
+                args = (xs, topk_idx[:0], None if topk_weights is None else topk_weights[:0])
+            else:
+                args = (x if sf is None else (data, sf), topk_idx, topk_weights)
+            out = ep.dispatch(*args, None, num_experts, M, expert_alignment, num_sms, 0, previous_event, None,
+                              async_finish, allocate_on_comm_stream, None, True, not worst, False, False, False,
+                              num_worst_tokens, True, lg)
+            if worst:
+                if over:
+                    raise ValueError(f'dispatch with num_worst_tokens: this rank holds {N} tokens but the buffer '
+                                     f'has {M} slots per rank and cannot grow without a CPU sync; warm it up with a '
+                                     f'dispatch of the largest token count without num_worst_tokens (or pass a larger '
+                                     f'num_nvl_bytes) before capturing CUDA graphs')
+                break
+            self.tokens_seen = max(self.tokens_seen, lg.max_num_tokens)
+            if lg.max_num_tokens <= M:
+                break
+            self.ensure(hidden, K, lg.max_num_tokens)      # every rank saw the same maximum: grow, then redo
+        else:
+            raise RuntimeError(f'dispatch: the buffer did not hold {lg.max_num_tokens} tokens per rank after '
+                               f'{MAX_ATTEMPTS} growths (M={M})')
+        recv_x, recv_topk_idx, recv_topk_weights, ep_handle, event = out
+        handle = LegacyHandle((lg.rank_prefix_matrix, lg.channel_prefix_matrix, lg.recv_channel_prefix_matrix,
+                               lg.recv_src_idx, is_token_in_rank, ep_handle.dst_buffer_slot_idx),
+                              ep_handle=ep_handle, ep=ep, engine=self.engine, with_topk=with_topk)
+        if not with_topk:
+            recv_topk_idx = recv_topk_weights = None
+        return recv_x, recv_topk_idx, recv_topk_weights, ep_handle.num_recv_tokens_per_expert_list, handle, event
+
+    @staticmethod
+    def cached_dispatch(x, handle: LegacyHandle, num_sms: int, previous_event, async_finish: bool,
+                        allocate_on_comm_stream: bool):
+        """V1's cached dispatch: `(recv_x, None, None, None, None, event)`."""
+        recv_x, _, _, _, event = handle.ep.dispatch(
+            x, None, None, None, None, None, None, num_sms, 0, previous_event, None, async_finish,
+            allocate_on_comm_stream, handle.ep_handle, allow_previous_event_alone=True)
+        return recv_x, None, None, None, None, event
+
+    @staticmethod
+    def combine(x, handle: LegacyHandle, topk_weights, bias, num_sms: int, previous_event, async_finish: bool,
+                allocate_on_comm_stream: bool) -> Tuple[Any, Any, EventOverlap]:
+        """V1's combine: `(combined_x, combined_topk_weights, event)`."""
+        if topk_weights is not None and not handle.with_topk:
+            raise ValueError('topk_weights given to combine, but the dispatch of this handle had no top-k ids')
+        return handle.ep.combine(x, handle.ep_handle, topk_weights, bias, num_sms, 0, previous_event, None,
+                                 async_finish, allocate_on_comm_stream, weights_over_ranks=True,
+                                 allow_previous_event_alone=True)
+
+    def destroy(self) -> None:
+        """Collective teardown of the current engine (older ones, kept by handles, are freed when dropped)."""
+        if self.engine is not None:
+            self.engine.destroy()
+        self.engine = None
+
+
+def expected_handle_type(handle) -> LegacyHandle:
+    """`handle` if it is a V1 normal-mode handle of this library; TypeError otherwise."""
+    if not isinstance(handle, LegacyHandle):
+        raise TypeError(f'handle must be the handle a normal-mode dispatch of a deepep_cupy Buffer returned, got '
+                        f'{type(handle).__name__}')
+    if not isinstance(handle.ep_handle, EPHandle):
+        raise TypeError('handle holds no EPHandle')
+    return handle
+
+

@@ -1,0 +1,160 @@
+"""Timings of DeepEP V1's `Buffer` next to `ElasticBuffer` on the same inputs and SM count, measured in the same run
+(the `legacy_intranode` rank program's performance lines, and `perf/v1_bench.py`'s rows).
+
+- normal mode, eager: dispatch (BF16, FP8), cached dispatch, combine; µs from `bench` (CUDA events, L2 flushed) and
+  GB/s as DeepEP's test_intranode counts them (received rows x hidden x 2 bytes, x (1 + 4/128) / 2 for FP8);
+- normal mode, CUDA graph: get_dispatch_layout + dispatch(num_worst_tokens) + combine against ElasticBuffer's
+  dispatch(do_cpu_sync=False) + combine, µs per replay;
+- host µs per call: the Python cost of a call that needs no host wait (num_worst_tokens / do_cpu_sync=False
+  dispatch, cached dispatch, combine), from the enqueue loop of `HOST_CALLS` calls;
+- low-latency mode: dispatch and combine eager and in a CUDA graph, and the hooks' send / receive kernels.
+"""
+
+import time
+from typing import Callable, List
+
+import torch
+
+from ..buffers.elastic import ElasticBuffer
+from ..buffers.legacy import Buffer, Config
+from ..utils.testing import bench
+from . import legacy_reference as ref
+
+HOST_CALLS = 100
+FP8_FACTOR = (1 + 4 / 128) / 2
+
+
+def host_us(fn: Callable[[], object], num_calls: int = HOST_CALLS) -> float:
+    """Mean host µs per call of `fn` over an enqueue loop (no host wait inside `fn`)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(num_calls):
+        fn()
+    t = (time.perf_counter() - t0) / num_calls
+    torch.cuda.synchronize()
+    return t * 1e6
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """µs per replay of `fn` captured in a CUDA graph (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return bench(graph.replay, num_warmups=10, num_tests=30)[0] * 1e6
+
+
+def normal_rows(buf: Buffer, eb: ElasticBuffer, case, num_sms: int, group) -> List[str]:
+    """One line per path: V1 next to ElasticBuffer, ratio V1 / ElasticBuffer (time)."""
+    rank, E = case.rank, case.E
+    cfg = Config(num_sms, 8, 256)
+    lay = case.layout_args()
+    idx, w = case.topk_idx, case.topk_weights
+    lines = []
+    t_layout = bench(lambda: buf.get_dispatch_layout(idx, E))[0]
+    lines.append(f'[layout] rank {rank}: {t_layout * 1e6:.1f} us')
+    for kind in ('fp8', 'bf16'):
+        x = case.inputs[kind]
+        out = buf.dispatch(x, topk_idx=idx, topk_weights=w, config=cfg, **lay)
+        eout = eb.dispatch(x, idx, w, num_experts=E, num_sms=num_sms)
+        rows = out[1].shape[0]
+        nbytes = rows * case.H * 2 * (FP8_FACTOR if kind == 'fp8' else 1)
+        t1 = bench(lambda x=x: buf.dispatch(x, topk_idx=idx, topk_weights=w, config=cfg, **lay))[0]
+        t2 = bench(lambda x=x: eb.dispatch(x, idx, w, num_experts=E, num_sms=num_sms))[0]
+        c1 = bench(lambda x=x, h=out[4]: buf.dispatch(x, handle=h, config=cfg))[0]
+        c2 = bench(lambda x=x, h=eout[3]: eb.dispatch(x, handle=h, num_sms=num_sms))[0]
+        lines.append(f'[perf] rank {rank} | dispatch {kind.upper():4s}: V1 {nbytes / 1e9 / t1:.0f} GB/s (NVL), '
+                     f'{t1 * 1e6:.1f} us | ElasticBuffer {t2 * 1e6:.1f} us | ratio {t1 / t2:.3f} | cached V1 '
+                     f'{c1 * 1e6:.1f} us, ElasticBuffer {c2 * 1e6:.1f} us, ratio {c1 / c2:.3f}')
+    y = ref.combine_rows(out[0], rank)
+    ccfg = Config(num_sms, 4, 256)
+    t1 = bench(lambda: buf.combine(y, out[4], config=ccfg))[0]
+    t2 = bench(lambda: eb.combine(y, eout[3], num_sms=num_sms))[0]
+    nbytes = rows * case.H * 2
+    lines.append(f'[perf] rank {rank} | combine: V1 {nbytes / 1e9 / t1:.0f} GB/s (NVL), {t1 * 1e6:.1f} us | '
+                 f'ElasticBuffer {t2 * 1e6:.1f} us | ratio {t1 / t2:.3f}')
+    # Host cost per call (no host wait), same inputs.
+    worst = case.R * max(t.shape[0] for t in case.xs)
+    h = {
+        'dispatch (no CPU sync)': (
+            host_us(lambda: buf.dispatch(case.x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg,
+                                         **lay)),
+            host_us(lambda: eb.dispatch(case.x, idx, w, num_experts=E, num_sms=num_sms, do_cpu_sync=False))),
+        'cached dispatch': (host_us(lambda: buf.dispatch(case.x, handle=out[4], config=cfg)),
+                            host_us(lambda: eb.dispatch(case.x, handle=eout[3], num_sms=num_sms))),
+        'combine': (host_us(lambda: buf.combine(y, out[4], config=ccfg)),
+                    host_us(lambda: eb.combine(y, eout[3], num_sms=num_sms))),
+        'get_dispatch_layout': (host_us(lambda: buf.get_dispatch_layout(idx, E)), float('nan')),
+    }
+    lines.append(f'[host] rank {rank} | ' + ' | '.join(f'{k}: V1 {a:.1f} us, ElasticBuffer {b:.1f} us'
+                                                       for k, (a, b) in h.items()))
+    # CUDA graphs: the decode path (no host sync) of each API.
+    by = case.combine_input
+
+    def v1_step():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        o = buf.dispatch(case.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, num_worst_tokens=worst,
+                         config=cfg)
+        buf.combine(by(o[0], 'bf16', True), o[4], config=ccfg)
+
+    def eb_step():
+        o = eb.dispatch(case.x, idx, w, num_experts=E, num_sms=num_sms, do_cpu_sync=False)
+        eb.combine(by(o[0], 'bf16', True), o[3], num_sms=num_sms)
+    group.barrier()
+    g1 = graph_us(v1_step)
+    group.barrier()
+    g2 = graph_us(eb_step)
+    lines.append(f'[graph] rank {rank} | layout + dispatch(num_worst_tokens) + combine: V1 {g1:.1f} us | '
+                 f'ElasticBuffer dispatch(no CPU sync) + combine {g2:.1f} us | ratio {g1 / g2:.3f}')
+    return lines
+
+
+def perf(buf: Buffer, case, group, args) -> List[str]:
+    """The rank program's performance lines (normal mode; ElasticBuffer built here on the same group)."""
+    eb = ElasticBuffer(group, num_max_tokens_per_rank=max(t.shape[0] for t in case.xs), hidden=case.H,
+                       num_topk=case.K, explicitly_destroy=True)
+    try:
+        return normal_rows(buf, eb, case, args.num_sms, group)
+    finally:
+        torch.cuda.synchronize()
+        eb.destroy()
+
+
+def low_latency_rows(buf: Buffer, inp, M: int, group) -> List[str]:
+    """Low-latency dispatch (FP8) and combine: eager (`bench`), CUDA graph, and hook send / receive kernels
+    (`bench_kineto`), on a V1 Buffer built with low_latency_mode."""
+    from ..utils.testing import bench_kineto
+    rank, E = inp.rank, inp.E
+    out = buf.low_latency_dispatch(inp.x, inp.topk_idx, M, E)
+    torch.cuda.synchronize()
+    y = out[0][0].float().to(torch.bfloat16) if isinstance(out[0], tuple) else out[0]
+
+    def both(hook: bool):
+        o = buf.low_latency_dispatch(inp.x, inp.topk_idx, M, E, use_fp8=True, return_recv_hook=hook)
+        if hook:
+            o[4]()
+        _, _, h = buf.low_latency_combine(y, inp.topk_idx, inp.topk_weights, o[2], return_recv_hook=hook)
+        if hook:
+            h()
+
+    lines = [f'[ll] rank {rank} | eager dispatch + combine: {bench(lambda: both(False))[0] * 1e6:.1f} us']
+    barrier = (lambda: group.barrier())
+    d, c = bench_kineto(lambda: both(False), kernel_names=('dispatch', 'combine'), barrier_comm_profiling=True,
+                        suppress_kineto_output=True, barrier=barrier)
+    lines.append(f'[ll] rank {rank} | kernels: dispatch {d * 1e6:.1f} us, combine {c * 1e6:.1f} us')
+    d, c = bench_kineto(lambda: both(True), kernel_names=('dispatch', 'combine'), barrier_comm_profiling=True,
+                        suppress_kineto_output=True, num_kernels_per_period=2, barrier=barrier)
+    lines.append(f'[ll] rank {rank} | hooks: dispatch send {d[0] * 1e6:.1f} + recv {d[1] * 1e6:.1f} us, combine send '
+                 f'{c[0] * 1e6:.1f} + recv {c[1] * 1e6:.1f} us')
+    group.barrier()
+    lines.append(f'[ll] rank {rank} | CUDA graph: dispatch + combine {graph_us(lambda: both(False)):.1f} us, with '
+                 f'hooks {graph_us(lambda: both(True)):.1f} us')
+    return lines
