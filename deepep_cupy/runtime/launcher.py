@@ -233,15 +233,17 @@ def _check_out(limit: float = 30.0) -> None:
     if store is None:
         return
     try:
+        # Tear this rank's process group down first (its threads may still talk to the peers and the store), then
+        # check out; the store's host leaves last.
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
         store.add('deepep_cupy/exit', 1)
         deadline = time.monotonic() + limit
         while rank_zero_waits(_exit_state['rank']) and int(store.add('deepep_cupy/exit', 0)) < _exit_state['size']:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
     except Exception:  # noqa: BLE001  (exit path: a peer may already be gone)
         pass
 
