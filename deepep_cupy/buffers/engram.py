@@ -135,7 +135,7 @@ class EngramBuffer(V25Methods, BufferBase):
             sfs = [sfs]
         self._engram.write(storages, sfs)
 
-    def fetch(self, indices, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = True,
+    def fetch(self, indices, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = True, *,
               check_indices: bool = True) -> List[Callable]:
         """Fetch rows of every layer (not collective) and return one wait hook per layer.
 
