@@ -210,19 +210,31 @@ __device__ __forceinline__ void bucket_collective(const uint64_t* peer_bases, in
     bucket_rank_barrier<kNumRanks>(peer_bases, rank, ctrl_offset, epoch + 2, timeout_ns, sink, 3);
 }
 
-#define DEEPEP_BUCKET_KERNEL(NAME, OP)                                                                                \
-    template <int kNumRanks>                                                                                          \
-    __global__ void __launch_bounds__(kBucketThreads, 1)                                                              \
-    NAME(const uint64_t* peer_bases, int rank, uint64_t ctrl_offset, uint32_t epoch, uint64_t offset, int64_t num,   \
-         const uint8_t* src, float scale, int32_t* error_record, uint64_t timeout_ns) {                               \
-        bucket_collective<kNumRanks, OP>(peer_bases, rank, ctrl_offset, epoch, offset, num, src, scale,               \
-                                         error_record, timeout_ns);                                                   \
-    }
-
 // One kernel per collective, named so that a profile filtered by DeepEP's kernel names ('all_reduce',
 // 'reduce_scatter') matches exactly one of them.
-DEEPEP_BUCKET_KERNEL(bucket_all_gather_impl, kBucketAllGather)
-DEEPEP_BUCKET_KERNEL(bucket_reduce_scatter_impl, kBucketReduceScatter)
-DEEPEP_BUCKET_KERNEL(bucket_all_reduce_impl, kBucketAllReduce)
+template <int kNumRanks>
+__global__ void __launch_bounds__(kBucketThreads, 1)
+bucket_all_gather_impl(const uint64_t* peer_bases, int rank, uint64_t ctrl_offset, uint32_t epoch, uint64_t offset,
+                       int64_t num, const uint8_t* src, float scale, int32_t* error_record, uint64_t timeout_ns) {
+    bucket_collective<kNumRanks, kBucketAllGather>(peer_bases, rank, ctrl_offset, epoch, offset, num, src, scale,
+                                                   error_record, timeout_ns);
+}
+
+template <int kNumRanks>
+__global__ void __launch_bounds__(kBucketThreads, 1)
+bucket_reduce_scatter_impl(const uint64_t* peer_bases, int rank, uint64_t ctrl_offset, uint32_t epoch,
+                           uint64_t offset, int64_t num, const uint8_t* src, float scale, int32_t* error_record,
+                           uint64_t timeout_ns) {
+    bucket_collective<kNumRanks, kBucketReduceScatter>(peer_bases, rank, ctrl_offset, epoch, offset, num, src, scale,
+                                                       error_record, timeout_ns);
+}
+
+template <int kNumRanks>
+__global__ void __launch_bounds__(kBucketThreads, 1)
+bucket_all_reduce_impl(const uint64_t* peer_bases, int rank, uint64_t ctrl_offset, uint32_t epoch, uint64_t offset,
+                       int64_t num, const uint8_t* src, float scale, int32_t* error_record, uint64_t timeout_ns) {
+    bucket_collective<kNumRanks, kBucketAllReduce>(peer_bases, rank, ctrl_offset, epoch, offset, num, src, scale,
+                                                   error_record, timeout_ns);
+}
 
 }  // namespace deepep
