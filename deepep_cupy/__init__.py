@@ -10,6 +10,10 @@ _LAZY = {
     'ElasticBuffer': 'deepep_cupy.buffers.elastic',
     'EPBuffer': 'deepep_cupy.buffers.ep',
     'EPHandle': 'deepep_cupy.buffers.elastic',
+    'BucketBuffer': 'deepep_cupy.buffers.bucket',
+    'BucketSession': 'deepep_cupy.buffers.bucket',
+    'PPBuffer': 'deepep_cupy.buffers.pp',
+    'EngramBuffer': 'deepep_cupy.buffers.engram',
     'BufferBase': 'deepep_cupy.buffers.base',
     'BufferAllocator': 'deepep_cupy.buffers.allocator',
     'get_num_allocation_alignment': 'deepep_cupy.buffers.allocator',
@@ -22,7 +26,7 @@ _LAZY = {
     'get_logical_domain_size': 'deepep_cupy.runtime.topology',
     'get_group': 'deepep_cupy.runtime.group',
     'install_as_deep_ep': 'deepep_cupy.deep_ep_alias',
-    'destroy_all_managed_nccl_comm': 'deepep_cupy.utils.comm',
+    'destroy_all_managed_nccl_comm': 'deepep_cupy.comm',
     # DeepEP's V1 API (the legacy buffer); resolves once `deepep_cupy.buffers.legacy` exists
     'Buffer': 'deepep_cupy.buffers.legacy',
     'Config': 'deepep_cupy.buffers.legacy',
@@ -30,7 +34,7 @@ _LAZY = {
 
 # Public name -> module that IS the value (DeepEP V2.5's `deep_ep.comm`).
 _LAZY_MODULES = {
-    'comm': 'deepep_cupy.utils.comm',
+    'comm': 'deepep_cupy.comm',
 }
 
 __all__ = ['__version__', 'topk_idx_t', *_LAZY, *_LAZY_MODULES]

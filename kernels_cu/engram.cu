@@ -1,9 +1,12 @@
-// Engram: a table of rows (bfloat16 or float8) split over the ranks of one scale-up (NVLink) domain; any rank fetches
-// any rows by global index g (row g % num_entries of rank g / num_entries), reading the owners' memory directly.
+// Engram: tables of rows (bfloat16 or float8), one per layer, split over the ranks of one scale-up (NVLink) domain; any
+// rank fetches any rows by global index g (row g % E of rank g / E, E = the layer's entries per rank), reading the
+// owners' storage directly.
 //
-// Layout (data region of the symmetric buffer; offsets identical on every rank):
-//   [out_offset, table_offset)   fetch output of this rank: rows land here in index order ([T, n * hidden])
-//   [table_offset, + num_entries * row_bytes)   this rank's table (written by engram_write_kernel, read by peers)
+// Storage: every rank's tables sit in its storage, GPU memory (the symmetric buffer, read by peers over NVLink) or
+// pinned host memory that every rank of the domain has mapped (runtime/host_storage.py, read over PCIe / C2C).
+// `table_bases[r]` is the device address of rank r's storage; layer l's table starts `layers[l].table_offset` bytes
+// into it (identical on every rank). The kernels never care which memory it is.
+// Fetch output: this rank's buffer at `out`, rows in index order ([layers, T, n * hidden]).
 // Scale factors of FP8 tables are replicated on every rank by the caller and gathered locally (no traffic).
 //
 // Control words: the workspace region kWsEngramOffset of every rank's symmetric buffer (kEngramCtrlOffset; the
@@ -14,11 +17,12 @@
 //                  complete, in particular its fetches that read this rank's table. Written only by rank src.
 //   done[src]      at byte +256: the last write epoch in which rank `src` finished writing its own table.
 //                  Written only by rank src, by the last block of its write kernel (release after last_block_done).
-// Write protocol (epoch e = epoch + 1): every block stores ready[me] = e at every peer (idempotent) and waits until
-// ready[p] >= e for every peer p: nobody still reads the old table. Blocks copy the caller's rows into the local
-// table. The last block sets epoch = e, stores done[me] = e at every peer and waits for done[p] >= e from every peer,
-// so the kernel ends once every table of the domain is complete; fetches are stream-ordered after it and need no
-// signal (tables do not change between writes). A rank runs at most one write epoch ahead of any peer, so "reached"
+// Write protocol (epoch e = epoch + 1; one launch per layer): every block stores ready[me] = e at every peer
+// (idempotent) and waits until ready[p] >= e for every peer p: nobody still reads the old table. Blocks copy the
+// caller's rows into the local table (`table`, GPU or host memory). The last block sets epoch = e, stores done[me] = e
+// at every peer (a system-scope release: host memory included) and waits for done[p] >= e from every peer, so the
+// kernel ends once every table of the domain is complete; fetches are stream-ordered after it and need no signal
+// (tables do not change between writes). A rank runs at most one write epoch ahead of any peer, so "reached"
 // (wrap-safe >=) is exact.
 #include "common/ep.cuh"
 #include "common/value_range.cuh"
@@ -36,11 +40,12 @@ __device__ __forceinline__ uint32_t* engram_ctrl(const uint64_t* peer_bases, int
     return reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(peer_bases[peer]) + kEngramCtrlOffset);
 }
 
-// Copy the caller's rows (`num_bytes`, a multiple of 16) into this rank's table, between the two signal exchanges.
+// Copy the caller's rows (`num_bytes`, a multiple of 16) into this rank's table at `table` (its storage, GPU or host
+// memory), between the two signal exchanges.
 template <int kNumRanks>
 __global__ void __launch_bounds__(kEngramThreads, 1)
-engram_write_kernel(const uint8_t* storage, int64_t num_bytes, uint64_t table_offset, const uint64_t* peer_bases,
-                    int rank, int32_t* error_record, uint64_t timeout_ns) {
+engram_write_kernel(const uint8_t* storage, int64_t num_bytes, uint8_t* table, const uint64_t* peer_bases, int rank,
+                    int32_t* error_record, uint64_t timeout_ns) {
     static_assert(kNumRanks >= 1 && kNumRanks <= 32, "engram supports up to 32 ranks per domain");
     static_assert(kEngramDoneOffset + 4 * kNumRanks <= kEngramCtrlBytes, "control words overflow their region");
     __shared__ int s_ok;
@@ -61,7 +66,6 @@ engram_write_kernel(const uint8_t* storage, int64_t num_bytes, uint64_t table_of
     if (!s_ok)
         return;
 
-    uint8_t* table = reinterpret_cast<uint8_t*>(peer_bases[rank]) + table_offset;
     grid_stride_copy<kEngramUnroll>(
         num_bytes / 16, static_cast<int64_t>(blockIdx.x) * kEngramThreads + threadIdx.x,
         static_cast<int64_t>(gridDim.x) * kEngramThreads, [&](int64_t i) { return ld_nc_v4(storage + i * 16); },
@@ -76,27 +80,31 @@ engram_write_kernel(const uint8_t* storage, int64_t num_bytes, uint64_t table_of
                        kPhaseEngram, 1);
 }
 
-// Gather rows: output row i (= token i / n, entry i % n) is row g % num_entries of rank g / num_entries's table, with
-// g = indices[i]. The 16-byte vectors of all output rows form one index space walked with a grid stride, so a row's
-// vectors are read by adjacent threads; kEngramUnroll loads in flight per thread. Indices outside
-// [0, kNumRanks * num_entries) (only possible when the caller skipped the host range check) give zero rows.
-// With `num_sf > 0`, also gathers 4-byte scale factors from the replicated local table `sf` [kNumRanks * num_entries,
-// num_sf] into `sf_out` (token t, column j * num_sf + p at t * sf_stride_token + column * sf_stride_col, elements).
+// Per layer of a fetch (int64 words): the layer's entries per rank, its table's byte offset in every rank's storage,
+// and the row of its first entry in the replicated scale-factor table.
+constexpr int kEngramLayerWords = 3;
+
+// Gather rows: output row i (layer i / rows_per_layer; token, entry of that layer's [T, n] indices) is row g % E of
+// rank g / E's table of the layer, g = indices[i] (indices are [layers, T, n], contiguous). The 16-byte vectors of all
+// output rows form one index space walked with a grid stride, so a row's vectors are read by adjacent threads;
+// kEngramUnroll loads in flight per thread. Indices outside [0, kNumRanks * E) (only possible when the caller skipped
+// the host range check) give zero rows.
+// With `num_sf > 0`, also gathers 4-byte scale factors from the replicated local table `sf` (rows
+// [sf_row_offset + g] of [sum over layers of kNumRanks * E, num_sf]) into `sf_out`: layer l, token t, column
+// j * num_sf + p at l * sf_layer_stride + t * sf_stride_token + column * sf_stride_col (elements).
 template <int kNumRanks>
 __global__ void __launch_bounds__(kEngramThreads, 1)
-engram_fetch_impl(const int32_t* indices, int num_rows, int num_entries_per_token, int row_bytes, int num_entries,
-                    uint64_t table_offset, uint64_t out_offset, const uint32_t* sf, int num_sf, uint32_t* sf_out,
-                    int64_t sf_stride_token, int64_t sf_stride_col, const uint64_t* peer_bases, int rank) {
+engram_fetch_impl(const int32_t* indices, int num_rows, int rows_per_layer, int num_entries_per_token, int row_bytes,
+                  const int64_t* layers, const uint64_t* table_bases, uint8_t* out, const uint32_t* sf, int num_sf,
+                  uint32_t* sf_out, int64_t sf_layer_stride, int64_t sf_stride_token, int64_t sf_stride_col) {
     static_assert(kNumRanks >= 1 && kNumRanks <= 32, "engram supports up to 32 ranks per domain");
     __shared__ const uint8_t* s_table[kNumRanks];
     if (threadIdx.x < kNumRanks)
-        s_table[threadIdx.x] = reinterpret_cast<const uint8_t*>(peer_bases[threadIdx.x]) + table_offset;
+        s_table[threadIdx.x] = reinterpret_cast<const uint8_t*>(table_bases[threadIdx.x]);
     __syncthreads();
 
-    const int64_t num_global = static_cast<int64_t>(kNumRanks) * num_entries;
     const int vectors_per_row = row_bytes / 16;
     const int num_vectors = num_rows * vectors_per_row;      // < 2^31 (checked on the host)
-    uint8_t* out = reinterpret_cast<uint8_t*>(peer_bases[rank]) + out_offset;
     const int num_threads = gridDim.x * kEngramThreads;
     for (int base = blockIdx.x * kEngramThreads + threadIdx.x; base < num_vectors;
          base += num_threads * kEngramUnroll) {
@@ -107,11 +115,14 @@ engram_fetch_impl(const int32_t* indices, int num_rows, int num_entries_per_toke
             if (vec < num_vectors) {
                 const int row = vec / vectors_per_row;
                 const int col = vec - row * vectors_per_row;
+                const int64_t* layer = layers + static_cast<int64_t>(row / rows_per_layer) * kEngramLayerWords;
+                const int num_entries = static_cast<int>(__ldg(layer));
                 const int g = __ldg(indices + row);
-                if (g >= 0 && g < num_global) {
+                if (g >= 0 && g < kNumRanks * num_entries) {
                     const int owner = g / num_entries;
                     const int entry = g - owner * num_entries;
-                    v[u] = ld_nc_v4(s_table[owner] + static_cast<int64_t>(entry) * row_bytes + col * 16);
+                    v[u] = ld_nc_v4(s_table[owner] + __ldg(layer + 1) + static_cast<int64_t>(entry) * row_bytes +
+                                    col * 16);
                 } else {
                     v[u] = {0, 0, 0, 0};
                 }
@@ -130,11 +141,16 @@ engram_fetch_impl(const int32_t* indices, int num_rows, int num_entries_per_toke
         for (int k = blockIdx.x * kEngramThreads + threadIdx.x; k < num_values; k += num_threads) {
             const int row = k / num_sf;
             const int p = k - row * num_sf;
+            const int layer_idx = row / rows_per_layer;
+            const int64_t* layer = layers + static_cast<int64_t>(layer_idx) * kEngramLayerWords;
+            const int num_entries = static_cast<int>(__ldg(layer));
             const int g = __ldg(indices + row);
-            const uint32_t value = g >= 0 && g < num_global ? __ldg(sf + static_cast<int64_t>(g) * num_sf + p) : 0u;
-            const int token = row / num_entries_per_token;
-            const int column = (row - token * num_entries_per_token) * num_sf + p;
-            sf_out[token * sf_stride_token + column * sf_stride_col] = value;
+            const uint32_t value = g >= 0 && g < kNumRanks * num_entries
+                                   ? __ldg(sf + (__ldg(layer + 2) + g) * num_sf + p) : 0u;
+            const int layer_row = row - layer_idx * rows_per_layer;
+            const int token = layer_row / num_entries_per_token;
+            const int column = (layer_row - token * num_entries_per_token) * num_sf + p;
+            sf_out[layer_idx * sf_layer_stride + token * sf_stride_token + column * sf_stride_col] = value;
         }
     }
 }

@@ -90,6 +90,9 @@ if want perf1; then
     [ -f deepep_cupy/tests/legacy_low_latency.py ] && step "ll np=1 (perf)" 240 $ONE $R 1 $LL
     [ -f deepep_cupy/tests/legacy_intranode.py ] && step "legacy intranode np=1 (perf)" 240 $ONE $R 1 \
         $PY -m deepep_cupy.tests.legacy_intranode
+    # Engram with the tables in pinned host memory: fetch GB/s and rows/s beside the GPU-storage path, same run.
+    step "engram host storage np=1 (perf)" 240 $ONE $R 1 $PY -m deepep_cupy.tests.engram --use-cpu-storage
+    step "v25 API np=1 (perf)" 240 $ONE $R 1 $PY -m deepep_cupy.tests.v25
 fi
 
 ep_lane_topk() {
@@ -133,6 +136,11 @@ coll_lane() {
         step "$prog np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.$prog --skip-perf-test
     done
     step "engram fp8 np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.engram --use-fp8 --skip-perf-test
+    step "engram host storage np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.engram \
+        --use-cpu-storage --skip-perf-test
+    step "engram host storage fp8 np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.engram \
+        --use-cpu-storage --use-fp8 --skip-perf-test
+    step "v25 API np=$np (sharing 1 GPU)" 400 $ONE $R $np $PY -m deepep_cupy.tests.v25 --skip-perf-test
     step "barrier np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.barrier --num-barriers 100 \
         --num-rounds 8 --skip-perf-test
 }
@@ -159,14 +167,44 @@ deepep_lane() {
         $RUN test_intranode.py --num-processes 1"
     step "DeepEP v1 test_low_latency.py np=1" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
         $RUN test_low_latency.py --num-processes 1"
+    step "DeepEP elastic/test_engram.py --use-fp8 np=1" 300 $ONE $RUN $U/head/tests/elastic/test_engram.py \
+        --num-processes 1 --use-fp8
 }
 deepep_v25_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep" t
     [ -d $U ] || return
-    for t in ep/test_ep.py comm/test_barrier.py buffer/test_allocation.py pp/test_pp.py engram/test_engram.py \
-             bucket/test_all_gather.py bucket/test_reduce_scatter.py bucket/test_all_reduce.py; do
-        step "DeepEP v25 $t np=1" 300 $ONE $RUN $U/v25/tests/$t --num-processes 1
+    local V=$U/v25/tests
+    # V2.5's test_ep.py also times every mode: checks over all modes, then the perf section on the first mode.
+    step "DeepEP v25 ep/test_ep.py np=1 (all modes, checks)" 300 $ONE $RUN $V/ep/test_ep.py --num-processes 1 \
+        --num-tokens 1024 --hidden 2048 --skip-perf-test
+    step "DeepEP v25 ep/test_ep.py np=1 (first mode, perf)" 200 $ONE $RUN $V/ep/test_ep.py --num-processes 1 \
+        --test-first-only
+    # One rank (NCCL): every V2.5 program that runs with one rank (test_allocation wants an even count, test_pp two
+    # ranks, the load-balancing programs a peer to host experts).
+    for t in comm/test_barrier.py engram/test_engram.py bucket/test_all_gather.py \
+             bucket/test_reduce_scatter.py bucket/test_all_reduce.py bucket/test_session.py; do
+        step "DeepEP v25 $t np=1" 300 $ONE $RUN $V/$t --num-processes 1
     done
+    step "DeepEP v25 engram/test_engram.py --use-cpu-rdma-storage np=1" 300 $ONE $RUN $V/engram/test_engram.py \
+        --num-processes 1 --use-cpu-rdma-storage
+    step "DeepEP v25 engram/test_engram.py --use-fp8 --use-cpu-rdma-storage np=1" 300 $ONE $RUN \
+        $V/engram/test_engram.py --num-processes 1 --use-fp8 --use-cpu-rdma-storage
+    step "DeepEP v25 bucket/test_mixed.py np=1" 400 $ONE $RUN $V/bucket/test_mixed.py --num-processes 1 \
+        --num-bytes 64M --num-rounds 3 --num-tests 24
+    step "DeepEP v25 bucket/test_perf.py np=1" 400 $ONE $RUN $V/bucket/test_perf.py --num-processes 1 \
+        --num-bytes 1M 64M --nccl-profiles auto
+    # Two ranks sharing the GPU (gloo): the programs whose own torch.distributed calls gloo serves (no CUDA
+    # all-gather / reduce-scatter / all-to-all references).
+    for t in ep/test_ep.py comm/test_barrier.py buffer/test_allocation.py pp/test_pp.py bucket/test_all_reduce.py \
+             ep/test_prefetch_weights.py ep/test_reduce_grads.py; do
+        [ $t = ep/test_ep.py ] && set -- --skip-perf-test || set --
+        step "DeepEP v25 $t np=2 (sharing)" 400 $ONE $RUN $V/$t --num-processes 2 $(case $t in
+            ep/test_ep.py) echo --num-tokens 512 --hidden 2048;;
+            ep/test_prefetch_weights.py|ep/test_reduce_grads.py) echo --num-hidden-bytes 4M;;
+            bucket/test_all_reduce.py) echo --num-bytes 64M;; esac) "$@"
+    done
+    step "DeepEP v25 engram/test_engram.py --skip-check --use-cpu-rdma-storage np=2 (sharing)" 300 $ONE $RUN \
+        $V/engram/test_engram.py --num-processes 2 --skip-check --use-cpu-rdma-storage
 }
 launchers_lane() {
     local A="--num-tokens 256 --hidden 2048 --skip-perf-test --num-create-destroy 1"

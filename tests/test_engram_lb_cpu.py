@@ -18,6 +18,7 @@ from deepep_cupy.features.lb import plan as lb
 from deepep_cupy.jit import compiler
 from deepep_cupy.runtime import workspace
 from deepep_cupy.runtime.group import ProcessGroup
+from deepep_cupy.runtime.sizes import align
 
 torch = pytest.importorskip('torch')
 
@@ -143,16 +144,48 @@ def test_engram_size_hint():
 
 def test_engram_layout():
     gpu, cpu = engram.storage_size_hint(524288, 128, 512 * 24)
-    lay = engram.EngramLayout.build(2 * MiB, gpu + cpu, 4, 524288, 128, 'bfloat16')
-    assert lay.row_bytes == 256 and lay.table_bytes == 128 * MiB
-    assert lay.out_offset == 2 * MiB and lay.out_bytes == gpu and lay.table_offset == 2 * MiB + gpu
-    assert lay.num_global_entries == 4 * 524288
-    assert lay.check_fetch(512, 24) == 512 * 24
-    assert lay.check_fetch(0, 24) == 0
+    lay = engram.EngramLayout.in_data_region(2 * MiB, gpu + cpu, 4, 524288, 128, 'bfloat16')
+    assert lay.row_bytes == 256 and lay.table_bytes == 128 * MiB and lay.table_offsets == (0,)
+    assert lay.out_offset == 2 * MiB and lay.out_bytes == gpu and lay.storage_offset == 2 * MiB + gpu
+    assert lay.num_global_entries == 4 * 524288 and lay.num_layers == 1
+    assert lay.check_fetch(1, 512, 24) == 512 * 24
+    assert lay.check_fetch(1, 0, 24) == 0
     with pytest.raises(ValueError, match='fetch output'):
-        lay.check_fetch(gpu // 256 + 1, 1)
+        lay.check_fetch(1, gpu // 256 + 1, 1)
+    with pytest.raises(ValueError, match='2 layers'):
+        lay.check_fetch(2, 1, 1)
     with pytest.raises(ValueError, match='get_engram_storage_size_hint'):
-        engram.EngramLayout.build(2 * MiB, cpu, 4, 524288 + 1, 128, 'bfloat16')
+        engram.EngramLayout.in_data_region(2 * MiB, cpu, 4, 524288 + 1, 128, 'bfloat16')
+    # Host storage: the whole data region is output, the tables start at the storage base.
+    lay = engram.EngramLayout.build(4, (524288,), 128, 'bfloat16', (2 * MiB, gpu), None, cpu)
+    assert lay.storage_offset is None and lay.out_bytes == gpu and lay.table_offsets == (0,)
+    with pytest.raises(ValueError, match='storage size hint'):
+        engram.EngramLayout.build(4, (524288 + 1,), 128, 'bfloat16', (2 * MiB, gpu), None, cpu)
+
+
+def test_engram_layered_layout_and_hint():
+    # DeepEP V2.5 test_engram's defaults: layers of 524288 and 524309 entries x 256 BF16, 512 tokens x 24 entries.
+    gpu, storage = engram.layered_size_hint([524288, 524309], 256, 512, 24, torch.bfloat16)
+    assert gpu == align(2 * 512 * 24 * 512, 2 * MiB) == 12 * MiB
+    offsets, num_table_bytes = engram.table_offsets([524288, 524309], 512)
+    assert offsets == (0, 524288 * 512) and num_table_bytes == (524288 + 524309) * 512
+    assert storage == align(num_table_bytes, 2 * MiB)
+    # Odd row counts keep every table TABLE_ALIGNMENT aligned.
+    offsets, end = engram.table_offsets([3, 5, 1], 48)
+    assert offsets == (0, 256, 512) and end == 512 + 48
+    lay = engram.EngramLayout.build(2, [524288, 524309], 256, 'bfloat16', (2 * MiB, gpu), 2 * MiB + gpu, storage)
+    assert lay.num_layers == 2 and lay.num_global_entries == 2 * 524309
+    assert lay.check_fetch(2, 512, 24) == 512 * 24
+    with pytest.raises(ValueError, match='fetch output'):
+        lay.check_fetch(2, 513, 24)
+    words = engram.layer_words(lay, [0, 2 * 524288])
+    assert words.dtype == np.int64 and words.tolist() == [[524288, 0, 0], [524309, 524288 * 512, 2 * 524288]]
+    assert engram.layer_words(lay).tolist()[1] == [524309, 524288 * 512, 0]
+    assert engram.layered_size_hint(7, 64, 1, 1) == (2 * MiB, 2 * MiB)
+    with pytest.raises(ValueError, match='at least one layer'):
+        engram.layered_size_hint([], 64, 1, 1)
+    with pytest.raises(ValueError, match=r'num_entries_per_layer\[1\]'):
+        engram.layered_size_hint([4, 0], 64, 1, 1)
 
 
 # ---- a buffer without a GPU ----------------------------------------------------------------------------------------
@@ -195,11 +228,11 @@ def FakeBuffer(num_ranks=2, rank=0, num_bytes=8 * MiB, group=None):
 def test_engram_write_checks():
     buf = FakeBuffer(num_ranks=2, num_bytes=6 * MiB)
     table = torch.zeros((1024, 128), dtype=torch.bfloat16)
-    layout, si, sfi = buf._engram_feature()._check_write(table, None)
-    assert layout.table_offset == 2 * MiB + 4 * MiB and layout.out_bytes == 4 * MiB and sfi is None
+    layout, si, sfi = buf._engram_feature()._check_write([table], None)
+    assert layout.storage_offset == 2 * MiB + 4 * MiB and layout.out_bytes == 4 * MiB and sfi is None
     fp8 = torch.zeros((1024, 128), dtype=torch.float8_e4m3fn)
-    _, _, sfi = buf._engram_feature()._check_write(fp8, torch.zeros((2048, 1)))
-    assert sfi.shape == (2048, 1)
+    _, _, sfi = buf._engram_feature()._check_write([fp8], [torch.zeros((2048, 1))])
+    assert sfi[0].shape == (2048, 1)
     cases = [((table.float(), None), TypeError, 'bfloat16 or float8'),
              ((table[0], None), ValueError, '2-D'),
              ((table[:, :100], None), ValueError, 'contiguous'),
@@ -209,16 +242,20 @@ def test_engram_write_checks():
              ((fp8, torch.zeros((2048, 1), dtype=torch.float64)), TypeError, 'sf must be float32 or int32'),
              ((fp8, torch.zeros((2048, 2))[:, :1]), ValueError, 'sf must be contiguous'),
              ((torch.zeros((5 * 8192, 128), dtype=torch.bfloat16), None), ValueError, 'get_engram_storage_size_hint')]
-    for args, exc, match in cases:
+    for (storage, sf), exc, match in cases:
         with pytest.raises(exc, match=match):
-            buf._engram_feature()._check_write(*args)
+            buf._engram_feature()._check_write([storage], None if sf is None else [sf])
+    with pytest.raises(ValueError, match='one table per layer'):
+        buf._engram_feature()._check_write([], None)
+    with pytest.raises(ValueError, match='sfs has 2 entries'):
+        buf._engram_feature()._check_write([fp8], [torch.zeros((2048, 1))] * 2)
 
 
 def test_engram_write_raises_on_every_rank_before_any_kernel():
     # Another rank writes a table of a different size: this rank (whose arguments are fine) must raise too.
-    group = FakeGroup(0, 2, others=lambda r, obj: (None, (999, 128, 'bfloat16', None)))
+    group = FakeGroup(0, 2, others=lambda r, obj: (None, ((999,), 128, 'bfloat16', None)))
     buf = FakeBuffer(num_ranks=2, group=group)
-    with pytest.raises(ValueError, match='same shape and dtype'):
+    with pytest.raises(ValueError, match='same shapes and dtype'):
         buf.engram_write(torch.zeros((1024, 128), dtype=torch.bfloat16))
     # Another rank rejected its arguments.
     group = FakeGroup(0, 2, others=lambda r, obj: ("TypeError('storage must be ...')", None))
@@ -236,11 +273,11 @@ def test_engram_write_raises_on_every_rank_before_any_kernel():
 def test_engram_fetch_checks(monkeypatch):
     buf = FakeBuffer(num_ranks=2, num_bytes=6 * MiB)
     indices = torch.zeros((4, 3), dtype=torch.int32)
-    with pytest.raises(RuntimeError, match='engram_write first'):
+    with pytest.raises(RuntimeError, match='write the tables first'):
         buf.engram_fetch(indices)
-    layout = engram.EngramLayout.build(buf.data_offset, buf.num_bytes, 2, 1024, 128, 'bfloat16')
+    layout = engram.EngramLayout.in_data_region(buf.data_offset, buf.num_bytes, 2, 1024, 128, 'bfloat16')
     feature = buf._engram_feature()
-    feature.layout = layout
+    feature.layout, feature.written = layout, True
     from deepep_cupy.runtime import interop
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: None)
     monkeypatch.setattr(feature, '_index_range', lambda ii, stream: lambda: (int(ii.obj.min()), int(ii.obj.max())))
@@ -542,16 +579,20 @@ def test_lb_previous_event_is_checked_collectively():
 
 def test_engram_launch_arguments_match_the_specs():
     pack_args = fakes.pack_named
-    layout = engram.EngramLayout.build(2 * MiB, 6 * MiB, 2, 1024, 128, 'float8_e4m3fn')
-    storage = torch.zeros((1024, 128), dtype=torch.uint8)
-    packed = pack_args(engram.write_spec(2), engram.write_args(layout, storage, 0x1000, 1, 0x2000, 10 ** 9))
-    assert int(packed[1]) == 128 * 1024 and int(packed[2]) == layout.table_offset and int(packed[4]) == 1
-    indices, sf, sf_out = (torch.zeros((5, 3), dtype=torch.int32), torch.zeros((2048, 2)), torch.zeros((5, 6)))
-    packed = pack_args(engram.fetch_spec(2), engram.fetch_args(layout, indices, 5, 3, sf, 2, sf_out, (6, 1),
-                                                                0x1000, 1))
-    assert [int(v) for v in packed[1:5]] == [15, 3, 128, 1024] and int(packed[8]) == 2
-    assert int(packed[7]) == sf.data_ptr() and int(packed[9]) == sf_out.data_ptr()
-    packed = pack_args(engram.fetch_spec(2), engram.fetch_args(layout, indices, 5, 3, None, 2, None, (0, 0), 1, 0))
-    assert int(packed[7]) == 0 and int(packed[8]) == 0 and int(packed[9]) == 0
+    layout = engram.EngramLayout.build(2, (1024, 1000), 128, 'float8_e4m3fn', (2 * MiB, 2 * MiB), 4 * MiB, 2 * MiB)
+    storage = torch.zeros((1000, 128), dtype=torch.uint8)
+    packed = pack_args(engram.write_spec(2), engram.write_args(layout, 1, storage, 0x10000, 0x1000, 1, 0x2000,
+                                                                10 ** 9))
+    assert int(packed[1]) == 128 * 1000 and int(packed[2]) == 0x10000 + 128 * 1024 and int(packed[4]) == 1
+    indices, sf, sf_out = (torch.zeros((2, 5, 3), dtype=torch.int32), torch.zeros((4048, 2)), torch.zeros((2, 5, 6)))
+    packed = pack_args(engram.fetch_spec(2), engram.fetch_args(layout, indices, 2, 5, 3, 0x3000, 0x4000, 0x5000, sf,
+                                                                2, sf_out, (30, 6, 1)))
+    assert [int(v) for v in packed[1:5]] == [30, 15, 3, 128]
+    assert [int(v) for v in packed[5:8]] == [0x3000, 0x4000, 0x5000]
+    assert int(packed[8]) == sf.data_ptr() and int(packed[9]) == 2 and int(packed[10]) == sf_out.data_ptr()
+    assert [int(v) for v in packed[11:]] == [30, 6, 1]
+    packed = pack_args(engram.fetch_spec(2), engram.fetch_args(layout, indices, 2, 0, 3, 1, 1, 1, None, 2, None,
+                                                                (0, 0, 0)))
+    assert int(packed[1]) == 0 and int(packed[2]) == 1 and int(packed[8]) == 0 and int(packed[9]) == 0
     assert engram.grid_for(0, 132) == 1 and engram.grid_for(12288 * 16, 132) == 48
     assert engram.grid_for(10 ** 8, 132) == 132 and engram.grid_for(10 ** 8, 7) == 7

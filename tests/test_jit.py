@@ -224,7 +224,8 @@ def test_every_shipped_kernel_has_a_named_launcher():
 # names cut at 100 characters) and asserts it matches at most one line: every name it may be given must fall inside
 # the first 100 characters of exactly one of our kernels' demangled names.
 DEEPEP_PROFILER_NAMES = ('notify_dispatch', 'dispatch_impl', 'dispatch_copy_epilogue_impl', 'combine_impl',
-                         'combine_reduce_epilogue_impl', 'engram_fetch_impl', 'send_impl', 'recv_impl', 'barrier')
+                         'combine_reduce_epilogue_impl', 'engram_fetch_impl', 'send_impl', 'recv_impl', 'barrier',
+                         'all_reduce', 'reduce_scatter')
 
 
 def test_deepep_profiler_names_match_one_kernel_each():

@@ -2,7 +2,10 @@
 
     base       BufferBase: process group, topology, symmetric memory, streams, GPU barrier
     elastic    ElasticBuffer (DeepEP V2), EPHandle
-    ep         EPBuffer (DeepEP V2.5)
+    ep         EPBuffer (DeepEP V2.5): dispatch / combine and load balancing
+    bucket     BucketBuffer, BucketSession (DeepEP V2.5): in-place all-gather, reduce-scatter, all-reduce
+    pp         PPBuffer (DeepEP V2.5): pipeline-parallel send / recv
+    engram     EngramBuffer (DeepEP V2.5): layered lookup tables in GPU or host storage
     legacy     Buffer and Config (DeepEP V1): normal mode (legacy_normal) and low-latency mode (legacy_ll) inside one
                NVLink domain; Config and its tables (legacy_config)
     allocator  BufferAllocator and the alignment getters

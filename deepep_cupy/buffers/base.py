@@ -5,6 +5,12 @@ misconfigured rank fails with a clear error on every rank instead of hanging), t
 the symmetric memory `[workspace | num_bytes]`, a host-mapped area (error record and the records the host polls), the
 communication stream and the GPU barrier (compiled here, never inside a timed or collective region). The map of the
 workspace and of the host-mapped area is kernels_cu/common/workspace.cuh (mirrored by runtime/workspace.py).
+
+Memory of one rank:
+    symmetric (GPU): [workspace 2 MiB | data region: num_bytes | extra region: num_extra_bytes]
+    host storage:    num_host_bytes of pinned host memory every rank of the scale-up domain maps (optional)
+The data region belongs to one feature at a time (`claim_data_region`); the extra region to the subclass that asked
+for it (V2.5 `EPBuffer`: the load-balancing pools; `EngramBuffer`: GPU tables).
 """
 
 from typing import Any, Dict, Optional
@@ -15,6 +21,7 @@ from ..runtime import errors, interop, workspace
 from ..runtime.checks import check_int
 from ..runtime.event import EventHandle
 from ..runtime.group import ProcessGroup, get_group
+from ..runtime.host_storage import HostStorage
 from ..runtime.polling import wait_until
 from ..runtime.streams import StreamOrder
 from ..runtime.symmetric import HostMappedMemory, SymmetricMemory
@@ -55,31 +62,42 @@ class BufferBase:
         config: further settings that must be identical on every rank (checked at construction).
         comm_stream: a `cupy.cuda.Stream` to use as the communication stream (buffers that share one, such as the
             engines of a DeepEP V1 `Buffer`); it stays the caller's. Default: one of the pool's.
+        num_extra_bytes: symmetric bytes after the data region (a multiple of 2 MiB), for the subclass.
+        num_host_bytes: bytes of host storage per rank (a multiple of 2 MiB; 0: none), see `runtime/host_storage.py`.
     """
 
     _destroyed = True           # until construction completes (also for a constructor that raised)
     explicitly_destroy = True
     _owns_stream = True         # the communication stream returns to the pool at teardown
+    num_extra_bytes = num_host_bytes = 0
+    host_storage: Optional[HostStorage] = None
 
     def __init__(self, group=None, comm=None, num_bytes: int = 0, allow_hybrid_mode: bool = True,
                  num_cpu_timeout_secs: float = 300, num_gpu_timeout_secs: float = 100,
                  explicitly_destroy: bool = False, device: Optional[int] = None,
-                 config: Optional[Dict[str, Any]] = None, comm_stream=None):
-        check_int('num_bytes', num_bytes)
-        if num_bytes % BUFFER_ALIGNMENT != 0:
-            raise ValueError(f'num_bytes must be a multiple of {BUFFER_ALIGNMENT} (2 MiB), got {num_bytes}')
+                 config: Optional[Dict[str, Any]] = None, num_extra_bytes: int = 0, num_host_bytes: int = 0,
+                 comm_stream=None):
+        for name, value in (('num_bytes', num_bytes), ('num_extra_bytes', num_extra_bytes),
+                            ('num_host_bytes', num_host_bytes)):
+            check_int(name, value)
+            if value % BUFFER_ALIGNMENT != 0:
+                raise ValueError(f'{name} must be a multiple of {BUFFER_ALIGNMENT} (2 MiB), got {value}')
         if not num_gpu_timeout_secs > 0 or not num_cpu_timeout_secs > 0:
             raise ValueError('num_gpu_timeout_secs and num_cpu_timeout_secs must be positive')
         self._destroyed = True      # until construction completes
         self.explicitly_destroy = bool(explicitly_destroy)
         self.num_bytes = num_bytes
+        self.num_extra_bytes = num_extra_bytes
+        self.num_host_bytes = num_host_bytes
+        self.host_storage: Optional[HostStorage] = None
         self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
         self.num_gpu_timeout_secs = float(num_gpu_timeout_secs)
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
 
         self.group: ProcessGroup = get_group(group, comm, timeout=self.num_cpu_timeout_secs)
         self.rank_idx, self.num_ranks = self.group.rank, self.group.size
-        settings = {'class': type(self).__name__, 'num_bytes': num_bytes, 'allow_hybrid_mode': self.allow_hybrid_mode,
+        settings = {'class': type(self).__name__, 'num_bytes': num_bytes, 'num_extra_bytes': num_extra_bytes,
+                    'num_host_bytes': num_host_bytes, 'allow_hybrid_mode': self.allow_hybrid_mode,
                     'num_gpu_timeout_secs': self.num_gpu_timeout_secs, **(config or {})}
         self.group.check_same(f'{type(self).__name__} configuration', settings, timeout=self.num_cpu_timeout_secs)
 
@@ -94,10 +112,17 @@ class BufferBase:
         self.error_record = self.host_mapped.view('int32', errors.ERROR_RECORD_WORDS,
                                                   workspace.HOST_ERROR_RECORD.offset)
         try:
-            self.sym = SymmetricMemory(self.group, t.scaleup_peers, WORKSPACE_BYTES + num_bytes)
+            self.sym = SymmetricMemory(self.group, t.scaleup_peers, WORKSPACE_BYTES + num_bytes + num_extra_bytes)
         except BaseException:
             self.host_mapped.free()
             raise
+        if num_host_bytes:
+            try:
+                self.host_storage = HostStorage(self.group, t.scaleup_peers, num_host_bytes)
+            except BaseException:
+                self.sym.destroy(timeout=self.num_cpu_timeout_secs)
+                self.host_mapped.free()
+                raise
         self._owns_stream = comm_stream is None
         self.comm_stream = _acquire_stream(self.device) if comm_stream is None else comm_stream
         self.stream_order = StreamOrder(self.comm_stream)
@@ -123,6 +148,41 @@ class BufferBase:
     def data_offset(self) -> int:
         """Byte offset of the user region (after the workspace) inside the symmetric buffer."""
         return WORKSPACE_BYTES
+
+    @property
+    def extra_offset(self) -> int:
+        """Byte offset of the extra region (after the data region) inside the symmetric buffer."""
+        return WORKSPACE_BYTES + self.num_bytes
+
+    # DeepEP V2.5's `BufferBase` surface
+    @property
+    def runtime(self):
+        """What owns this rank's memory and streams: the buffer itself while it lives, None once destroyed (DeepEP:
+        its C++ runtime)."""
+        return None if self._destroyed else self
+
+    @property
+    def main_context(self):
+        """The first communication context (one group; `BucketBuffer` has one per group), None once destroyed."""
+        contexts = getattr(self, 'contexts', None)
+        if self._destroyed:
+            return None
+        return contexts[0] if contexts else self
+
+    def memory_usage(self) -> Dict[str, int]:
+        """Bytes this rank holds: `workspace`, `data` (the data region), `extra`, `host` storage, `host_mapped`."""
+        return {'workspace': WORKSPACE_BYTES, 'data': self.num_bytes, 'extra': self.num_extra_bytes,
+                'host': self.num_host_bytes, 'host_mapped': HOST_MAPPED_BYTES}
+
+    def print_memory_usage(self) -> None:
+        """Print this rank's workspace, communication buffer and storage sizes (DeepEP V2.5)."""
+        if self._destroyed:
+            raise RuntimeError('this deepep_cupy buffer was destroyed')
+        usage = self.memory_usage()
+        mib = {k: v / (1 << 20) for k, v in usage.items()}
+        print(f'{type(self).__name__} rank {self.rank_idx}/{self.num_ranks}: workspace {mib["workspace"]:.1f} MiB, '
+              f'buffer {mib["data"]:.1f} MiB, extra {mib["extra"]:.1f} MiB (GPU, symmetric); host storage '
+              f'{mib["host"]:.1f} MiB; host-mapped {mib["host_mapped"]:.3f} MiB', flush=True)
 
     def get_comm_stream(self):
         """The buffer's communication stream (a `cupy.cuda.Stream`; `torch.cuda.ExternalStream(s.ptr)` for torch)."""
@@ -223,11 +283,18 @@ class BufferBase:
             if self.nccl is not None:
                 self.nccl.destroy()
                 self.nccl = None
+            self._release_host_storage()
             self.sym.destroy(timeout=self.num_cpu_timeout_secs)
             self.host_mapped.free()
             if self._owns_stream:
                 _release_stream(self.device, self.comm_stream)
             self.comm_stream = None
+
+    def _release_host_storage(self) -> None:
+        """Unregister and unmap the host segments (local on every rank: mappings keep the pages alive)."""
+        if self.host_storage is not None:
+            self.host_storage.release()
+            self.host_storage = None
 
     def _release_local(self) -> None:
         """Free this rank's memory without the other ranks: wait (bounded by the GPU timeout plus a margin) for the
@@ -244,6 +311,7 @@ class BufferBase:
         if self.nccl is not None:
             self.nccl.destroy()
             self.nccl = None
+        self._release_host_storage()
         self.sym.release_local()
         self.host_mapped.free()
         if self._owns_stream:
@@ -260,3 +328,33 @@ class BufferBase:
             self._release_local()
         except Exception:
             pass
+
+
+class V25Methods:
+    """DeepEP V2.5's methods every buffer class of that API shares (its `deep_ep.comm` functions bound as methods,
+    `barrier(wait_comm_stream=...)` instead of V2.0's `barrier(use_comm_stream=...)`). Mixed in before `BufferBase`.
+    """
+
+    def context_barrier(self, context_idx: Optional[int], wait_comm_stream: bool, with_cpu_sync: bool,
+                        sequential: bool) -> None:
+        """The GPU barrier of communication context `context_idx` (these buffers have one: None or 0)."""
+        if context_idx not in (None, 0):
+            raise ValueError(f'context_idx={context_idx}: this buffer has a single communication context')
+        BufferBase.barrier(self, wait_comm_stream, with_cpu_sync, sequential)
+
+    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
+                context_idx: Optional[int] = None) -> None:
+        """GPU barrier over every rank (`deep_ep.comm.barrier`): on the communication stream, ordered after the current
+        stream and before what follows on it (`wait_comm_stream=False`: on the current stream); with
+        `with_cpu_sync` the host waits too (and raises `TimeoutError` on a GPU timeout)."""
+        self.context_barrier(context_idx, wait_comm_stream, with_cpu_sync, sequential)
+
+    def get_comm_stream(self):
+        """The communication stream: a `torch.cuda.Stream` when torch has CUDA, else the CuPy stream."""
+        from .. import comm
+        return comm.get_comm_stream(self)
+
+    @property
+    def context(self):
+        """The (single) communication context: the buffer itself (DeepEP: its C++ context), None once destroyed."""
+        return self.main_context

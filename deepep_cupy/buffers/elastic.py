@@ -53,6 +53,9 @@ class ElasticBuffer(BufferBase):
             process).
         num_bytes: symmetric bytes per rank (multiple of 2 MiB); default `get_buffer_size_hint(...)` of the MoE
             settings below.
+        num_cpu_bytes: the part of `num_bytes` (a multiple of 2 MiB) kept in host memory: the engram table's storage,
+            pinned host segments every rank of the scale-up domain maps (`get_engram_storage_size_hint`'s
+            `cpu_bytes`). 0: everything in GPU memory.
         num_max_tokens_per_rank: most tokens a rank dispatches per call (all ranks must agree).
         hidden: hidden size; num_topk: top-k (0: size for up to 32).
         use_fp8_dispatch: accepted for DeepEP compatibility (the buffer is sized for BF16, which covers FP8).
@@ -77,14 +80,17 @@ class ElasticBuffer(BufferBase):
             check_int(name, value)
         if num_topk > ep_layout.NUM_MAX_TOPK:
             raise ValueError(f'num_topk must be <= {ep_layout.NUM_MAX_TOPK}, got {num_topk}')
-        if num_cpu_bytes:
-            raise NotImplementedError('num_cpu_bytes (host-memory engram storage) is not supported yet')
         pg = get_group(group, comm, timeout=num_cpu_timeout_secs)
         if num_bytes is None:
             if not (num_max_tokens_per_rank and hidden):
                 raise ValueError('give num_bytes, or num_max_tokens_per_rank and hidden so the size can be derived')
             num_bytes = self.get_buffer_size_hint(pg, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                                   allow_hybrid_mode, allow_multiple_reduction)
+        check_int('num_bytes', num_bytes)
+        if num_cpu_bytes % BUFFER_ALIGNMENT or num_cpu_bytes > num_bytes:
+            raise ValueError(f'num_cpu_bytes must be a multiple of {BUFFER_ALIGNMENT} (2 MiB) and at most num_bytes='
+                             f'{num_bytes}, got {num_cpu_bytes}')
+        self.num_cpu_bytes = num_cpu_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
         self.num_topk = num_topk
@@ -94,7 +100,8 @@ class ElasticBuffer(BufferBase):
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
         self.num_allocated_qps = num_allocated_qps
         self._ep = self._pp = self._agrs = self._engram = self._lb = None
-        super().__init__(group=pg, num_bytes=num_bytes, allow_hybrid_mode=allow_hybrid_mode,
+        super().__init__(group=pg, num_bytes=num_bytes - num_cpu_bytes, num_host_bytes=num_cpu_bytes,
+                         allow_hybrid_mode=allow_hybrid_mode,
                          num_cpu_timeout_secs=num_cpu_timeout_secs, num_gpu_timeout_secs=num_gpu_timeout_secs,
                          explicitly_destroy=explicitly_destroy, device=device,
                          config={'num_max_tokens_per_rank': num_max_tokens_per_rank, 'hidden': hidden,
@@ -130,7 +137,7 @@ class ElasticBuffer(BufferBase):
 
     def _engram_feature(self) -> Engram:
         if self._engram is None:
-            self._engram = Engram(weakref.proxy(self))
+            self._engram = Engram(weakref.proxy(self), host_storage=self.host_storage)
         return self._engram
 
     def _lb_feature(self) -> LB:
@@ -322,15 +329,41 @@ class ElasticBuffer(BufferBase):
     # ---- engram ------------------------------------------------------------------------------------------------
     get_engram_storage_size_hint = staticmethod(storage_size_hint)
 
-    @_doc(Engram.write)
     def engram_write(self, storage, sf=None) -> None:
-        self._engram_feature().write(storage, sf)
+        """Copy this rank's rows into its table (collective over the domain: every rank calls it with tables of the
+        same shape and dtype); the table lives in host storage when the buffer has `num_cpu_bytes`, else in the last
+        `cpu_bytes` of the data region. Waits until no peer still fetches from the old table; fetches issued later
+        see the new tables.
 
-    @_doc(Engram.fetch)
+        Args:
+            storage: `[num_entries, hidden]` bfloat16 or float8_e4m3fn (CuPy: uint16 / uint8), contiguous, on this
+                GPU; `hidden * itemsize` a multiple of 16 bytes.
+            sf: for float8 tables, the scale factors of EVERY rank's rows, replicated on every rank:
+                `[num_ranks * num_entries, num_packs]` float32 (or int32 packed UE8M0), contiguous. None: no scales.
+        """
+        self._engram_feature().write([storage], None if sf is None else [sf])
+
     def engram_fetch(self, indices, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False,
                      check_indices: bool = True):
+        """Gather rows of the domain's table (not collective: each rank fetches on its own).
+
+        Args:
+            indices: `[num_tokens, num_entries_per_token]` int32, contiguous, on this GPU; global entry ids in
+                `[0, num_ranks * num_entries)`.
+            num_qps: blocks of the fetch kernel (upstream: RDMA queue pairs); 0: every SM, fewer for small fetches.
+            use_tma_aligned_col_major_sf: scale factors column-major with the token dimension padded to 4.
+            check_indices: read the indices' range back before the launch (the host waits for the current stream to
+                reach this call) and raise ValueError if one is out of range. False skips it; out-of-range rows come
+                out zero.
+
+        Returns:
+            a hook; `hook()` makes the current stream wait and returns `(data, sf)`: `data` is `[num_tokens,
+            num_entries_per_token * hidden]` in the table's dtype, a view of this buffer's fetch output area (valid
+            until the next fetch on this buffer), `sf` `[num_tokens, num_entries_per_token * num_packs]` (float32 /
+            int32, new memory) or None without scale factors.
+        """
         return (self._engram or self._engram_feature()).fetch(indices, num_qps, use_tma_aligned_col_major_sf,
-                                                              check_indices)
+                                                              check_indices)[0]
 
     # ---- load balancing ----------------------------------------------------------------------------------------
     def lb_set_plan(self, plan_or_num_bytes):

@@ -5,6 +5,7 @@ from typing import Dict, List
 
 from ..constants import NUM_MAX_SCALEUP_RANKS
 from ..features import barrier, ll, peer_copy
+from ..features.agrs import bucket as bucket_kernels
 from ..features.agrs import kernels as agrs_kernels
 from ..features.engram import plan as engram_plan
 from ..features.ep import kernels as ep_kernels
@@ -20,7 +21,8 @@ def shipped_specs() -> Dict[str, List[KernelSpec]]:
     specs: Dict[str, List[KernelSpec]] = {}
     for contribution in (barrier.shipped_specs(n), ep_kernels.shipped_specs(n), peer_copy.shipped_specs(n),
                          pp_plan.shipped_specs(), agrs_kernels.shipped_specs(n), engram_plan.shipped_specs(n),
-                         lb_plan.shipped_specs(n), ll.shipped_specs(), legacy_layout.shipped_specs()):
+                         lb_plan.shipped_specs(n), ll.shipped_specs(), legacy_layout.shipped_specs(),
+                         bucket_kernels.shipped_specs(n)):
         for family, family_specs in contribution.items():
             specs.setdefault(family, []).extend(family_specs)
     return specs

@@ -35,9 +35,16 @@ def shipped_specs(max_ranks: int):
 
 
 class Barrier:
-    """The GPU barrier of one symmetric buffer (epochs in the buffer's workspace; see kernels_cu/barrier.cu)."""
+    """The GPU barrier of one symmetric buffer (epochs in the buffer's workspace; see kernels_cu/barrier.cu).
 
-    def __init__(self, sym, error_record_ptr: int, timeout_ns: int, with_tests: bool = False):
+    Args:
+        sym: the symmetric memory (`num_peers`, `local_idx`, `peer_bases_ptr`).
+        signal_offset: workspace offset of the barrier's words (another one per communication context of a buffer
+            mapped by several groups).
+    """
+
+    def __init__(self, sym, error_record_ptr: int, timeout_ns: int, with_tests: bool = False,
+                 signal_offset: int = SIGNAL_OFFSET):
         self.sym = sym
         self.error_record_ptr = error_record_ptr
         self.timeout_ns = int(timeout_ns)
@@ -45,7 +52,7 @@ class Barrier:
         self.kernel = kernels[barrier_spec(sym.num_peers).name]
         self.test_write = kernels.get(TEST_WRITE.name)
         self.test_check = kernels.get(TEST_CHECK.name)
-        self._launch = self.kernel.prepare(1, 32, peer_bases=self.sym.peer_bases_ptr, signal_offset=SIGNAL_OFFSET,
+        self._launch = self.kernel.prepare(1, 32, peer_bases=self.sym.peer_bases_ptr, signal_offset=signal_offset,
                                            rank=self.sym.local_idx, error_record=self.error_record_ptr,
                                            timeout_ns=self.timeout_ns)
 

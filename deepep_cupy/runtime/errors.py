@@ -4,7 +4,7 @@ import numpy as np
 
 ERROR_RECORD_WORDS = 8
 PHASES = {1: 'barrier', 2: 'test ring', 3: 'notify', 4: 'dispatch', 5: 'combine', 6: 'peer copy', 7: 'pp send/recv',
-          8: 'all-gather/reduce-scatter', 9: 'engram', 10: 'load balancing'}
+          8: 'all-gather/reduce-scatter', 9: 'engram', 10: 'load balancing', 11: 'bucket collective'}
 
 
 def describe(record: np.ndarray) -> str:

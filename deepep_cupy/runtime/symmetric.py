@@ -11,7 +11,7 @@ A rank must not free its memory while a peer still maps it, and no kernel may be
 """
 
 import ctypes
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -141,3 +141,61 @@ class SymmetricMemory:
         cupy.cuda.runtime.free(self.base)
         self.base = 0
         self.peer_bases = []
+
+
+def process_key() -> Tuple[str, int]:
+    """`(host, pid)`: which process this is, comparable across the ranks of a job."""
+    import os
+    import socket
+
+    from .. import envs
+    return envs.host_override() or socket.gethostname(), os.getpid()
+
+
+class PeerMapping:
+    """Another group's view of symmetric allocations that already exist: every rank of `group` shares the IPC handle
+    of its allocation (`base`, `num_bytes`), and each rank maps the others' (a `BucketBuffer` registered with several
+    groups). Allocations this process has mapped already (`known`: `(host, pid)` of their owner -> address) are not
+    opened twice.
+
+    Args:
+        group: the host process group of the context (collective construction).
+        base, num_bytes: this rank's allocation (identical size on every rank; checked).
+        known: `(host, pid)` -> address of allocations this process maps already (its own included).
+    """
+
+    def __init__(self, group: ProcessGroup, base: int, num_bytes: int, known: Dict[Tuple[str, int], int]):
+        import cupy
+        rt = cupy.cuda.runtime
+        self.group = group
+        self.num_peers, self.local_idx = group.size, group.rank
+        group.check_same('symmetric buffer size (num_bytes)', int(num_bytes))
+        everyone = group.allgather_object((process_key(), bytes(rt.ipcGetMemHandle(base))))
+        self._opened: List[int] = []
+        self.peer_bases: List[int] = []
+        try:
+            for key, handle in everyone:
+                ptr = known.get(key)
+                if ptr is None:
+                    ptr = rt.ipcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess)
+                    self._opened.append(ptr)
+                self.peer_bases.append(ptr)
+            self._table = cupy.asarray(np.array(self.peer_bases, dtype=np.uint64))
+        except Exception:
+            self.release()
+            raise
+
+    @property
+    def peer_bases_ptr(self) -> int:
+        return int(self._table.data.ptr)
+
+    def release(self) -> None:
+        """Close the mappings this object opened (local; the owners free their allocations). Idempotent."""
+        import cupy
+        for ptr in self._opened:
+            try:
+                cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+            except Exception:  # noqa: BLE001 (interpreter shutdown)
+                pass
+        self._opened = []
+        self._table = None

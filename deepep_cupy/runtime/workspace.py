@@ -26,6 +26,7 @@ PP = Region(20480, 4096)                    # pp.cu
 AGRS = Region(24576, 4096)                  # agrs.cu
 ENGRAM = Region(28672, 2048)                # engram.cu
 LB = Region(30720, 2048)                    # lb.cu
+BUCKET = Region(32768, 16384)               # bucket.cu (a slice per BucketBuffer communication context)
 EP_NOTIFY = Region(65536, 65536)            # common/ep.cuh
 EP_CHUNK_SIGNAL = Region(131072, 1 << 20)   # ep_combine.cu
 
@@ -40,7 +41,8 @@ HOST_PP_ERROR = Region(8320, 64)            # pp.cu
 # The header's names for each region, in address order.
 WORKSPACE: Dict[str, Region] = {
     'Barrier': BARRIER, 'ErrorClaim': ERROR_CLAIM, 'BarrierTest': BARRIER_TEST, 'EPCtrl': EP_CTRL,
-    'PeerCopy': PEER_COPY, 'PP': PP, 'Agrs': AGRS, 'Engram': ENGRAM, 'LB': LB, 'EPNotify': EP_NOTIFY,
+    'PeerCopy': PEER_COPY, 'PP': PP, 'Agrs': AGRS, 'Engram': ENGRAM, 'LB': LB, 'Bucket': BUCKET,
+    'EPNotify': EP_NOTIFY,
     'EPChunkSignal': EP_CHUNK_SIGNAL,
 }
 HOST_MAPPED: Dict[str, Region] = {

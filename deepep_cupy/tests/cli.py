@@ -144,9 +144,27 @@ def engram_parser() -> argparse.ArgumentParser:
     p.add_argument('--num-tokens', type=int, default=512, help='tokens per fetch')
     p.add_argument('--num-entries-per-token', type=int, default=24, help='table rows each token fetches')
     p.add_argument('--use-fp8', action='store_true', help='FP8 table rows with per-row scale factors (else bfloat16)')
+    p.add_argument('--use-cpu-storage', action='store_true',
+                   help='tables in pinned host memory (num_cpu_bytes): checked bit for bit against the reference and '
+                        'the GPU-storage path, fetch GB/s and rows/s next to the GPU-storage path in the same run')
     p.add_argument('--seed', type=int, default=0, help='seed of the tables and fetch indices')
     _timeouts(p)
     _skip(p, 'check', 'perf', 'baselines', 'error')
+    return p
+
+
+def v25_parser() -> argparse.ArgumentParser:
+    p = _parser('v25', 'DeepEP V2.5 API test: BucketBuffer / BucketSession, EPBuffer (dispatch / combine beside load '
+                       'balancing, defer_epilogue),\nPPBuffer and EngramBuffer (GPU and host storage), checked bit for '
+                       'bit against host references; then bucket timings.')
+    p.add_argument('--num-tokens', type=int, default=256, help='tokens per rank of the EPBuffer checks')
+    p.add_argument('--hidden', type=int, default=2048, help='hidden size of the EPBuffer checks')
+    p.add_argument('--num-topk', type=int, default=8, help='top-k of the EPBuffer checks')
+    p.add_argument('--num-experts', type=int, default=64, help='experts in all (a multiple of the rank count)')
+    p.add_argument('--num-entries', type=int, default=4096, help='entries per rank of the first engram layer')
+    p.add_argument('--perf-bytes', type=parse_num_bytes, default=64 << 20, help='bytes of the timed bucket')
+    p.add_argument('--seed', type=int, default=0, help='seed of every input')
+    _skip(p, 'perf')
     return p
 
 
@@ -276,4 +294,5 @@ PARSERS = {
     'reduce_grads': lambda: lb_parser('reduce'), 'prefetch_weights': lambda: lb_parser('prefetch'),
     'allocation': allocation_parser, 'barrier': barrier_parser, 'jit_timing': jit_timing_parser,
     'legacy_low_latency': legacy_low_latency_parser, 'legacy_intranode': legacy_intranode_parser,
+    'v25': v25_parser,
 }

@@ -1,7 +1,7 @@
 """Engram rank program: `engram_write` / `engram_fetch` checked against a host-gathered table, then timed.
 
     mpirun -np N python -m deepep_cupy.tests.engram [--num-entries 524288 --hidden 128 --num-tokens 512
-        --num-entries-per-token 24 --use-fp8]
+        --num-entries-per-token 24 --use-fp8 --use-cpu-storage]
 
 Every rank writes a random table; each rank fetches random global rows. The reference rows come through the host
 process group (each owner ships the rows every rank asked it for), never from the code under test; data and scale
@@ -9,6 +9,10 @@ factors (FP8, row-major and TMA-aligned column-major) must match bit for bit, al
 `engram_write` replaced every table. Invalid calls must raise before any kernel. Performance: the fetch kernel's GPU
 time (issue), the hook's wait, the host time of the call, GB/s (`T * n * hidden * itemsize / time`) and million rows
 per second, next to the peer-copy floor and an NCCL all-to-all moving the same cross-GPU bytes (one rank per GPU).
+
+`--use-cpu-storage`: the tables live in pinned host memory shared by the ranks (`ElasticBuffer(num_bytes=gpu + cpu,
+num_cpu_bytes=cpu)`); every check runs on that buffer, each fetch is also compared bit for bit with the same fetch
+from a second buffer keeping the tables in GPU memory, and the perf lines show both paths in the same run.
 """
 
 import sys
@@ -68,7 +72,13 @@ class EngramTest:
         self.dtype = torch.float8_e4m3fn if args.use_fp8 else torch.bfloat16
         gpu_bytes, cpu_bytes = storage_size_hint(self.N, self.H, self.T * self.n, self.dtype)
         self.hint = (gpu_bytes, cpu_bytes)
-        self.buf = make_buffer(group, gpu_bytes + cpu_bytes, num_gpu_timeout_secs=args.num_gpu_timeout_secs)
+        # With --use-cpu-storage the buffer under test keeps the tables in host memory; `gpu_buf` (tables in GPU
+        # memory) is the path every fetch is compared with, bit for bit, and timed beside.
+        self.num_cpu_bytes = cpu_bytes if args.use_cpu_storage else 0
+        self.buf = make_buffer(group, gpu_bytes + cpu_bytes, num_gpu_timeout_secs=args.num_gpu_timeout_secs,
+                               num_cpu_bytes=self.num_cpu_bytes)
+        self.gpu_buf = make_buffer(group, gpu_bytes + cpu_bytes, num_gpu_timeout_secs=args.num_gpu_timeout_secs) \
+            if args.use_cpu_storage else None
         gen = torch.Generator(device='cuda').manual_seed(args.seed * 1000 + self.rank)
         bf16 = torch.randn((self.N, self.H), dtype=torch.float32, device='cuda', generator=gen).to(torch.bfloat16)
         self.sf = None
@@ -85,9 +95,17 @@ class EngramTest:
 
     def write(self, table, sf) -> None:
         self.buf.engram_write(table, sf=sf)
+        if self.gpu_buf is not None:
+            self.gpu_buf.engram_write(table, sf=sf)
 
     def check_fetch(self, what: str, data, sf, ref_rows: np.ndarray) -> None:
         T, n = self.T, self.n
+        if self.gpu_buf is not None and tuple(data.shape) == (T, n * self.H):
+            # The same fetch from GPU storage: host storage must give the same bits.
+            gpu_data, gpu_sf = self.gpu_buf.engram_fetch(self.indices, use_tma_aligned_col_major_sf=True)()
+            check_equal(data.cpu(), gpu_data.cpu(), f'{what}: host-storage data vs GPU-storage data')
+            if sf is not None:
+                check_equal(sf.cpu(), gpu_sf.cpu(), f'{what}: host-storage sf vs GPU-storage sf')
         check(tuple(data.shape) == (T, n * self.H), f'{what}: data shape {tuple(data.shape)}')
         check_equal(data.cpu(), _from_bits(ref_rows.reshape(T, -1), self.dtype), f'{what}: data')
         if self.sf is None:
@@ -172,7 +190,7 @@ class EngramTest:
             self.buf.engram_fetch(self.indices, num_qps=self.args.num_qps, use_tma_aligned_col_major_sf=True,
                                   check_indices=check_indices)()
 
-        kernel_t = bench_kineto(lambda: fetch_and_wait(False), 'engram_fetch_kernel', barrier_comm_profiling=True,
+        kernel_t = bench_kineto(lambda: fetch_and_wait(False), 'engram_fetch_impl', barrier_comm_profiling=True,
                                 barrier=self.buf.barrier)
         e2e = bench(fetch_and_wait, flush_l2=True).avg
         e2e_nocheck = bench(lambda: fetch_and_wait(False), flush_l2=True).avg
@@ -187,10 +205,20 @@ class EngramTest:
             wait.append(time.perf_counter() - t1)
         torch.cuda.synchronize()
         issue_us, wait_us = np.median(issue) * 1e6, np.median(wait) * 1e6
-        line = (f'[perf] rank {self.rank}: fetch kernel {kernel_t * 1e6:7.1f} us (issue), hook {wait_us:5.1f} us '
-                f'(wait), host call {issue_us:6.1f} us | {num_bytes / kernel_t / 1e9:6.1f} GB/s, '
+        where = 'host storage' if self.num_cpu_bytes else 'GPU storage'
+        line = (f'[perf] rank {self.rank} ({where}): fetch kernel {kernel_t * 1e6:7.1f} us (issue), hook '
+                f'{wait_us:5.1f} us (wait), host call {issue_us:6.1f} us | {num_bytes / kernel_t / 1e9:6.1f} GB/s, '
                 f'{T * n / kernel_t / 1e6:7.1f} M rows/s | end-to-end {e2e * 1e6:7.1f} us with the index check, '
                 f'{e2e_nocheck * 1e6:7.1f} us without ({num_bytes / e2e_nocheck / 1e9:6.1f} GB/s)')
+        lines = [line]
+        if self.gpu_buf is not None:
+            gpu_t = bench_kineto(lambda: self.gpu_buf.engram_fetch(self.indices, num_qps=self.args.num_qps,
+                                                                   use_tma_aligned_col_major_sf=True,
+                                                                   check_indices=False)(),
+                                 'engram_fetch_impl', barrier_comm_profiling=True, barrier=self.gpu_buf.barrier)
+            lines.append(f'[perf] rank {self.rank} (GPU storage, same run): fetch kernel {gpu_t * 1e6:7.1f} us | '
+                         f'{num_bytes / gpu_t / 1e9:6.1f} GB/s, {T * n / gpu_t / 1e6:7.1f} M rows/s | host storage '
+                         f'takes {kernel_t / gpu_t:.2f} x the GPU-storage time')
         # Bytes that cross to this rank from each owner (remote rows only), for the same-bytes baselines.
         owners = self.indices.cpu().numpy().reshape(-1) // N
         recv = [int((owners == p).sum()) * row_bytes if p != self.rank else 0 for p in range(R)]
@@ -203,10 +231,13 @@ class EngramTest:
                 line += f' | peer-copy floor (all SMs) {floor * 1e6:7.1f} us ({floor / kernel_t:.2f} x)'
             a2a = nccl_all_to_all(self.group, send, recv)
             line += f' | NCCL all-to-all {a2a * 1e6:7.1f} us ({a2a / kernel_t:.2f} x)'
-        return [line], stats
+            lines[0] = line
+        return lines, stats
 
     def destroy(self) -> None:
         self.buf.destroy()
+        if self.gpu_buf is not None:
+            self.gpu_buf.destroy()
 
 
 def main(argv=None) -> int:
@@ -224,7 +255,8 @@ def main(argv=None) -> int:
     log(group, f'[init] {num_ranks} ranks, {test.buf.topology.num_ranks_per_gpu()} per GPU; {args.num_entries} entries '
                f'x {args.hidden} {"FP8" if args.use_fp8 else "BF16"} per rank; {args.num_tokens} tokens x '
                f'{args.num_entries_per_token} entries; storage hint gpu {gpu_bytes >> 20} MiB + cpu {cpu_bytes >> 20} '
-               f'MiB (both in GPU memory here); set up in {time.perf_counter() - t0:.2f} s')
+               f'MiB ({"tables in pinned host memory" if args.use_cpu_storage else "both in GPU memory"}); set up in '
+               f'{time.perf_counter() - t0:.2f} s')
     ok = True
     try:
         if not args.skip_check:

@@ -299,16 +299,17 @@ def test_misc(buf: ElasticBuffer, case: Case):
     import deepep_cupy
     check(deepep_cupy.get_physical_domain_size(buf.group) == (1, case.num_ranks), 'module get_physical_domain_size')
     check(deepep_cupy.get_logical_domain_size(buf.group) == (1, case.num_ranks), 'module get_logical_domain_size')
-    # The V2.5 class name, and the SM heuristic when compute overlap does not matter (at least 64 SMs).
+    # The V2.5 class, and the SM heuristic when compute overlap does not matter (at least 64 SMs).
     other = EPBuffer(buf.group, num_max_tokens_per_rank=case.M, hidden=case.H, num_topk=case.K,
                      prefer_overlap_with_compute=False, use_fp8_dispatch=True, explicitly_destroy=True)
     try:
-        check(isinstance(other, ElasticBuffer), 'EPBuffer is an ElasticBuffer')
+        check(not isinstance(other, ElasticBuffer) and other.num_lb_bytes == 0, 'EPBuffer: V2.5 class, no LB region')
         if case.num_ranks > 1:
             sms = other.get_theoretical_num_sms(case.E, case.K)
             check(sms >= min(64, other.num_device_sms), f'prefer_overlap_with_compute=False gives {sms} SMs')
         out = other.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E)
         check_dispatch(case, out, False, 1, False, True, 'EPBuffer dispatch')
+        check(out[3].topk_idx is case.topk_idx, 'EPBuffer handle keeps topk_idx itself (V2.5)')
         check(out[3].token_metadata_at_forward is None and out[3].channel_linked_list is None,
               'EPHandle hybrid-mode fields are None inside one domain')
         try:

@@ -30,6 +30,7 @@ enum Phase : int {
     kPhaseAGRS = 8,
     kPhaseEngram = 9,
     kPhaseLB = 10,
+    kPhaseBucket = 11,
 };
 
 template <typename T>

@@ -1,12 +1,13 @@
 """Engram: the feature of a buffer (plan.py: declarations, sizes, layout; `kernels_cu/engram.cu`: the protocol).
 
-Upstream keeps the table in host memory and fetches it with RDMA reads; here the table lives in GPU symmetric memory
-and the fetch kernel reads the owners' tables over NVLink. `get_engram_storage_size_hint` keeps upstream's
-`(gpu_bytes, cpu_bytes)` pair for compatibility: build the buffer with `num_bytes = gpu_bytes + cpu_bytes`; the data
-region then holds the fetch output (the first `gpu_bytes`) and the table (the last `cpu_bytes`).
+Upstream fetches rows with RDMA reads; here the fetch kernel reads the owners' storage directly: GPU storage (the
+symmetric buffer, over NVLink) or host storage (`runtime/host_storage.py`: pinned host segments every rank of the
+domain has mapped). One kernel serves both: it takes a table of the ranks' storage addresses. DeepEP V2.0's single
+table (`engram_write` / `engram_fetch`) is the one-layer case of V2.5's layered tables (`set_config`, `write`,
+`fetch` of `[layers, T, n]` indices).
 """
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -23,9 +24,11 @@ from .plan import (
     THREADS,
     EngramLayout,
     all_specs,
+    check_entries,
     fetch_args,
     fetch_spec,
     grid_for,
+    layer_words,
     table_dtype_name,
     write_args,
     write_spec,
@@ -35,11 +38,12 @@ DATA_REGION_OWNER = 'engram'
 
 
 class EngramFetchHook:
-    """Returned by `engram_fetch`; calling it makes the current stream wait for the fetch and returns
-    `(data, sf)`. May be called more than once."""
+    """What a fetch returns per layer: calling it makes the current stream wait for the fetch and returns the layer's
+    result (`(data, sf)` for DeepEP V2.0's `engram_fetch`; `data`, or `(data, sf)` with scale factors, for V2.5's
+    `EngramBuffer.fetch`). May be called more than once, in any order across layers."""
 
-    def __init__(self, event: Optional[EventHandle], like: Any, data: Any, sf: Any, keep_alive: Tuple):
-        self._event, self._like, self._result, self._keep_alive = event, like, (data, sf), keep_alive
+    def __init__(self, event: Optional[EventHandle], like: Any, result: Any, keep_alive: Tuple):
+        self._event, self._like, self._result, self._keep_alive = event, like, result, keep_alive
 
     def __call__(self):
         if self._event is not None:
@@ -48,82 +52,167 @@ class EngramFetchHook:
 
 
 class Engram:
-    """The engram feature of one buffer: the table's layout (set by `write`), a private copy of the replicated scale
-    factors, views of the fetch output and the index range check.
+    """The engram feature of one buffer: the tables' layout, where the storage is, a private copy of the replicated
+    scale factors, views of the fetch output and the index range check.
 
     Args:
         buf: the buffer (a `BufferBase`).
+        out_region: `(symmetric offset, bytes)` of the fetch output. None: DeepEP V2.0's split of the data region
+            (tables at its end, the output before them; or, with `host_storage`, the whole data region).
+        storage_region: `(symmetric offset, bytes)` of GPU storage for the tables (V2.5 `EngramBuffer`).
+        host_storage: a `HostStorage` holding the tables in host memory instead.
     """
 
-    def __init__(self, buf):
+    def __init__(self, buf, out_region: Optional[Tuple[int, int]] = None,
+                 storage_region: Optional[Tuple[int, int]] = None, host_storage: Any = None):
         self._buf = buf
-        self.layout: Optional[EngramLayout] = None
-        self.sf: Any = None                 # private copy of the replicated scale factors, or None
+        self._out_region, self._storage_region, self.host_storage = out_region, storage_region, host_storage
+        self.layout: Optional[EngramLayout] = None         # set by `configure` (V2.5) or by the first write (V2.0)
+        self.configured = False
+        self.written = False
+        self.sf: Any = None                 # private copy of every layer's replicated scale factors, or None
         self.sf_dtype: Optional[str] = None
         self.num_sf = 0
-        self._out_views: Dict[str, Any] = {}
+        self._device: dict = {}             # device arrays of the written layout: 'layers', 'table_bases'
+        self._out_views: dict = {}
         self._host_range: Optional[HostRange] = None
 
     def destroy(self) -> None:
-        self.layout, self.sf, self._out_views = None, None, {}
+        self.layout, self.sf, self._out_views, self._device, self.host_storage = None, None, {}, {}, None
 
     def _kernels(self):
         return load_kernels(all_specs(self._buf.num_scaleup_ranks))
 
-    def _check_write(self, storage, sf) -> Tuple[EngramLayout, Any, Any]:
+    # ---- layout ------------------------------------------------------------------------------------------------
+    def _layout_for(self, num_entries_per_layer, hidden: int, dtype: str) -> EngramLayout:
         buf = self._buf
-        si = checks.info(storage, 'storage', buf.device)
+        if self._out_region is None and self.host_storage is None and self._storage_region is None:
+            (num_entries,) = num_entries_per_layer
+            return EngramLayout.in_data_region(buf.data_offset, buf.num_bytes, buf.num_scaleup_ranks, num_entries,
+                                               hidden, dtype)
+        out = self._out_region or (buf.data_offset, buf.num_bytes)
+        if self.host_storage is not None:
+            return EngramLayout.build(buf.num_scaleup_ranks, num_entries_per_layer, hidden, dtype, out, None,
+                                      self.host_storage.num_bytes)
+        offset, num_bytes = self._storage_region
+        return EngramLayout.build(buf.num_scaleup_ranks, num_entries_per_layer, hidden, dtype, out, offset, num_bytes)
+
+    def configure(self, num_entries_per_layer, hidden: int, dtype: Any = 'bfloat16', num_sf_packs: int = 0,
+                  num_max_rows: int = 0) -> None:
+        """Fix the tables' shapes (V2.5 `set_config`; collective: every rank passes the same values).
+
+        Args:
+            num_entries_per_layer: entries per rank of each layer's table.
+            hidden: elements per row; dtype: bfloat16 or float8_e4m3fn.
+            num_sf_packs: 4-byte scale-factor packs per entry of FP8 tables (0: none).
+            num_max_rows: rows one fetch returns per layer (tokens x entries per token), checked against the output.
+        """
+        buf = self._buf
+        entries = check_entries(num_entries_per_layer)
+        checks.check_int('hidden', hidden, 1)
+        checks.check_int('num_sf_packs', num_sf_packs)
+        checks.check_int('num_max_rows', num_max_rows)
+        name = table_dtype_name(dtype)
+        # Compare first: with equal arguments every rank passes (or fails) the checks below alike.
+        buf.group.check_same('engram set_config(num_entries_per_layer, hidden, dtype, num_sf_packs, rows)',
+                             (entries, hidden, name, num_sf_packs, num_max_rows), timeout=buf.num_cpu_timeout_secs)
+        if (hidden * TABLE_DTYPES[name]) % 16:
+            raise ValueError(f'hidden * itemsize must be a multiple of 16 bytes, got {hidden} x {name}')
+        if num_sf_packs and name != 'float8_e4m3fn':
+            raise ValueError('num_sf_packs: scale factors belong to float8_e4m3fn tables')
+        if max(entries) * buf.num_scaleup_ranks >= 2 ** 31:
+            raise ValueError(f'num_entries_per_layer: {max(entries)} entries per rank x {buf.num_scaleup_ranks} ranks '
+                             f'overflow int32 global indices')
+        layout = self._layout_for(entries, hidden, name)
+        layout.check_fetch(layout.num_layers, num_max_rows, 1)
+        if self._out_region is None:
+            buf.claim_data_region(DATA_REGION_OWNER)
+        self.layout, self.configured, self.written = layout, True, False
+        self.num_sf = num_sf_packs
+        self._device, self._out_views = {}, {}
+
+    # ---- write -------------------------------------------------------------------------------------------------
+    def _check_layer(self, storage, sf, layer: int, num_layers: int):
+        buf = self._buf
+        tag = '' if num_layers == 1 else f'[{layer}]'
+        si = checks.info(storage, f'storage{tag}', buf.device)
         dtype = table_dtype_name(si.dtype) if si.kind == 'cupy' else si.dtype
         if dtype not in TABLE_DTYPES:
-            raise TypeError(f'storage must be bfloat16 or float8_e4m3fn, got {si.dtype}')
+            raise TypeError(f'storage{tag} must be bfloat16 or float8_e4m3fn, got {si.dtype}')
         if si.ndim != 2:
-            raise ValueError(f'storage must be 2-D [num_entries, hidden], got {list(si.shape)}')
-        checks.check_contiguous(si, 'storage')
+            raise ValueError(f'storage{tag} must be 2-D [num_entries, hidden], got {list(si.shape)}')
+        checks.check_contiguous(si, f'storage{tag}')
         num_entries, hidden = si.shape
         if num_entries < 1 or (hidden * TABLE_DTYPES[dtype]) % 16 or hidden < 1:
-            raise ValueError(f'storage: need num_entries >= 1 and hidden * itemsize a positive multiple of 16 bytes, '
-                             f'got {num_entries} x {hidden} {dtype}')
+            raise ValueError(f'storage{tag}: need num_entries >= 1 and hidden * itemsize a positive multiple of 16 '
+                             f'bytes, got {num_entries} x {hidden} {dtype}')
         if si.ptr % 16:
-            raise ValueError('storage must start at a 16-byte aligned address')
+            raise ValueError(f'storage{tag} must start at a 16-byte aligned address')
         if num_entries * buf.num_scaleup_ranks >= 2 ** 31:
-            raise ValueError(f'storage: {num_entries} entries per rank x {buf.num_scaleup_ranks} ranks overflow int32 '
-                             f'global indices')
+            raise ValueError(f'storage{tag}: {num_entries} entries per rank x {buf.num_scaleup_ranks} ranks overflow '
+                             f'int32 global indices')
         sfi = None
         if sf is not None:
             if dtype != 'float8_e4m3fn':
-                raise ValueError('sf: scale factors belong to float8_e4m3fn tables; pass sf=None for bfloat16')
-            sfi = checks.info(sf, 'sf', buf.device)
-            checks.check_same_kind(si.kind, sfi, 'sf')
-            checks.check_dtype(sfi, 'sf', *SF_DTYPES)
+                raise ValueError(f'sf{tag}: scale factors belong to float8_e4m3fn tables; pass sf=None for bfloat16')
+            sfi = checks.info(sf, f'sf{tag}', buf.device)
+            checks.check_same_kind(si.kind, sfi, f'sf{tag}')
+            checks.check_dtype(sfi, f'sf{tag}', *SF_DTYPES)
             total = num_entries * buf.num_scaleup_ranks
             if sfi.ndim != 2 or sfi.shape[0] != total or sfi.shape[1] < 1:
-                raise ValueError(f'sf must be [num_ranks * num_entries = {total}, num_packs] (replicated on every '
+                raise ValueError(f'sf{tag} must be [num_ranks * num_entries = {total}, num_packs] (replicated on every '
                                  f'rank), got {list(sfi.shape)}')
-            checks.check_contiguous(sfi, 'sf')
-        layout = EngramLayout.build(buf.data_offset, buf.num_bytes, buf.num_scaleup_ranks, num_entries, hidden, dtype)
-        return layout, si, sfi
+            checks.check_contiguous(sfi, f'sf{tag}')
+        return si, sfi, dtype
 
-    def write(self, storage, sf=None) -> None:
-        """Copy this rank's rows into its table (collective over the domain: every rank calls it with tables of the
-        same shape and dtype). Waits until no peer still fetches from the old table, and returns once the current
-        stream is ordered after every rank's new table (fetches issued later see it).
+    def _check_write(self, storages: Sequence[Any], sfs: Optional[Sequence[Any]]):
+        """Local checks of a write: `(layout, storage infos, sf infos or None)`."""
+        if not storages:
+            raise ValueError('storages must hold one table per layer')
+        if sfs is not None and len(sfs) != len(storages):
+            raise ValueError(f'sfs has {len(sfs)} entries but storages has {len(storages)} (one per layer)')
+        infos = [self._check_layer(s, None if sfs is None else sfs[i], i, len(storages))
+                 for i, s in enumerate(storages)]
+        sis, sfis = [i[0] for i in infos], [i[1] for i in infos]
+        dtypes_, hiddens = {i[2] for i in infos}, {si.shape[1] for si in sis}
+        if len(dtypes_) > 1 or len(hiddens) > 1 or len({si.kind for si in sis}) > 1:
+            raise ValueError('storages: every layer must have the same hidden size, dtype and array kind')
+        if len({sfi is None for sfi in sfis}) > 1 or len({(sfi.shape[1], sfi.dtype) for sfi in sfis if sfi}) > 1:
+            raise ValueError('sfs: give scale factors for every layer or for none, all with the same packs and dtype')
+        entries, hidden, dtype = tuple(si.shape[0] for si in sis), sis[0].shape[1], infos[0][2]
+        if self.configured:
+            layout = self.layout
+            if (entries, hidden, dtype) != (layout.num_entries, layout.hidden, layout.dtype):
+                raise ValueError(f'storages: set_config gave {list(layout.num_entries)} entries x {layout.hidden} '
+                                 f'{layout.dtype}, got {list(entries)} x {hidden} {dtype}')
+            if self.num_sf and (sfis[0] is None or sfis[0].shape[1] != self.num_sf):
+                raise ValueError(f'sfs: set_config gave num_sf_packs={self.num_sf}; pass [num_ranks * num_entries, '
+                                 f'{self.num_sf}] scale factors for every layer')
+        else:
+            layout = self._layout_for(entries, hidden, dtype)
+        return layout, sis, (None if sfis[0] is None else sfis)
+
+    def write(self, storages: Sequence[Any], sfs: Optional[Sequence[Any]] = None) -> None:
+        """Copy this rank's rows of every layer into its storage (collective over the domain: every rank calls it with
+        tables of the same shapes and dtype). Waits until no peer still fetches from the old tables, and returns once
+        the current stream is ordered after every rank's new tables (fetches issued later see them).
 
         Args:
-            storage: `[num_entries, hidden]` bfloat16 or float8_e4m3fn (CuPy: uint16 / uint8), contiguous, on this
-                GPU; `hidden * itemsize` a multiple of 16 bytes.
-            sf: for float8 tables, the scale factors of EVERY rank's rows, replicated on every rank:
+            storages: per layer, `[num_entries, hidden]` bfloat16 or float8_e4m3fn (CuPy: uint16 / uint8),
+                contiguous, on this GPU; `hidden * itemsize` a multiple of 16 bytes.
+            sfs: for float8 tables, per layer the scale factors of EVERY rank's rows, replicated on every rank:
                 `[num_ranks * num_entries, num_packs]` float32 (or int32 packed UE8M0), contiguous. None: no scales.
         """
         buf = self._buf
         buf.check_usable()
         if buf.num_scaleout_ranks > 1:
-            raise NotImplementedError('engram over several scale-up domains (RDMA) is not implemented; the table is '
-                                      'read over NVLink inside one domain')
+            raise NotImplementedError('engram over several scale-up domains (RDMA) is not implemented; the tables are '
+                                      'read inside one domain')
         error, signature = None, None
         try:
-            layout, si, sfi = self._check_write(storage, sf)
-            signature = (layout.num_entries, layout.hidden, layout.dtype, None if sfi is None else
-                         (sfi.shape[1], sfi.dtype))
+            layout, sis, sfis = self._check_write(storages, sfs)
+            signature = (layout.num_entries, layout.hidden, layout.dtype,
+                         None if sfis is None else (sfis[0].shape[1], sfis[0].dtype))
         except (ValueError, TypeError) as e:
             error = e
         everyone = buf.group.allgather_object((None if error is None else repr(error), signature),
@@ -132,44 +221,75 @@ class Engram:
             raise error
         bad = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
         if bad:
-            raise ValueError(f'engram_write: rank {bad[0][0]} rejected its arguments ({bad[0][1]})')
+            raise ValueError(f'engram write: rank {bad[0][0]} rejected its arguments ({bad[0][1]})')
         if any(s != signature for _, s in everyone):
             detail = '; '.join(f'rank {r}: {s}' for r, (_, s) in enumerate(everyone))
-            raise ValueError(f'engram_write: every rank must write a table of the same shape and dtype (and pass sf '
+            raise ValueError(f'engram write: every rank must write tables of the same shapes and dtype (and pass sf '
                              f'alike): (num_entries, hidden, dtype, (num_packs, sf dtype)) = {detail}')
-        buf.claim_data_region(DATA_REGION_OWNER)
+        if self._out_region is None:
+            buf.claim_data_region(DATA_REGION_OWNER)
 
+        kind = sis[0].kind
         write = self._kernels()[write_spec(buf.num_scaleup_ranks).name]
-        current = interop.current_stream(storage)
+        current = interop.current_stream(storages[0])
         comm = buf.stream_order.begin(current)
-        sf_copy = None
-        if sfi is not None:
-            import cupy
-            sf_copy = interop.Allocator(si.kind).empty(sfi.shape, sfi.dtype, stream=comm)
-            cupy.cuda.runtime.memcpyAsync(interop.tensor_info(sf_copy).ptr, sfi.ptr, sfi.nbytes,
-                                          cupy.cuda.runtime.memcpyDefault, comm.ptr)
-        write.launch(grid_for(layout.table_bytes // 16, buf.num_device_sms), THREADS, stream=comm,
-                     **write_args(layout, storage, buf.sym.peer_bases_ptr, buf.sym.local_idx, buf.host_mapped.ptr,
-                                  buf.timeout_ns))
-        # The caller may reuse `storage` (and sf) right after: order its stream after the copy.
+        sf_copy, sf_rows = self._copy_sf(sfis, kind, comm)
+        base = self.host_storage.base if self.host_storage is not None else buf.sym.base + layout.storage_offset
+        for layer, storage in enumerate(storages):
+            write.launch(grid_for(layout.num_entries[layer] * layout.row_bytes // 16, buf.num_device_sms), THREADS,
+                         stream=comm, **write_args(layout, layer, storage, base, buf.sym.peer_bases_ptr,
+                                                   buf.sym.local_idx, buf.host_mapped.ptr, buf.timeout_ns))
+        self._device = self._device_arrays(layout, sf_rows)
+        # The caller may reuse the storages (and sfs) right after: order its stream after the copies.
         buf.stream_order.end(current)
-        self.layout, self.sf = layout, sf_copy
-        self.sf_dtype, self.num_sf = (None, 0) if sfi is None else (sfi.dtype, sfi.shape[1])
+        self.layout, self.sf, self.written = layout, sf_copy, True
+        self.sf_dtype, self.num_sf = (None, self.num_sf) if sfis is None else (sfis[0].dtype, sfis[0].shape[1])
         self._out_views = {}
 
-    def _output(self, kind: str, num_tokens: int, width: int):
-        """`[num_tokens, width]` view of the fetch output area in the table's dtype (torch or CuPy)."""
+    def _copy_sf(self, sfis, kind: str, comm):
+        """A private copy of every layer's replicated scale factors, one table (rows of layer l from row
+        `offsets[l]`), made on the communication stream; `(copy, offsets)` or `(None, None)`."""
+        if sfis is None:
+            return None, None
+        import cupy
+        offsets = list(np.cumsum([0] + [sfi.shape[0] for sfi in sfis[:-1]]))
+        copy = interop.Allocator(kind).empty((sum(sfi.shape[0] for sfi in sfis), sfis[0].shape[1]), sfis[0].dtype,
+                                             stream=comm)
+        dst = interop.tensor_info(copy).ptr
+        row_bytes = sfis[0].shape[1] * 4
+        for offset, sfi in zip(offsets, sfis):
+            cupy.cuda.runtime.memcpyAsync(dst + int(offset) * row_bytes, sfi.ptr, sfi.nbytes,
+                                          cupy.cuda.runtime.memcpyDefault, comm.ptr)
+        return copy, [int(o) for o in offsets]
+
+    def _device_arrays(self, layout: EngramLayout, sf_rows) -> dict:
+        """The fetch kernel's per-layer words and the table of the ranks' storage addresses, on this GPU."""
+        import cupy
+        if self.host_storage is not None:
+            bases = self.host_storage.addrs
+        else:
+            bases = [b + layout.storage_offset for b in self._buf.sym.peer_bases]
+        return {'layers': cupy.asarray(layer_words(layout, sf_rows)),
+                'table_bases': cupy.asarray(np.array(bases, dtype=np.uint64))}
+
+    # ---- fetch -------------------------------------------------------------------------------------------------
+    def _output(self, kind: str, num_layers: int, num_tokens: int, width: int) -> List[Any]:
+        """Per layer, a `[num_tokens, width]` view of the fetch output area in the tables' dtype (torch or CuPy)."""
         layout = self.layout
         views = self._out_views
         if kind not in views:
             u8 = self._buf.sym.local_view(layout.out_offset, layout.out_bytes)
             views[kind] = interop.to_torch(u8) if kind == 'torch' else u8
         nbytes = num_tokens * width * TABLE_DTYPES[layout.dtype]
-        flat = views[kind][:nbytes]
-        if kind == 'torch':
-            import torch
-            return flat.view(getattr(torch, layout.dtype)).view(num_tokens, width)
-        return flat.view(np.uint16 if layout.dtype == 'bfloat16' else np.uint8).reshape(num_tokens, width)
+        out = []
+        for layer in range(num_layers):
+            flat = views[kind][layer * nbytes:(layer + 1) * nbytes]
+            if kind == 'torch':
+                import torch
+                out.append(flat.view(getattr(torch, layout.dtype)).view(num_tokens, width))
+            else:
+                out.append(flat.view(np.uint16 if layout.dtype == 'bfloat16' else np.uint8).reshape(num_tokens, width))
+        return out
 
     def _index_range(self, ii, stream):
         """Start reading (min, max) of the indices back to the host (`HostRange`: one small kernel on `stream`, no
@@ -178,72 +298,91 @@ class Engram:
         if self._host_range is None:
             self._host_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
         return self._host_range.start(self._kernels()[RANGE_SPEC.name], ii.ptr, ii.numel, stream,
-                                      buf.num_cpu_timeout_secs, f'engram_fetch on rank {buf.rank_idx} (indices)')
+                                      buf.num_cpu_timeout_secs, f'engram fetch on rank {buf.rank_idx} (indices)')
 
     def fetch(self, indices, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False,
-              check_indices: bool = True) -> EngramFetchHook:
-        """Gather rows of the domain's table (not collective: each rank fetches on its own).
+              check_indices: bool = True, layered: bool = False) -> List[EngramFetchHook]:
+        """Gather rows of the domain's tables (not collective: each rank fetches on its own).
 
         Args:
-            indices: `[num_tokens, num_entries_per_token]` int32, contiguous, on this GPU; global entry ids in
-                `[0, num_ranks * num_entries)`.
+            indices: `[num_layers, num_tokens, num_entries_per_token]` (`layered`) or `[num_tokens,
+                num_entries_per_token]` (one table) int32, contiguous, on this GPU; global entry ids in
+                `[0, num_ranks * num_entries)` of their layer.
             num_qps: blocks of the fetch kernel (upstream: RDMA queue pairs); 0: every SM, fewer for small fetches.
             use_tma_aligned_col_major_sf: scale factors column-major with the token dimension padded to 4.
             check_indices: read the indices' range back before the launch (the host waits for the current stream to
-                reach this call) and raise ValueError if one is out of range. False skips it; out-of-range rows come
-                out zero.
+                reach this call) and raise ValueError if one is outside `[0, num_ranks * max(num_entries))`. Rows of
+                indices outside their own layer's range come out zero.
+            layered: the indices have a layer dimension; the hooks then return `data` or `(data, sf)` (V2.5),
+                else `(data, sf)` (V2.0).
 
         Returns:
-            a hook; `hook()` makes the current stream wait and returns `(data, sf)`: `data` is `[num_tokens,
-            num_entries_per_token * hidden]` in the table's dtype, a view of this buffer's fetch output area (valid
-            until the next fetch on this buffer), `sf` `[num_tokens, num_entries_per_token * num_packs]` (float32 /
-            int32, a new tensor) or None without scale factors.
+            one hook per layer; `hook()` makes the current stream wait. `data` is `[num_tokens,
+            num_entries_per_token * hidden]` in the tables' dtype, a view of this buffer's fetch output area (valid
+            until the next fetch on this buffer); `sf` is `[num_tokens, num_entries_per_token * num_packs]`
+            (float32 / int32, new memory), None without scale factors.
         """
         buf = self._buf
         buf.check_usable()
         layout = self.layout
-        if layout is None:
-            raise RuntimeError('engram_fetch: call engram_write first (no table was written on this buffer)')
+        if layout is None or not self.written:
+            raise RuntimeError('engram fetch: write the tables first (no table was written on this buffer)')
         ii = checks.info(indices, 'indices', buf.device)
         kind = ii.kind
         checks.check_dtype(ii, 'indices', 'int32')
-        if ii.ndim != 2:
-            raise ValueError(f'indices must be 2-D [num_tokens, num_entries_per_token], got {list(ii.shape)}')
+        want = 3 if layered else 2
+        if ii.ndim != want:
+            shape = '[num_layers, num_tokens, num_entries_per_token]' if layered else \
+                '[num_tokens, num_entries_per_token]'
+            raise ValueError(f'indices must be {want}-D {shape}, got {list(ii.shape)}')
         checks.check_contiguous(ii, 'indices')
         checks.check_int('num_qps', num_qps)
-        num_tokens, n = ii.shape
-        num_rows = layout.check_fetch(num_tokens, n)
+        num_layers, num_tokens, n = ii.shape if layered else (1, *ii.shape)
+        rows = layout.check_fetch(num_layers, num_tokens, n)
         current = interop.current_stream(indices)
-        if check_indices and num_rows:
+        if check_indices and rows:
             lo, hi = self._index_range(ii, current)()
             if lo < 0 or hi >= layout.num_global_entries:
                 raise ValueError(f'indices must be in [0, {layout.num_global_entries}) (num_ranks x num_entries), '
                                  f'got min {lo}, max {hi}')
 
-        alloc = interop.Allocator(kind)
-        sf_out, sf_strides = None, (0, 0)
+        sf_outs, sf_out, sf_strides = [None] * num_layers, None, (0, 0, 0)
         if self.sf is not None:
-            width = n * self.num_sf
-            if use_tma_aligned_col_major_sf:
-                padded = align(num_tokens, 4)
-                sf_storage = alloc.empty((width, padded), self.sf_dtype)
-                sf_out = sf_storage.t()[:num_tokens] if kind == 'torch' else sf_storage.T[:num_tokens]
-                sf_strides = (1, padded)
-            else:
-                sf_out = alloc.empty((num_tokens, width), self.sf_dtype)
-                sf_strides = (width, 1)
-        data = self._output(kind, num_tokens, n * layout.hidden)
-        if num_rows == 0:
-            return EngramFetchHook(None, indices, data, sf_out, ())
+            sf_outs, sf_out, sf_strides = self._sf_outputs(kind, num_layers, num_tokens, n,
+                                                           use_tma_aligned_col_major_sf)
+        datas = self._output(kind, num_layers, num_tokens, n * layout.hidden)
+        event, keep = None, ()
+        if rows:
+            fetch = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
+            comm = buf.stream_order.begin(current)
+            dev = self._device
+            fetch.launch(grid_for(num_layers * rows * (layout.row_bytes // 16), num_qps or buf.num_device_sms),
+                         THREADS, stream=comm,
+                         **fetch_args(layout, indices, num_layers, num_tokens, n, int(dev['layers'].data.ptr),
+                                      int(dev['table_bases'].data.ptr), buf.sym.base + layout.out_offset, self.sf,
+                                      self.num_sf, sf_out, sf_strides))
+            if kind == 'torch':
+                s = interop.torch_stream(comm.ptr)
+                for t in (indices, sf_out):
+                    if t is not None:
+                        t.record_stream(s)
+            event, keep = EventHandle(comm), (indices, self.sf, dev)
+        hooks = []
+        for data, sf in zip(datas, sf_outs):
+            result = (data, sf) if not layered or self.sf is not None else data
+            hooks.append(EngramFetchHook(event, indices, result, keep))
+        return hooks
 
-        fetch = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
-        comm = buf.stream_order.begin(current)
-        fetch.launch(grid_for(num_rows * (layout.row_bytes // 16), num_qps or buf.num_device_sms), THREADS,
-                     stream=comm, **fetch_args(layout, indices, num_tokens, n, self.sf, self.num_sf, sf_out,
-                                               sf_strides, buf.sym.peer_bases_ptr, buf.sym.local_idx))
-        if kind == 'torch':
-            s = interop.torch_stream(comm.ptr)
-            for t in (indices, sf_out):
-                if t is not None:
-                    t.record_stream(s)
-        return EngramFetchHook(EventHandle(comm), indices, data, sf_out, (indices, self.sf))
+    def _sf_outputs(self, kind: str, num_layers: int, num_tokens: int, n: int, col_major: bool):
+        """Per layer `[num_tokens, n * num_sf]` scale-factor outputs in one allocation, that allocation and its
+        (layer, token, column) strides in elements."""
+        alloc = interop.Allocator(kind)
+        width = n * self.num_sf
+        if col_major:
+            padded = align(num_tokens, 4)
+            storage = alloc.empty((num_layers, width, padded), self.sf_dtype)
+            views = [storage[layer].t()[:num_tokens] if kind == 'torch' else storage[layer].T[:num_tokens]
+                     for layer in range(num_layers)]
+            return views, storage, (width * padded, 1, padded)
+        storage = alloc.empty((num_layers, num_tokens, width), self.sf_dtype)
+        return [storage[layer] for layer in range(num_layers)], storage, (num_tokens * width, width, 1)

@@ -55,7 +55,8 @@ class EP:
         self.settings = ep_plan.EPSettings(
             device=buf.device, num_ranks=buf.num_scaleup_ranks, rank=buf.sym.local_idx, owner_id=id(self),
             num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk, num_bytes=buf.num_bytes,
-            data_offset=buf.data_offset, sym_num_bytes=buf.sym.num_bytes, num_device_sms=buf.num_device_sms,
+            data_offset=buf.data_offset, sym_num_bytes=buf.data_offset + buf.num_bytes,      # end of the data region
+            num_device_sms=buf.num_device_sms,
             allow_multiple_reduction=allow_multiple_reduction,
             prefer_overlap_with_compute=prefer_overlap_with_compute, nvlink_gbs=nvlink_gbs)
         self.layout = None

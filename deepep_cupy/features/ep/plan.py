@@ -31,7 +31,7 @@ class EPSettings:
     num_topk: int                      # the buffer's top-k (0: any up to 32)
     num_bytes: int                     # bytes of the data region
     data_offset: int                   # where the data region starts in the symmetric buffer
-    sym_num_bytes: int                 # bytes of the symmetric buffer
+    sym_num_bytes: int                 # end of the data region in the symmetric buffer (its size without extras)
     num_device_sms: int
     allow_multiple_reduction: bool
     prefer_overlap_with_compute: bool

@@ -39,16 +39,19 @@ DATA_REGION_OWNER = 'load balancing'
 
 
 class LB:
-    """The load-balancing feature of one buffer: the size of its region (set by `set_region` or on first use), its
-    kernels and the device's shared-memory limit.
+    """The load-balancing feature of one buffer: its region (V2.0: the start of the data region, its size set by
+    `set_region` or on first use; V2.5 `EPBuffer`: a region of its own after the data region, fixed at construction),
+    its kernels and the device's shared-memory limit.
 
     Args:
         buf: the buffer (a `BufferBase`).
+        region: `(symmetric offset, bytes)` of a fixed region outside the data region, or None.
     """
 
-    def __init__(self, buf):
+    def __init__(self, buf, region: Optional[Tuple[int, int]] = None):
         self._buf = buf
-        self.num_bytes: Optional[int] = None
+        self._region = region
+        self.num_bytes: Optional[int] = None if region is None else region[1]
         self._kernels = None
         self._max_shared_mem: Optional[int] = None
 
@@ -60,6 +63,9 @@ class LB:
         """Reserve the load-balancing region `[0, num_bytes)` of the data region (collective: every rank passes the
         same `signature`, a plan's or the byte count)."""
         buf = self._buf
+        if self._region is not None:
+            raise RuntimeError('this buffer\'s load-balancing region was fixed at construction '
+                               '(lb_allocation_plan_or_num_bytes)')
         # Compare first: when the plans agree, the size check below fails on every rank or on none.
         buf.group.check_same('the load-balancing plan', signature, timeout=buf.num_cpu_timeout_secs)
         if num_bytes > buf.num_bytes:
@@ -72,9 +78,8 @@ class LB:
 
     def storage(self, kind: str = 'cupy'):
         """The load-balancing region as a uint8 array (`kind` `'cupy'` or `'torch'`), a view of symmetric memory."""
-        self.region()
-        buf = self._buf
-        view = buf.sym.local_view(buf.data_offset, self.num_bytes)
+        offset, num_bytes = self.region()
+        view = self._buf.sym.local_view(offset, num_bytes)
         if kind == 'torch':
             return interop.to_torch(view)
         if kind != 'cupy':
@@ -82,7 +87,10 @@ class LB:
         return view
 
     def region(self) -> Tuple[int, int]:
-        """`(offset, bytes)` of the load-balancing region (the whole data region unless `set_region` said less)."""
+        """`(offset, bytes)` of the load-balancing region (the whole data region unless `set_region` said less, or the
+        fixed region)."""
+        if self._region is not None:
+            return self._region
         buf = self._buf
         if self.num_bytes is None:
             buf.claim_data_region(DATA_REGION_OWNER)
