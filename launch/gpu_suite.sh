@@ -14,7 +14,8 @@
 #   ll         low-latency rank program at 2/4/8 ranks sharing the GPUs (and one rank per GPU)
 #   legacy     V1 Buffer (normal mode) rank program, 1 and 2/4/8 ranks
 #   coll       PP, all-gather / reduce-scatter / all-reduce, engram, load balancing, allocation, barrier
-#   deepep     DeepEP's own test programs (.upstream/) through `python -m deepep_cupy.as_deep_ep`
+#   deepep     DeepEP's own V2.0 and V1 test programs (.upstream/) through `python -m deepep_cupy.as_deep_ep`
+#   deepep25   DeepEP's V2.5 test programs and its gate test, the same way
 #   launchers  the EP rank program under torchrun and under SLURM-style variables (2 ranks)
 #   pytest     the GPU pytest tests
 #   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs)
@@ -35,7 +36,7 @@ export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_j
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll deepep launchers pytest bench)
+[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll deepep deepep25 launchers pytest bench)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # step NAME TIMEOUT_S COMMAND...: run, log, record PASS/FAIL with the wall time. Each step's output lands in suite.log
@@ -229,10 +230,11 @@ if want coll; then
 fi
 want launchers && lane launchers launchers_lane
 join
-if want deepep; then
-    lane deepep deepep_lane
-    lane deepep_v25 deepep_v25_lane
-fi
+want deepep && lane deepep deepep_lane
+want deepep25 && lane deepep_v25 deepep_v25_lane
+# DeepEP's gate test (no ranks) runs for minutes: beside the others, bounded.
+want deepep25 && [ -d .upstream ] && lane gate step "DeepEP utils/test_gate.py" 420 $ONE $PY -m deepep_cupy.as_deep_ep \
+    .upstream/head/tests/utils/test_gate.py
 join
 if want pytest; then
     step "pytest GPU tests" 400 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
