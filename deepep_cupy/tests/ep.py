@@ -50,18 +50,25 @@ def enumerate_ep_modes(first_only: bool):
 class Case:
     """One rank's inputs and the references derived from every rank's inputs."""
 
-    def __init__(self, args, group, rank: int, num_ranks: int, seed: int):
+    def __init__(self, args, group, rank: int, num_ranks: int, seed: int, num_max_tokens_per_rank: int = None,
+                 num_tokens: int = None):
+        """`num_max_tokens_per_rank` (default `args.num_tokens`) is the call's M, `num_tokens` this rank's token
+        count (default `max(1, M - rank)`; 0 allowed)."""
         self.args, self.group, self.rank, self.num_ranks = args, group, rank, num_ranks
-        self.M, self.H, self.K, self.E = args.num_tokens, args.hidden, args.num_topk, args.num_experts
+        self.M = args.num_tokens if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+        self.H, self.K, self.E = args.hidden, args.num_topk, args.num_experts
         self.L = self.E // num_ranks
         self.seed = seed
-        self.N = max(1, self.M - rank)
+        self.N = max(1, self.M - rank) if num_tokens is None else num_tokens
         gen = torch.Generator(device='cuda').manual_seed(seed * 1000 + rank)
         self.x = torch.randn((self.N, self.H), dtype=torch.float32, device='cuda', generator=gen).to(torch.bfloat16)
         torch.manual_seed(seed * 1000 + rank)
-        scores = gate.get_unbalanced_scores(self.N, self.E, num_ranks, self.K, args.unbalanced_ratio,
-                                            args.precise_unbalanced_ratio, device='cuda')
-        self.topk_idx = torch.topk(scores, self.K, dim=-1, sorted=False).indices.to(torch.int64)
+        if self.N:
+            scores = gate.get_unbalanced_scores(self.N, self.E, num_ranks, self.K, args.unbalanced_ratio,
+                                                args.precise_unbalanced_ratio, device='cuda')
+            self.topk_idx = torch.topk(scores, self.K, dim=-1, sorted=False).indices.to(torch.int64)
+        else:
+            self.topk_idx = torch.empty((0, self.K), dtype=torch.int64, device='cuda')
         self.topk_weights = torch.randn((self.N, self.K), dtype=torch.float32, device='cuda', generator=gen)
         if args.masked_ratio > 0:
             mask = torch.rand((self.N, self.K), device='cuda', generator=gen) < args.masked_ratio
@@ -213,6 +220,39 @@ def run_modes(buf: ElasticBuffer, case: Case, first_only: bool) -> int:
                     f'{tag} expanded combine')
         check_equal(reduced_w, case.topk_weights, f'{tag} expanded combined_topk_weights')
         num_checked += 2
+    return num_checked
+
+
+def test_small_m_and_empty_ranks(buf: ElasticBuffer, args, group, rank: int, num_ranks: int) -> int:
+    """What integrations do that the mode matrix does not: a per-call `num_max_tokens_per_rank` smaller than the
+    buffer's (vLLM's decode passes the next power of two of the batch, no CPU sync), and ranks with 0 tokens (DP
+    ranks with an empty batch). Both checked bit for bit, dispatch (plain, expanded, cached) and combine."""
+    num_checked = 0
+    m_small = max(1, 1 << max(0, (args.num_tokens // 3).bit_length() - 1))      # a power of two below M
+    cases = (('per-call num_max_tokens_per_rank', Case(args, group, rank, num_ranks, args.seed + 7, m_small)),
+             ('0-token ranks', Case(args, group, rank, num_ranks, args.seed + 8, None,
+                                    0 if rank % 2 == 1 or num_ranks == 1 else max(1, args.num_tokens - rank))))
+    for what, case in cases:
+        m = case.M
+        for do_cpu_sync in (False, True):
+            tag = f'[{what}={m}, cpu_sync={int(do_cpu_sync)}]'
+            out = buf.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E,
+                               num_max_tokens_per_rank=m, do_cpu_sync=do_cpu_sync)
+            check_dispatch(case, out, False, 1, False, do_cpu_sync, f'{tag} dispatch')
+            exp = buf.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E,
+                               num_max_tokens_per_rank=m, do_cpu_sync=do_cpu_sync, do_expand=True,
+                               expert_alignment=128)
+            check_dispatch(case, exp, False, 128, True, do_cpu_sync, f'{tag} expanded dispatch')
+            cached = buf.dispatch(case.x_fp8, handle=out[3], topk_weights=case.topk_weights)
+            check_dispatch(case, cached, True, 1, False, do_cpu_sync, f'{tag} cached FP8 dispatch')
+            combine_x = case.combine_x
+            if not do_cpu_sync:     # worst-case rows: the real ones first, the rest ignored by combine
+                combine_x = torch.zeros((out[0].shape[0], case.H), dtype=torch.bfloat16, device='cuda')
+                combine_x[:case.num_recv] = case.combine_x
+            combined, combined_w, _ = buf.combine(combine_x, out[3], topk_weights=out[2])
+            check_equal(combined, case.expected_combined(0, True), f'{tag} combine')
+            check_equal(combined_w, case.topk_weights, f'{tag} combined_topk_weights')
+            num_checked += 4
     return num_checked
 
 
@@ -410,6 +450,11 @@ def main(argv=None) -> int:
             log(f'[check] {n} dispatch/combine calls bitwise equal to the references '
                 f'({time.perf_counter() - t0:.1f} s)')
         if not args.skip_check:
+            t0 = time.perf_counter()
+            n = test_small_m_and_empty_ranks(buf, args, group, rank, num_ranks)
+            torch.cuda.synchronize()
+            log(f'[check] per-call num_max_tokens_per_rank below the buffer\'s and 0-token ranks: {n} calls bitwise '
+                f'equal ({time.perf_counter() - t0:.1f} s)')
             test_misc(buf, case)
             test_cupy(buf, case)
             log('[check] CuPy arrays in, CuPy arrays out: bitwise equal')
