@@ -16,7 +16,7 @@ from deepep_cupy.features.ep import feature as ep_feature  # noqa: E402
 from deepep_cupy.features.ep import kernels as ep_kernels  # noqa: E402
 from deepep_cupy.features.ep import layout  # noqa: E402
 from deepep_cupy.features.ep import plan as ep_plan  # noqa: E402
-from deepep_cupy.features.ep.handle import EPHandle  # noqa: E402
+from deepep_cupy.features.ep.handle import EPHandle, workspace_layout  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
 
 R, M, H, K, E = 2, 64, 256, 4, 16
@@ -31,10 +31,13 @@ def settings(num_bytes=1 << 30, owner_id=1, **kw) -> ep_plan.EPSettings:
     return ep_plan.EPSettings(**values)
 
 
-def cpu_range(ti):
+def cpu_range_of(x):
     """What the range kernel computes, on the host."""
-    x = ti.obj
     return lambda: (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+
+
+def cpu_range(ti):
+    return cpu_range_of(ti.obj)
 
 
 def plan(s, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None,
@@ -169,7 +172,7 @@ def plan_calls(s):
 
 def _handle(owner_id, num_recv=R * M):
     """A handle as a CPU-sync dispatch of (M tokens, top-K) leaves it (torch, non-expanded)."""
-    words, offsets = ep_feature.workspace_layout(M, R, K, E // R, True)
+    words, offsets = workspace_layout(M, R, K, E // R, True)
     ws = torch.zeros(words, dtype=torch.int32)
     return EPHandle(do_expand=False, num_experts=E, expert_alignment=1, num_max_tokens_per_rank=M, num_sms=20,
                     num_recv_tokens=num_recv, num_expanded_tokens=num_recv * K, num_recv_tokens_per_expert_list=[1],
@@ -223,12 +226,12 @@ def make_buffer(monkeypatch, num_bytes=1 << 30):
     log = []
     buf.launches = log
     monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: RecordingKernels(log))
-    monkeypatch.setattr(interop, 'current_stream', lambda like=None: fakes.FakeStream('current'))
-    monkeypatch.setattr(interop.Allocator, 'empty',
-                        lambda self, shape, dtype, stream=None: torch.zeros(shape, dtype=getattr(torch, dtype)))
+    current = fakes.FakeStream('current')
+    monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
+    monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)
     ep = buf._ep_feature()
     monkeypatch.setattr(ep, '_wait_host_counts', lambda seq, n: (R * M, R * M * K, [1] * n))
-    monkeypatch.setattr(ep, '_start_range', lambda ti, stream: cpu_range(ti))
+    monkeypatch.setattr(ep, '_start_range', lambda topk_idx, ptr, n, k, stream: cpu_range_of(topk_idx))
     return buf
 
 
@@ -281,7 +284,7 @@ def test_buffer_too_small_is_a_value_error(monkeypatch, inputs):
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: fakes.FakeStream('current'))
     monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: RecordingKernels([]))
     ep = buf._ep_feature()
-    monkeypatch.setattr(ep, '_start_range', lambda ti, stream: cpu_range(ti))
+    monkeypatch.setattr(ep, '_start_range', lambda topk_idx, ptr, n, k, stream: cpu_range_of(topk_idx))
     assert layout.buffer_size_hint(R, M, hidden, K) > 2 << 20
     with pytest.raises(ValueError, match='too small'):
         buf.dispatch(x, idx, w, num_experts=E)

@@ -189,7 +189,7 @@ class ElasticBuffer(BufferBase):
             num_experts: total experts (a multiple of the number of ranks).
             num_max_tokens_per_rank: default the buffer's; every rank must pass the same value.
             expert_alignment: per-expert counts rounded up to this (default 1).
-            num_sms: SMs of the send kernel (0: `get_theoretical_num_sms`).
+            num_sms: SMs of the send kernel (0: `get_theoretical_num_sms`; a cached dispatch: the handle's).
             num_qps: accepted for DeepEP compatibility (no QPs inside one NVLink domain).
             previous_event: `EventHandle` the communication stream waits for (needs allocate_on_comm_stream).
             previous_event_before_epilogue: accepted (one epilogue, ordered by previous_event).

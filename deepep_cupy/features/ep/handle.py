@@ -51,7 +51,8 @@ class EPHandle:
     __slots__ = ('do_expand', 'num_experts', 'expert_alignment', 'num_max_tokens_per_rank', 'num_sms',
                  'num_recv_tokens', 'num_expanded_tokens', 'num_recv_tokens_per_expert_list', 'recv_src_metadata',
                  'num_tokens', 'num_topk', 'hidden', 'kind', 'buffer_id', 'do_cpu_sync', 'num_ranks',
-                 'num_local_experts', 'workspace', 'workspace_ptr', 'offsets', '_topk_idx', '_psum_expert', '_views')
+                 'num_local_experts', 'workspace', 'workspace_ptr', 'offsets', '_topk_idx', '_psum_expert', '_views',
+                 '_origin')
 
     def __init__(self, *, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
                  num_sms: int, num_recv_tokens: int, num_expanded_tokens: int,
@@ -82,6 +83,26 @@ class EPHandle:
         self._topk_idx = topk_idx          # the user's tensor (no copy), else a view of the workspace on access
         self._psum_expert = psum_expert    # set when a cached dispatch switched modes
         self._views = {}
+        # The bound dispatch that made the handle (None for a handle made here): its fields above other than the
+        # per-dispatch ones (counts, metadata, workspace, top-k) are that dispatch's constants, so later calls with
+        # this handle key their cached checks on it (features/ep/bound.py).
+        self._origin = None
+
+    @classmethod
+    def _new(cls, origin, fields: Tuple, num_recv_tokens: int, num_expanded_tokens: int, counts: List[int],
+             recv_src_metadata: Any, workspace: Any, workspace_ptr: int, topk_idx: Any, psum_expert: Any):
+        """A handle from a bound dispatch (`origin`) without keyword binding: `fields` is `origin.handle_fields`,
+        (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk, hidden,
+        kind, buffer_id, do_cpu_sync, num_ranks, num_local_experts, offsets)."""
+        h = cls.__new__(cls)
+        (h.do_expand, h.num_experts, h.expert_alignment, h.num_max_tokens_per_rank, h.num_sms, h.num_tokens,
+         h.num_topk, h.hidden, h.kind, h.buffer_id, h.do_cpu_sync, h.num_ranks, h.num_local_experts,
+         h.offsets) = fields
+        h.num_recv_tokens, h.num_expanded_tokens, h.num_recv_tokens_per_expert_list = (num_recv_tokens,
+                                                                                      num_expanded_tokens, counts)
+        h.recv_src_metadata, h.workspace, h.workspace_ptr = recv_src_metadata, workspace, workspace_ptr
+        h._topk_idx, h._psum_expert, h._views, h._origin = topk_idx, psum_expert, {}, origin
+        return h
 
     # ---- addresses for the kernels ---------------------------------------------------------------------------------
     def ptr(self, part: int) -> int:

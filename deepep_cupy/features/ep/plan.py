@@ -3,6 +3,7 @@ functions of the buffer's settings (`EPSettings`) and the call's arguments. No G
 tests/test_ep_checks_cpu.py drives them with CPU tensors. Every user error raises `ValueError` / `TypeError` naming the
 argument, before any EP kernel runs (the buffer stays usable)."""
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
@@ -156,10 +157,16 @@ class DispatchPlan:
     layout: layout.EPLayout
     new_layout: bool                   # the layout was made by this call (the EP feature claims the data region)
     previous_event: Optional[EventHandle]
+    cached: bool = False               # a cached dispatch (handle given)
 
-    @property
-    def cached(self) -> bool:
-        return self.handle is not None
+    def without_arrays(self) -> 'DispatchPlan':
+        """This plan holding no array, handle or event (what a remembered plan keeps: it must not keep a call's
+        tensors alive); array infos keep their metadata, topk_weights becomes True where it was given."""
+        def info(t: Optional[TensorInfo]) -> Optional[TensorInfo]:
+            return None if t is None else dataclasses.replace(t, obj=None)
+        return dataclasses.replace(self, x=None, xi=info(self.xi), sf=None, sfi=info(self.sfi), topk_idx=None,
+                                   ti=info(self.ti), topk_weights=None if self.topk_weights is None else True,
+                                   stats=None, handle=None, previous_event=None)
 
 
 def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, topk_weights, stats,
@@ -293,8 +300,9 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
     if ceil_div(num_max_tokens_per_rank, NOTIFY_THREADS) * (num_experts + R) * 4 > \
             lay.scratch_bytes(R * layout.NUM_MAX_LOCAL_EXPERTS):
         raise ValueError('num_max_tokens_per_rank is larger than the buffer was built for')
-    num_sms = num_sms or theoretical_num_sms(R, num_experts, K, s.nvlink_gbs, s.num_device_sms,
-                                             s.prefer_overlap_with_compute)
+    # A cached dispatch sends like the dispatch that made its handle (as combine does).
+    num_sms = num_sms or (handle.num_sms if cached else theoretical_num_sms(
+        R, num_experts, K, s.nvlink_gbs, s.num_device_sms, s.prefer_overlap_with_compute))
     num_sms = min(num_sms, s.num_device_sms)
     if range_check is not None:
         lo, hi = range_check()
@@ -304,7 +312,8 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
     return DispatchPlan(kind, fp8, x, xi, sf, sfi, num_sf, topk_idx, ti, topk_weights, stats, num_tokens, hidden,
                         hidden_bytes, K, L, num_experts, expert_alignment, num_max_tokens_per_rank,
                         handle if cached else None, do_cpu_sync, bool(do_expand), bool(do_zero_padding),
-                        bool(do_handle_copy), bool(use_tma_aligned_col_major_sf), num_sms, smem, lay, new_layout, event)
+                        bool(do_handle_copy), bool(use_tma_aligned_col_major_sf), num_sms, smem, lay, new_layout, event,
+                        cached)
 
 
 @dataclass(slots=True)
@@ -322,12 +331,13 @@ class DispatchOutputs:
     epilogue_blocks: int
 
 
-def dispatch_counts(p: DispatchPlan) -> Tuple[int, int, List[int]]:
+def dispatch_counts(p: DispatchPlan, handle: Optional[EPHandle] = None) -> Tuple[int, int, List[int]]:
     """`(num_recv, num_expanded, aligned counts)` of a dispatch without a CPU sync: the handle's for a cached one
-    (worst case for an expanded output the handle was not made for), else the worst case."""
+    (`handle`, default the plan's; worst case for an expanded output the handle was not made for), else the worst
+    case."""
     R, M, K, L, A = p.layout.num_ranks, p.num_max_tokens_per_rank, p.num_topk, p.num_local_experts, p.expert_alignment
     if p.cached:
-        h = p.handle
+        h = handle if handle is not None else p.handle
         num_expanded = h.num_expanded_tokens
         if p.do_expand and not h.do_expand and not h.do_cpu_sync:
             num_expanded = worst_expanded_rows(R, M, K, L, A)
