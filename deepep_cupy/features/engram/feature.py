@@ -63,12 +63,16 @@ class Engram:
         self.num_sf = 0
         self._out_views: Dict[str, Any] = {}
         self._host_range: Optional[HostRange] = None
+        self._loaded: Optional[Dict[str, Any]] = None
+        self._fetch_kernel = None
 
     def destroy(self) -> None:
         self.layout, self.sf, self._out_views = None, None, {}
 
     def _kernels(self):
-        return load_kernels(all_specs(self._buf.num_scaleup_ranks))
+        if self._loaded is None:       # kept: building the specs and their names costs ~20 us per call
+            self._loaded = load_kernels(all_specs(self._buf.num_scaleup_ranks))
+        return self._loaded
 
     def _check_write(self, storage, sf) -> Tuple[EngramLayout, Any, Any]:
         buf = self._buf
@@ -236,7 +240,9 @@ class Engram:
         if num_rows == 0:
             return EngramFetchHook(None, indices, data, sf_out, ())
 
-        fetch = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
+        fetch = self._fetch_kernel
+        if fetch is None:
+            fetch = self._fetch_kernel = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
         comm = buf.stream_order.begin(current)
         fetch.launch(grid_for(num_rows * (layout.row_bytes // 16), num_qps or buf.num_device_sms), THREADS,
                      stream=comm, **fetch_args(layout, indices, num_tokens, n, self.sf, self.num_sf, sf_out,
