@@ -75,7 +75,15 @@ dispatch_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
                 if (dst[d] != nullptr)
                     reinterpret_cast<uint32_t*>(dst[d] + msg.sf_offset)[p] = v;
         }
-        // Hidden: each 16-byte chunk read once, stored to every destination; 4 chunks in flight per lane.
+        // Hidden: each 16-byte chunk read once, stored to every remote destination; 8 chunks in flight per lane.
+        // Our own rows skip the staging slots (the receive epilogue reads them straight from x), so a token without a
+        // remote destination loads nothing (at one rank, the send moves metadata only).
+        bool any_remote = false;
+        #pragma unroll
+        for (int d = 0; d < kNumRanks; ++d)
+            any_remote |= dst[d] != nullptr && d != rank;
+        if (!any_remote)
+            continue;
         const uint8_t* src = x + t * x_row_bytes;
         constexpr int kUnroll = 8;
         const int c_end = segs.end(seg, num_chunks);
@@ -87,7 +95,6 @@ dispatch_impl(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes,
                     v[u] = ld_nc_v4(src + static_cast<int64_t>(base + u * 32) * 16);
             #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
-                // Our own rows skip the staging slots: the receive epilogue reads them straight from x.
                 if (dst[d] == nullptr || d == rank)
                     continue;
                 #pragma unroll

@@ -97,6 +97,21 @@ def test_sm_and_qp_policy():
     assert ep_plan.theoretical_num_qps(24, False, 5) == 5
 
 
+def test_combine_blocks_respect_num_sms():
+    # Explicit num_sms caps both roles together (half send); one rank sends nothing.
+    assert ep_plan.combine_blocks(24, 20, 8, 4096, 7168, 132) == (12, 12)
+    assert ep_plan.combine_blocks(24, 20, 1, 4096, 7168, 132) == (0, 24)
+    assert ep_plan.combine_blocks(1, 20, 2, 4096, 7168, 132) == (1, 1)          # the minimum with peers
+    assert ep_plan.combine_blocks(500, 20, 2, 4096, 7168, 132) == (66, 66)
+    # Default: the dispatch's SMs send, the others reduce (as many as the rows can use).
+    assert ep_plan.combine_blocks(0, 20, 8, 4096, 7168, 132) == (20, 112)
+    assert ep_plan.combine_blocks(0, 20, 1, 4096, 7168, 132) == (0, 132)
+    assert ep_plan.combine_blocks(0, 20, 8, 4, 7168, 132) == (20, 4)
+    for args in ((24, 20, 8, 4096, 7168, 132), (3, 4, 2, 128, 2048, 132), (0, 4, 4, 128, 7168, 132)):
+        send, reduce = ep_plan.combine_blocks(*args)
+        assert reduce >= 1 and send + reduce <= args[-1] and (not args[0] or send + reduce <= max(2, args[0]))
+
+
 def test_topk_buckets():
     assert [ep_kernels.topk_bucket(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
     with pytest.raises(ValueError):

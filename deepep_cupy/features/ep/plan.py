@@ -384,10 +384,27 @@ class CombinePlan:
     previous_event: Optional[EventHandle]
 
 
+def combine_blocks(num_sms: int, dispatch_num_sms: int, num_ranks: int, num_tokens: int, hidden: int,
+                   num_device_sms: int) -> Tuple[int, int]:
+    """`(sending, reducing)` blocks of a combine (one launch, one block per SM, all co-resident; the reducers sum
+    each token once its chunks arrived). With `num_sms` given, both roles together take at most `num_sms` SMs (half
+    send; at least one of each with several ranks), for callers that overlap compute with the combine. With 0: the
+    dispatch's `num_sms` send and the SMs they leave reduce (as many as the reduction can use). One rank sends
+    nothing (its own partials never leave it): every block reduces."""
+    cap = min(num_sms, num_device_sms) if num_sms else num_device_sms
+    if num_ranks == 1:
+        num_send = 0
+    elif num_sms:
+        num_send = max(1, cap // 2)
+    else:
+        num_send = min(dispatch_num_sms, num_device_sms - 1)
+    num_reduce = max(1, min(cap - num_send, epilogue_blocks(num_tokens, 2 * hidden, num_device_sms)))
+    return num_send, num_reduce
+
+
 def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_weights, bias, num_sms: int,
                  previous_event, allocate_on_comm_stream: bool) -> CombinePlan:
-    """Check a combine (`ElasticBuffer.combine`'s arguments) and size it: `num_sms` blocks send (default: the
-    dispatch's), the SMs they leave (as many as the reduction can use) reduce."""
+    """Check a combine (`ElasticBuffer.combine`'s arguments) and size it (blocks per role: `combine_blocks`)."""
     if not isinstance(handle, EPHandle):
         raise TypeError(f'handle must be an EPHandle, got {type(handle).__name__}')
     if handle.buffer_id != s.owner_id:
@@ -424,15 +441,11 @@ def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_
         checks.check_shape(bi, f'bias[{j}]', (N, hidden))
         checks.check_contiguous(bi, f'bias[{j}]')
     checks.check_int('num_sms', num_sms, 0)
-    num_sms = min(num_sms or handle.num_sms, s.num_device_sms)
     chunk_stride = ceil_div(handle.num_max_tokens_per_rank, COMBINE_CHUNK_ROWS)
     if R * chunk_stride * 4 > COMBINE_CHUNK_SIGNAL_BYTES:
         raise ValueError(f'num_max_tokens_per_rank={handle.num_max_tokens_per_rank} is too large for combine '
                          f'(at most {COMBINE_CHUNK_SIGNAL_BYTES // 4 // R * COMBINE_CHUNK_ROWS} with {R} ranks)')
     event = _check_previous_event(previous_event, allocate_on_comm_stream)
-    # One launch: num_sms blocks send, the other SMs reduce as the senders' chunks arrive (one block per SM, all
-    # co-resident).
-    num_send = min(num_sms, s.num_device_sms - 1)
-    num_reduce = max(1, min(s.num_device_sms - num_send, epilogue_blocks(N, 2 * hidden, s.num_device_sms)))
+    num_send, num_reduce = combine_blocks(num_sms, handle.num_sms, R, N, hidden, s.num_device_sms)
     return CombinePlan(kind, x, xi, handle, hidden, topk_weights, biases, local_reduce, num_slots, num_send,
                        num_reduce, chunk_stride, event)
