@@ -12,6 +12,8 @@
 //      of d's local experts, then releases notify_signal[me] at d with the new notify epoch; waits for every peer's
 //      signal; derives the receive layout (prefix sums over sources, per-expert counts, aligned expanded starts) into
 //      the handle's layout blob; and publishes the totals to host-mapped memory for the optional CPU wait.
+//   Also for the dispatch kernel's senders (which walk each destination's slots in order): token_of_slot[d][p], the
+//   token in slot p at destination d, and send_count[d], the tokens going to d.
 #include "common/ep.cuh"
 #include "common/value_range.cuh"
 
@@ -34,7 +36,9 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
                 int32_t* cumulative_stats,        // [L] += unaligned counts, or null
                 int32_t* host_counts,             // host-mapped [3 + L]: seq, num_recv, num_expanded, aligned counts
                 int host_seq,
-                int64_t* topk_copy) {             // [num_tokens][num_topk] out: a copy of topk_idx, or null
+                int64_t* topk_copy,               // [num_tokens][num_topk] out: a copy of topk_idx, or null
+                int32_t* token_of_slot,           // [kNumRanks][num_tokens] out: the token in slot p at destination d
+                int32_t* send_count) {            // [kNumRanks] out: tokens this rank sends to each destination
     extern __shared__ int32_t smem[];           // [kNotifyWarps][num_keys] per-warp counts, then block bases
     const int num_keys = num_experts + kNumRanks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -131,8 +135,11 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
         #pragma unroll
         for (int d = 0; d < kNumRanks; ++d) {
             const int key = num_experts + d;
-            send_pos[static_cast<int64_t>(t) * kNumRanks + d] =
+            const int pos =
                 ((dst_mask >> d) & 1u) ? block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] : -1;
+            send_pos[static_cast<int64_t>(t) * kNumRanks + d] = pos;
+            if (pos >= 0)
+                token_of_slot[static_cast<int64_t>(d) * num_tokens + pos] = t;
         }
         #pragma unroll
         for (int k = 0; k < kMaxTopk; ++k) {
@@ -144,6 +151,8 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
     }
     if (blockIdx.x != 0)
         return;
+    if (threadIdx.x < kNumRanks)
+        send_count[threadIdx.x] = totals[num_experts + threadIdx.x];
 
     // ---- block 0: exchange counts with the peers --------------------------------------------------------------
     __shared__ uint32_t s_epoch;

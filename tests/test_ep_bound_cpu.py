@@ -19,8 +19,9 @@ R, M, H, K, E = ep_tests.R, ep_tests.M, ep_tests.H, ep_tests.K, ep_tests.E
 
 # Arguments that hold addresses (differ between calls with other tensors) or the CPU-sync sequence number.
 PER_CALL = {'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
-            'topk_copy', 'host_seq', 'x', 'sf', 'topk_weights', 'recv_x', 'recv_sf', 'recv_topk_idx',
-            'recv_topk_weights', 'recv_src_metadata', 'combined_x', 'combined_topk_weights', 'bias0', 'bias1'}
+            'topk_copy', 'token_of_slot', 'send_count', 'host_seq', 'x', 'sf', 'topk_weights', 'recv_x', 'recv_sf',
+            'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'combined_x', 'combined_topk_weights', 'bias0',
+            'bias1'}
 
 
 def _fixed(entry):
@@ -145,7 +146,7 @@ def test_bound_calls_keep_no_caller_array_alive(monkeypatch):
 def test_the_first_dispatch_claims_the_region_only_once_its_checks_pass(monkeypatch):
     x, idx, _ = _inputs()
     buf = ep_tests.fakes.make_buffer(R, 0, 1 << 30)             # no MoE settings: the first dispatch lays out
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: ep_tests.RecordingKernels([]))
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: ep_tests.RecordingKernels([]))
     current = ep_tests.fakes.FakeStream('current')
     monkeypatch.setattr(ep_tests.interop, 'stream_getter', lambda kind, device: lambda: current)
     ep = buf._ep_feature()
@@ -156,3 +157,65 @@ def test_the_first_dispatch_claims_the_region_only_once_its_checks_pass(monkeypa
     assert buf._data_region_owner is None and ep.layout is None and ep._bound == {}
     buf.dispatch(x, idx, num_experts=E, num_max_tokens_per_rank=M)
     assert buf._data_region_owner == ep_feature.DATA_REGION_OWNER and ep.layout is not None and len(ep._bound) == 1
+
+
+DISPATCH = 'deepep::dispatch_impl_with_dispatch_copy_epilogue_impl'
+
+
+def _phases(log):
+    return [(e.name.split('<')[0], e.args.get('phases'), e.args.get('num_send_blocks')) for e in log]
+
+
+def test_dispatch_launch_structure_per_mode_and_knob(monkeypatch):
+    x, idx, w = _inputs()
+    both = ep_tests.ep_kernels.PHASE_SEND | ep_tests.ep_kernels.PHASE_RECV
+    send, recv = ep_tests.ep_kernels.PHASE_SEND, ep_tests.ep_kernels.PHASE_RECV
+    notify = ('deepep::notify_dispatch', None, None)
+    buf = ep_tests.make_buffer(monkeypatch)
+    buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
+    assert _phases(buf.launches) == [notify, (DISPATCH, both, 4)]
+    # Overlap off: a no-sync dispatch runs like a CPU-sync one, send then receive.
+    monkeypatch.setenv('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', '0')
+    buf = ep_tests.make_buffer(monkeypatch)
+    buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
+    assert _phases(buf.launches) == [notify, (DISPATCH, send, 4), (DISPATCH, recv, 0)]
+    # Legacy: the previous kernels.
+    monkeypatch.setenv('DEEPEP_CUPY_EP_LEGACY_DISPATCH', '1')
+    buf = ep_tests.make_buffer(monkeypatch)
+    out = buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
+    assert [n for n, _, _ in _phases(buf.launches)] == ['deepep::notify_dispatch', 'deepep::dispatch_send_legacy',
+                                                        'deepep::dispatch_recv_legacy']
+    buf.launches.clear()
+    buf.combine(torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16), out[3])
+    assert [n for n, _, _ in _phases(buf.launches)] == ['deepep::combine_impl_with_combine_reduce_epilogue_impl']
+
+
+def test_one_rank_dispatches_in_one_launch_without_senders(monkeypatch):
+    """At one rank every token stays: one launch of receivers only, whatever the mode."""
+    x, idx, w = _inputs()
+    b = ep_tests.ep_kernels.topk_bucket(K)
+    log = []
+
+    class OneRankKernels:
+        notify = ep_tests.fakes.RecordingKernel(ep_tests.ep_kernels.notify_spec(1, b), log)
+        topk_range = None
+        dispatch = ep_tests.fakes.RecordingKernel(ep_tests.ep_kernels.dispatch_spec(1, b), log)
+        combine = {lr: ep_tests.fakes.RecordingKernel(ep_tests.ep_kernels.combine_spec(1, b, lr), log)
+                   for lr in (True, False)}
+    buf = ep_tests.fakes.make_buffer(1, 0, 1 << 30, num_max_tokens_per_rank=M, num_topk=K)
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: OneRankKernels)
+    current = ep_tests.fakes.FakeStream('current')
+    monkeypatch.setattr(ep_tests.interop, 'stream_getter', lambda kind, device: lambda: current)
+    ep = buf._ep_feature()
+    monkeypatch.setattr(ep, '_start_range', lambda t, ptr, n, k, stream: ep_tests.cpu_range_of(t))
+    monkeypatch.setattr(ep, '_wait_host_counts', lambda seq, n: (M, M * K, [1] * n))
+    both = ep_tests.ep_kernels.PHASE_SEND | ep_tests.ep_kernels.PHASE_RECV
+    for cpu_sync in (True, False):
+        log.clear()
+        out = buf.dispatch(x, idx, w, num_experts=E, num_sms=22, do_cpu_sync=cpu_sync)
+        assert _phases(log) == [('deepep::notify_dispatch', None, None), (DISPATCH, both, 0)]
+        assert log[1].grid == ep_tests.ep_plan.epilogue_blocks(M, 2 * H, 132)
+    log.clear()
+    buf.combine(torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16), out[3], num_sms=10)
+    assert log[0].args['num_send_blocks'] == 0
+    assert log[0].grid == min(10, ep_tests.ep_plan.epilogue_blocks(M, 2 * H, 132))

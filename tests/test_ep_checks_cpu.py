@@ -123,7 +123,8 @@ def test_topk_buckets():
         for k in ep_kernels.SUPPORTED_TOPK:
             for specs in ep_kernels.specs_for(n, ep_kernels.topk_bucket(k)).values():
                 assert {s.name for s in specs} <= names
-    assert sum(len(v) for v in shipped.values()) == 8 * 6 * 5 + 1
+    # notify, dispatch, two combines, the legacy send and receive per (ranks, bucket); one shared range kernel.
+    assert sum(len(v) for v in shipped.values()) == 8 * 6 * 6 + 1
 
 
 def invalid_cases(dispatch, combine, handle, other_handle, recv, x, idx, w):
@@ -229,6 +230,7 @@ class RecordingKernels:
     def __init__(self, log):
         b = ep_kernels.topk_bucket(K)
         self.notify = fakes.RecordingKernel(ep_kernels.notify_spec(R, b), log)
+        self.dispatch = fakes.RecordingKernel(ep_kernels.dispatch_spec(R, b), log)
         self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(R, b), log)
         self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(R, b), log)
         self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(R, b, lr), log) for lr in (True, False)}
@@ -240,7 +242,7 @@ def make_buffer(monkeypatch, num_bytes=1 << 30):
     buf = fakes.make_buffer(R, 0, num_bytes, num_max_tokens_per_rank=M, num_topk=K)
     log = []
     buf.launches = log
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: RecordingKernels(log))
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: RecordingKernels(log))
     current = fakes.FakeStream('current')
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
     monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)
@@ -257,16 +259,24 @@ def _names(log):
 def test_valid_calls_launch_the_pipeline(monkeypatch, inputs):
     buf = make_buffer(monkeypatch)
     x, idx, w = inputs
-    out = buf.dispatch(x, idx, w, num_experts=E)
-    assert _names(buf.launches) == ['deepep::notify_dispatch', 'deepep::dispatch_impl',
-                                    'deepep::dispatch_copy_epilogue_impl']
+    dispatch = 'deepep::dispatch_impl_with_dispatch_copy_epilogue_impl'
+    # CPU sync: the send is a launch of its own (before the host waits for the counts), the receive another.
+    out = buf.dispatch(x, idx, w, num_experts=E, num_sms=6)
+    assert _names(buf.launches) == ['deepep::notify_dispatch', dispatch, dispatch]
     assert all(entry.args['num_topk'] == K for entry in buf.launches)
+    send, recv = buf.launches[1:]
+    assert (send.args['phases'], send.args['num_send_blocks'], send.grid) == (ep_kernels.PHASE_SEND, 6, 6)
+    assert (recv.args['phases'], recv.args['num_send_blocks']) == (ep_kernels.PHASE_RECV, 0)
+    assert send.args['chunk_rows'] == recv.args['chunk_rows'] == ep_kernels.dispatch_chunk_rows(M, R)
     handle = out[3]
     assert out[0].shape == (R * M, H) and handle.num_recv_tokens == R * M
     assert handle.token_metadata_at_forward is None and handle.channel_linked_list is None
+    assert send.args['token_of_slot'] == handle.ptr(5) and recv.args['send_count'] == handle.ptr(6)
     buf.launches.clear()
-    buf.dispatch(x, handle=handle, topk_weights=w)          # cached: no notify
-    assert _names(buf.launches) == ['deepep::dispatch_impl', 'deepep::dispatch_copy_epilogue_impl']
+    buf.dispatch(x, handle=handle, topk_weights=w)          # cached: no notify; send and receive in one launch
+    (one,) = buf.launches
+    assert _names(buf.launches) == [dispatch] and one.args['phases'] == ep_kernels.PHASE_SEND | ep_kernels.PHASE_RECV
+    assert one.args['num_send_blocks'] == 6 and 6 < one.grid <= 132
     buf.launches.clear()
     combined, combined_w, _ = buf.combine(out[0], handle, topk_weights=out[2], bias=(x, x))
     assert combined.shape == (M, H) and combined_w.shape == (M, K)
@@ -297,7 +307,7 @@ def test_buffer_too_small_is_a_value_error(monkeypatch, inputs):
     x = torch.zeros(M, hidden, dtype=torch.bfloat16)
     buf = fakes.make_buffer(R, 0, 2 << 20, num_max_tokens_per_rank=M)
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: fakes.FakeStream('current'))
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: RecordingKernels([]))
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: RecordingKernels([]))
     ep = buf._ep_feature()
     monkeypatch.setattr(ep, '_start_range', lambda topk_idx, ptr, n, k, stream: cpu_range_of(topk_idx))
     assert layout.buffer_size_hint(R, M, hidden, K) > 2 << 20

@@ -23,6 +23,8 @@ constexpr uint64_t kCtrlOffset = kWsEPCtrlOffset;        // common/workspace.cuh
 constexpr uint64_t kNotifyOffset = kWsEPNotifyOffset;
 constexpr uint64_t kChunkSignalOffset = kWsEPChunkSignalOffset;    // combine chunk signals
 constexpr uint64_t kChunkSignalBytes = kWsEPChunkSignalBytes;
+constexpr uint64_t kDispatchSignalOffset = kWsEPDispatchSignalOffset;    // dispatch chunk signals
+constexpr uint64_t kDispatchSignalBytes = kWsEPDispatchSignalBytes;
 constexpr int kCtrlNotifyEpoch = 0, kCtrlDataEpoch = 1, kCtrlCombineEpoch = 2;
 constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
 constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;
@@ -45,6 +47,11 @@ struct Peers {
     // Combine chunk signal [src][j] in `peer`'s workspace (see ep_combine.cu).
     __device__ __forceinline__ uint32_t* chunk_signal(int peer, int src, int stride, int j) const {
         return reinterpret_cast<uint32_t*>(base(peer) + kChunkSignalOffset) + static_cast<int64_t>(src) * stride + j;
+    }
+    // Dispatch chunk signal [src][j] in `peer`'s workspace (see ep_dispatch.cu).
+    __device__ __forceinline__ uint32_t* dispatch_signal(int peer, int src, int stride, int j) const {
+        return reinterpret_cast<uint32_t*>(base(peer) + kDispatchSignalOffset) + static_cast<int64_t>(src) * stride +
+               j;
     }
 };
 

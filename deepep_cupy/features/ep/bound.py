@@ -22,9 +22,29 @@ from ...runtime import interop
 from ...runtime.sizes import align, ceil_div
 from . import plan as ep_plan
 from .handle import EPHandle, workspace_layout
-from .kernels import COMBINE_CHUNK_ROWS, COMBINE_THREADS, NOTIFY_THREADS, RECV_THREADS, SEND_THREADS
+from .kernels import (
+    COMBINE_CHUNK_ROWS,
+    COMBINE_THREADS,
+    DISPATCH_THREADS,
+    NOTIFY_THREADS,
+    PHASE_RECV,
+    PHASE_SEND,
+    RECV_THREADS,
+    SEND_THREADS,
+    dispatch_chunk_rows,
+)
 
 _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
+# Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
+_INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
+           'recv_layout')
+_OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata')
+
+
+def _selection(bound, names) -> Tuple[Tuple[int, int], ...]:
+    """(position in `names`, word index) of each of `names` that `bound`'s kernel takes."""
+    taken = set(bound.spec.param_names)
+    return tuple((k, bound.index(n)) for k, n in enumerate(names) if n in taken)
 
 
 class _Outputs(NamedTuple):
@@ -88,30 +108,52 @@ class BoundDispatch:
                 num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment,
                 scratch=sym.base + lay.scratch_offset, send_pos=0, send_expert_pos=0, recv_layout=0,
                 psum_recv_per_expert=0, do_expand=int(p.do_expand), cumulative_stats=0,
-                host_counts=ep.host_counts_ptr if p.do_cpu_sync else 0, host_seq=0, topk_copy=0, **tail)
+                host_counts=ep.host_counts_ptr if p.do_cpu_sync else 0, host_seq=0, topk_copy=0, token_of_slot=0,
+                send_count=0, **tail)
             self.notify_idx = tuple(self.notify.index(n) for n in (
                 'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
-                'topk_copy'))
+                'topk_copy', 'token_of_slot', 'send_count'))
             self.notify_seq = self.notify.index('host_seq')
-        self.send = kernels.dispatch_send.bind(
-            p.num_sms, SEND_THREADS, x=0, x_row_bytes=x_row_bytes, hidden_bytes=p.hidden_bytes, sf=0,
-            sf_stride_token=sfi.strides[0] if sfi else 0, sf_stride_col=sfi.strides[1] if sfi else 0,
-            num_sf=p.num_sf, topk_idx=0, topk_weights=0, send_pos=0, send_expert_pos=0, num_tokens=p.num_tokens,
-            num_topk=K, num_max_tokens_per_rank=p.num_max_tokens_per_rank, recv_offset=lay.dispatch_recv_offset,
-            **tail)
-        self.send_idx = tuple(self.send.index(n) for n in ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos',
-                                                           'send_expert_pos'))
-        self.recv = kernels.dispatch_recv.bind(
-            1, RECV_THREADS, x=0, x_row_bytes=x_row_bytes, hidden_bytes=p.hidden_bytes, num_sf=p.num_sf,
-            num_topk=K, num_experts=p.num_experts, num_max_tokens_per_rank=p.num_max_tokens_per_rank,
-            recv_layout=0, do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=0,
-            num_meta_rows=0, recv_x=0, recv_sf=0, recv_sf_stride_row=0, recv_sf_stride_col=0, recv_topk_idx=0,
-            recv_topk_weights=0, recv_src_metadata=0, recv_offset=lay.dispatch_recv_offset, **tail)
+        # The dispatch launches. Default kernel (ep_dispatch.cu): with `one_launch` senders and receivers share one
+        # launch (no CPU sync or cached, and at one rank always: there is nothing to send); else a send-only launch
+        # before the host waits for the counts and a receive-only one after. Legacy: the previous two kernels.
+        d = dict(x=0, x_row_bytes=x_row_bytes, hidden_bytes=p.hidden_bytes, num_topk=K,
+                 num_max_tokens_per_rank=p.num_max_tokens_per_rank, recv_offset=lay.dispatch_recv_offset, **tail)
+        sf_strides = dict(sf_stride_token=sfi.strides[0] if sfi else 0, sf_stride_col=sfi.strides[1] if sfi else 0)
+        outs = dict(do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=0,
+                    num_meta_rows=0, recv_x=0, recv_sf=0, recv_sf_stride_row=0, recv_sf_stride_col=0,
+                    recv_topk_idx=0, recv_topk_weights=0, recv_src_metadata=0, recv_layout=0, num_sf=p.num_sf,
+                    num_experts=p.num_experts)
+        self.legacy = ep.legacy_dispatch
+        self.one_launch = not self.legacy and (R == 1 or (ep.dispatch_overlap and not p.do_cpu_sync))
+        self.num_send_blocks = 0 if R == 1 else min(p.num_sms, s.num_device_sms - 1)
+        if self.legacy:
+            self.send = kernels.dispatch_send.bind(
+                p.num_sms, SEND_THREADS, sf=0, num_sf=p.num_sf, topk_idx=0, topk_weights=0, send_pos=0,
+                send_expert_pos=0, num_tokens=p.num_tokens, **sf_strides, **d)
+            self.recv = kernels.dispatch_recv.bind(1, RECV_THREADS, **outs, **d)
+        else:
+            chunk_rows = dispatch_chunk_rows(p.num_max_tokens_per_rank, R)
+            common = dict(sf=0, topk_idx=0, topk_weights=0, send_expert_pos=0, token_of_slot=0, send_count=0,
+                          num_tokens=p.num_tokens, chunk_rows=chunk_rows,
+                          chunk_stride=ceil_div(p.num_max_tokens_per_rank, chunk_rows), **sf_strides, **outs, **d)
+            if self.one_launch:
+                self.send = None
+                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_SEND | PHASE_RECV,
+                                                  num_send_blocks=self.num_send_blocks, **common)
+            else:
+                self.send = kernels.dispatch.bind(self.num_send_blocks, DISPATCH_THREADS, phases=PHASE_SEND,
+                                                  num_send_blocks=self.num_send_blocks, **common)
+                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
+                                                  **common)
+        # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in.
+        self.send_sel = _selection(self.send, _INPUTS) if self.send is not None else ()
+        self.recv_in_sel = _selection(self.recv, _INPUTS)
+        self.recv_out_sel = _selection(self.recv, _OUTPUTS)
         r = self.recv
-        self.recv_idx = tuple(r.index(n) for n in ('x', 'recv_layout', 'recv_x', 'recv_sf', 'recv_topk_idx',
-                                                   'recv_topk_weights', 'recv_src_metadata'))
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
+        self.recv_extra = 0 if self.send is not None or self.legacy else self.num_send_blocks
         self.handle_fields = (p.do_expand, p.num_experts, p.expert_alignment, p.num_max_tokens_per_rank, p.num_sms,
                               p.num_tokens, K, p.hidden, p.kind, s.owner_id, do_cpu_sync, R, L, self.offsets)
         self.p = p.without_arrays()
@@ -184,14 +226,20 @@ class BoundDispatch:
             u = n.u64
             u[i[0]], u[i[1]], u[i[2]], u[i[3]] = tp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[2]
             u[i[4]], u[i[5]], u[i[6]] = ws_ptr + 4 * o[3], cp, ws_ptr + 4 * o[4] if o[4] >= 0 else 0
+            u[i[7]], u[i[8]] = ws_ptr + 4 * o[5], ws_ptr + 4 * o[6]
             if self.cpu_sync:
                 seq = ep._next_host_seq()
                 n.i32[self.notify_seq] = seq
             n(comm)
-        snd, i = self.send, self.send_idx
-        u = snd.u64
-        u[i[0]], u[i[1]], u[i[2]], u[i[3]], u[i[4]], u[i[5]] = xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1]
-        snd(comm)
+        # _INPUTS' pointers in order.
+        ins = (xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[5], ws_ptr + 4 * o[6],
+               ws_ptr + 4 * o[2])
+        snd = self.send
+        if snd is not None:
+            u = snd.u64
+            for k, idx in self.send_sel:
+                u[idx] = ins[k]
+            snd(comm)
 
         if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
             group, base = ws, self.ws_words
@@ -219,16 +267,20 @@ class BoundDispatch:
         if out.weights_shape is not None:
             recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
         gp = carver.ptr(group) + 4 * base
-        r, i = self.recv, self.recv_idx
+        # _OUTPUTS' pointers in order.
+        outs = (carver.ptr(recv_x), carver.ptr(recv_sf) if recv_sf is not None else 0,
+                gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
+                gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset)
+        r = self.recv
         u = r.u64
-        u[i[0]], u[i[1]], u[i[2]] = xp, ws_ptr + 4 * o[2], carver.ptr(recv_x)
-        u[i[3]] = carver.ptr(recv_sf) if recv_sf is not None else 0
-        u[i[4]] = gp + 4 * out.topk_offset if recv_topk_idx is not None else 0
-        u[i[5]] = gp + 4 * out.weights_offset if recv_topk_weights is not None else 0
-        u[i[6]] = gp + 4 * out.meta_offset
+        for k, idx in self.recv_in_sel:
+            u[idx] = ins[k]
+        for k, idx in self.recv_out_sel:
+            u[idx] = outs[k]
         r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
         r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
-        r.grid = (out.grid, 1, 1)
+        # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
+        r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
         r(comm)
 
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, meta, ws,

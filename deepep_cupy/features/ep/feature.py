@@ -1,16 +1,19 @@
 """EP dispatch and combine inside one scale-up (NVLink) domain: the launch path (the checks and sizes are plan.py).
 
 Per dispatch, on the buffer's communication stream:
-  notify (layout of this rank's tokens + count exchange, ~µs) → send (tokens straight into their slots at every
-  destination over NVLink) → [CPU waits for the counts if `do_cpu_sync`, allocates exact outputs] → receive epilogue
-  (slots → user tensors). The send kernel does not depend on the output sizes, so the GPU keeps sending while the
-  host waits. Combine: one launch whose sending blocks write partial rows into slots at each token's origin, chunk
-  by chunk, while its reducing blocks sum every token once its chunks are released (fixed FP32 order).
+  notify (layout of this rank's tokens + count exchange, ~µs) → one dispatch launch whose senders write tokens straight
+  into their slots at every destination over NVLink, chunk by chunk, while its receivers copy each chunk into the
+  user's tensors as soon as it is released (own tokens straight from x). With `do_cpu_sync` the send is a launch of its
+  own before the CPU waits for the counts and allocates exact outputs (the GPU keeps sending meanwhile), the receive
+  one after. Calls are bound per signature (bound.py). Combine: one launch whose sending blocks write partial rows
+  into slots at each token's origin, chunk by chunk, while its reducing blocks sum every token once its chunks are
+  released (fixed FP32 order).
 See kernels_cu/ep_*.cu for the protocols.
 """
 
 from typing import Dict, Optional
 
+from ... import envs
 from ...runtime import interop, workspace
 from ...runtime.event import as_event_handle
 from ...runtime.host_range import HostRange
@@ -59,6 +62,8 @@ class EP:
         self._topk_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
         self._range_what = f'dispatch on rank {buf.rank_idx} (topk_idx)'
         self._bound: Dict[tuple, object] = {}       # call signature -> BoundDispatch / BoundCombine
+        # The dispatch kernels (envs.py; read once: every dispatch of a buffer uses one protocol, as every rank must).
+        self.legacy_dispatch, self.dispatch_overlap = envs.ep_legacy_dispatch(), envs.ep_dispatch_overlap()
         self._carvers: Dict[str, interop.Carver] = {}
         if num_max_tokens_per_rank and hidden:
             buf.claim_data_region(DATA_REGION_OWNER)
@@ -71,7 +76,7 @@ class EP:
         bucket = topk_bucket(num_topk)
         k = self._kernels.get(bucket)
         if k is None:
-            k = self._kernels[bucket] = EPKernels(self.settings.num_ranks, bucket)
+            k = self._kernels[bucket] = EPKernels(self.settings.num_ranks, bucket, self.legacy_dispatch)
         return k
 
     def destroy(self) -> None:

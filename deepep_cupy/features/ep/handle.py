@@ -7,9 +7,10 @@ from typing import Any, List, Optional, Tuple
 @functools.lru_cache(maxsize=256)
 def workspace_layout(num_tokens: int, num_ranks: int, num_topk: int, num_local_experts: int,
                      with_topk_copy: bool) -> Tuple[int, Tuple[int, ...]]:
-    """int32 words of a dispatch's handle workspace and the word offset of each part:
+    """int32 words (even) of a dispatch's handle workspace and the word offset of each part:
     (send_pos [N, R], send_expert_pos [N, K], recv_layout [2R + 2L + RL + 2], psum_expert [L], topk copy [N, K] int64
-    at an even offset, or -1 without a copy)."""
+    at an even offset, or -1 without a copy, token_of_slot [R, N] (the token in each slot at each destination),
+    send_count [R] (tokens sent to each destination))."""
     n, r, k, n_l = num_tokens, num_ranks, num_topk, num_local_experts
     offsets = [0, n * r, n * r + n * k]
     offsets.append(offsets[-1] + 2 * r + 2 * n_l + r * n_l + 2)
@@ -18,6 +19,11 @@ def workspace_layout(num_tokens: int, num_ranks: int, num_topk: int, num_local_e
     offsets.append(end if with_topk_copy else -1)
     if with_topk_copy:
         end += 2 * n * k
+    offsets.append(end)
+    end += r * n
+    offsets.append(end)
+    end += r
+    end += end % 2
     return max(end, 2), tuple(offsets)
 
 
@@ -107,7 +113,7 @@ class EPHandle:
     # ---- addresses for the kernels ---------------------------------------------------------------------------------
     def ptr(self, part: int) -> int:
         """Device address of workspace part `part` (0 send_pos, 1 send_expert_pos, 2 recv_layout, 3 psum_expert,
-        4 topk copy)."""
+        4 topk copy, 5 token_of_slot, 6 send_count)."""
         return self.workspace_ptr + 4 * self.offsets[part]
 
     @property
