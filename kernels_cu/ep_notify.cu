@@ -100,7 +100,11 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
     __syncthreads();
 
     // Exclusive scan over the block's warps per key (expert keys hold lane masks, rank keys counts); block totals to
-    // scratch.
+    // scratch, then the bases from earlier blocks (and the totals over all blocks, used by block 0) into smem after
+    // the warp bases. A single block (decode sizes) skips the round trip through scratch and the grid barrier.
+    int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
+    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
+    const bool one_block = gridDim.x == 1;
     for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
         int running = 0;
         for (int w = 0; w < kNotifyWarps; ++w) {
@@ -109,25 +113,25 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
             warp_counts[w * num_keys + key] = running;
             running += c;
         }
-        scratch[static_cast<int64_t>(blockIdx.x) * num_keys + key] = running;
-    }
-    if (gridDim.x > 1)
-        grid_sync(ctrl);
-    else
-        __syncthreads();
-
-    // Bases from earlier blocks (and, in block 0, the totals over all blocks into smem after the warp bases).
-    int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
-    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
-    for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
-        int running = 0, base = 0;
-        for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
-            if (b == static_cast<int>(blockIdx.x))
-                base = running;
-            running += __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+        if (one_block) {
+            block_base[key] = 0;
+            totals[key] = running;
+        } else {
+            scratch[static_cast<int64_t>(blockIdx.x) * num_keys + key] = running;
         }
-        block_base[key] = base;
-        totals[key] = running;
+    }
+    if (!one_block) {
+        grid_sync(ctrl);
+        for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+            int running = 0, base = 0;
+            for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+                if (b == static_cast<int>(blockIdx.x))
+                    base = running;
+                running += __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+            }
+            block_base[key] = base;
+            totals[key] = running;
+        }
     }
     __syncthreads();
 
@@ -155,33 +159,40 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
         send_count[threadIdx.x] = totals[num_experts + threadIdx.x];
 
     // ---- block 0: exchange counts with the peers --------------------------------------------------------------
-    __shared__ uint32_t s_epoch;
-    if (threadIdx.x == 0) {
-        s_epoch = read_local(ctrl + kCtrlNotifyEpoch) + 1;
-        ctrl[kCtrlNotifyEpoch] = s_epoch;
-    }
-    __syncthreads();
-    const uint32_t epoch = s_epoch;
+    // The received counts land in shared memory (the block's per-warp count area is free again): [kNumRanks][row].
     const int row_words = 1 + num_local_experts;
-    for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x) {
-        const int d = i / row_words, j = i % row_words;
-        const int value = j == 0 ? totals[num_experts + d] : totals[d * num_local_experts + j - 1];
-        auto* area = reinterpret_cast<int32_t*>(peers.base(d) + kNotifyOffset);
-        area[rank * row_words + j] = value;
+    int32_t* s_area = smem;
+    if (kNumRanks == 1) {
+        // One rank receives what it sends: no exchange (and no system-scope fence) needed. The barrier: every thread
+        // is done reading its warp bases above before the area is overwritten.
+        __syncthreads();
+        for (int i = threadIdx.x; i < row_words; i += blockDim.x)
+            s_area[i] = i == 0 ? totals[num_experts] : totals[i - 1];
+    } else {
+        __shared__ uint32_t s_epoch;
+        if (threadIdx.x == 0) {
+            s_epoch = read_local(ctrl + kCtrlNotifyEpoch) + 1;
+            ctrl[kCtrlNotifyEpoch] = s_epoch;
+        }
+        __syncthreads();
+        const uint32_t epoch = s_epoch;
+        for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x) {
+            const int d = i / row_words, j = i % row_words;
+            const int value = j == 0 ? totals[num_experts + d] : totals[d * num_local_experts + j - 1];
+            auto* area = reinterpret_cast<int32_t*>(peers.base(d) + kNotifyOffset);
+            area[rank * row_words + j] = value;
+        }
+        __syncthreads();
+        if (threadIdx.x < kNumRanks) {
+            fence_acq_rel_sys();
+            st_release_sys(peers.remote_signal(threadIdx.x, kSigNotify), epoch);
+        }
+        if (!wait_all_peers(peers, kSigNotify, kNumRanks, epoch, timeout_ns, sink, kPhaseNotify))
+            return;
+        const auto* area = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyOffset);
+        for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x)
+            s_area[i] = area[i];
     }
-    __syncthreads();
-    if (threadIdx.x < kNumRanks) {
-        fence_acq_rel_sys();
-        st_release_sys(peers.remote_signal(threadIdx.x, kSigNotify), epoch);
-    }
-    if (!wait_all_peers(peers, kSigNotify, kNumRanks, epoch, timeout_ns, sink, kPhaseNotify))
-        return;
-
-    // Receive layout, computed in shared memory (the block's per-warp count area is free again).
-    const auto* area = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyOffset);
-    int32_t* s_area = smem;                                   // [kNumRanks][row_words]
-    for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x)
-        s_area[i] = area[i];
     __syncthreads();
     RecvLayout layout{recv_layout, kNumRanks, num_local_experts};
     if (threadIdx.x == 0) {
