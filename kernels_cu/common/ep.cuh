@@ -9,11 +9,14 @@
 //   signals, written by peers (index = the peer's scale-up rank), epochs that only grow:
 //     notify_signal[src]     at +256: src published its counts for notify epoch e into our notify area
 //     data_signal[src]       at +384: src finished writing its dispatch messages of data epoch e into our slots
+//                            (ep_dispatch_legacy.cu; ep_dispatch.cu releases chunk by chunk, see below)
 //     data_consumed[dst]     at +512: dst copied our messages of epoch e out of its slots (we may overwrite them)
 //     combine_signal[src]    at +640: src finished writing its combine rows of combine epoch e into our slots
 //     combine_consumed[dst]  at +768: dst reduced our rows of combine epoch e (we may overwrite them)
 // Notify counts (byte offset kNotifyOffset of the workspace): int32 [src][1 + num_local_experts]:
 //   [0] tokens src sends us, [1 + j] (token, slot) pairs src sends to our local expert j.
+// Chunk signals, epochs that only grow, written by peers: combine at kChunkSignalOffset, dispatch at
+// kDispatchSignalOffset, each uint32 [src][chunk] (ep_combine.cu, ep_dispatch.cu).
 #pragma once
 #include "common/timeout.cuh"
 
