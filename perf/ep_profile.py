@@ -13,8 +13,8 @@ DEEPEP_CUPY_EP_LEGACY_DISPATCH=1), tokens and dtype (BF16, FP8):
               check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
   [copy]      a plain device copy of the bytes the dispatch receives (recv_x, scales, top-k ids and weights), and the
               no-sync dispatch span (eager and in a graph) over it
-  [features]  host time per call of all_gather (4 x 1 MiB), reduce_scatter (R x 1 MiB) and all_reduce (1 MiB), engram_fetch
-              and (2+ ranks) pp_send / pp_recv
+  [features]  host time per call of all_gather (4 x 1 MiB), reduce_scatter (R x 1 MiB), all_reduce (1 MiB),
+              engram_fetch and (2+ ranks) pp_send / pp_recv
   [targets]   issue 11's figures with their bounds
   [profile]   (--profile, rank 0) cProfile of the host loop, top functions by own time
   [lines]     (--lines, rank 0) host time per call charged to each statement of dispatch / combine

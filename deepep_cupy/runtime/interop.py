@@ -285,7 +285,7 @@ class Carver:
             import torch
             self._torch = torch
             self._device = torch.device('cuda', device) if device >= 0 else torch.device('cpu')
-            self._dtypes = {}
+            self._dtypes, self._strides = {}, {}
         else:
             import cupy
             self._cupy = cupy
@@ -322,10 +322,13 @@ class Carver:
         int32 word `word_offset`."""
         size = _ITEMSIZE[dtype]
         if self.kind == 'torch':
-            strides, step = [], 1
-            for n in reversed(shape):
-                strides.append(step)
-                step *= n
+            strides = self._strides.get(shape)
+            if strides is None:
+                steps, step = [], 1
+                for n in reversed(shape):
+                    steps.append(step)
+                    step *= n
+                strides = self._strides[shape] = tuple(reversed(steps))
             typed = base if dtype == 'int32' else base.view(self._dtype(dtype))
-            return typed.as_strided(shape, tuple(reversed(strides)), word_offset * 4 // size)
+            return typed.as_strided(shape, strides, word_offset * 4 // size)
         return self._cupy.ndarray(shape, dtype=dtypes.cupy_storage(dtype), memptr=base.data + word_offset * 4)

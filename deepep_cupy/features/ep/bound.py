@@ -41,10 +41,14 @@ _INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos',
 _OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata')
 
 
-def _selection(bound, names) -> Tuple[Tuple[int, int], ...]:
-    """(position in `names`, word index) of each of `names` that `bound`'s kernel takes."""
+def _patcher(bound, names):
+    """`patch(view, values)` storing `values[k]` (the pointer of `names[k]`) at the word of each of `names` that
+    `bound`'s kernel takes: straight-line code generated once (a loop over pairs costs three times as much)."""
     taken = set(bound.spec.param_names)
-    return tuple((k, bound.index(n)) for k, n in enumerate(names) if n in taken)
+    body = ''.join(f'    u[{bound.index(n)}] = v[{k}]\n' for k, n in enumerate(names) if n in taken) or '    pass\n'
+    namespace = {}
+    exec(compile(f'def patch(u, v):\n{body}', f'<patch of {bound.spec.name}>', 'exec'), namespace)
+    return namespace['patch']
 
 
 class _Outputs(NamedTuple):
@@ -147,9 +151,8 @@ class BoundDispatch:
                 self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
                                                   **common)
         # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in.
-        self.send_sel = _selection(self.send, _INPUTS) if self.send is not None else ()
-        self.recv_in_sel = _selection(self.recv, _INPUTS)
-        self.recv_out_sel = _selection(self.recv, _OUTPUTS)
+        self.send_patch = _patcher(self.send, _INPUTS) if self.send is not None else None
+        self.recv_in_patch, self.recv_out_patch = _patcher(self.recv, _INPUTS), _patcher(self.recv, _OUTPUTS)
         r = self.recv
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
@@ -236,9 +239,7 @@ class BoundDispatch:
                ws_ptr + 4 * o[2])
         snd = self.send
         if snd is not None:
-            u = snd.u64
-            for k, idx in self.send_sel:
-                u[idx] = ins[k]
+            self.send_patch(snd.u64, ins)
             snd(comm)
 
         if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
@@ -260,7 +261,7 @@ class BoundDispatch:
                 recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
             else:
                 recv_sf = storage
-        meta = carver.view(group, 'int32', out.meta_shape, base + out.meta_offset)
+        # recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view then.
         recv_topk_idx = recv_topk_weights = None
         if out.topk_shape is not None:
             recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
@@ -272,25 +273,23 @@ class BoundDispatch:
                 gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
                 gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset)
         r = self.recv
-        u = r.u64
-        for k, idx in self.recv_in_sel:
-            u[idx] = ins[k]
-        for k, idx in self.recv_out_sel:
-            u[idx] = outs[k]
+        self.recv_in_patch(r.u64, ins)
+        self.recv_out_patch(r.u64, outs)
         r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
         r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
         # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
         r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
         r(comm)
 
-        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, meta, ws,
-                                   ws_ptr, user_topk, psum_expert)
+        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
+                                   gp + 4 * out.meta_offset, (carver, group, out.meta_shape, base + out.meta_offset),
+                                   ws, ws_ptr, user_topk, psum_expert)
         if self.async_:
             sf = x_in[1] if self.fp8 else None
             xa = x_in[0] if self.fp8 else x_in
             event_out = ep._order.finish(self.kind, current, True,
                                          (xa, sf, topk_idx, topk_weights, stats, recv_x, recv_sf, recv_topk_idx,
-                                          recv_topk_weights, meta, ws, group))
+                                          recv_topk_weights, ws, group, user_topk))
         else:
             event_out = ep._order.finish(self.kind, current, False, ())
         out_x = (recv_x, recv_sf) if self.fp8 else recv_x
@@ -342,7 +341,7 @@ class BoundCombine:
         b, i = self.launch, self.idx
         u = b.u64
         ws = h.workspace_ptr
-        u[i[0]], u[i[1]], u[i[2]], u[i[3]] = xp, wp, carver.ptr(h.recv_src_metadata), ws + 4 * h.offsets[2]
+        u[i[0]], u[i[1]], u[i[2]], u[i[3]] = xp, wp, h._meta_ptr, ws + 4 * h.offsets[2]
         u[i[4]], u[i[5]] = ws + 4 * h.offsets[0], h.topk_idx_ptr
         u[i[6]] = bias_ptrs[0] if self.num_biases else 0
         u[i[7]] = bias_ptrs[1] if self.num_biases > 1 else 0
@@ -351,7 +350,7 @@ class BoundCombine:
         b(comm)
         if self.async_:
             event_out = ep._order.finish(self.kind, current, True,
-                                         (x, topk_weights, *biases, combined_x, combined_w, h.recv_src_metadata,
+                                         (x, topk_weights, *biases, combined_x, combined_w, h.metadata_owner,
                                           h.workspace, h._topk_idx))
         else:
             event_out = ep._order.finish(self.kind, current, False, ())

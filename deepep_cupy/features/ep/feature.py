@@ -59,6 +59,7 @@ class EP:
         self._sym, self._order, self._host_ptr = buf.sym, buf.stream_order, buf.host_mapped.ptr
         self.host_counts = buf.host_mapped.view('int32', 3 + NUM_MAX_LOCAL_EXPERTS, HOST_COUNTS_OFFSET)
         self.host_counts_ptr = self._host_ptr + HOST_COUNTS_OFFSET
+        self._error_state = buf.error_record        # word 0 != 0: a kernel reported a timeout
         self._topk_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
         self._range_what = f'dispatch on rank {buf.rank_idx} (topk_idx)'
         self._bound: Dict[tuple, object] = {}       # call signature -> BoundDispatch / BoundCombine
@@ -86,6 +87,13 @@ class EP:
         self._bound = {}
 
     # ---- helpers of the bound calls (bound.py) ---------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        """The buffer's `check_usable`, reached only when something is wrong (its three conditions read here first:
+        the call through the buffer's proxy costs ~1 us of a dispatch)."""
+        buf = self._buf
+        if buf._destroyed or buf._failed is not None or self._error_state[0]:
+            buf.check_usable()
+
     def carver(self, kind: str) -> interop.Carver:
         """The allocator of this buffer's device for arrays of `kind`."""
         c = self._carvers.get(kind)
@@ -122,7 +130,7 @@ class EP:
                  do_cpu_sync: Optional[bool] = None, do_expand: bool = False, do_zero_padding: bool = False,
                  use_tma_aligned_col_major_sf: bool = False):
         """`ElasticBuffer.dispatch` (see there)."""
-        self._buf.check_usable()
+        self._check_usable()
         del num_qps, previous_event_before_epilogue     # NVLink-only build: no QPs, single epilogue event
         fp8 = type(x) is tuple or type(x) is list
         if fp8 and len(x) == 2:
@@ -187,7 +195,7 @@ class EP:
                 previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
                 allocate_on_comm_stream: bool = False):
         """`ElasticBuffer.combine` (see there)."""
-        self._buf.check_usable()
+        self._check_usable()
         del num_qps, previous_event_before_epilogue
         (xs, xp), (ws, wp) = meta(x), meta(topk_weights)
         if bias is None:

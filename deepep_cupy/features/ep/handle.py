@@ -55,8 +55,8 @@ class EPHandle:
     """
 
     __slots__ = ('do_expand', 'num_experts', 'expert_alignment', 'num_max_tokens_per_rank', 'num_sms',
-                 'num_recv_tokens', 'num_expanded_tokens', 'num_recv_tokens_per_expert_list', 'recv_src_metadata',
-                 'num_tokens', 'num_topk', 'hidden', 'kind', 'buffer_id', 'do_cpu_sync', 'num_ranks',
+                 'num_recv_tokens', 'num_expanded_tokens', 'num_recv_tokens_per_expert_list', '_meta', '_meta_ptr',
+                 '_meta_of', 'num_tokens', 'num_topk', 'hidden', 'kind', 'buffer_id', 'do_cpu_sync', 'num_ranks',
                  'num_local_experts', 'workspace', 'workspace_ptr', 'offsets', '_topk_idx', '_psum_expert', '_views',
                  '_origin')
 
@@ -74,7 +74,8 @@ class EPHandle:
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.recv_src_metadata = recv_src_metadata
+        self._meta, self._meta_of = recv_src_metadata, None
+        self._meta_ptr = recv_src_metadata.data_ptr() if kind == 'torch' else recv_src_metadata.data.ptr
         self.num_tokens = num_tokens
         self.num_topk = num_topk
         self.hidden = hidden
@@ -96,19 +97,34 @@ class EPHandle:
 
     @classmethod
     def _new(cls, origin, fields: Tuple, num_recv_tokens: int, num_expanded_tokens: int, counts: List[int],
-             recv_src_metadata: Any, workspace: Any, workspace_ptr: int, topk_idx: Any, psum_expert: Any):
+             meta_ptr: int, meta_of: Tuple, workspace: Any, workspace_ptr: int, topk_idx: Any, psum_expert: Any):
         """A handle from a bound dispatch (`origin`) without keyword binding: `fields` is `origin.handle_fields`,
         (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk, hidden,
-        kind, buffer_id, do_cpu_sync, num_ranks, num_local_experts, offsets)."""
+        kind, buffer_id, do_cpu_sync, num_ranks, num_local_experts, offsets). recv_src_metadata is made on first
+        access from `meta_of` = (allocator, allocation, shape, int32 word offset); the kernels take `meta_ptr`."""
         h = cls.__new__(cls)
         (h.do_expand, h.num_experts, h.expert_alignment, h.num_max_tokens_per_rank, h.num_sms, h.num_tokens,
          h.num_topk, h.hidden, h.kind, h.buffer_id, h.do_cpu_sync, h.num_ranks, h.num_local_experts,
          h.offsets) = fields
         h.num_recv_tokens, h.num_expanded_tokens, h.num_recv_tokens_per_expert_list = (num_recv_tokens,
                                                                                       num_expanded_tokens, counts)
-        h.recv_src_metadata, h.workspace, h.workspace_ptr = recv_src_metadata, workspace, workspace_ptr
+        h._meta, h._meta_ptr, h._meta_of = None, meta_ptr, meta_of
+        h.workspace, h.workspace_ptr = workspace, workspace_ptr
         h._topk_idx, h._psum_expert, h._views, h._origin = topk_idx, psum_expert, {}, origin
         return h
+
+    @property
+    def recv_src_metadata(self):
+        """`[rows, num_topk + 2]` int32 (see the class docstring); a view made on first access."""
+        if self._meta is None:
+            carver, base, shape, offset = self._meta_of
+            self._meta = carver.view(base, 'int32', shape, offset)
+        return self._meta
+
+    @property
+    def metadata_owner(self) -> Any:
+        """The allocation holding recv_src_metadata (what an asynchronous combine keeps alive)."""
+        return self._meta if self._meta_of is None else self._meta_of[1]
 
     # ---- addresses for the kernels ---------------------------------------------------------------------------------
     def ptr(self, part: int) -> int:
