@@ -219,3 +219,15 @@ def test_one_rank_dispatches_in_one_launch_without_senders(monkeypatch):
     buf.combine(torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16), out[3], num_sms=10)
     assert log[0].args['num_send_blocks'] == 0
     assert log[0].grid == min(10, ep_tests.ep_plan.epilogue_blocks(M, 2 * H, 132))
+
+
+def test_cpu_sync_counts_become_a_list_on_first_access(monkeypatch):
+    import numpy as np
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    counts = np.array([3, 0, 5, 8, 1, 2, 4, 9], dtype=np.int32)
+    monkeypatch.setattr(buf._ep, '_wait_host_counts', lambda seq, n: (R * M, R * M * K, counts[:n].copy()))
+    h = buf.dispatch(x, idx, w, num_experts=E)[3]
+    listed = h.num_recv_tokens_per_expert_list
+    assert listed == counts[:E // R].tolist() and type(listed) is list and all(type(v) is int for v in listed)
+    assert h.num_recv_tokens_per_expert_list is listed

@@ -170,7 +170,7 @@ class EP:
 
     def _wait_host_counts(self, seq: int, num_local_experts: int):
         """Poll the host-mapped counts written by the notify kernel (bounded by num_cpu_timeout_secs); returns
-        `(num_recv, num_expanded, aligned counts per local expert)`."""
+        `(num_recv, num_expanded, aligned counts per local expert)` (a numpy array)."""
         host = self.host_counts
         polls = SPIN_POLLS
         while host[0] != seq and polls:        # the common case: the counts land within microseconds
@@ -187,8 +187,8 @@ class EP:
                 raise TimeoutError(f'deepep_cupy rank {buf.rank_idx}: Dispatch CPU wait for the receive counts timed '
                                    f'out after {buf.num_cpu_timeout_secs:g} s')
             wait_until(lambda: int(host[0]) == seq, buf.num_cpu_timeout_secs, timed_out, check)
-        values = host[:3 + num_local_experts].tolist()
-        return values[1], values[2], values[3:]
+        # The counts as a numpy copy (the next CPU-sync dispatch reuses the record; the handle makes the list).
+        return int(host[1]), int(host[2]), host[3:3 + num_local_experts].copy()
 
     # ---- combine -------------------------------------------------------------------------------------------------
     def combine(self, x, handle: EPHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,

@@ -55,7 +55,7 @@ class EPHandle:
     """
 
     __slots__ = ('do_expand', 'num_experts', 'expert_alignment', 'num_max_tokens_per_rank', 'num_sms',
-                 'num_recv_tokens', 'num_expanded_tokens', 'num_recv_tokens_per_expert_list', '_meta', '_meta_ptr',
+                 'num_recv_tokens', 'num_expanded_tokens', '_counts', '_meta', '_meta_ptr',
                  '_meta_of', 'num_tokens', 'num_topk', 'hidden', 'kind', 'buffer_id', 'do_cpu_sync', 'num_ranks',
                  'num_local_experts', 'workspace', 'workspace_ptr', 'offsets', '_topk_idx', '_psum_expert', '_views',
                  '_origin')
@@ -73,7 +73,7 @@ class EPHandle:
         self.num_sms = num_sms
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self._counts = num_recv_tokens_per_expert_list
         self._meta, self._meta_of = recv_src_metadata, None
         self._meta_ptr = recv_src_metadata.data_ptr() if kind == 'torch' else recv_src_metadata.data.ptr
         self.num_tokens = num_tokens
@@ -96,7 +96,7 @@ class EPHandle:
         self._origin = None
 
     @classmethod
-    def _new(cls, origin, fields: Tuple, num_recv_tokens: int, num_expanded_tokens: int, counts: List[int],
+    def _new(cls, origin, fields: Tuple, num_recv_tokens: int, num_expanded_tokens: int, counts: Any,
              meta_ptr: int, meta_of: Tuple, workspace: Any, workspace_ptr: int, topk_idx: Any, psum_expert: Any):
         """A handle from a bound dispatch (`origin`) without keyword binding: `fields` is `origin.handle_fields`,
         (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk, hidden,
@@ -106,12 +106,21 @@ class EPHandle:
         (h.do_expand, h.num_experts, h.expert_alignment, h.num_max_tokens_per_rank, h.num_sms, h.num_tokens,
          h.num_topk, h.hidden, h.kind, h.buffer_id, h.do_cpu_sync, h.num_ranks, h.num_local_experts,
          h.offsets) = fields
-        h.num_recv_tokens, h.num_expanded_tokens, h.num_recv_tokens_per_expert_list = (num_recv_tokens,
-                                                                                      num_expanded_tokens, counts)
+        h.num_recv_tokens, h.num_expanded_tokens, h._counts = num_recv_tokens, num_expanded_tokens, counts
         h._meta, h._meta_ptr, h._meta_of = None, meta_ptr, meta_of
         h.workspace, h.workspace_ptr = workspace, workspace_ptr
         h._topk_idx, h._psum_expert, h._views, h._origin = topk_idx, psum_expert, {}, origin
         return h
+
+    @property
+    def num_recv_tokens_per_expert_list(self) -> List[int]:
+        """Per local expert, received (token, slot) pairs rounded up to `expert_alignment` (a Python list; empty
+        without a CPU sync). A CPU-sync dispatch keeps a numpy copy of the counts and makes the list on first access
+        (256 numpy scalars to Python ints cost microseconds on the dispatch's critical path)."""
+        counts = self._counts
+        if type(counts) is not list:
+            counts = self._counts = counts.tolist()
+        return counts
 
     @property
     def recv_src_metadata(self):
