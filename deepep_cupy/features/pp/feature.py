@@ -76,7 +76,7 @@ class PP:
         self.num_recv: Dict[int, int] = {}
         self.error_ptr = buf.host_mapped.ptr + ERROR_RECORD_OFFSET
         self.error = buf.host_mapped.view('int32', ERROR_WORDS, ERROR_RECORD_OFFSET)
-        self._bound: Dict[Any, Any] = {}     # (send?, peer, layout) -> bound launch and its patched words
+        self._bound: Dict[Any, Any] = {}     # (send?, peer) -> bound launch, its patched words, its layout
 
     def destroy(self) -> None:
         self.layout = None
@@ -233,9 +233,10 @@ class PP:
         order = buf.stream_order
         current = interop.current_stream(x)
         comm = order.begin(current, c.event)
-        key = (is_send, c.peer, lay)
+        key = (is_send, c.peer)
         bound = self._bound.get(key)
-        if bound is None:       # bound by name once per (direction, peer, layout); per call x, its size, the grid
+        if bound is None or bound[3] is not lay:    # bound by name once per (direction, peer) and layout; per call
+            # x, its size and the grid change
             if is_send:
                 b = self.kernels.send.bind(
                     1, THREADS, x=0, num_bytes=0, peer_bases=buf.sym.peer_bases_ptr, rank=buf.rank_idx, dst=c.peer,
@@ -250,8 +251,8 @@ class PP:
                     num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
                     slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
                     pp_error=self.error_ptr, timeout_ns=buf.timeout_ns)
-            bound = self._bound[key] = (b, b.index('x'), b.index('num_bytes'))
-        b, i_x, i_bytes = bound
+            bound = self._bound[key] = (b, b.index('x'), b.index('num_bytes'), lay)
+        b, i_x, i_bytes, _ = bound
         b.u64[i_x], b.u64[i_bytes] = info.ptr, info.nbytes
         b.grid = (c.grid, 1, 1)
         b(comm)
