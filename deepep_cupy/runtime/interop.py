@@ -154,17 +154,18 @@ def current_stream(like: Any = None):
 def stream_getter(kind: str, device: int):
     """A function returning what `current_stream(like)` returns for arrays of `kind` on `device`, without looking
     at the array (hot paths resolve it once per call signature)."""
-    if kind == 'torch':
+    if kind == 'torch' and device >= 0:
         torch = sys.modules['torch']
         raw = getattr(torch._C, '_cuda_getCurrentRawStream', None)
-        if raw is not None and device >= 0:
-            cache = _EXTERNAL_STREAMS
+        if raw is None:
+            return lambda: external_stream(torch.cuda.current_stream(device).cuda_stream)
+        cache = _EXTERNAL_STREAMS
 
-            def get():
-                handle = raw(device)
-                s = cache.get(handle)
-                return s if s is not None else external_stream(handle)
-            return get
+        def get():
+            handle = raw(device)
+            s = cache.get(handle)
+            return s if s is not None else external_stream(handle)
+        return get
     import cupy
     return cupy.cuda.get_current_stream
 
