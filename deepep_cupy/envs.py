@@ -83,3 +83,18 @@ def shadow_deep_ep() -> bool:
     `python -m deepep_cupy.as_deep_ep` stand in for `deep_ep` even though a real DeepEP is installed (a warning is
     printed once); without it they refuse."""
     return _get_bool('DEEPEP_CUPY_SHADOW_DEEP_EP')
+
+
+def ep_legacy_dispatch() -> bool:
+    """`DEEPEP_CUPY_EP_LEGACY_DISPATCH` (bool, default off): EP dispatch with the previous kernels (a send kernel that
+    walks the tokens, then a receive epilogue that starts once every source finished) instead of the dispatch kernel
+    whose receivers copy each chunk as soon as it arrives. Read when a buffer's EP feature is made; every rank must
+    set it alike."""
+    return _get_bool('DEEPEP_CUPY_EP_LEGACY_DISPATCH')
+
+
+def ep_dispatch_overlap() -> bool:
+    """`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` (bool, default on): a dispatch without CPU sync (or cached) runs its send and
+    receive in one launch, the receive overlapping the send; off: a send launch, then a receive launch (as with CPU
+    sync). Read when a buffer's EP feature is made."""
+    return _get_bool('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', True)

@@ -21,6 +21,10 @@
 //      the ranks goes to host_counts[kHostMaxTokensWord] (the V1 adapter grows its buffer from it).
 //      expert_counts, when given, replaces the per-expert counts the exchange publishes (V1's num_tokens_per_expert
 //      for a dispatch without top-k, whose top-k ids are synthetic: one per destination rank).
+//   Also for the dispatch kernel's senders (which walk each destination's slots in order): token_of_slot[d][p], the
+//   token in slot p at destination d, and send_count[d], the tokens going to d.
+//   Shortcuts: a single block (decode sizes) has no grid barrier (its V1 channel barrier is a block barrier); one rank
+//   exchanges nothing (its notify rows go to its own workspace, read back after a block barrier).
 #include "common/ep.cuh"
 #include "common/value_range.cuh"
 
@@ -51,7 +55,9 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
                 int num_channels,                 // DeepEP V1 channels of the matrices below (0: none)
                 int32_t* channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null (num_channels = 0)
                 int32_t* recv_channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null
-                int32_t* rank_prefix_matrix) {    // [kNumRanks][kNumRanks] out, or null
+                int32_t* rank_prefix_matrix,      // [kNumRanks][kNumRanks] out, or null
+                int32_t* token_of_slot,           // [kNumRanks][num_tokens] out: the token in slot p at destination d
+                int32_t* send_count) {            // [kNumRanks] out: tokens this rank sends to each destination
     extern __shared__ int32_t smem[];           // [kNotifyWarps][num_keys] per-warp counts, then block bases
     const int num_keys = num_experts + kNumRanks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -113,7 +119,11 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
     __syncthreads();
 
     // Exclusive scan over the block's warps per key (expert keys hold lane masks, rank keys counts); block totals to
-    // scratch.
+    // scratch, then the bases from earlier blocks (and the totals over all blocks, used by block 0) into smem after
+    // the warp bases. A single block (decode sizes) skips the round trip through scratch and the grid barrier.
+    int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
+    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
+    const bool one_block = gridDim.x == 1;
     for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
         int running = 0;
         for (int w = 0; w < kNotifyWarps; ++w) {
@@ -122,25 +132,25 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
             warp_counts[w * num_keys + key] = running;
             running += c;
         }
-        scratch[static_cast<int64_t>(blockIdx.x) * num_keys + key] = running;
-    }
-    if (gridDim.x > 1)
-        grid_sync(ctrl);
-    else
-        __syncthreads();
-
-    // Bases from earlier blocks (and, in block 0, the totals over all blocks into smem after the warp bases).
-    int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
-    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
-    for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
-        int running = 0, base = 0;
-        for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
-            if (b == static_cast<int>(blockIdx.x))
-                base = running;
-            running += __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+        if (one_block) {
+            block_base[key] = 0;
+            totals[key] = running;
+        } else {
+            scratch[static_cast<int64_t>(blockIdx.x) * num_keys + key] = running;
         }
-        block_base[key] = base;
-        totals[key] = running;
+    }
+    if (!one_block) {
+        grid_sync(ctrl);
+        for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+            int running = 0, base = 0;
+            for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+                if (b == static_cast<int>(blockIdx.x))
+                    base = running;
+                running += __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+            }
+            block_base[key] = base;
+            totals[key] = running;
+        }
     }
     __syncthreads();
 
@@ -148,8 +158,11 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
         #pragma unroll
         for (int d = 0; d < kNumRanks; ++d) {
             const int key = num_experts + d;
-            send_pos[static_cast<int64_t>(t) * kNumRanks + d] =
+            const int pos =
                 ((dst_mask >> d) & 1u) ? block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] : -1;
+            send_pos[static_cast<int64_t>(t) * kNumRanks + d] = pos;
+            if (pos >= 0)
+                token_of_slot[static_cast<int64_t>(d) * num_tokens + pos] = t;
         }
         #pragma unroll
         for (int k = 0; k < kMaxTopk; ++k) {
@@ -182,24 +195,14 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
     }
     if (blockIdx.x != 0)
         return;
+    if (threadIdx.x < kNumRanks)
+        send_count[threadIdx.x] = totals[num_experts + threadIdx.x];
 
     // ---- block 0: exchange counts with the peers --------------------------------------------------------------
-    __shared__ uint32_t s_epoch;
-    if (threadIdx.x == 0) {
-        s_epoch = read_local(ctrl + kCtrlNotifyEpoch) + 1;
-        ctrl[kCtrlNotifyEpoch] = s_epoch;
-    }
-    __syncthreads();
-    const uint32_t epoch = s_epoch;
+    // The received counts land in shared memory (the block's per-warp count area is free again): [kNumRanks][row].
     const int row_words = 1 + num_local_experts;
-    for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x) {
-        const int d = i / row_words, j = i % row_words;
-        const int value = j == 0 ? totals[num_experts + d] : totals[d * num_local_experts + j - 1];
-        auto* area = reinterpret_cast<int32_t*>(peers.base(d) + kNotifyOffset);
-        area[rank * row_words + j] = expert_counts != nullptr && j > 0 ? expert_counts[d * num_local_experts + j - 1]
-                                                                       : value;
-    }
-    // The notify rows: our row of the count matrix, our token count, and per destination our channel prefixes.
+    // The notify rows (common/ep.cuh), at every rank d (at one rank: our own workspace only, read back below): our
+    // row of the count matrix, our token count, and per destination our channel prefixes.
     const int row_len = kNotifyRowChannels + (with_channels ? num_channels : 0);
     for (int i = threadIdx.x; i < kNumRanks * row_len; i += blockDim.x) {
         const int d = i / row_len, w = i % row_len;
@@ -220,19 +223,45 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
         }
         reinterpret_cast<int32_t*>(peers.base(d) + kNotifyRowsOffset)[rank * kNotifyRowWords + w] = value;
     }
-    __syncthreads();
-    if (threadIdx.x < kNumRanks) {
-        fence_acq_rel_sys();
-        st_release_sys(peers.remote_signal(threadIdx.x, kSigNotify), epoch);
+    // Per-expert counts as published: expert_counts (V1 without top-k) replaces those of the top-k ids.
+    auto published = [&](int d, int j) {
+        return j == 0 ? totals[num_experts + d]
+                      : (expert_counts != nullptr ? expert_counts[d * num_local_experts + j - 1]
+                                                  : totals[d * num_local_experts + j - 1]);
+    };
+    int32_t* s_area = smem;
+    if (kNumRanks == 1) {
+        // One rank receives what it sends: no exchange (and no system-scope fence) needed. The barrier: every thread
+        // is done reading its warp bases above before the area is overwritten, and the notify rows written above are
+        // visible to the block (they are read back below).
+        __syncthreads();
+        for (int i = threadIdx.x; i < row_words; i += blockDim.x)
+            s_area[i] = published(0, i);
+    } else {
+        __shared__ uint32_t s_epoch;
+        if (threadIdx.x == 0) {
+            s_epoch = read_local(ctrl + kCtrlNotifyEpoch) + 1;
+            ctrl[kCtrlNotifyEpoch] = s_epoch;
+        }
+        __syncthreads();
+        const uint32_t epoch = s_epoch;
+        for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x) {
+            const int d = i / row_words, j = i % row_words;
+            auto* area = reinterpret_cast<int32_t*>(peers.base(d) + kNotifyOffset);
+            area[rank * row_words + j] = published(d, j);
+        }
+        // Counts and rows of every thread are written: release them to every peer with the notify signal.
+        __syncthreads();
+        if (threadIdx.x < kNumRanks) {
+            fence_acq_rel_sys();
+            st_release_sys(peers.remote_signal(threadIdx.x, kSigNotify), epoch);
+        }
+        if (!wait_all_peers(peers, kSigNotify, kNumRanks, epoch, timeout_ns, sink, kPhaseNotify))
+            return;
+        const auto* area = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyOffset);
+        for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x)
+            s_area[i] = area[i];
     }
-    if (!wait_all_peers(peers, kSigNotify, kNumRanks, epoch, timeout_ns, sink, kPhaseNotify))
-        return;
-
-    // Receive layout, computed in shared memory (the block's per-warp count area is free again).
-    const auto* area = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyOffset);
-    int32_t* s_area = smem;                                   // [kNumRanks][row_words]
-    for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x)
-        s_area[i] = area[i];
     __syncthreads();
     RecvLayout layout{recv_layout, kNumRanks, num_local_experts};
     // What the notify rows give: V1's matrices and the largest token count of any rank.

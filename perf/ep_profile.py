@@ -1,12 +1,21 @@
-"""Where an EP call's time goes (one rank per GPU): host time per call, a cProfile of the host path, and the GPU
-timeline of each call's kernels (durations and the gaps between them) from a torch-profiler trace.
+"""Where an EP call's time goes (one rank per GPU): host time per call, the GPU timeline of each call's kernels eager
+and in a CUDA graph, the plain-copy baseline of the same received bytes, the other features' host time, and a summary
+against issue 11's targets.
 
-    launch/run_local.sh 2 python perf/ep_profile.py [--tokens 128,4096] [--num-sms 22] [--profile]
+    launch/run_local.sh 1 python perf/ep_profile.py [--tokens 128,4096] [--num-sms 22] [--variants default,legacy]
 
-Per case (tokens x {dispatch with CPU sync, dispatch without, combine}; BF16, and FP8 for decode):
-  [host]      median wall time of one call from Python (GPU idle and ranks aligned before each call)
+Per variant (default: the dispatch kernel; no-overlap: DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0; legacy:
+DEEPEP_CUPY_EP_LEGACY_DISPATCH=1), tokens and dtype (BF16, FP8):
+  [host]      host wall time of one call: median from idle (GPU idle and ranks aligned before each call), and per call
+              back to back
   [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
-              kernel start to last kernel end (what the GPU sees of one call)
+              kernel start to last kernel end (what the GPU sees of one call). CPU-sync calls start with the top-k range
+              check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
+  [copy]      a plain device copy of the bytes the dispatch receives (recv_x, scales, top-k ids and weights), and the
+              no-sync dispatch span (eager and in a graph) over it
+  [features]  host time per call of all_gather (4 x 1 MiB), reduce_scatter (R x 1 MiB), all_reduce (1 MiB),
+              engram_fetch and (2+ ranks) pp_send / pp_recv
+  [targets]   issue 11's figures with their bounds
   [profile]   (--profile, rank 0) cProfile of the host loop, top functions by own time
   [lines]     (--lines, rank 0) host time per call charged to each statement of dispatch / combine
 """
@@ -31,18 +40,29 @@ if ROOT not in sys.path:
 
 from deepep_cupy.runtime import preflight  # noqa: E402  (torch-free: --help needs no GPU)
 
-# Kernel names as the profiler shows them (features/ep/kernels.py); each name is matched as a substring.
-KERNELS = ('notify_dispatch', 'dispatch_copy_epilogue_impl', 'dispatch_impl', 'combine_impl')
+# Kernel names as the profiler shows them (features/ep/kernels.py, runtime/host_range.py), each matched as a
+# substring, and the label printed for it.
+KERNELS = (('value_range_kernel', 'range'), ('notify_dispatch', 'notify'),
+           ('dispatch_impl_with_dispatch_copy_epilogue_impl', 'dispatch'), ('dispatch_send_legacy', 'send'),
+           ('dispatch_recv_legacy', 'recv'), ('combine_impl_with_combine_reduce_epilogue_impl', 'combine'))
+VARIANTS = {'default': {}, 'no-overlap': {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'},
+            'legacy': {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}}
+
+
+def _label(name: str):
+    return next((label for key, label in KERNELS if key in name), None)
 
 
 def kernel_timeline(trace_events, num_calls: int):
-    """Mean duration per kernel and mean gap between consecutive kernels of one call, from a chrome trace."""
-    events = [e for e in trace_events if e.get('cat') == 'kernel' and any(k in e.get('name', '') for k in KERNELS)]
+    """`(text, spans, parts)` of one call's kernels from a chrome trace: mean duration per kernel and gap between
+    consecutive kernels, the median span; `parts` = [(label, mean µs)] with gaps as ('gap', µs)."""
+    events = [e for e in trace_events if e.get('cat') == 'kernel' and _label(e.get('name', ''))]
     events.sort(key=lambda e: e['ts'])
     if not events or len(events) % num_calls:
-        return None
+        return f'None ({len(events)} EP kernels for {num_calls} calls)', None, []
     per_call = len(events) // num_calls
-    names = [next(k for k in KERNELS if k in e['name']) for e in events[:per_call]]
+    names = [_label(e['name']) for e in events[:per_call]]
+    names = [n if names[:i].count(n) == 0 else f'{n}#{names[:i].count(n) + 1}' for i, n in enumerate(names)]
     durs = np.zeros(per_call)
     gaps = np.zeros(max(0, per_call - 1))
     spans = []
@@ -58,9 +78,10 @@ def kernel_timeline(trace_events, num_calls: int):
     parts = []
     for i, n in enumerate(names):
         if i:
-            parts.append(f'gap {gaps[i - 1]:.1f}')
-        parts.append(f'{n.replace("_kernel", "")} {durs[i]:.1f}')
-    return ' | '.join(parts) + f' | span {np.median(spans):.1f} us (median)'
+            parts.append(('gap', gaps[i - 1]))
+        parts.append((n, durs[i]))
+    text = ' | '.join(f'{n} {v:.1f}' for n, v in parts) + f' | span {np.median(spans):.1f} us (median)'
+    return text, float(np.median(spans)), parts
 
 
 class LineTimer:
@@ -133,37 +154,107 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--num-experts', type=int, default=256, help='experts in all')
     p.add_argument('--num-calls', type=int, default=30, help='calls per case')
     p.add_argument('--graph-max-tokens', type=int, default=512, help='also CUDA-graph replays up to this size')
+    p.add_argument('--variants', default='default,no-overlap,legacy',
+                   help=f'dispatch variants, comma separated, of {sorted(VARIANTS)}')
+    p.add_argument('--skip-features', action='store_true', help='skip the other features\' host times')
     p.add_argument('--profile', action='store_true', help='cProfile of each case (rank 0)')
     p.add_argument('--lines', action='store_true', help='time per statement of dispatch/combine (rank 0)')
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    preflight.check_cuda()
+class Runner:
+    """Host and GPU timing of call cases, ranks aligned."""
 
+    def __init__(self, args, group, log, torch):
+        self.args, self.group, self.log, self.torch = args, group, log, torch
+        self.results = {}
+
+    def aligned(self):
+        self.torch.cuda.synchronize()
+        self.group.barrier()
+
+    def host(self, fn, num_calls):
+        """(median µs from idle, µs per call back to back), max over ranks."""
+        for _ in range(5):
+            fn()
+        host = []
+        for _ in range(num_calls):
+            self.aligned()
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+        self.aligned()
+        idle = max(self.group.allgather_object(float(np.median(host)) * 1e6))
+        t0 = time.perf_counter()
+        for _ in range(num_calls):
+            fn()
+        loop = (time.perf_counter() - t0) / num_calls
+        self.aligned()
+        return idle, max(self.group.allgather_object(loop * 1e6))
+
+    def timeline(self, fn, num_calls):
+        torch = self.torch
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(num_calls):
+                fn()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, 'trace.json')
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                out = kernel_timeline(json.load(f)['traceEvents'], num_calls)
+        self.aligned()
+        return out
+
+    def case(self, label, fn, key=None, timeline=True):
+        args = self.args
+        idle, loop = self.host(fn, args.num_calls)
+        self.log(f'[host] {label}: {idle:7.1f} us per call from idle, {loop:7.1f} us per call back to back')
+        tl = (None, None, [])
+        if timeline:
+            tl = self.timeline(fn, args.num_calls)
+            for r, t in enumerate(self.group.allgather_object(tl[0])):
+                self.log(f'[timeline] {label} rank {r}: {t}')
+        if key is not None:
+            self.results[key] = dict(idle=idle, loop=loop, span=tl[1], parts=tl[2])
+        return idle, loop, tl
+
+    def copy_us(self, num_bytes):
+        """µs of one device copy of `num_bytes` (CUDA events over back-to-back copies)."""
+        torch = self.torch
+        src = torch.empty(num_bytes, dtype=torch.uint8, device='cuda')
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n = self.args.num_calls
+        start.record()
+        for _ in range(n):
+            dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / n
+
+
+def run_variant(variant, runner, args, group, timer):
     import torch
 
     from deepep_cupy import ElasticBuffer
-    from deepep_cupy.features.ep.feature import EP
-    from deepep_cupy.runtime.group import get_group
-    from deepep_cupy.utils.envs import init_dist
     from deepep_cupy.utils.math import per_token_cast_to_fp8
-    rank, num_ranks, _ = init_dist(seed=0)
-    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
-    log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    log = runner.log
+    saved = {k: os.environ.get(k) for k in ('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', 'DEEPEP_CUPY_EP_LEGACY_DISPATCH')}
+    os.environ.update(VARIANTS[variant])
     tokens = [int(t) for t in args.tokens.split(',')]
-    timer = LineTimer()
-    if args.lines:
-        for name in ('dispatch', '_launch_dispatch', 'combine'):
-            setattr(EP, name, timer.instrument(getattr(EP, name), name))
-    buf = ElasticBuffer(group, num_max_tokens_per_rank=max(tokens), hidden=args.hidden, num_topk=args.num_topk,
-                        num_gpu_timeout_secs=30, explicitly_destroy=True)
-
-    def aligned():
-        torch.cuda.synchronize()
-        group.barrier()
-
+    try:
+        buf = ElasticBuffer(group, num_max_tokens_per_rank=max(tokens), hidden=args.hidden, num_topk=args.num_topk,
+                            num_gpu_timeout_secs=30, explicitly_destroy=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    rank = group.rank
     try:
         for num_tokens in tokens:
             torch.manual_seed(rank * 7919 + num_tokens)
@@ -177,6 +268,9 @@ def main(argv=None) -> int:
                           num_sms=args.num_sms)
                 recv = buf.dispatch(x_in, **kw)
                 handle = recv[3]
+                received = sum(t.numel() * t.element_size() for t in
+                               ((recv[0] if dtype == 'bf16' else recv[0][0]), None if dtype == 'bf16' else recv[0][1],
+                                recv[1], recv[2]) if t is not None)
                 y = torch.randn(handle.num_rows, args.hidden, dtype=torch.bfloat16, device='cuda')
                 cases = {
                     'dispatch cpu-sync': lambda x_in=x_in, kw=kw: buf.dispatch(x_in, **kw),
@@ -186,58 +280,26 @@ def main(argv=None) -> int:
                 }
                 if num_tokens <= args.graph_max_tokens:
                     # CUDA graphs of a no-sync dispatch and of its combine (no host path at all).
-                    aligned()
+                    runner.aligned()
                     graphs = {'dispatch': torch.cuda.CUDAGraph(), 'combine': torch.cuda.CUDAGraph()}
                     with torch.cuda.graph(graphs['dispatch']):
                         out = buf.dispatch(x_in, do_cpu_sync=False, **kw)
                     graphs['dispatch'].replay()
-                    aligned()
+                    runner.aligned()
                     y_graph = torch.randn(out[3].num_rows, args.hidden, dtype=torch.bfloat16, device='cuda')
                     with torch.cuda.graph(graphs['combine']):
                         buf.combine(y_graph, out[3])
-                    aligned()
+                    runner.aligned()
                     cases['dispatch graph'] = graphs['dispatch'].replay
                     cases['combine graph'] = graphs['combine'].replay
                 for name, fn in cases.items():
-                    label = f'{num_tokens:5d} {dtype} {name:17s}'
-                    for _ in range(5):
-                        fn()
-                    # Host wall time per call, GPU idle before each.
-                    host = []
-                    for _ in range(args.num_calls):
-                        aligned()
-                        t0 = time.perf_counter()
-                        fn()
-                        host.append(time.perf_counter() - t0)
-                    aligned()
-                    worst = max(group.allgather_object(float(np.median(host)) * 1e6))
-                    # Back-to-back calls, host time per call (GPU overlapped).
-                    t0 = time.perf_counter()
-                    for _ in range(args.num_calls):
-                        fn()
-                    loop = (time.perf_counter() - t0) / args.num_calls
-                    aligned()
-                    loop = max(group.allgather_object(loop * 1e6))
-                    # GPU timeline of back-to-back calls.
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                        for _ in range(args.num_calls):
-                            fn()
-                        torch.cuda.synchronize()
-                    with tempfile.TemporaryDirectory() as tmp:
-                        path = os.path.join(tmp, 'trace.json')
-                        prof.export_chrome_trace(path)
-                        with open(path) as f:
-                            tl = kernel_timeline(json.load(f)['traceEvents'], args.num_calls)
-                    aligned()
-                    log(f'[host] {label}: {worst:7.1f} us per call from idle, {loop:7.1f} us per call back to back')
-                    tls = group.allgather_object(tl)
-                    for r, t in enumerate(tls):
-                        log(f'[timeline] {label} rank {r}: {t}')
+                    label = f'{variant:10s} {num_tokens:5d} {dtype} {name:17s}'
+                    runner.case(label, fn, key=(variant, num_tokens, dtype, name))
                     if args.lines:
                         timer.totals.clear()
                         for _ in range(args.num_calls):
                             fn()
-                        aligned()
+                        runner.aligned()
                         log(f'[lines] {label}: host time per call by statement\n' + timer.report(args.num_calls))
                     if args.profile:
                         prof_c = cProfile.Profile()
@@ -245,14 +307,167 @@ def main(argv=None) -> int:
                         for _ in range(args.num_calls):
                             fn()
                         prof_c.disable()
-                        aligned()
+                        runner.aligned()
                         if rank == 0:
                             s = io.StringIO()
                             pstats.Stats(prof_c, stream=s).sort_stats('tottime').print_stats(18)
                             log(f'[profile] {label}\n' + s.getvalue())
+                key = ('copy', num_tokens, dtype)
+                if key not in runner.results:
+                    runner.results[key] = dict(bytes=received, us=runner.copy_us(received))
+                copy = runner.results[key]
+                spans = [runner.results.get((variant, num_tokens, dtype, n), {}).get('span')
+                         for n in ('dispatch no-sync', 'dispatch graph')]
+                ratios = ', '.join(f'{n} span {s:.1f} us = {s / copy["us"]:.2f}x' for n, s in
+                                   zip(('eager no-sync', 'graph'), spans) if s)
+                log(f'[copy] {variant:10s} {num_tokens:5d} {dtype}: plain copy of the {copy["bytes"] / 1e6:.2f} MB '
+                    f'received: {copy["us"]:.1f} us; {ratios}')
     finally:
         torch.cuda.synchronize()
         buf.destroy()
+
+
+def run_features(runner, args, group):
+    """Host time per call of the other features' calls (one buffer each: one feature per buffer)."""
+    import torch
+
+    from deepep_cupy import ElasticBuffer
+    R = group.size
+    mib = 1 << 20
+    session = ElasticBuffer.get_agrs_num_max_session_bytes(group, [(mib // 4,)] * 32, torch.float32)
+    reduce_bytes = max(ElasticBuffer.get_agrs_reduce_num_bytes(group, R * mib, 'reduce_scatter'),
+                       ElasticBuffer.get_agrs_reduce_num_bytes(group, mib, 'all_reduce'))
+    buf = ElasticBuffer(group, num_bytes=ElasticBuffer.get_agrs_buffer_size_hint(group, session, reduce_bytes),
+                        explicitly_destroy=True)
+    try:
+        buf.agrs_set_config(session, 32)
+        tensors = [torch.randn(mib // 4, device='cuda') for _ in range(4)]
+        state = {'n': 0}
+
+        def gather():
+            if state['n'] == 8:          # 8 calls of 4 tensors fill a session of 32 gathers
+                buf.destroy_agrs_session()
+                state['n'] = 0
+            if state['n'] == 0:
+                buf.create_agrs_session()
+            state['n'] += 1
+            *_, wait = buf.all_gather(tensors)
+            wait()
+        runner.case('[features] all_gather 4 x 1 MiB (+ wait)', gather, key='all_gather', timeline=False)
+        if state['n']:
+            buf.destroy_agrs_session()
+        xs = torch.randn(R * mib // 4, device='cuda')
+        runner.case('[features] reduce_scatter 4 MiB x R fp32', lambda: buf.reduce_scatter(xs).wait(),
+                    key='reduce_scatter', timeline=False)
+        xa = torch.randn(mib // 4, device='cuda')
+        runner.case('[features] all_reduce 1 MiB fp32', lambda: buf.all_reduce(xa).wait(), key='all_reduce',
+                    timeline=False)
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+    gpu_bytes, cpu_bytes = ElasticBuffer.get_engram_storage_size_hint(4096, 1024, 512)
+    buf = ElasticBuffer(group, num_bytes=gpu_bytes + cpu_bytes, explicitly_destroy=True)
+    try:
+        buf.engram_write(torch.randn(4096, 1024, device='cuda').to(torch.bfloat16))
+        idx = torch.randint(0, 4096 * R, (128, 4), dtype=torch.int32, device='cuda')
+        runner.case('[features] engram_fetch 128 x 4 rows', lambda: buf.engram_fetch(idx)(), key='engram_fetch',
+                    timeline=False)
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+    if R >= 2:
+        buf = ElasticBuffer(group, num_bytes=ElasticBuffer.get_pp_buffer_size_hint(mib, 4), explicitly_destroy=True)
+        try:
+            buf.pp_set_config(mib, 4)
+            x = torch.randn(mib // 4, device='cuda')
+            nxt, prv = (group.rank + 1) % R, (group.rank - 1) % R
+
+            def pingpong():
+                buf.pp_send(x, nxt)
+                buf.pp_recv(x, prv)
+            runner.case('[features] pp_send + pp_recv 1 MiB (two calls)', pingpong, key='pp', timeline=False)
+        finally:
+            torch.cuda.synchronize()
+            buf.destroy()
+
+
+def summary(runner, args, log):
+    """Issue 11's figures (1 GPU) against their bounds; `-` where this run has no figure."""
+    res = runner.results
+    tokens = [int(t) for t in args.tokens.split(',')]
+    small, large = min(tokens), max(tokens)
+
+    def get(key, field):
+        v = res.get(key, {}).get(field)
+        return v
+
+    def line(what, value, bound, unit='us'):
+        if value is None:
+            log(f'[targets] {what}: -')
+        else:
+            log(f'[targets] {what}: {value:.1f} {unit} (target <= {bound} {unit}) '
+                f'{"OK" if value <= bound else "over"}')
+    v = 'default'
+    line(f'host, no-sync dispatch, {small} tokens, back to back', get((v, small, 'bf16', 'dispatch no-sync'), 'loop'),
+         35)
+    line(f'host, cached dispatch, {small} tokens', get((v, small, 'bf16', 'dispatch cached'), 'loop'), 25)
+    line(f'host, combine, {small} tokens', get((v, small, 'bf16', 'combine'), 'loop'), 20)
+    # CPU sync: host time after notify completes ~ host per call - (range start .. notify end) on the GPU.
+    cpu = res.get((v, small, 'bf16', 'dispatch cpu-sync'), {})
+    parts = cpu.get('parts') or []
+    if parts and 'notify' in [p for p, _ in parts]:
+        upto = 0.0
+        for name, us in parts:
+            upto += us
+            if name == 'notify':
+                break
+        line(f'host, CPU-sync dispatch beyond notify, {small} tokens (host from idle - GPU range..notify end)',
+             cpu['idle'] - upto, 25)
+    for name in ('all_gather', 'reduce_scatter', 'all_reduce', 'engram_fetch', 'pp'):
+        if name in res:
+            line(f'host, {name}', res[name]['loop'], 25 * (2 if name == 'pp' else 1))
+    copy = res.get(('copy', large, 'bf16'), {}).get('us')
+    span = get((v, large, 'bf16', 'dispatch no-sync'), 'span')
+    line(f'dispatch span / plain copy, {large} tokens bf16 no-sync', span / copy if span and copy else None, 1.3, 'x')
+    line(f'decode dispatch span in a graph, {small} tokens', get((v, small, 'bf16', 'dispatch graph'), 'span'), 10)
+    line(f'decode combine span in a graph, {small} tokens', get((v, small, 'bf16', 'combine graph'), 'span'), 7)
+    cached = dict(get((v, large, 'bf16', 'dispatch cached'), 'parts') or [])
+    uncached = dict(get((v, large, 'bf16', 'dispatch no-sync'), 'parts') or [])
+    if cached and uncached:
+        log(f'[targets] cached dispatch kernel {cached.get("dispatch", 0):.1f} us vs uncached '
+            f'{uncached.get("dispatch", 0):.1f} us ({large} tokens bf16; target: as fast)')
+    for variant in VARIANTS:
+        for mode in ('dispatch cpu-sync', 'dispatch no-sync'):
+            s = get((variant, large, 'bf16', mode), 'span')
+            if s:
+                log(f'[targets] span {variant:10s} {large} bf16 {mode}: {s:.1f} us')
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    preflight.check_cuda()
+
+    import torch
+
+    from deepep_cupy.features.ep.bound import BoundCombine, BoundDispatch
+    from deepep_cupy.features.ep.feature import EP
+    from deepep_cupy.runtime.group import get_group
+    from deepep_cupy.utils.envs import init_dist
+    rank, num_ranks, _ = init_dist(seed=0)
+    group = get_group()  # host group: MPI under mpirun, else the torch world init_dist joined
+    log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    timer = LineTimer()
+    if args.lines:
+        for cls, name in ((EP, 'dispatch'), (EP, 'combine'), (BoundDispatch, '__call__'), (BoundCombine, '__call__')):
+            setattr(cls, name, timer.instrument(getattr(cls, name), f'{cls.__name__}.{name}'))
+    runner = Runner(args, group, log, torch)
+    for variant in args.variants.split(','):
+        if variant not in VARIANTS:
+            raise SystemExit(f'--variants: unknown variant {variant!r}; choose from {sorted(VARIANTS)}')
+        run_variant(variant, runner, args, group, timer)
+    if not args.skip_features:
+        run_features(runner, args, group)
+    summary(runner, args, log)
     return 0
 
 

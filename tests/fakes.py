@@ -23,6 +23,7 @@ class RecordingKernel:
         self.converters = launch.converters_for(spec)
         self.launch = launch.named_launcher(spec, self._launch)
         self.prepare = launch.named_launcher(spec, self._prepare, with_stream=False, what='prepare')
+        self.bind = launch.named_launcher(spec, self._bind, with_stream=False, what='bind')
 
     def _launch(self, grid, block, args, stream, shared_mem, cooperative):
         launch.pack_args(self.spec, args, self.converters)
@@ -35,6 +36,23 @@ class RecordingKernel:
     def _prepare(self, grid, block, args, shared_mem, cooperative):
         self._launch(grid, block, args, None, shared_mem, cooperative)
         return lambda stream: None
+
+    def _bind(self, grid, block, args, shared_mem, cooperative):
+        """A real `BoundLaunch` (packed like the GPU's); each call records the packed arguments by name."""
+        packed = launch.pack_args(self.spec, args, self.converters)
+        layout, offsets = launch.arg_struct(self.spec)
+        bound = launch.BoundLaunch(self.spec, layout, offsets, grid, block, shared_mem, cooperative, self._go_bound)
+        layout.pack_into(bound.data, 0, *packed)
+        return bound
+
+    def _go_bound(self, bound, stream):
+        named = bound.values()
+        grid = bound.grid[0] if bound.grid[1:] == (1, 1) else bound.grid
+        block = bound.block[0] if bound.block[1:] == (1, 1) else bound.block
+        self.log.append(SimpleNamespace(name=self.spec.name, grid=grid, block=block, args=named, stream=stream,
+                                        shared_mem=bound.shared_mem, cooperative=bound.cooperative))
+        if self.run is not None:
+            self.run(named)
 
 
 class FakeStream:

@@ -286,6 +286,10 @@ class _FakeKernel(buffer_fakes.RecordingKernel):
         self.log.append((self.spec.name.split('<')[0].split('::')[1], grid, block,
                          dict(zip(self.spec.param_names, args)), stream, cooperative))
 
+    def _go_bound(self, bound, stream):        # a bound launch (packed like the GPU's), logged alike
+        self.log.append((self.spec.name.split('<')[0].split('::')[1], bound.grid[0], bound.block[0], bound.values(),
+                         stream, bound.cooperative))
+
 
 _FakeStream = buffer_fakes.FakeStream
 _FakeEvent = buffer_fakes.FakeEvent

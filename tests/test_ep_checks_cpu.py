@@ -16,7 +16,7 @@ from deepep_cupy.features.ep import feature as ep_feature  # noqa: E402
 from deepep_cupy.features.ep import kernels as ep_kernels  # noqa: E402
 from deepep_cupy.features.ep import layout  # noqa: E402
 from deepep_cupy.features.ep import plan as ep_plan  # noqa: E402
-from deepep_cupy.features.ep.handle import EPHandle  # noqa: E402
+from deepep_cupy.features.ep.handle import EPHandle, workspace_layout  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
 
 R, M, H, K, E = 2, 64, 256, 4, 16
@@ -31,10 +31,13 @@ def settings(num_bytes=1 << 30, owner_id=1, **kw) -> ep_plan.EPSettings:
     return ep_plan.EPSettings(**values)
 
 
-def cpu_range(ti):
+def cpu_range_of(x):
     """What the range kernel computes, on the host."""
-    x = ti.obj
     return lambda: (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+
+
+def cpu_range(ti):
+    return cpu_range_of(ti.obj)
 
 
 def plan(s, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None,
@@ -94,6 +97,21 @@ def test_sm_and_qp_policy():
     assert ep_plan.theoretical_num_qps(24, False, 5) == 5
 
 
+def test_combine_blocks_respect_num_sms():
+    # Explicit num_sms caps both roles together (half send); one rank sends nothing.
+    assert ep_plan.combine_blocks(24, 20, 8, 4096, 7168, 132) == (12, 12)
+    assert ep_plan.combine_blocks(24, 20, 1, 4096, 7168, 132) == (0, 24)
+    assert ep_plan.combine_blocks(1, 20, 2, 4096, 7168, 132) == (1, 1)          # the minimum with peers
+    assert ep_plan.combine_blocks(500, 20, 2, 4096, 7168, 132) == (66, 66)
+    # Default: the dispatch's SMs send, the others reduce (as many as the rows can use).
+    assert ep_plan.combine_blocks(0, 20, 8, 4096, 7168, 132) == (20, 112)
+    assert ep_plan.combine_blocks(0, 20, 1, 4096, 7168, 132) == (0, 132)
+    assert ep_plan.combine_blocks(0, 20, 8, 4, 7168, 132) == (20, 4)
+    for args in ((24, 20, 8, 4096, 7168, 132), (3, 4, 2, 128, 2048, 132), (0, 4, 4, 128, 7168, 132)):
+        send, reduce = ep_plan.combine_blocks(*args)
+        assert reduce >= 1 and send + reduce <= args[-1] and (not args[0] or send + reduce <= max(2, args[0]))
+
+
 def test_topk_buckets():
     assert [ep_kernels.topk_bucket(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
     with pytest.raises(ValueError):
@@ -105,7 +123,8 @@ def test_topk_buckets():
         for k in ep_kernels.SUPPORTED_TOPK:
             for specs in ep_kernels.specs_for(n, ep_kernels.topk_bucket(k)).values():
                 assert {s.name for s in specs} <= names
-    assert sum(len(v) for v in shipped.values()) == 8 * 6 * 5 + 1
+    # notify, dispatch, two combines, the legacy send and receive per (ranks, bucket); one shared range kernel.
+    assert sum(len(v) for v in shipped.values()) == 8 * 6 * 6 + 1
 
 
 def invalid_cases(dispatch, combine, handle, other_handle, recv, x, idx, w):
@@ -169,7 +188,7 @@ def plan_calls(s):
 
 def _handle(owner_id, num_recv=R * M):
     """A handle as a CPU-sync dispatch of (M tokens, top-K) leaves it (torch, non-expanded)."""
-    words, offsets = ep_feature.workspace_layout(M, R, K, E // R, True)
+    words, offsets = workspace_layout(M, R, K, E // R, True)
     ws = torch.zeros(words, dtype=torch.int32)
     return EPHandle(do_expand=False, num_experts=E, expert_alignment=1, num_max_tokens_per_rank=M, num_sms=20,
                     num_recv_tokens=num_recv, num_expanded_tokens=num_recv * K, num_recv_tokens_per_expert_list=[1],
@@ -211,6 +230,7 @@ class RecordingKernels:
     def __init__(self, log):
         b = ep_kernels.topk_bucket(K)
         self.notify = fakes.RecordingKernel(ep_kernels.notify_spec(R, b), log)
+        self.dispatch = fakes.RecordingKernel(ep_kernels.dispatch_spec(R, b), log)
         self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(R, b), log)
         self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(R, b), log)
         self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(R, b, lr), log) for lr in (True, False)}
@@ -222,13 +242,13 @@ def make_buffer(monkeypatch, num_bytes=1 << 30):
     buf = fakes.make_buffer(R, 0, num_bytes, num_max_tokens_per_rank=M, num_topk=K)
     log = []
     buf.launches = log
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: RecordingKernels(log))
-    monkeypatch.setattr(interop, 'current_stream', lambda like=None: fakes.FakeStream('current'))
-    monkeypatch.setattr(interop.Allocator, 'empty',
-                        lambda self, shape, dtype, stream=None: torch.zeros(shape, dtype=getattr(torch, dtype)))
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: RecordingKernels(log))
+    current = fakes.FakeStream('current')
+    monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
+    monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)
     ep = buf._ep_feature()
     monkeypatch.setattr(ep, '_wait_host_counts', lambda seq, n: (R * M, R * M * K, [1] * n))
-    monkeypatch.setattr(ep, '_start_range', lambda ti, stream: cpu_range(ti))
+    monkeypatch.setattr(ep, '_start_range', lambda topk_idx, ptr, n, k, stream: cpu_range_of(topk_idx))
     return buf
 
 
@@ -239,16 +259,24 @@ def _names(log):
 def test_valid_calls_launch_the_pipeline(monkeypatch, inputs):
     buf = make_buffer(monkeypatch)
     x, idx, w = inputs
-    out = buf.dispatch(x, idx, w, num_experts=E)
-    assert _names(buf.launches) == ['deepep::notify_dispatch', 'deepep::dispatch_impl',
-                                    'deepep::dispatch_copy_epilogue_impl']
+    dispatch = 'deepep::dispatch_impl_with_dispatch_copy_epilogue_impl'
+    # CPU sync: the send is a launch of its own (before the host waits for the counts), the receive another.
+    out = buf.dispatch(x, idx, w, num_experts=E, num_sms=6)
+    assert _names(buf.launches) == ['deepep::notify_dispatch', dispatch, dispatch]
     assert all(entry.args['num_topk'] == K for entry in buf.launches)
+    send, recv = buf.launches[1:]
+    assert (send.args['phases'], send.args['num_send_blocks'], send.grid) == (ep_kernels.PHASE_SEND, 6, 6)
+    assert (recv.args['phases'], recv.args['num_send_blocks']) == (ep_kernels.PHASE_RECV, 0)
+    assert send.args['chunk_rows'] == recv.args['chunk_rows'] == ep_kernels.dispatch_chunk_rows(M, R)
     handle = out[3]
     assert out[0].shape == (R * M, H) and handle.num_recv_tokens == R * M
     assert handle.token_metadata_at_forward is None and handle.channel_linked_list is None
+    assert send.args['token_of_slot'] == handle.ptr(5) and recv.args['send_count'] == handle.ptr(6)
     buf.launches.clear()
-    buf.dispatch(x, handle=handle, topk_weights=w)          # cached: no notify
-    assert _names(buf.launches) == ['deepep::dispatch_impl', 'deepep::dispatch_copy_epilogue_impl']
+    buf.dispatch(x, handle=handle, topk_weights=w)          # cached: no notify; send and receive in one launch
+    (one,) = buf.launches
+    assert _names(buf.launches) == [dispatch] and one.args['phases'] == ep_kernels.PHASE_SEND | ep_kernels.PHASE_RECV
+    assert one.args['num_send_blocks'] == 6 and 6 < one.grid <= 132
     buf.launches.clear()
     combined, combined_w, _ = buf.combine(out[0], handle, topk_weights=out[2], bias=(x, x))
     assert combined.shape == (M, H) and combined_w.shape == (M, K)
@@ -279,9 +307,9 @@ def test_buffer_too_small_is_a_value_error(monkeypatch, inputs):
     x = torch.zeros(M, hidden, dtype=torch.bfloat16)
     buf = fakes.make_buffer(R, 0, 2 << 20, num_max_tokens_per_rank=M)
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: fakes.FakeStream('current'))
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: RecordingKernels([]))
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: RecordingKernels([]))
     ep = buf._ep_feature()
-    monkeypatch.setattr(ep, '_start_range', lambda ti, stream: cpu_range(ti))
+    monkeypatch.setattr(ep, '_start_range', lambda topk_idx, ptr, n, k, stream: cpu_range_of(topk_idx))
     assert layout.buffer_size_hint(R, M, hidden, K) > 2 << 20
     with pytest.raises(ValueError, match='too small'):
         buf.dispatch(x, idx, w, num_experts=E)

@@ -179,6 +179,10 @@ def _kernel_without_gpu(spec):
         (grid, block, shared_mem, cooperative, stream, buffer.data[:kernel._struct.size].tobytes()))
     kernel.launch = launch.named_launcher(spec, kernel.launch_args)
     kernel.prepare = launch.named_launcher(spec, kernel.prepare_args, with_stream=False, what='prepare')
+    kernel.bind = launch.named_launcher(spec, kernel.bind_args, with_stream=False, what='bind')
+    kernel._go_bound = lambda bound, stream: kernel.launches.append(
+        (bound.grid, bound.block, bound.shared_mem, bound.cooperative, stream,
+         bound.data[:kernel._struct.size].tobytes()))
     return kernel
 
 
@@ -191,6 +195,32 @@ def test_named_launch_packs_in_declaration_order():
     run = kernel.prepare(1, 64, ptr=0x2000, n=1, scale=1.0, t=2)
     run('other stream')
     assert kernel.launches[-1][4] == 'other stream' and kernel.launches[-1][5] == kernel._struct.pack(0x2000, 1, 1.0, 2)
+
+
+def test_bound_launch_patches_by_name_checked_index():
+    kernel = _kernel_without_gpu(SPEC)
+    bound = kernel.bind(3, 64, ptr=0x1000, n=7, scale=0.5, t=9)
+    assert bound.values() == {'ptr': 0x1000, 'n': 7, 'scale': 0.5, 't': 9}
+    bound('s1')
+    # Patch the arguments that change through the typed views, at the indices resolved by name.
+    bound.u64[bound.index('ptr')], bound.i32[bound.index('n')] = 0x2000, -3
+    bound.f32[bound.index('scale')], bound.u64[bound.index('t')] = 2.0, 2 ** 63
+    bound.set_grid((5, 2))
+    bound('s2')
+    (g1, b1, _, _, s1, raw1), (g2, _, _, _, s2, raw2) = kernel.launches
+    assert (g1, b1, s1, g2, s2) == ((3, 1, 1), (64, 1, 1), 's1', (5, 2, 1), 's2')
+    assert raw1 == kernel._struct.pack(0x1000, 7, 0.5, 9) and raw2 == kernel._struct.pack(0x2000, -3, 2.0, 2 ** 63)
+    # The views keep the C types: a negative pointer or an int32 out of range raise instead of wrapping.
+    with pytest.raises((ValueError, OverflowError)):
+        bound.u64[bound.index('ptr')] = -1
+    with pytest.raises((ValueError, OverflowError)):
+        bound.i32[bound.index('n')] = 2 ** 31
+    with pytest.raises(TypeError):
+        bound.i32[bound.index('n')] = 1.5
+    with pytest.raises(KeyError, match="has no parameter 'num'"):
+        bound.index('num')
+    with pytest.raises(TypeError, match="unexpected keyword argument 'm'"):
+        kernel.bind(1, 32, ptr=0, n=1, scale=1.0, t=0, m=2)
 
 
 @pytest.mark.parametrize('kwargs, match', [

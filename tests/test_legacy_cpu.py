@@ -140,6 +140,7 @@ class RecordingKernels:
     def __init__(self, num_ranks, bucket, log):
         self.notify = fakes.RecordingKernel(ep_kernels.notify_spec(num_ranks, bucket), log)
         self.topk_range = None
+        self.dispatch = fakes.RecordingKernel(ep_kernels.dispatch_spec(num_ranks, bucket), log)
         self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(num_ranks, bucket), log)
         self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(num_ranks, bucket), log)
         self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(num_ranks, bucket, lr), log)
@@ -153,9 +154,11 @@ class World:
         self.log, self.made, self.barriers = [], [], []
         self.max = None
         world = self
-        monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: RecordingKernels(num_ranks, bucket,
-                                                                                                  world.log))
-        monkeypatch.setattr(interop, 'current_stream', lambda like=None: fakes.FakeStream('current'))
+        monkeypatch.setattr(ep_feature, 'EPKernels',
+                            lambda num_ranks, bucket, legacy=False: RecordingKernels(num_ranks, bucket, world.log))
+        current = fakes.FakeStream('current')
+        monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
+        monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)
         monkeypatch.setattr(interop.Allocator, 'empty',
                             lambda self, shape, dtype, stream=None: torch.zeros(shape, dtype=getattr(torch, dtype)))
         monkeypatch.setattr(legacy_layout, '_memset_async', lambda ptr, n, stream: world.log.append('memset'))
@@ -165,8 +168,8 @@ class World:
             return R * ep.settings.num_max_tokens_per_rank, 0, [1] * num_local_experts
         monkeypatch.setattr(ep_feature.EP, '_wait_host_counts', wait)
         monkeypatch.setattr(ep_feature.EP, '_start_range',
-                            lambda ep, ti, stream: (lambda: (int(ti.obj.min()), int(ti.obj.max())) if ti.numel
-                                                    else (0, 0)))
+                            lambda ep, ti, ptr, n, k, stream: (lambda: (int(ti.min()), int(ti.max())) if n
+                                                               else (0, 0)))
 
     def make_engine(self, num_bytes):
         eng = NormalEngine.__new__(NormalEngine)
@@ -253,7 +256,8 @@ def test_dispatch_lays_out_and_fills_the_handle(monkeypatch, inputs):
     assert len(world.made) == 1 and world.made[0].ep is None          # memory at construction, layout at dispatch
     recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(x, topk_idx=idx, topk_weights=w,
                                                                    config=Config(24, 8, 256), **_layout_args(inputs))
-    assert world.names() == ['notify_dispatch', 'dispatch_impl', 'dispatch_copy_epilogue_impl']
+    dispatch = 'dispatch_impl_with_dispatch_copy_epilogue_impl'
+    assert world.names() == ['notify_dispatch', dispatch, dispatch]       # CPU sync: send, then receive
     eng = world.made[0]
     M = eng.geometry[0]
     assert eng.geometry == (legacy_normal.fit_tokens(R, 2 * MiB, H, K), H, K) and M >= 300
@@ -279,7 +283,8 @@ def test_dispatch_launch_arguments(monkeypatch, inputs):
     assert ptr(notify.args['recv_channel_prefix_matrix']) == handle[2].data_ptr()
     assert notify.args['expert_counts'] == 0 and notify.args['host_counts'] != 0
     assert ptr(recv.args['recv_src_idx']) == handle[3].data_ptr()
-    assert world.launch('dispatch_impl').grid == 24
+    send = [e for e in world.log if not isinstance(e, str) and e.name == recv.name][-2]
+    assert send.args['phases'] == ep_kernels.PHASE_SEND and send.grid == 24
 
 
 def test_dispatch_without_topk_routes_by_is_token_in_rank(monkeypatch, inputs):
@@ -295,6 +300,70 @@ def test_dispatch_without_topk_routes_by_is_token_in_rank(monkeypatch, inputs):
     assert torch.equal(synthetic, want)
     with pytest.raises(ValueError, match='no top-k'):
         buf.combine(recv_x, handle, topk_weights=torch.zeros(recv_x.shape[0], R))
+
+
+def _fixed(entry):
+    """A recorded launch without the arguments that hold addresses or the CPU-sync sequence number."""
+    skip = {'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
+            'topk_copy', 'token_of_slot', 'send_count', 'host_seq', 'x', 'sf', 'topk_weights', 'recv_x', 'recv_sf',
+            'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx', 'expert_counts',
+            'rank_prefix_matrix', 'channel_prefix_matrix', 'recv_channel_prefix_matrix'}
+    return entry.name, entry.grid, {k: v for k, v in entry.args.items() if k not in skip}
+
+
+def test_v1_calls_are_bound_per_signature(monkeypatch, inputs):
+    """A V1 dispatch's LegacyLayout is part of the call signature (channels, reported count, the expert counts'
+    signature): a repeated call launches what the first did, with this call's matrices, recv_src_idx and expert
+    counts patched in; the bound call keeps no caller array; V2 calls of the same shapes are bound apart."""
+    import gc
+    import weakref
+    world = World(monkeypatch)
+    buf = make_buffer(world)
+    x, idx, w, in_rank, per_expert, per_rank = inputs
+    outs, launches = [], []
+    for _ in range(3):
+        world.log.clear()
+        outs.append(buf.dispatch(x, topk_idx=idx, topk_weights=w, config=Config(24, 8, 256), **_layout_args(inputs)))
+        launches.append([_fixed(e) for e in world.log if not isinstance(e, str)])
+    ep = world.made[0].ep
+    assert launches[0] == launches[1] == launches[2] and len(ep._bound) == 1
+    notify, recv = world.launch('notify_dispatch'), world.launch('dispatch_copy_epilogue_impl')
+    h1, h2 = outs[1][4], outs[2][4]
+    assert h1[0].data_ptr() != h2[0].data_ptr() and h1[3].data_ptr() != h2[3].data_ptr()
+    assert ptr(notify.args['rank_prefix_matrix']) == h2[0].data_ptr()
+    assert ptr(notify.args['channel_prefix_matrix']) == h2[1].data_ptr()
+    assert ptr(notify.args['recv_channel_prefix_matrix']) == h2[2].data_ptr()
+    assert ptr(recv.args['recv_src_idx']) == h2[3].data_ptr()
+    # The matrices live after the handle's workspace; recv_src_idx after the metadata: no overlaps.
+    ws = h2.ep_handle.workspace
+    assert h2[0].data_ptr() >= ws.data_ptr() + 4 * h2.ep_handle.offsets[-1]
+    assert h2[2].data_ptr() + 4 * h2[2].numel() <= ws.data_ptr() + 4 * ws.numel()
+    meta = h2.ep_handle.recv_src_metadata
+    assert h2[3].data_ptr() >= meta.data_ptr() + 4 * meta.numel()
+    b = next(iter(ep._bound.values()))
+    assert b.p.legacy is None and b.v1_channels == 12
+    # Without top-k: the expert counts are a signature of their own, patched per call, not kept.
+    counts = per_expert.clone()
+    ref = weakref.ref(counts)
+    buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_rank=per_rank, num_tokens_per_expert=counts)
+    assert ptr(world.launch('notify_dispatch').args['expert_counts']) == counts.data_ptr() and len(ep._bound) == 2
+    del counts
+    gc.collect()
+    assert ref() is None
+    # The same shapes through V2 (no LegacyLayout): another signature, no V1 outputs.
+    world.log.clear()
+    ep.dispatch(x, idx, w, num_experts=E)
+    assert len(ep._bound) == 3
+    notify = world.launch('notify_dispatch')
+    assert notify.args['num_channels'] == 0 and notify.args['rank_prefix_matrix'] == 0
+    assert world.launch('dispatch_copy_epilogue_impl').args['recv_src_idx'] == 0
+    # Another reported count (a probe) or another channel count: checked afresh.
+    with pytest.raises(ValueError, match='reported_num_tokens'):
+        ep.dispatch(x, idx, w, num_experts=E, legacy=legacy_normal.LegacyLayout(12, 299))
+    with pytest.raises(TypeError, match='LegacyLayout'):
+        ep.dispatch(x, idx, w, num_experts=E, legacy=object())
+    with pytest.raises(ValueError, match='channels'):
+        ep.dispatch(x, idx, w, num_experts=E, legacy=legacy_normal.LegacyLayout(10 ** 3, 300))
 
 
 def test_too_many_tokens_probe_grow_and_redo(monkeypatch, inputs):
@@ -356,13 +425,15 @@ def test_cached_dispatch_and_combine(monkeypatch, inputs):
     world.log.clear()
     out = buf.dispatch(x, handle=handle, config=Config(24, 8, 256))
     assert out[1:5] == (None, None, None, None) and out[0].shape == recv_x.shape
-    assert world.names() == ['dispatch_impl', 'dispatch_copy_epilogue_impl']
+    assert world.names() == ['dispatch_impl_with_dispatch_copy_epilogue_impl']      # one launch: send and receive
     with pytest.raises(ValueError, match='cached'):
         buf.dispatch(x, handle=handle, topk_idx=idx)
     combined, combined_w, event = buf.combine(recv_x, handle, topk_weights=recv_w, bias=(x, x))
     assert combined.shape == (300, H) and combined_w.shape == (300, K)
     launch = world.launch('combine_impl')
-    assert launch.args['weights_over_ranks'] == 1 and launch.args['num_send_blocks'] == Buffer.num_sms
+    # config.num_sms caps the combine's SMs, senders and reducers together (half send).
+    assert launch.args['weights_over_ranks'] == 1 and launch.args['num_send_blocks'] == Buffer.num_sms // 2
+    assert launch.grid <= Buffer.num_sms
     # previous_event alone is legal (vLLM's dual-batch overlap), V2's rule does not apply.
     buf.combine(recv_x, handle, previous_event=fake_event())
     buf.dispatch(x, topk_idx=idx, topk_weights=w, previous_event=fake_event(), **_layout_args(inputs))

@@ -153,6 +153,10 @@ class RecordingKernel(fakes.RecordingKernel):
         assert block == pp.THREADS and not cooperative
         self.log.append((self.spec.name, grid, dict(zip(self.spec.param_names, args))))
 
+    def _go_bound(self, bound, stream):        # a bound launch (packed like the GPU's), logged alike
+        assert bound.block == (pp.THREADS, 1, 1) and not bound.cooperative
+        self.log.append((self.spec.name, bound.grid[0], bound.values()))
+
 
 class FakeGroup:
     def __init__(self, others=None):

@@ -163,3 +163,35 @@ def test_teardown_never_raises_from_the_finalizer(monkeypatch):
     del buf                                     # no exception escapes __del__
     gc.collect()
     assert log == ['release_local']
+
+
+def test_meta_signatures_decide_the_checks():
+    torch = pytest.importorskip('torch')
+    from deepep_cupy.runtime import interop
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    sig, ptr = interop.meta(x)
+    assert ptr == x.data_ptr() and sig == interop.meta(torch.ones(4, 8, dtype=torch.bfloat16))[0]
+    for other in (x.float(), x.t(), x[:, :4], torch.zeros(4, 9, dtype=torch.bfloat16), x.view(-1)):
+        assert interop.meta(other)[0] != sig
+    assert interop.meta(None) == (None, 0)
+    a, b = interop.meta(object())[0], interop.meta(object())[0]
+    assert type(a) is object and a != b          # never matches anything cached
+    assert interop.meta(x[1:])[1] == x.data_ptr() + 8 * 2      # the pointer is the per-call part
+
+
+def test_carver_views_share_one_allocation():
+    torch = pytest.importorskip('torch')
+    from deepep_cupy.runtime import interop
+    carver = interop.Carver('torch', -1)
+    base = carver.words(18)
+    meta = carver.view(base, 'int32', (2, 3), 0)          # words 0..5
+    idx = carver.view(base, 'int64', (2, 2), 6)           # words 6..13
+    w = carver.view(base, 'float32', (4,), 14)            # words 14..17
+    meta.fill_(7)
+    idx.copy_(torch.tensor([[1, 2], [3, 4]]))
+    w.fill_(0.5)
+    assert base[:6].tolist() == [7] * 6 and base[6:14].view(torch.int64).tolist() == [1, 2, 3, 4]
+    assert base[14:18].view(torch.float32).tolist() == [0.5] * 4
+    assert idx.data_ptr() == base.data_ptr() + 24 and idx.is_contiguous() and w.untyped_storage().data_ptr() == \
+        base.untyped_storage().data_ptr()
+    assert carver.empty((3, 5), 'bfloat16').dtype == torch.bfloat16 and carver.ptr(base) == base.data_ptr()

@@ -196,7 +196,7 @@ class ElasticBuffer(BufferBase):
             num_experts: total experts (a multiple of the number of ranks).
             num_max_tokens_per_rank: default the buffer's; every rank must pass the same value.
             expert_alignment: per-expert counts rounded up to this (default 1).
-            num_sms: SMs of the send kernel (0: `get_theoretical_num_sms`).
+            num_sms: SMs of the send kernel (0: `get_theoretical_num_sms`; a cached dispatch: the handle's).
             num_qps: accepted for DeepEP compatibility (no QPs inside one NVLink domain).
             previous_event: `EventHandle` the communication stream waits for (needs allocate_on_comm_stream).
             previous_event_before_epilogue: accepted (one epilogue, ordered by previous_event).
@@ -232,8 +232,9 @@ class ElasticBuffer(BufferBase):
             topk_weights: float32 `[num_recv_tokens, num_topk]` (non-expanded) or `[num_expanded_tokens]` (expanded);
                 the result's combined_topk_weights[t][k] is the value returned for slot k by its owner.
             bias: None, a tensor or a tuple of up to two bfloat16 `[num_tokens, hidden]` tensors added in FP32.
-            num_sms: SMs that send (0: the dispatch's); the SMs they leave (as many as the reduction can use)
-                reduce what arrives, in the same launch.
+            num_sms: SMs the combine takes, senders and reducers together (half send; at least 2 with several
+                ranks), for overlapping compute with it. 0: the dispatch's `num_sms` send and the SMs they leave (as
+                many as the reduction can use) reduce what arrives, in the same launch.
             previous_event, async_with_compute_stream, allocate_on_comm_stream: as in `dispatch`.
 
         Returns:

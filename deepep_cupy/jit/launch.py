@@ -196,11 +196,67 @@ def arg_struct(spec: KernelSpec) -> Tuple[struct.Struct, Tuple[int, ...]]:
 class _ArgBuffer:
     """Parameter storage for one launch and the array of pointers to each parameter."""
 
-    def __init__(self, layout: struct.Struct, offsets: Tuple[int, ...]):
-        self.data = np.zeros(max(8, layout.size), dtype=np.uint8)
+    def __init__(self, layout: struct.Struct, offsets: Tuple[int, ...], round_to: int = 1):
+        self.data = np.zeros(max(8, -(-layout.size // round_to) * round_to), dtype=np.uint8)
         base = self.data.ctypes.data
         self.pointers = np.array([base + o for o in offsets] or [0], dtype=np.uint64)
         self.pointers_addr = self.pointers.ctypes.data
+
+
+class BoundLaunch:
+    """One launch whose arguments live in a preallocated block, packed and checked once by name (`Kernel.bind`);
+    hot paths then patch only the arguments that change, through typed views of the block, and call it with a
+    stream.
+
+    Why positional patching: a named launch binds every keyword and packs every argument on each call (~60 ns per
+    argument in CPython plus the packing); a dispatch changes a handful of pointers per call. `index(name)` gives a
+    parameter's word index in the view matching its type (`u64` for pointers and uint64, `i64`, `i32`, `u32`, `f32`),
+    resolved once by name, so the patching stays name-checked: `bl.u64[bl.index('x')] = x_ptr`. The views enforce
+    the C type (a negative pointer, an int32 out of range or a float for an integer raise).
+
+    Kernels copy their parameters when launched (also into a captured CUDA graph), so a block may be re-patched right
+    after a launch. Not thread-safe (as the buffers are not).
+    """
+
+    __slots__ = ('spec', 'grid', 'block', 'shared_mem', 'cooperative', 'data', 'pointers_addr', 'u64', 'i64', 'i32',
+                 'u32', 'f32', '_index', '_go', '_keep')
+
+    def __init__(self, spec: KernelSpec, layout: struct.Struct, offsets: Tuple[int, ...], grid, block,
+                 shared_mem: int, cooperative: bool, go: Callable[['BoundLaunch', object], None]):
+        self.spec = spec
+        self.grid, self.block = _dim3(grid), _dim3(block)
+        self.shared_mem, self.cooperative = shared_mem, cooperative
+        buffer = _ArgBuffer(layout, offsets, round_to=8)
+        self._keep = buffer
+        self.data, self.pointers_addr = buffer.data, buffer.pointers_addr
+        raw = memoryview(buffer.data).cast('B')
+        self.u64, self.i64 = raw.cast('Q'), raw.cast('q')
+        self.i32, self.u32, self.f32 = raw.cast('i'), raw.cast('I'), raw.cast('f')
+        index = {}
+        for p, offset in zip(spec.params, offsets):
+            size = 8 if p.kind == PTR else np.dtype(p.kind).itemsize
+            index[p.name] = offset // size
+        self._index = index
+        self._go = go
+
+    def index(self, name: str) -> int:
+        """Word index of parameter `name` in the view of its type (`KeyError` naming the kernel if unknown)."""
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f'{self.spec.name} has no parameter {name!r}') from None
+
+    def set_grid(self, grid) -> None:
+        self.grid = _dim3(grid)
+
+    def values(self) -> Dict[str, object]:
+        """The packed arguments by name (for tests and fakes)."""
+        layout, _ = arg_struct(self.spec)
+        return dict(zip(self.spec.param_names, layout.unpack_from(self.data)))
+
+    def __call__(self, stream) -> None:
+        """Launch on `stream` (a stream object with `.ptr`, or None for CuPy's current stream)."""
+        self._go(self, stream)
 
 
 class Kernel:
@@ -223,6 +279,7 @@ class Kernel:
         self._scratch = _ArgBuffer(self._struct, self._offsets)
         self.launch = named_launcher(spec, self.launch_args)
         self.prepare = named_launcher(spec, self.prepare_args, with_stream=False, what='prepare')
+        self.bind = named_launcher(spec, self.bind_args, with_stream=False, what='bind')
 
     def max_active_blocks_per_sm(self, block: int, shared_mem: int = 0) -> int:
         from cupy_backends.cuda.api import driver
@@ -247,8 +304,7 @@ class Kernel:
 
     def _check_launch(self, grid: Tuple[int, ...], block: Tuple[int, ...], shared_mem: int, cooperative: bool):
         if shared_mem > self._smem_limit:
-            from cupy_backends.cuda.api import driver
-            driver.funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+            _driver().funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
             self._smem_limit = shared_mem
         if cooperative:
             num_threads = block[0] * block[1] * block[2]
@@ -291,6 +347,29 @@ class Kernel:
         self._pack_into(buffer, args)
         self._check_launch(grid, block, shared_mem, cooperative)
         return lambda stream: self._go(grid, block, shared_mem, cooperative, stream, buffer)
+
+
+    def bind_args(self, grid, block, args: Sequence, shared_mem: int = 0, cooperative: bool = False) -> BoundLaunch:
+        """A `BoundLaunch` of these arguments (declaration order; the named `bind` calls it): checked and packed once,
+        patched per call by the hot paths."""
+        bound = BoundLaunch(self.spec, self._struct, self._offsets, grid, block, shared_mem, cooperative,
+                            self._go_bound)
+        self._pack_into(bound._keep, args)
+        self._check_launch(bound.grid, bound.block, shared_mem, cooperative)
+        return bound
+
+    def _go_bound(self, bound: BoundLaunch, stream) -> None:
+        if bound.cooperative:
+            # A grid patched after binding must still be co-resident.
+            self._check_launch(bound.grid, bound.block, bound.shared_mem, True)
+            self._go(bound.grid, bound.block, bound.shared_mem, True, stream, bound._keep)
+            return
+        if stream is None:
+            import cupy
+            stream = cupy.cuda.get_current_stream()
+        g, b = bound.grid, bound.block
+        _driver().launchKernel(self.function.ptr, g[0], g[1], g[2], b[0], b[1], b[2], bound.shared_mem, stream.ptr,
+                               bound.pointers_addr, 0)
 
 
 _DRIVER = []

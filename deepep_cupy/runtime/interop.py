@@ -151,6 +151,25 @@ def current_stream(like: Any = None):
     return cupy.cuda.get_current_stream()
 
 
+def stream_getter(kind: str, device: int):
+    """A function returning what `current_stream(like)` returns for arrays of `kind` on `device`, without looking
+    at the array (hot paths resolve it once per call signature)."""
+    if kind == 'torch' and device >= 0:
+        torch = sys.modules['torch']
+        raw = getattr(torch._C, '_cuda_getCurrentRawStream', None)
+        if raw is None:
+            return lambda: external_stream(torch.cuda.current_stream(device).cuda_stream)
+        cache = _EXTERNAL_STREAMS
+
+        def get():
+            handle = raw(device)
+            s = cache.get(handle)
+            return s if s is not None else external_stream(handle)
+        return get
+    import cupy
+    return cupy.cuda.get_current_stream
+
+
 _EXTERNAL_STREAMS = {}
 
 
@@ -212,3 +231,105 @@ class Allocator:
             with stream if stream is not None else contextlib.nullcontext():
                 x.fill(0)
         return x
+
+
+# ---- hot paths: call signatures and carved allocations --------------------------------------------------------------
+_META = {}      # array type -> function(x) -> (signature, pointer)
+
+
+def _none_meta(x):
+    return None, 0
+
+
+def _torch_meta(x):
+    return (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
+
+
+def _cupy_meta(x):
+    return ('cupy', x.shape, x.strides, x.dtype, x.data.device_id), x.data.ptr
+
+
+def meta(x: Any) -> Tuple[Any, int]:
+    """`(signature, pointer)` of `x`: the signature (kind, shape, strides, dtype, device; hashable) decides every
+    argument check `tensor_info` feeds, so a hot path checks a signature once and caches what it derived; the pointer
+    is the per-call part. `(None, 0)` for None; for anything that is not a torch tensor or a CuPy array, a fresh
+    `object()` as the signature (it matches nothing cached; the caller's checked path then raises)."""
+    f = _META.get(type(x))
+    if f is None:
+        t = type(x)
+        torch, cupy = sys.modules.get('torch'), sys.modules.get('cupy')
+        if x is None:
+            f = _none_meta
+        elif torch is not None and issubclass(t, torch.Tensor):
+            f = _torch_meta
+        elif cupy is not None and issubclass(t, cupy.ndarray):
+            f = _cupy_meta
+        else:
+            return object(), 0
+        _META[t] = f
+    return f(x)
+
+
+class Carver:
+    """Allocation for hot paths: arrays of one kind on one device (-1: host memory, as CPU tests use), with the dtype
+    and device objects resolved once, and views carved out of one int32 allocation (`words` / `view`) so that a call's
+    small outputs cost one allocation.
+
+    Args:
+        kind: `'torch'` or `'cupy'`.
+        device: the CUDA device (-1: host; torch only).
+    """
+
+    def __init__(self, kind: str, device: int):
+        self.kind = kind
+        if kind == 'torch':
+            import torch
+            self._torch = torch
+            self._device = torch.device('cuda', device) if device >= 0 else torch.device('cpu')
+            self._dtypes, self._strides = {}, {}
+        else:
+            import cupy
+            self._cupy = cupy
+
+    def _dtype(self, name: str):
+        dt = self._dtypes.get(name)
+        if dt is None:
+            dt = self._dtypes[name] = getattr(self._torch, name)
+        return dt
+
+    def empty(self, shape, dtype: str, stream=None):
+        """`[*shape]` of `dtype` (canonical name); `stream`: order the allocation on it (None: the current stream)."""
+        if self.kind == 'torch':
+            torch = self._torch
+            if stream is None:
+                return torch.empty(shape, dtype=self._dtype(dtype), device=self._device)
+            with torch.cuda.stream(torch_stream(stream.ptr)):
+                return torch.empty(shape, dtype=self._dtype(dtype), device=self._device)
+        cupy = self._cupy
+        if stream is None:
+            return cupy.empty(shape, dtype=dtypes.cupy_storage(dtype))
+        with stream:
+            return cupy.empty(shape, dtype=dtypes.cupy_storage(dtype))
+
+    def words(self, num_words: int, stream=None):
+        """One int32 allocation to carve views from (`view`)."""
+        return self.empty((max(2, num_words),), 'int32', stream)
+
+    def ptr(self, x) -> int:
+        return x.data_ptr() if self.kind == 'torch' else x.data.ptr
+
+    def view(self, base, dtype: str, shape: Tuple[int, ...], word_offset: int):
+        """A C-contiguous `[*shape]` view of `dtype` (4 or 8 bytes; 8 at an even `word_offset`) into `base` from
+        int32 word `word_offset`."""
+        size = _ITEMSIZE[dtype]
+        if self.kind == 'torch':
+            strides = self._strides.get(shape)
+            if strides is None:
+                steps, step = [], 1
+                for n in reversed(shape):
+                    steps.append(step)
+                    step *= n
+                strides = self._strides[shape] = tuple(reversed(steps))
+            typed = base if dtype == 'int32' else base.view(self._dtype(dtype))
+            return typed.as_strided(shape, strides, word_offset * 4 // size)
+        return self._cupy.ndarray(shape, dtype=dtypes.cupy_storage(dtype), memptr=base.data + word_offset * 4)

@@ -9,6 +9,7 @@
 //   signals, written by peers (index = the peer's scale-up rank), epochs that only grow:
 //     notify_signal[src]     at +256: src published its counts for notify epoch e into our notify area
 //     data_signal[src]       at +384: src finished writing its dispatch messages of data epoch e into our slots
+//                            (ep_dispatch_legacy.cu; ep_dispatch.cu releases chunk by chunk, see below)
 //     data_consumed[dst]     at +512: dst copied our messages of epoch e out of its slots (we may overwrite them)
 //     combine_signal[src]    at +640: src finished writing its combine rows of combine epoch e into our slots
 //     combine_consumed[dst]  at +768: dst reduced our rows of combine epoch e (we may overwrite them)
@@ -20,6 +21,8 @@
 //   exceed what it sends when the V1 adapter probes a capacity overflow); [kNotifyRowChannels + c] src's inclusive
 //   prefix over its channels of tokens sent to us (V1's channel_prefix_matrix row for us; only when channels are
 //   asked for).
+// Chunk signals, epochs that only grow, written by peers: combine at kChunkSignalOffset, dispatch at
+// kDispatchSignalOffset, each uint32 [src][chunk] (ep_combine.cu, ep_dispatch.cu).
 #pragma once
 #include "common/timeout.cuh"
 
@@ -38,6 +41,8 @@ static_assert(kNotifyOffset + 4 * kNotifyMaxRanks * (1 + kNotifyMaxLocalExperts)
               "the notify counts overlap the notify rows");
 static_assert(kNotifyRowsOffset + 4 * kNotifyMaxRanks * kNotifyRowWords <= kWsEPNotifyOffset + kWsEPNotifyBytes,
               "the notify rows overflow the notify region");
+constexpr uint64_t kDispatchSignalOffset = kWsEPDispatchSignalOffset;    // dispatch chunk signals
+constexpr uint64_t kDispatchSignalBytes = kWsEPDispatchSignalBytes;
 constexpr int kCtrlNotifyEpoch = 0, kCtrlDataEpoch = 1, kCtrlCombineEpoch = 2;
 constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
 constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;
@@ -60,6 +65,11 @@ struct Peers {
     // Combine chunk signal [src][j] in `peer`'s workspace (see ep_combine.cu).
     __device__ __forceinline__ uint32_t* chunk_signal(int peer, int src, int stride, int j) const {
         return reinterpret_cast<uint32_t*>(base(peer) + kChunkSignalOffset) + static_cast<int64_t>(src) * stride + j;
+    }
+    // Dispatch chunk signal [src][j] in `peer`'s workspace (see ep_dispatch.cu).
+    __device__ __forceinline__ uint32_t* dispatch_signal(int peer, int src, int stride, int j) const {
+        return reinterpret_cast<uint32_t*>(base(peer) + kDispatchSignalOffset) + static_cast<int64_t>(src) * stride +
+               j;
     }
 };
 

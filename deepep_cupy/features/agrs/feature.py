@@ -98,6 +98,11 @@ class AGRS:
         self.num_sms = min(buf.num_device_sms, DEFAULT_GATHER_SMS)
         self.data_base = buf.sym.base + buf.data_offset
         self._bytes: Dict[str, Any] = {}
+        self._typed: Dict[str, Any] = {}          # torch views of the whole data region, per dtype
+        self._infos: Dict[Any, Tuple[str, int, str, Tuple[int, ...]]] = {}    # signature -> checked tensor facts
+        self._gather_launch = None                  # the gather kernel's bound launch (every argument patched)
+        self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
+        self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
 
     @staticmethod
     def load_kernels(num_ranks: int) -> Dict[Any, Any]:
@@ -118,12 +123,23 @@ class AGRS:
                 data = interop.to_torch(data)
             self._bytes[kind] = data
         if kind == 'torch':
-            import torch
-            return data[offset:offset + num_bytes].view(getattr(torch, dtype_name)).view(shape)
+            # One as_strided on a typed view of the area made once per dtype (a slice and two views per call cost
+            # ~4 us of Python; region offsets are 32-byte aligned, so every itemsize divides them).
+            typed = self._typed.get(dtype_name)
+            if typed is None:
+                import torch
+                typed = self._typed[dtype_name] = data.view(getattr(torch, dtype_name))
+            size = typed.element_size()
+            assert offset % size == 0 and num_bytes == math.prod(shape) * size
+            strides, step = [], 1
+            for n in reversed(shape):
+                strides.append(step)
+                step *= n
+            return typed.as_strided(shape, tuple(reversed(strides)), offset // size)
         return data[offset:offset + num_bytes].view(np.dtype(dtype_name)).reshape(shape)
 
     def destroy(self) -> None:
-        self._bytes = {}
+        self._bytes, self._typed = {}, {}
         if self.plan is not None:
             self.plan.is_open = False
 
@@ -227,53 +243,76 @@ class AGRS:
             on the stream that reads them first.
         """
         buf = self._buf
-        if self.plan is None or not self.plan.is_open:
+        plan = self.plan
+        if plan is None or not plan.is_open:
             raise RuntimeError('all_gather needs an open session: use create_agrs_session() or agrs_new_session()')
         buf.check_usable()
         single = not isinstance(tensors, (list, tuple))
         items = [tensors] if single else list(tensors)
         if not items:
             raise ValueError('tensors must be a tensor or a non-empty list of tensors')
-        infos = []
+        # (kind, bytes, dtype, shape) per tensor, checked once per signature (interop.meta).
+        facts, ptrs = [], []
+        known = self._infos
         for i, t in enumerate(items):
-            info = checks.info(t, 'tensors' if single else f'tensors[{i}]', buf.device)
-            checks.check_contiguous(info, 'tensors' if single else f'tensors[{i}]')
-            if infos:
-                checks.check_same_kind(infos[0].kind, info, f'tensors[{i}]')
-            infos.append(info)
-        sizes = [info.nbytes for info in infos]
-        regions = self.plan.peek(sizes)
+            sig, ptr = interop.meta(t)
+            f = known.get(sig)
+            if f is None:
+                name = 'tensors' if single else f'tensors[{i}]'
+                info = checks.info(t, name, buf.device)
+                checks.check_contiguous(info, name)
+                f = (info.kind, info.nbytes, info.dtype, tuple(info.shape))
+                if type(sig) is not object:
+                    known[sig] = f
+                ptr = info.ptr
+            if facts and f[0] != facts[0][0]:
+                raise TypeError(f'tensors[{i}] is a {f[0]} array but the other inputs are {facts[0][0]} arrays; '
+                                f'pass one kind')
+            facts.append(f)
+            ptrs.append(ptr)
+        sizes = [f[1] for f in facts]
+        regions = plan.peek(sizes)
         rank, num_ranks = buf.sym.local_idx, buf.num_scaleup_ranks
         # A source inside the not yet gathered part of the session area must be its own in-place slot.
-        free_start, free_end = self.data_base + self.plan.used_bytes, self.data_base + self.plan.capacity
+        base = self.data_base
+        free_start, free_end = base + plan.used_bytes, base + plan.capacity
         inplace = []
-        for i, (info, region) in enumerate(zip(infos, regions)):
-            exact = info.nbytes > 0 and info.ptr == self.data_base + region.slot_offset(rank)
-            if not exact and info.nbytes > 0 and info.ptr < free_end and info.ptr + info.nbytes > free_start:
+        for i, (ptr, nbytes, region) in enumerate(zip(ptrs, sizes, regions)):
+            exact = nbytes > 0 and ptr == base + region.offset + rank * nbytes
+            if not exact and nbytes > 0 and ptr < free_end and ptr + nbytes > free_start:
                 raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later gather '
                                  f'writes; pass the views of agrs_get_inplace_tensor in order, or another tensor')
             inplace.append(exact)
 
-        regions = self.plan.reserve(sizes)
+        regions = plan.reserve(sizes, regions)
         self.gather_epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
         epoch, meta = self.gather_epoch, gather_meta(regions[-1].end)
         comm = buf.stream_order.begin(interop.current_stream(items[0]))
-        kernel = self.kernels['gather']
-        for i, (info, region) in enumerate(zip(infos, regions)):
-            aligned = info.nbytes % 16 == 0 and info.ptr % 16 == 0
-            kernel.launch(gather_grid(info.nbytes, aligned, self.num_sms), THREADS, stream=comm, src=info.ptr,
-                          num_bytes=info.nbytes, region_offset=buf.data_offset + region.offset,
-                          peer_bases=buf.sym.peer_bases_ptr, rank=rank, write_local=0 if inplace[i] else 1,
-                          do_signal=1 if i == len(infos) - 1 else 0, epoch=epoch, meta=meta)
-        if infos[0].kind == 'torch':
+        g = self._gather_launch
+        if g is None:
+            g = self._gather_launch = self.kernels['gather'].bind(
+                1, THREADS, src=0, num_bytes=0, region_offset=0, peer_bases=buf.sym.peer_bases_ptr, rank=rank,
+                write_local=0, do_signal=0, epoch=0, meta=0)
+            self._gather_launch_idx = tuple(g.index(n) for n in ('src', 'num_bytes', 'region_offset',
+                                                                 'write_local', 'do_signal', 'epoch', 'meta'))
+        # One bound launch re-patched per tensor: kernels copy their arguments at launch.
+        i_src, i_bytes, i_region, i_local, i_signal, i_epoch, i_meta = self._gather_launch_idx
+        g.u32[i_epoch], g.u32[i_meta] = epoch, meta
+        last = len(facts) - 1
+        data_offset, num_sms = buf.data_offset, self.num_sms
+        for i, (ptr, nbytes, region) in enumerate(zip(ptrs, sizes, regions)):
+            g.u64[i_src], g.i64[i_bytes], g.u64[i_region] = ptr, nbytes, data_offset + region.offset
+            g.i32[i_local], g.i32[i_signal] = 0 if inplace[i] else 1, 1 if i == last else 0
+            g.grid = (gather_grid(nbytes, nbytes % 16 == 0 and ptr % 16 == 0, num_sms), 1, 1)
+            g(comm)
+        kind = facts[0][0]
+        if kind == 'torch':
             s = interop.torch_stream(comm.ptr)
             for t, exact in zip(items, inplace):
                 if not exact:
                     t.record_stream(s)
-        outputs = []
-        for info, region in zip(infos, regions):
-            outputs.append(self.view(info.kind, region.offset, num_ranks * info.nbytes, info.dtype,
-                                     (num_ranks, *info.shape)))
+        outputs = [self.view(kind, region.offset, num_ranks * f[1], f[2], (num_ranks, *f[3]))
+                   for f, region in zip(facts, regions)]
         handle = AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0],
                                 tuple(t for t, exact in zip(items, inplace) if not exact))
         return (*outputs, handle)
@@ -297,18 +336,29 @@ class AGRS:
         return event
 
     def _launch_reduce(self, kernel_key, x_ptr, out_ptr, layout, scale, area, is_all_reduce, comm) -> int:
-        buf = self._buf
         # Wraps to 0 like every epoch (wrap-safe compares); skipping 0 would make the next senders wait for a `done`
         # of epoch 0, which no rank publishes.
         self.reduce_epoch = (self.reduce_epoch + 1) & 0xFFFFFFFF
-        self.kernels[kernel_key].launch(
-            layout.num_senders + layout.num_reducers, THREADS, stream=comm, cooperative=True, x=x_ptr, out=out_ptr,
-            num_elems=layout.num_elems, shard_elems=layout.shard_elems, chunk_elems=layout.chunk_elems,
-            scale=float(scale), num_senders=layout.num_senders, peer_bases=buf.sym.peer_bases_ptr,
-            rank=buf.sym.local_idx, recv_offset=area, slot_bytes=layout.slot_bytes,
-            gather_offset=area + layout.gather_offset, gather_slot_bytes=layout.gather_slot_bytes,
-            is_all_reduce=int(is_all_reduce), epoch=self.reduce_epoch, error_record=buf.host_mapped.ptr,
-            timeout_ns=buf.timeout_ns)
+        key = (kernel_key, layout, area, is_all_reduce)
+        bound = self._reduce_launches.get(key)
+        if bound is None:       # bound once per layout by name; per call the pointers, scale and epoch change
+            buf = self._buf
+            bound = self.kernels[kernel_key].bind(
+                layout.num_senders + layout.num_reducers, THREADS, cooperative=True, x=0, out=0,
+                num_elems=layout.num_elems, shard_elems=layout.shard_elems, chunk_elems=layout.chunk_elems,
+                scale=1.0, num_senders=layout.num_senders, peer_bases=buf.sym.peer_bases_ptr,
+                rank=buf.sym.local_idx, recv_offset=area, slot_bytes=layout.slot_bytes,
+                gather_offset=area + layout.gather_offset, gather_slot_bytes=layout.gather_slot_bytes,
+                is_all_reduce=int(is_all_reduce), epoch=0, error_record=buf.host_mapped.ptr,
+                timeout_ns=buf.timeout_ns)
+            if len(self._reduce_launches) >= 64:
+                self._reduce_launches.clear()
+            self._reduce_launches[key] = bound
+            self._reduce_idx = tuple(bound.index(n) for n in ('x', 'out', 'scale', 'epoch'))
+        i_x, i_out, i_scale, i_epoch = self._reduce_idx
+        bound.u64[i_x], bound.u64[i_out], bound.f32[i_scale], bound.u32[i_epoch] = (x_ptr, out_ptr, scale,
+                                                                                    self.reduce_epoch)
+        bound(comm)
         return self.reduce_epoch
 
     def reduce_scatter(self, x, comm_precision: str = 'fp32', scale: float = 1.0, num_sms: int = 0,
@@ -330,40 +380,56 @@ class AGRS:
         """
         buf = self._buf
         buf.check_usable()
-        info = checks.info(x, 'x', buf.device)
-        checks.check_dtype(info, 'x', 'float32', 'bfloat16')
-        checks.check_contiguous(info, 'x')
-        if comm_precision not in COMM_PRECISIONS:
-            raise ValueError(f'comm_precision must be one of {COMM_PRECISIONS}, got {comm_precision!r}')
-        scale = checks.check_finite('scale', scale)
-        checks.check_int('num_sms', num_sms)
-        num_ranks = buf.num_scaleup_ranks
-        if info.ndim == 0 or info.shape[0] % num_ranks:
-            raise ValueError(f'x must have a first dimension divisible by R={num_ranks}, got shape {list(info.shape)}')
-        out_shape = (tuple(info.shape[1:]) if info.ndim >= 2 and info.shape[0] == num_ranks
-                     else (info.shape[0] // num_ranks, *info.shape[1:]))
-        shard = info.numel // num_ranks
-        if shard % GROUP_ELEMS or info.ptr % 16:
+        sig, ptr = interop.meta(x)
+        key = (sig, comm_precision, num_sms, type(num_sms))
+        checked = self._reduce_checked.get(key)
+        if checked is None:         # the checks that depend on x's signature only, once per signature
+            info = checks.info(x, 'x', buf.device)
+            checks.check_dtype(info, 'x', 'float32', 'bfloat16')
+            checks.check_contiguous(info, 'x')
+            if comm_precision not in COMM_PRECISIONS:
+                raise ValueError(f'comm_precision must be one of {COMM_PRECISIONS}, got {comm_precision!r}')
+            checks.check_int('num_sms', num_sms)
+            num_ranks = buf.num_scaleup_ranks
+            if info.ndim == 0 or info.shape[0] % num_ranks:
+                raise ValueError(f'x must have a first dimension divisible by R={num_ranks}, got shape '
+                                 f'{list(info.shape)}')
+            out_shape = (tuple(info.shape[1:]) if info.ndim >= 2 and info.shape[0] == num_ranks
+                         else (info.shape[0] // num_ranks, *info.shape[1:]))
+            shard = info.numel // num_ranks
+            if shard % GROUP_ELEMS:
+                raise ValueError(f'x: each shard must hold a multiple of {GROUP_ELEMS} elements and x must be 16-byte '
+                                 f'aligned, got {shard} elements per shard at address {info.ptr:#x}')
+            in_bf16 = info.dtype != 'float32'
+            stage_bf16 = in_bf16 or comm_precision == 'bf16'
+            layout = reduce_layout(num_ranks, info.numel, shard, 2 if stage_bf16 else 4, False,
+                                   min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
+            area = self._reduce_area(layout)
+            checked = (info.kind, out_shape, 'bfloat16' if in_bf16 else 'float32', ('reduce', in_bf16, stage_bf16),
+                       layout, area, shard)
+            if type(sig) is not object:
+                if len(self._reduce_checked) >= 64:
+                    self._reduce_checked.clear()
+                self._reduce_checked[key] = checked
+            ptr = info.ptr
+        kind, out_shape, out_dtype, kernel_key, layout, area, shard = checked
+        if ptr % 16:
             raise ValueError(f'x: each shard must hold a multiple of {GROUP_ELEMS} elements and x must be 16-byte '
-                             f'aligned, got {shard} elements per shard at address {info.ptr:#x}')
-        in_bf16 = info.dtype != 'float32'
-        stage_bf16 = in_bf16 or comm_precision == 'bf16'
-        layout = reduce_layout(num_ranks, info.numel, shard, 2 if stage_bf16 else 4, False,
-                               min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
-        area = self._reduce_area(layout)
+                             f'aligned, got {shard} elements per shard at address {ptr:#x}')
+        scale = checks.check_finite('scale', scale)
         event = as_event_handle(previous_event)
         comm = buf.stream_order.begin(interop.current_stream(x), event)
         # With previous_event the communication stream does not wait for the current stream, so memory just freed on
         # the current stream (still in use by its queued kernels) must not become `out`: allocate on the
         # communication stream then, and let torch's allocator also wait for the current stream's uses of `out`.
         alloc_stream = comm if event is not None else None
-        out = interop.Allocator(info.kind).empty(out_shape, 'bfloat16' if in_bf16 else 'float32', alloc_stream)
-        if alloc_stream is not None and info.kind == 'torch':
+        out = interop.Allocator(kind).empty(out_shape, out_dtype, alloc_stream)
+        if alloc_stream is not None and kind == 'torch':
             import torch
             out.record_stream(torch.cuda.current_stream())      # `current` (the stream of a torch `x`)
         out_ptr = interop.tensor_info(out, 'out').ptr
-        self._launch_reduce(('reduce', in_bf16, stage_bf16), info.ptr, out_ptr, layout, scale, area, False, comm)
-        return self._result(info.kind, (x, out), out)
+        self._launch_reduce(kernel_key, ptr, out_ptr, layout, scale, area, False, comm)
+        return self._result(kind, (x, out), out)
 
     def all_reduce(self, x, scale: float = 1.0, num_sms: int = 0, previous_event=None):
         """Sum every rank's `x` in place (FP32, rank order 0..R-1 per element, deterministic), times `scale`.
@@ -377,27 +443,37 @@ class AGRS:
         """
         buf = self._buf
         buf.check_usable()
-        info = checks.info(x, 'x', buf.device)
-        checks.check_dtype(info, 'x', 'float32')
-        checks.check_contiguous(info, 'x')
+        sig, ptr = interop.meta(x)
+        key = ('all_reduce', sig, num_sms, type(num_sms))
+        checked = self._reduce_checked.get(key)
+        if checked is None:         # the checks that depend on x's signature only, once per signature
+            info = checks.info(x, 'x', buf.device)
+            checks.check_dtype(info, 'x', 'float32')
+            checks.check_contiguous(info, 'x')
+            checks.check_int('num_sms', num_sms)
+            shard = all_reduce_shard_elems(buf.num_scaleup_ranks, info.numel)
+            layout = reduce_layout(buf.num_scaleup_ranks, info.numel, shard, 4, True,
+                                   min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
+            checked = (info.kind, info.numel, shard, layout, self._reduce_area(layout))
+            if type(sig) is not object:
+                if len(self._reduce_checked) >= 64:
+                    self._reduce_checked.clear()
+                self._reduce_checked[key] = checked
+            ptr = info.ptr
+        kind, numel, shard, layout, area = checked
         scale = checks.check_finite('scale', scale)
-        checks.check_int('num_sms', num_sms)
-        if info.ptr % 16:
-            raise ValueError(f'x must be 16-byte aligned, got address {info.ptr:#x}')
+        if ptr % 16:
+            raise ValueError(f'x must be 16-byte aligned, got address {ptr:#x}')
         num_ranks, rank = buf.num_scaleup_ranks, buf.sym.local_idx
-        shard = all_reduce_shard_elems(num_ranks, info.numel)
-        layout = reduce_layout(num_ranks, info.numel, shard, 4, True,
-                               min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
-        area = self._reduce_area(layout)
         comm = buf.stream_order.begin(interop.current_stream(x), as_event_handle(previous_event))
-        if info.numel == 0:
-            return self._result(info.kind, (x,), x, record=False)
-        epoch = self._launch_reduce(('reduce', False, False), info.ptr, info.ptr + rank * shard * 4, layout, scale,
-                                    area, True, comm)
+        if numel == 0:
+            return self._result(kind, (x,), x, record=False)
+        epoch = self._launch_reduce(('reduce', False, False), ptr, ptr + rank * shard * 4, layout, scale, area, True,
+                                    comm)
         if num_ranks > 1:
             self.kernels['unpack'].launch(
-                max(1, min(self.num_sms, ceil_div(info.numel, THREADS * 4 * GATHER_UNROLL))), THREADS, stream=comm,
-                x=info.ptr, num_elems=info.numel, shard_elems=shard, peer_bases=buf.sym.peer_bases_ptr, rank=rank,
+                max(1, min(self.num_sms, ceil_div(numel, THREADS * 4 * GATHER_UNROLL))), THREADS, stream=comm,
+                x=ptr, num_elems=numel, shard_elems=shard, peer_bases=buf.sym.peer_bases_ptr, rank=rank,
                 gather_offset=area + layout.gather_offset, gather_slot_bytes=layout.gather_slot_bytes, epoch=epoch,
                 error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
-        return self._result(info.kind, (x,), x)
+        return self._result(kind, (x,), x)

@@ -2,9 +2,10 @@
 regions and metas, the reduction layout and grid, and the size hints. Identical on every rank because every rank makes
 the same calls in the same order."""
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -24,10 +25,10 @@ from .kernels import (
 )
 
 
-@dataclass(frozen=True)
-class GatherRegion:
+class GatherRegion(NamedTuple):
     """One gathered tensor's region: `offset` bytes from the session start, `num_bytes` per rank, `region_bytes`
-    reserved (= align(R * num_bytes, 32)); rank r's tensor sits at `offset + r * num_bytes`."""
+    reserved (= align(R * num_bytes, 32)); rank r's tensor sits at `offset + r * num_bytes`. (A NamedTuple: a call
+    makes several, and a frozen dataclass costs ~1 us each to build.)"""
     offset: int
     num_bytes: int
     region_bytes: int
@@ -83,8 +84,10 @@ class SessionPlan:
                              f'session); see get_agrs_num_max_session_bytes')
         return regions
 
-    def reserve(self, sizes: Sequence[int]) -> List[GatherRegion]:
-        regions = self.peek(sizes)
+    def reserve(self, sizes: Sequence[int], regions: Optional[List[GatherRegion]] = None) -> List[GatherRegion]:
+        """Take the regions of the next gathers of `sizes` bytes (`regions`: what `peek(sizes)` just returned)."""
+        if regions is None:
+            regions = self.peek(sizes)
         if regions:
             self.used_bytes = regions[-1].end
         self.num_gathers += len(sizes)
@@ -126,6 +129,7 @@ class ReduceLayout:
     num_reducers: int
 
 
+@functools.lru_cache(maxsize=256)
 def reduce_layout(num_ranks: int, num_elems: int, shard_elems: int, stage_itemsize: int, all_reduce: bool,
                   num_sms: int) -> ReduceLayout:
     """Layout and grid for a reduction of `num_elems` elements per rank in shards of `shard_elems` (multiple of 8)."""

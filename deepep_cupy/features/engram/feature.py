@@ -7,7 +7,7 @@ table (`engram_write` / `engram_fetch`) is the one-layer case of V2.5's layered 
 `fetch` of `[layers, T, n]` indices).
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -76,12 +76,16 @@ class Engram:
         self._device: dict = {}             # device arrays of the written layout: 'layers', 'table_bases'
         self._out_views: dict = {}
         self._host_range: Optional[HostRange] = None
+        self._loaded: Optional[Dict[str, Any]] = None
+        self._fetch_kernel = None
 
     def destroy(self) -> None:
         self.layout, self.sf, self._out_views, self._device, self.host_storage = None, None, {}, {}, None
 
     def _kernels(self):
-        return load_kernels(all_specs(self._buf.num_scaleup_ranks))
+        if self._loaded is None:       # kept: building the specs and their names costs ~20 us per call
+            self._loaded = load_kernels(all_specs(self._buf.num_scaleup_ranks))
+        return self._loaded
 
     # ---- layout ------------------------------------------------------------------------------------------------
     def _layout_for(self, num_entries_per_layer, hidden: int, dtype: str) -> EngramLayout:
@@ -353,7 +357,9 @@ class Engram:
         datas = self._output(kind, num_layers, num_tokens, n * layout.hidden)
         event, keep = None, ()
         if rows:
-            fetch = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
+            fetch = self._fetch_kernel
+            if fetch is None:
+                fetch = self._fetch_kernel = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
             comm = buf.stream_order.begin(current)
             dev = self._device
             fetch.launch(grid_for(num_layers * rows * (layout.row_bytes // 16), num_qps or buf.num_device_sms),

@@ -1,40 +1,35 @@
 """EP dispatch and combine inside one scale-up (NVLink) domain: the launch path (the checks and sizes are plan.py).
 
 Per dispatch, on the buffer's communication stream:
-  notify (layout of this rank's tokens + count exchange, ~µs) → send (tokens straight into their slots at every
-  destination over NVLink) → [CPU waits for the counts if `do_cpu_sync`, allocates exact outputs] → receive epilogue
-  (slots → user tensors). The send kernel does not depend on the output sizes, so the GPU keeps sending while the
-  host waits. Combine: one launch whose sending blocks write partial rows into slots at each token's origin, chunk
-  by chunk, while its reducing blocks sum every token once its chunks are released (fixed FP32 order).
+  notify (layout of this rank's tokens + count exchange, ~µs) → one dispatch launch whose senders write tokens straight
+  into their slots at every destination over NVLink, chunk by chunk, while its receivers copy each chunk into the
+  user's tensors as soon as it is released (own tokens straight from x). With `do_cpu_sync` the send is a launch of its
+  own before the CPU waits for the counts and allocates exact outputs (the GPU keeps sending meanwhile), the receive
+  one after. Calls are bound per signature (bound.py). Combine: one launch whose sending blocks write partial rows
+  into slots at each token's origin, chunk by chunk, while its reducing blocks sum every token once its chunks are
+  released (fixed FP32 order).
 See kernels_cu/ep_*.cu for the protocols.
 """
 
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
-import numpy as np
-
+from ... import envs
 from ...runtime import interop, workspace
+from ...runtime.event import as_event_handle
 from ...runtime.host_range import HostRange
-from ...runtime.polling import wait_until
-from ...runtime.sizes import ceil_div
+from ...runtime.interop import meta
+from ...runtime.polling import SPIN_POLLS, wait_until
 from . import plan as ep_plan
-from .handle import EPHandle, workspace_layout
-from .kernels import (
-    COMBINE_CHUNK_ROWS,
-    COMBINE_THREADS,
-    HOST_MAX_TOKENS_WORD,
-    NOTIFY_THREADS,
-    RECV_THREADS,
-    SEND_THREADS,
-    EPKernels,
-    topk_bucket,
-)
+from .bound import BoundCombine, BoundDispatch
+from .handle import EPHandle
+from .kernels import HOST_MAX_TOKENS_WORD, EPKernels, topk_bucket
 from .layout import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK  # noqa: F401 (NUM_MAX_LOCAL_EXPERTS: tests read it here)
 from .legacy import LegacyLayout
 
 HOST_COUNTS_OFFSET = workspace.HOST_EP_COUNTS.offset    # the dispatch counts in the buffer's host-mapped memory
 HOST_RANGE_OFFSET = workspace.HOST_EP_RANGE.offset      # the top-k range check's [seq, lo, hi] (int64)
 DATA_REGION_OWNER = 'EP dispatch/combine'
+MAX_BOUND_CALLS = 256       # call signatures remembered (bound.py); more are forgotten all at once
 
 
 class EP:
@@ -65,7 +60,14 @@ class EP:
         # Fixed for the buffer's life: kept here so that the hot path does not go through the buffer's proxy.
         self._sym, self._order, self._host_ptr = buf.sym, buf.stream_order, buf.host_mapped.ptr
         self.host_counts = buf.host_mapped.view('int32', HOST_MAX_TOKENS_WORD + 1, HOST_COUNTS_OFFSET)
+        self.host_counts_ptr = self._host_ptr + HOST_COUNTS_OFFSET
+        self._error_state = buf.error_record        # word 0 != 0: a kernel reported a timeout
         self._topk_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
+        self._range_what = f'dispatch on rank {buf.rank_idx} (topk_idx)'
+        self._bound: Dict[tuple, object] = {}       # call signature -> BoundDispatch / BoundCombine
+        # The dispatch kernels (envs.py; read once: every dispatch of a buffer uses one protocol, as every rank must).
+        self.legacy_dispatch, self.dispatch_overlap = envs.ep_legacy_dispatch(), envs.ep_dispatch_overlap()
+        self._carvers: Dict[str, interop.Carver] = {}
         if num_max_tokens_per_rank and hidden:
             buf.claim_data_region(DATA_REGION_OWNER)
             self.layout = ep_plan.layout_for(self.settings, num_max_tokens_per_rank, hidden, num_topk or NUM_MAX_TOPK)
@@ -77,13 +79,49 @@ class EP:
         bucket = topk_bucket(num_topk)
         k = self._kernels.get(bucket)
         if k is None:
-            k = self._kernels[bucket] = EPKernels(self.settings.num_ranks, bucket)
+            k = self._kernels[bucket] = EPKernels(self.settings.num_ranks, bucket, self.legacy_dispatch)
         return k
 
     def destroy(self) -> None:
-        """Forget the layout and kernels (the buffer frees the memory)."""
+        """Forget the layout, kernels and bound calls (the buffer frees the memory)."""
         self.layout = None
         self._kernels = {}
+        self._bound = {}
+
+    # ---- helpers of the bound calls (bound.py) ---------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        """The buffer's `check_usable`, reached only when something is wrong (its three conditions read here first:
+        the call through the buffer's proxy costs ~1 us of a dispatch)."""
+        buf = self._buf
+        if buf._destroyed or buf._failed is not None or self._error_state[0]:
+            buf.check_usable()
+
+    def carver(self, kind: str) -> interop.Carver:
+        """The allocator of this buffer's device for arrays of `kind`."""
+        c = self._carvers.get(kind)
+        if c is None:
+            c = self._carvers[kind] = interop.Carver(kind, self.settings.device)
+        return c
+
+    def _next_host_seq(self) -> int:
+        """The sequence number of the next CPU-sync dispatch's host-mapped counts (the previous ones are cleared)."""
+        self._host_seq = seq = (self._host_seq % 0x7FFFFFFF) + 1
+        self.host_counts[0] = 0
+        return seq
+
+    def _claim(self, bound: BoundDispatch) -> None:
+        """The first dispatch that laid the EP regions out passed every check: claim the data region, keep the layout
+        (and the bound dispatch, which waited for this to be cached)."""
+        self._buf.claim_data_region(DATA_REGION_OWNER)
+        self.layout = bound.p.layout
+        bound.claim = False
+        if bound.key is not None:
+            self._remember(bound.key, bound)
+
+    def _remember(self, key, bound) -> None:
+        if len(self._bound) >= MAX_BOUND_CALLS:
+            self._bound.clear()
+        self._bound[key] = bound
 
     # ---- dispatch ------------------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None,
@@ -95,158 +133,77 @@ class EP:
                  use_tma_aligned_col_major_sf: bool = False, num_worst_tokens: int = 0,
                  allow_previous_event_alone: bool = False, legacy: Optional[LegacyLayout] = None):
         """`ElasticBuffer.dispatch` (see there). The DeepEP V1 adapter's options (`num_worst_tokens`,
-        `allow_previous_event_alone`, `legacy`; their defaults keep V2's behaviour): see `plan.plan_dispatch`."""
-        buf = self._buf
-        buf.check_usable()
+        `allow_previous_event_alone`, `legacy`; their defaults keep V2's behaviour): see `plan.plan_dispatch`. They are
+        part of the call signature like the others (a `LegacyLayout` by its inputs: channels, reported count and the
+        expert counts' signature), so V1 calls are bound too."""
+        self._check_usable()
         del num_qps, previous_event_before_epilogue     # NVLink-only build: no QPs, single epilogue event
-        current = interop.current_stream(x[0] if isinstance(x, (tuple, list)) and x else x)
-        p = ep_plan.plan_dispatch(
-            self.settings, self.layout, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
-            num_max_tokens_per_rank, expert_alignment, num_sms, previous_event, allocate_on_comm_stream, handle,
-            do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf,
-            lambda ti: self._start_range(ti, current), num_worst_tokens, allow_previous_event_alone, legacy)
-        if p.new_layout:
-            buf.claim_data_region(DATA_REGION_OWNER)
-            self.layout = p.layout
-        return self._launch_dispatch(p, current, async_with_compute_stream, allocate_on_comm_stream)
+        fp8 = type(x) is tuple or type(x) is list
+        if fp8 and len(x) == 2:
+            xa, sf = x
+            (xs, xp), (ss, sp) = meta(xa), meta(sf)
+        else:
+            (xs, xp), ss, sp = meta(x), None, 0
+        (ts, tp), (ws, wp) = meta(topk_idx), meta(topk_weights)
+        cs, cp = meta(cumulative_local_expert_recv_stats)
+        origin = None if handle is None else (handle._origin if type(handle) is EPHandle else False)
+        if legacy is None:
+            es, v1 = None, None
+        elif type(legacy) is LegacyLayout:
+            es, ecp = meta(legacy.expert_counts)
+            v1 = (legacy.num_channels, type(legacy.num_channels), legacy.reported_num_tokens,
+                  type(legacy.reported_num_tokens), es)
+        else:
+            es, v1 = object(), False        # plan.py raises TypeError
+        key = (fp8, xs, ss, ts, ws, cs, origin, num_experts, type(num_experts), num_max_tokens_per_rank,
+               type(num_max_tokens_per_rank), expert_alignment, type(expert_alignment), num_sms, type(num_sms),
+               previous_event is None, allocate_on_comm_stream, async_with_compute_stream, do_handle_copy, do_cpu_sync,
+               do_expand, do_zero_padding, use_tma_aligned_col_major_sf, num_worst_tokens, type(num_worst_tokens),
+               allow_previous_event_alone, v1)
+        b = self._bound.get(key)
+        if b is None:
+            # Full checks (plan.py); the bound call is remembered when every part of the key is a signature.
+            p = ep_plan.plan_dispatch(
+                self.settings, self.layout, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, previous_event,
+                allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
+                use_tma_aligned_col_major_sf, None, num_worst_tokens, allow_previous_event_alone, legacy)
+            b = BoundDispatch(self, p, allocate_on_comm_stream, async_with_compute_stream)
+            if (handle is None or origin) and _cacheable(xs, ss, ts, ws, cs, es):
+                b.key = key
+                if not b.claim:
+                    self._remember(key, b)
+        event = None if previous_event is None else as_event_handle(previous_event)
+        return b(self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle, event, xp, sp, tp, wp,
+                 cp, legacy, ecp if legacy is not None else 0)
 
-    def _start_range(self, ti, stream):
+    def _start_range(self, topk_idx, ptr: int, num_values: int, num_topk: int, stream):
         """Start reading topk_idx's (min, max) back: one small kernel on `stream` (the one that made topk_idx) writing
         host-mapped memory (`HostRange`); returns the function that waits for them."""
-        buf = self._buf
-        return self._topk_range.start(self.kernels(ti.shape[1]).topk_range, ti.ptr, ti.numel, stream,
-                                      buf.num_cpu_timeout_secs, f'dispatch on rank {buf.rank_idx} (topk_idx)')
-
-    def _launch_dispatch(self, p: ep_plan.DispatchPlan, current, async_with_compute_stream: bool,
-                         allocate_on_comm_stream: bool):
-        buf, lay, s = self._buf, p.layout, self.settings
-        kernels = self.kernels(p.num_topk)
-        R, K, L = s.num_ranks, p.num_topk, p.num_local_experts
-        sym = self._sym
-        comm = self._order.begin(current, p.previous_event)
-        alloc_stream = comm if allocate_on_comm_stream else None     # None: allocate on the current stream
-        alloc = interop.Allocator(p.kind)
-        # The parameters every EP kernel ends with (passed by name, literally: a `**dict` would take CPython's slow
-        # generic call path).
-        peer_bases, rank, error_record, timeout_ns = sym.peer_bases_ptr, sym.local_idx, self._host_ptr, buf.timeout_ns
-        if p.cached:
-            h = p.handle
-            ws, ws_ptr, offsets, user_topk, topk_ptr = h.workspace, h.workspace_ptr, h.offsets, h._topk_idx, \
-                h.topk_idx_ptr
-        else:
-            # One allocation for the handle's small arrays (see EPHandle); notify fills it, copy of topk_idx included.
-            words, offsets = workspace_layout(p.num_tokens, R, K, L, p.do_handle_copy)
-            ws = alloc.empty((words,), 'int32', alloc_stream)
-            ws_ptr = ws.data_ptr() if p.kind == 'torch' else ws.data.ptr
-            user_topk = None if p.do_handle_copy else p.topk_idx
-            topk_ptr = p.ti.ptr
-            if p.do_cpu_sync:
-                self._host_seq = (self._host_seq % 0x7FFFFFFF) + 1
-                self.host_counts[0] = 0
-            lg = p.legacy
-            reported, expert_counts, C, cpm, rcpm, rpm = p.num_tokens, 0, 0, 0, 0, 0
-            if lg is not None:      # V1's matrices: one allocation, written by notify
-                C = lg.num_channels
-                mats = alloc.empty((R * R + 2 * R * C,), 'int32', alloc_stream)
-                rpm = lg.rank_prefix_matrix = mats[:R * R].reshape(R, R)
-                cpm = lg.channel_prefix_matrix = mats[R * R:R * R + R * C].reshape(R, C)
-                rcpm = lg.recv_channel_prefix_matrix = mats[R * R + R * C:].reshape(R, C)
-                cpm, rcpm = (cpm, rcpm) if C else (0, 0)
-                reported = p.num_tokens if lg.reported_num_tokens < 0 else lg.reported_num_tokens
-                expert_counts = _ptr(lg.expert_counts)
-            grid = max(1, ceil_div(p.num_tokens, NOTIFY_THREADS))
-            # Cooperative for several blocks only (one block has no grid barrier to wait in).
-            kernels.notify.launch(
-                grid, NOTIFY_THREADS, stream=comm, shared_mem=p.notify_smem_bytes, cooperative=grid > 1,
-                topk_idx=topk_ptr, num_tokens=p.num_tokens, num_topk=K, num_experts=p.num_experts,
-                num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment,
-                peer_bases=peer_bases, rank=rank, error_record=error_record, timeout_ns=timeout_ns,
-                scratch=sym.base + lay.scratch_offset, send_pos=ws_ptr + 4 * offsets[0],
-                send_expert_pos=ws_ptr + 4 * offsets[1], recv_layout=ws_ptr + 4 * offsets[2],
-                psum_recv_per_expert=ws_ptr + 4 * offsets[3], do_expand=int(p.do_expand),
-                cumulative_stats=_ptr(p.stats),
-                host_counts=self._host_ptr + HOST_COUNTS_OFFSET if p.do_cpu_sync else 0, host_seq=self._host_seq,
-                topk_copy=ws_ptr + 4 * offsets[4] if p.do_handle_copy else 0, reported_num_tokens=reported,
-                expert_counts=expert_counts, num_channels=C, channel_prefix_matrix=cpm,
-                recv_channel_prefix_matrix=rcpm, rank_prefix_matrix=rpm)
-        xi, sfi = p.xi, p.sfi
-        kernels.dispatch_send.launch(
-            p.num_sms, SEND_THREADS, stream=comm, x=xi.ptr, x_row_bytes=xi.strides[0] * xi.itemsize,
-            hidden_bytes=p.hidden_bytes, sf=sfi.ptr if sfi else 0, sf_stride_token=sfi.strides[0] if sfi else 0,
-            sf_stride_col=sfi.strides[1] if sfi else 0, num_sf=p.num_sf, topk_idx=topk_ptr,
-            topk_weights=_ptr(p.topk_weights), send_pos=ws_ptr + 4 * offsets[0],
-            send_expert_pos=ws_ptr + 4 * offsets[1], num_tokens=p.num_tokens, num_topk=K,
-            num_max_tokens_per_rank=p.num_max_tokens_per_rank, peer_bases=peer_bases, rank=rank,
-            recv_offset=lay.dispatch_recv_offset, error_record=error_record, timeout_ns=timeout_ns)
-
-        counts = self._wait_host_counts(self._host_seq, L) if p.do_cpu_sync else ep_plan.dispatch_counts(p)
-        out = ep_plan.dispatch_outputs(p, *counts, s.num_device_sms)
-        lg = p.legacy
-        recv_src_idx = None
-        if lg is not None:
-            if p.do_cpu_sync:
-                lg.max_num_tokens = int(self.host_counts[HOST_MAX_TOKENS_WORD])
-            recv_src_idx = lg.recv_src_idx = alloc.empty((out.num_recv,), 'int32', alloc_stream)
-        recv_x = alloc.empty((out.num_out_rows, p.hidden), 'float8_e4m3fn' if p.fp8 else 'bfloat16', alloc_stream)
-        recv_sf = None
-        if out.sf_shape is not None:
-            storage = alloc.empty(out.sf_shape, sfi.dtype, alloc_stream)
-            if p.use_tma_aligned_col_major_sf:
-                recv_sf = storage.t()[:out.num_out_rows] if p.kind == 'torch' else storage.T[:out.num_out_rows]
-            else:
-                recv_sf = storage
-        recv_topk_idx = None if out.topk_idx_shape is None else alloc.empty(out.topk_idx_shape, 'int64', alloc_stream)
-        recv_topk_weights = None
-        if out.topk_weights_shape is not None:
-            recv_topk_weights = alloc.empty(out.topk_weights_shape, 'float32', alloc_stream)
-        recv_src_metadata = alloc.empty(out.metadata_shape, 'int32', alloc_stream)
-        # The epilogue is a local copy, a warp per row segment of up to 1 KiB (see RowSegments in common/ep.cuh).
-        kernels.dispatch_recv.launch(
-            out.epilogue_blocks, RECV_THREADS, stream=comm, x=xi.ptr, x_row_bytes=xi.strides[0] * xi.itemsize,
-            hidden_bytes=p.hidden_bytes, num_sf=p.num_sf, num_topk=K, num_experts=p.num_experts,
-            num_max_tokens_per_rank=p.num_max_tokens_per_rank, recv_layout=ws_ptr + 4 * offsets[2],
-            do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=out.num_out_rows,
-            num_meta_rows=out.num_recv, recv_x=recv_x, recv_sf=_ptr(recv_sf), recv_sf_stride_row=out.sf_strides[0],
-            recv_sf_stride_col=out.sf_strides[1], recv_topk_idx=_ptr(recv_topk_idx),
-            recv_topk_weights=_ptr(recv_topk_weights), recv_src_metadata=recv_src_metadata,
-            recv_src_idx=_ptr(recv_src_idx), peer_bases=peer_bases,
-            rank=rank, recv_offset=lay.dispatch_recv_offset, error_record=error_record, timeout_ns=timeout_ns)
-
-        psum_expert = None
-        if p.cached and p.do_expand != p.handle.do_expand:
-            psum_expert = _psum_expert_from_layout(p.handle.recv_layout, R, L, p.expert_alignment, p.do_expand, p.kind,
-                                                   comm)
-        elif p.cached:
-            psum_expert = p.handle._psum_expert
-        new_handle = EPHandle(
-            do_expand=p.do_expand, num_experts=p.num_experts, expert_alignment=p.expert_alignment,
-            num_max_tokens_per_rank=p.num_max_tokens_per_rank, num_sms=p.num_sms, num_recv_tokens=out.num_recv,
-            num_expanded_tokens=out.num_expanded, num_recv_tokens_per_expert_list=out.aligned_counts,
-            recv_src_metadata=recv_src_metadata, num_tokens=p.num_tokens, num_topk=K, hidden=p.hidden, kind=p.kind,
-            buffer_id=s.owner_id, do_cpu_sync=p.do_cpu_sync or (p.cached and p.handle.do_cpu_sync), num_ranks=R,
-            workspace=ws, workspace_ptr=ws_ptr, offsets=offsets, topk_idx=user_topk, psum_expert=psum_expert)
-        keep = (p.x, p.sf, p.topk_idx, p.topk_weights, p.stats, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
-                recv_src_metadata, ws)
-        if lg is not None:
-            keep += (lg.expert_counts, lg.rank_prefix_matrix, recv_src_idx)    # the matrices share one allocation
-        event = self._order.finish(p.kind, current, async_with_compute_stream, keep)
-        out_x = (recv_x, recv_sf) if p.fp8 else recv_x
-        return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
+        return self._topk_range.start(self.kernels(num_topk).topk_range, ptr, num_values, stream,
+                                      self._buf.num_cpu_timeout_secs, self._range_what)
 
     def _wait_host_counts(self, seq: int, num_local_experts: int):
-        """Poll the host-mapped counts written by the notify kernel (bounded by num_cpu_timeout_secs)."""
-        buf, host = self._buf, self.host_counts
+        """Poll the host-mapped counts written by the notify kernel (bounded by num_cpu_timeout_secs); returns
+        `(num_recv, num_expanded, aligned counts per local expert)` (a numpy array)."""
+        host = self.host_counts
+        polls = SPIN_POLLS
+        while host[0] != seq and polls:        # the common case: the counts land within microseconds
+            polls -= 1
+        if not polls:
+            buf = self._buf
 
-        def check():
-            if int(buf.error_record[0]) != 0:
-                buf.synchronize()               # raises the GPU's timeout report
+            def check():
+                if int(buf.error_record[0]) != 0:
+                    buf.synchronize()               # raises the GPU's timeout report
 
-        def timed_out():
-            buf.fail('dispatch CPU wait timed out')
-            raise TimeoutError(f'deepep_cupy rank {buf.rank_idx}: Dispatch CPU wait for the receive counts timed out '
-                               f'after {buf.num_cpu_timeout_secs:g} s')
-        wait_until(lambda: int(host[0]) == seq, buf.num_cpu_timeout_secs, timed_out, check)
-        return int(host[1]), int(host[2]), [int(v) for v in host[3:3 + num_local_experts]]
+            def timed_out():
+                buf.fail('dispatch CPU wait timed out')
+                raise TimeoutError(f'deepep_cupy rank {buf.rank_idx}: Dispatch CPU wait for the receive counts timed '
+                                   f'out after {buf.num_cpu_timeout_secs:g} s')
+            wait_until(lambda: int(host[0]) == seq, buf.num_cpu_timeout_secs, timed_out, check)
+        # The counts as a numpy copy (the next CPU-sync dispatch reuses the record; the handle makes the list).
+        return int(host[1]), int(host[2]), host[3:3 + num_local_experts].copy()
 
     # ---- combine -------------------------------------------------------------------------------------------------
     def combine(self, x, handle: EPHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
@@ -254,51 +211,40 @@ class EP:
                 allocate_on_comm_stream: bool = False, weights_over_ranks: bool = False,
                 allow_previous_event_alone: bool = False):
         """`ElasticBuffer.combine` (see there). The DeepEP V1 adapter's options (`weights_over_ranks`,
-        `allow_previous_event_alone`; their defaults keep V2's behaviour): see `plan.plan_combine`."""
-        buf = self._buf
-        buf.check_usable()
+        `allow_previous_event_alone`; their defaults keep V2's behaviour): see `plan.plan_combine`; both are part of
+        the call signature."""
+        self._check_usable()
         del num_qps, previous_event_before_epilogue
-        p = ep_plan.plan_combine(self.settings, self.layout, x, handle, topk_weights, bias, num_sms, previous_event,
-                                 allocate_on_comm_stream, weights_over_ranks, allow_previous_event_alone)
-        h, N, K, hidden, lay = p.handle, p.handle.num_tokens, p.handle.num_topk, p.hidden, self.layout
-        kernels = self.kernels(K)
-        current = interop.current_stream(x)
-        comm = self._order.begin(current, p.previous_event)
-        alloc_stream = comm if allocate_on_comm_stream else None
-        alloc = interop.Allocator(p.kind)
-        combined_x = alloc.empty((N, hidden), 'bfloat16', alloc_stream)
-        combined_w = alloc.empty((N, K), 'float32', alloc_stream) if topk_weights is not None else None
-        kernels.combine[p.local_reduce].launch(
-            p.num_send_blocks + p.num_reduce_blocks, COMBINE_THREADS, stream=comm, x=p.xi.ptr, hidden=hidden,
-            topk_weights=_ptr(topk_weights), do_expand=int(h.do_expand), recv_src_metadata=h.recv_src_metadata,
-            recv_layout=h.ptr(2), send_pos=h.ptr(0), topk_idx=h.topk_idx_ptr, num_tokens=N, num_topk=K,
-            num_experts=h.num_experts, num_max_tokens_per_rank=h.num_max_tokens_per_rank, num_slots=p.num_slots,
-            bias0=p.biases[0] if p.biases else 0, bias1=p.biases[1] if len(p.biases) > 1 else 0,
-            combined_x=combined_x, combined_topk_weights=_ptr(combined_w), with_weights=int(topk_weights is not None),
-            weights_over_ranks=int(p.weights_over_ranks), num_send_blocks=p.num_send_blocks,
-            chunk_rows=COMBINE_CHUNK_ROWS, chunk_stride=p.chunk_stride,
-            peer_bases=self._sym.peer_bases_ptr, rank=self._sym.local_idx, combine_offset=lay.combine_recv_offset,
-            error_record=self._host_ptr, timeout_ns=buf.timeout_ns)
-        event = self._order.finish(p.kind, current, async_with_compute_stream,
-                                   (x, topk_weights, *p.biases, combined_x, combined_w, h.recv_src_metadata,
-                                    h.workspace, h._topk_idx))
-        return combined_x, combined_w, event
+        (xs, xp), (ws, wp) = meta(x), meta(topk_weights)
+        if bias is None:
+            bs, biases, bias_ptrs = None, (), ()
+        elif type(bias) is tuple or type(bias) is list:
+            metas = [meta(b) for b in bias]
+            bs = tuple(m[0] for m in metas) if len(bias) <= 2 else object()
+            biases = tuple(b for b in bias if b is not None)
+            bias_ptrs = [m[1] for b, m in zip(bias, metas) if b is not None]
+        else:
+            bs, p0 = meta(bias)
+            biases, bias_ptrs = (bias,), (p0,)
+        origin = handle._origin if type(handle) is EPHandle else False
+        key = (origin, xs, ws, bs, num_sms, type(num_sms), previous_event is None, allocate_on_comm_stream,
+               async_with_compute_stream, weights_over_ranks, allow_previous_event_alone)
+        b = self._bound.get(key)
+        if b is None:
+            p = ep_plan.plan_combine(self.settings, self.layout, x, handle, topk_weights, bias, num_sms,
+                                     previous_event, allocate_on_comm_stream, weights_over_ranks,
+                                     allow_previous_event_alone)
+            b = BoundCombine(self, p, allocate_on_comm_stream, async_with_compute_stream)
+            if origin and _cacheable(xs, ws) and (bs is None or _cacheable(*bs)):
+                self._remember(key, b)
+        event = None if previous_event is None else as_event_handle(previous_event)
+        return b(self, x, handle, topk_weights, biases, event, xp, wp, bias_ptrs)
 
 
-def _psum_expert_from_layout(recv_layout, R: int, L: int, alignment: int, do_expand: bool, kind: str, stream):
-    """psum_num_recv_tokens_per_expert from the layout blob (for a cached dispatch in the other mode)."""
-    counts = recv_layout[R:R + L]
-    if kind == 'torch':
-        import torch
-        with torch.cuda.stream(interop.torch_stream(stream.ptr)):
-            aligned = (counts + alignment - 1) // alignment * alignment
-            return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else torch.cumsum(aligned, 0).to(torch.int32)
-    import cupy
-    with stream:
-        aligned = (counts + alignment - 1) // alignment * alignment
-        return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else cupy.cumsum(aligned).astype(np.int32)
-
-
-def _ptr(x) -> Any:
-    """An array for a kernel pointer argument, or 0 (null) for None."""
-    return 0 if x is None else x
+def _cacheable(*signatures) -> bool:
+    """Whether every signature came from a torch tensor / CuPy array or None (`interop.meta` gives anything else a
+    fresh object, which no later call can match)."""
+    for s in signatures:
+        if type(s) is object:
+            return False
+    return True

@@ -7,9 +7,10 @@ from typing import Any, List, Optional, Tuple
 @functools.lru_cache(maxsize=256)
 def workspace_layout(num_tokens: int, num_ranks: int, num_topk: int, num_local_experts: int,
                      with_topk_copy: bool) -> Tuple[int, Tuple[int, ...]]:
-    """int32 words of a dispatch's handle workspace and the word offset of each part:
+    """int32 words (even) of a dispatch's handle workspace and the word offset of each part:
     (send_pos [N, R], send_expert_pos [N, K], recv_layout [2R + 2L + RL + 2], psum_expert [L], topk copy [N, K] int64
-    at an even offset, or -1 without a copy)."""
+    at an even offset, or -1 without a copy, token_of_slot [R, N] (the token in each slot at each destination),
+    send_count [R] (tokens sent to each destination))."""
     n, r, k, n_l = num_tokens, num_ranks, num_topk, num_local_experts
     offsets = [0, n * r, n * r + n * k]
     offsets.append(offsets[-1] + 2 * r + 2 * n_l + r * n_l + 2)
@@ -18,6 +19,11 @@ def workspace_layout(num_tokens: int, num_ranks: int, num_topk: int, num_local_e
     offsets.append(end if with_topk_copy else -1)
     if with_topk_copy:
         end += 2 * n * k
+    offsets.append(end)
+    end += r * n
+    offsets.append(end)
+    end += r
+    end += end % 2
     return max(end, 2), tuple(offsets)
 
 
@@ -49,9 +55,10 @@ class EPHandle:
     """
 
     __slots__ = ('do_expand', 'num_experts', 'expert_alignment', 'num_max_tokens_per_rank', 'num_sms',
-                 'num_recv_tokens', 'num_expanded_tokens', 'num_recv_tokens_per_expert_list', 'recv_src_metadata',
-                 'num_tokens', 'num_topk', 'hidden', 'kind', 'buffer_id', 'do_cpu_sync', 'num_ranks',
-                 'num_local_experts', 'workspace', 'workspace_ptr', 'offsets', '_topk_idx', '_psum_expert', '_views')
+                 'num_recv_tokens', 'num_expanded_tokens', '_counts', '_meta', '_meta_ptr',
+                 '_meta_of', 'num_tokens', 'num_topk', 'hidden', 'kind', 'buffer_id', 'do_cpu_sync', 'num_ranks',
+                 'num_local_experts', 'workspace', 'workspace_ptr', 'offsets', '_topk_idx', '_psum_expert', '_views',
+                 '_origin')
 
     def __init__(self, *, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
                  num_sms: int, num_recv_tokens: int, num_expanded_tokens: int,
@@ -66,8 +73,9 @@ class EPHandle:
         self.num_sms = num_sms
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.recv_src_metadata = recv_src_metadata
+        self._counts = num_recv_tokens_per_expert_list
+        self._meta, self._meta_of = recv_src_metadata, None
+        self._meta_ptr = recv_src_metadata.data_ptr() if kind == 'torch' else recv_src_metadata.data.ptr
         self.num_tokens = num_tokens
         self.num_topk = num_topk
         self.hidden = hidden
@@ -82,11 +90,55 @@ class EPHandle:
         self._topk_idx = topk_idx          # the user's tensor (no copy), else a view of the workspace on access
         self._psum_expert = psum_expert    # set when a cached dispatch switched modes
         self._views = {}
+        # The bound dispatch that made the handle (None for a handle made here): its fields above other than the
+        # per-dispatch ones (counts, metadata, workspace, top-k) are that dispatch's constants, so later calls with
+        # this handle key their cached checks on it (features/ep/bound.py).
+        self._origin = None
+
+    @classmethod
+    def _new(cls, origin, fields: Tuple, num_recv_tokens: int, num_expanded_tokens: int, counts: Any,
+             meta_ptr: int, meta_of: Tuple, workspace: Any, workspace_ptr: int, topk_idx: Any, psum_expert: Any):
+        """A handle from a bound dispatch (`origin`) without keyword binding: `fields` is `origin.handle_fields`,
+        (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk, hidden,
+        kind, buffer_id, do_cpu_sync, num_ranks, num_local_experts, offsets). recv_src_metadata is made on first
+        access from `meta_of` = (allocator, allocation, shape, int32 word offset); the kernels take `meta_ptr`."""
+        h = cls.__new__(cls)
+        (h.do_expand, h.num_experts, h.expert_alignment, h.num_max_tokens_per_rank, h.num_sms, h.num_tokens,
+         h.num_topk, h.hidden, h.kind, h.buffer_id, h.do_cpu_sync, h.num_ranks, h.num_local_experts,
+         h.offsets) = fields
+        h.num_recv_tokens, h.num_expanded_tokens, h._counts = num_recv_tokens, num_expanded_tokens, counts
+        h._meta, h._meta_ptr, h._meta_of = None, meta_ptr, meta_of
+        h.workspace, h.workspace_ptr = workspace, workspace_ptr
+        h._topk_idx, h._psum_expert, h._views, h._origin = topk_idx, psum_expert, {}, origin
+        return h
+
+    @property
+    def num_recv_tokens_per_expert_list(self) -> List[int]:
+        """Per local expert, received (token, slot) pairs rounded up to `expert_alignment` (a Python list; empty
+        without a CPU sync). A CPU-sync dispatch keeps a numpy copy of the counts and makes the list on first access
+        (256 numpy scalars to Python ints cost microseconds on the dispatch's critical path)."""
+        counts = self._counts
+        if type(counts) is not list:
+            counts = self._counts = counts.tolist()
+        return counts
+
+    @property
+    def recv_src_metadata(self):
+        """`[rows, num_topk + 2]` int32 (see the class docstring); a view made on first access."""
+        if self._meta is None:
+            carver, base, shape, offset = self._meta_of
+            self._meta = carver.view(base, 'int32', shape, offset)
+        return self._meta
+
+    @property
+    def metadata_owner(self) -> Any:
+        """The allocation holding recv_src_metadata (what an asynchronous combine keeps alive)."""
+        return self._meta if self._meta_of is None else self._meta_of[1]
 
     # ---- addresses for the kernels ---------------------------------------------------------------------------------
     def ptr(self, part: int) -> int:
         """Device address of workspace part `part` (0 send_pos, 1 send_expert_pos, 2 recv_layout, 3 psum_expert,
-        4 topk copy)."""
+        4 topk copy, 5 token_of_slot, 6 send_count)."""
         return self.workspace_ptr + 4 * self.offsets[part]
 
     @property

@@ -1,5 +1,5 @@
-"""Kernel declarations of the EP families (`kernels_cu/ep_notify.cu`, `ep_dispatch.cu`, `ep_combine.cu`) and the
-specialisations a buffer can request.
+"""Kernel declarations of the EP families (`kernels_cu/ep_notify.cu`, `ep_dispatch.cu`, `ep_combine.cu`, and the
+previous dispatch design `ep_dispatch_legacy.cu`) and the specialisations a buffer can request.
 
 The kernels are templated on the number of scale-up ranks and on a top-k bucket (the smallest of `TOPK_BUCKETS` that
 holds the exact top-k); the exact top-k is a run-time argument, `num_topk` ("top-k buckets" in
@@ -12,17 +12,20 @@ import numpy as np
 
 from ...jit.launch import PTR, KernelSpec, Param, load_kernels
 from ...runtime.host_range import value_range_spec
-from ...runtime.workspace import EP_CHUNK_SIGNAL
+from ...runtime.workspace import EP_CHUNK_SIGNAL, EP_DISPATCH_SIGNAL
 from .layout import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK
 
 NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
-SEND_THREADS = 512
+DISPATCH_THREADS = 512    # kernels_cu/ep_dispatch.cu kDispatchThreads
+PHASE_SEND, PHASE_RECV = 1, 2                       # kernels_cu/ep_dispatch.cu kPhaseSend, kPhaseRecv
+SEND_THREADS = 512        # kernels_cu/ep_dispatch_legacy.cu
 RECV_THREADS = 512
 COMBINE_THREADS = 512
 COMBINE_CHUNK_ROWS = 16                             # rows per released chunk of the combine (kernels_cu/ep_combine.cu)
 COMBINE_CHUNK_SIGNAL_BYTES = EP_CHUNK_SIGNAL.num_bytes   # kernels_cu/common/ep.cuh kChunkSignalBytes
 NUM_MAX_CHANNELS = 128                              # kernels_cu/common/ep.cuh kNotifyMaxChannels (DeepEP V1 channels)
 HOST_MAX_TOKENS_WORD = 3 + NUM_MAX_LOCAL_EXPERTS      # kernels_cu/ep_notify.cu kHostMaxTokensWord (in the host counts)
+DISPATCH_CHUNK_SIGNAL_BYTES = EP_DISPATCH_SIGNAL.num_bytes   # kernels_cu/common/ep.cuh kDispatchSignalBytes
 SUPPORTED_TOPK = tuple(range(1, NUM_MAX_TOPK + 1))
 TOPK_BUCKETS = (1, 2, 4, 8, 16, 32)                 # the kMaxTopk template values
 
@@ -48,15 +51,32 @@ def notify_spec(num_ranks: int, bucket: int) -> KernelSpec:
         _P('psum_recv_per_expert', PTR), _P('do_expand', np.int32), _P('cumulative_stats', PTR),
         _P('host_counts', PTR), _P('host_seq', np.int32), _P('topk_copy', PTR), _P('reported_num_tokens', np.int32),
         _P('expert_counts', PTR), _P('num_channels', np.int32), _P('channel_prefix_matrix', PTR),
-        _P('recv_channel_prefix_matrix', PTR), _P('rank_prefix_matrix', PTR)))
+        _P('recv_channel_prefix_matrix', PTR), _P('rank_prefix_matrix', PTR), _P('token_of_slot', PTR),
+        _P('send_count', PTR)))
 
 
 def topk_range_spec() -> KernelSpec:
     return value_range_spec('ep_notify', 'long long')
 
 
+def dispatch_spec(num_ranks: int, bucket: int) -> KernelSpec:
+    """The dispatch kernel: senders and receivers in one launch, or either role alone (`phases`)."""
+    return KernelSpec('ep_dispatch', f'deepep::dispatch_impl_with_dispatch_copy_epilogue_impl<{num_ranks}, {bucket}>', (
+        _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('sf', PTR),
+        _P('sf_stride_token', np.int64), _P('sf_stride_col', np.int64), _P('num_sf', np.int32), _P('topk_idx', PTR),
+        _P('topk_weights', PTR), _P('send_expert_pos', PTR), _P('token_of_slot', PTR), _P('send_count', PTR),
+        _P('recv_layout', PTR), _P('num_tokens', np.int32), _P('num_topk', np.int32), _P('num_experts', np.int32),
+        _P('num_max_tokens_per_rank', np.int32), _P('do_expand', np.int32), _P('do_zero_padding', np.int32),
+        _P('num_out_rows', np.int32), _P('num_meta_rows', np.int32), _P('recv_x', PTR), _P('recv_sf', PTR),
+        _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64), _P('recv_topk_idx', PTR),
+        _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), _P('recv_src_idx', PTR), _P('phases', np.int32),
+        _P('num_send_blocks', np.int32), _P('chunk_rows', np.int32), _P('chunk_stride', np.int32), *_COMMON_TAIL,
+        _P('recv_offset', np.uint64), *_ERR))
+
+
 def dispatch_send_spec(num_ranks: int, bucket: int) -> KernelSpec:
-    return KernelSpec('ep_dispatch', f'deepep::dispatch_impl<{num_ranks}, {bucket}>', (
+    """The previous design's send kernel (`DEEPEP_CUPY_EP_LEGACY_DISPATCH`)."""
+    return KernelSpec('ep_dispatch_legacy', f'deepep::dispatch_send_legacy<{num_ranks}, {bucket}>', (
         _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32),
         _P('sf', PTR), _P('sf_stride_token', np.int64), _P('sf_stride_col', np.int64), _P('num_sf', np.int32),
         _P('topk_idx', PTR), _P('topk_weights', PTR), _P('send_pos', PTR), _P('send_expert_pos', PTR),
@@ -65,7 +85,8 @@ def dispatch_send_spec(num_ranks: int, bucket: int) -> KernelSpec:
 
 
 def dispatch_recv_spec(num_ranks: int, bucket: int) -> KernelSpec:
-    return KernelSpec('ep_dispatch', f'deepep::dispatch_copy_epilogue_impl<{num_ranks}, {bucket}>', (
+    """The previous design's receive epilogue (`DEEPEP_CUPY_EP_LEGACY_DISPATCH`)."""
+    return KernelSpec('ep_dispatch_legacy', f'deepep::dispatch_recv_legacy<{num_ranks}, {bucket}>', (
         _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('num_sf', np.int32),
         _P('num_topk', np.int32), _P('num_experts', np.int32),
         _P('num_max_tokens_per_rank', np.int32), _P('recv_layout', PTR), _P('do_expand', np.int32),
@@ -73,6 +94,16 @@ def dispatch_recv_spec(num_ranks: int, bucket: int) -> KernelSpec:
         _P('recv_x', PTR), _P('recv_sf', PTR), _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64),
         _P('recv_topk_idx', PTR), _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), _P('recv_src_idx', PTR),
         *_COMMON_TAIL, _P('recv_offset', np.uint64), *_ERR))
+
+
+def dispatch_chunk_rows(num_max_tokens_per_rank: int, num_ranks: int) -> int:
+    """Slots per released chunk of a dispatch: 4 to 16 (about M / 32, so that decode-size calls still spread over
+    the sending blocks), more when the signals of M slots would not fit their workspace region. A function of values
+    every rank shares (the receivers compute a slot's chunk with the sender's chunk size)."""
+    rows = min(16, max(4, -(-num_max_tokens_per_rank // 32)))
+    while num_ranks * -(-num_max_tokens_per_rank // rows) * 4 > DISPATCH_CHUNK_SIGNAL_BYTES:
+        rows *= 2
+    return rows
 
 
 def _b(flag: bool) -> str:
@@ -91,13 +122,17 @@ def combine_spec(num_ranks: int, bucket: int, local_reduce: bool) -> KernelSpec:
         _P('chunk_stride', np.int32), *_COMMON_TAIL, _P('combine_offset', np.uint64), *_ERR))
 
 
-def specs_for(num_ranks: int, bucket: int) -> Dict[str, List[KernelSpec]]:
-    """Every EP kernel a buffer of `num_ranks` ranks needs for a top-k in `bucket`, by family."""
-    return {
+def specs_for(num_ranks: int, bucket: int, legacy_dispatch: bool = True) -> Dict[str, List[KernelSpec]]:
+    """Every EP kernel a buffer of `num_ranks` ranks needs for a top-k in `bucket`, by family (with the previous
+    dispatch design's family unless `legacy_dispatch` is False)."""
+    specs = {
         'ep_notify': [notify_spec(num_ranks, bucket), topk_range_spec()],
-        'ep_dispatch': [dispatch_send_spec(num_ranks, bucket), dispatch_recv_spec(num_ranks, bucket)],
+        'ep_dispatch': [dispatch_spec(num_ranks, bucket)],
         'ep_combine': [combine_spec(num_ranks, bucket, lr) for lr in (True, False)],
     }
+    if legacy_dispatch:
+        specs['ep_dispatch_legacy'] = [dispatch_send_spec(num_ranks, bucket), dispatch_recv_spec(num_ranks, bucket)]
+    return specs
 
 
 def shipped_specs(max_ranks: int) -> Dict[str, List[KernelSpec]]:
@@ -112,14 +147,16 @@ def shipped_specs(max_ranks: int) -> Dict[str, List[KernelSpec]]:
 
 
 class EPKernels:
-    """The loaded EP kernels for one (num_ranks, top-k bucket)."""
+    """The loaded EP kernels for one (num_ranks, top-k bucket); the previous dispatch design's only with
+    `legacy_dispatch` (else `dispatch_send` / `dispatch_recv` are None)."""
 
-    def __init__(self, num_ranks: int, bucket: int):
+    def __init__(self, num_ranks: int, bucket: int, legacy_dispatch: bool = False):
         loaded = {}
-        for family_specs in specs_for(num_ranks, bucket).values():
+        for family_specs in specs_for(num_ranks, bucket, legacy_dispatch).values():
             loaded.update(load_kernels(family_specs))
         self.notify = loaded[notify_spec(num_ranks, bucket).name]
         self.topk_range = loaded[topk_range_spec().name]
-        self.dispatch_send = loaded[dispatch_send_spec(num_ranks, bucket).name]
-        self.dispatch_recv = loaded[dispatch_recv_spec(num_ranks, bucket).name]
+        self.dispatch = loaded[dispatch_spec(num_ranks, bucket).name]
+        self.dispatch_send = loaded.get(dispatch_send_spec(num_ranks, bucket).name)
+        self.dispatch_recv = loaded.get(dispatch_recv_spec(num_ranks, bucket).name)
         self.combine = {lr: loaded[combine_spec(num_ranks, bucket, lr).name] for lr in (True, False)}

@@ -3,6 +3,7 @@ functions of the buffer's settings (`EPSettings`) and the call's arguments. No G
 tests/test_ep_checks_cpu.py drives them with CPU tensors. Every user error raises `ValueError` / `TypeError` naming the
 argument, before any EP kernel runs (the buffer stays usable)."""
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
@@ -160,10 +161,17 @@ class DispatchPlan:
     previous_event: Optional[EventHandle]
     num_worst_tokens: int = 0          # no CPU sync, non-expanded: exactly this many output rows (0: R * M)
     legacy: Optional[LegacyLayout] = None
+    cached: bool = False               # a cached dispatch (handle given)
 
-    @property
-    def cached(self) -> bool:
-        return self.handle is not None
+    def without_arrays(self) -> 'DispatchPlan':
+        """This plan holding no array, handle or event (what a remembered plan keeps: it must not keep a call's
+        tensors alive); array infos keep their metadata, topk_weights becomes True where it was given; the
+        `LegacyLayout` (a call's V1 inputs and outputs) is dropped: the bound dispatch keeps what of it is fixed."""
+        def info(t: Optional[TensorInfo]) -> Optional[TensorInfo]:
+            return None if t is None else dataclasses.replace(t, obj=None)
+        return dataclasses.replace(self, x=None, xi=info(self.xi), sf=None, sfi=info(self.sfi), topk_idx=None,
+                                   ti=info(self.ti), topk_weights=None if self.topk_weights is None else True,
+                                   stats=None, handle=None, previous_event=None, legacy=None)
 
 
 def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, topk_weights, stats,
@@ -268,6 +276,8 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
     if num_worst_tokens and (do_cpu_sync or do_expand or cached):
         raise ValueError('num_worst_tokens > 0 needs a non-cached, non-expanded dispatch without CPU sync')
     if legacy is not None:
+        if not isinstance(legacy, LegacyLayout):
+            raise TypeError(f'legacy must be a LegacyLayout or None, got {type(legacy).__name__}')
         if cached:
             raise ValueError('a cached dispatch takes no LegacyLayout (its handle has the layout)')
         legacy.check(num_tokens)
@@ -312,8 +322,9 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
     if ceil_div(num_max_tokens_per_rank, NOTIFY_THREADS) * (num_experts + R) * 4 > \
             lay.scratch_bytes(R * layout.NUM_MAX_LOCAL_EXPERTS):
         raise ValueError('num_max_tokens_per_rank is larger than the buffer was built for')
-    num_sms = num_sms or theoretical_num_sms(R, num_experts, K, s.nvlink_gbs, s.num_device_sms,
-                                             s.prefer_overlap_with_compute)
+    # A cached dispatch sends like the dispatch that made its handle (as combine does).
+    num_sms = num_sms or (handle.num_sms if cached else theoretical_num_sms(
+        R, num_experts, K, s.nvlink_gbs, s.num_device_sms, s.prefer_overlap_with_compute))
     num_sms = min(num_sms, s.num_device_sms)
     if range_check is not None:
         lo, hi = range_check()
@@ -324,7 +335,7 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
                         hidden_bytes, K, L, num_experts, expert_alignment, num_max_tokens_per_rank,
                         handle if cached else None, do_cpu_sync, bool(do_expand), bool(do_zero_padding),
                         bool(do_handle_copy), bool(use_tma_aligned_col_major_sf), num_sms, smem, lay, new_layout, event,
-                        num_worst_tokens, legacy)
+                        num_worst_tokens, legacy, cached)
 
 
 @dataclass(slots=True)
@@ -342,12 +353,13 @@ class DispatchOutputs:
     epilogue_blocks: int
 
 
-def dispatch_counts(p: DispatchPlan) -> Tuple[int, int, List[int]]:
+def dispatch_counts(p: DispatchPlan, handle: Optional[EPHandle] = None) -> Tuple[int, int, List[int]]:
     """`(num_recv, num_expanded, aligned counts)` of a dispatch without a CPU sync: the handle's for a cached one
-    (worst case for an expanded output the handle was not made for), else the worst case."""
+    (`handle`, default the plan's; worst case for an expanded output the handle was not made for), else the worst
+    case."""
     R, M, K, L, A = p.layout.num_ranks, p.num_max_tokens_per_rank, p.num_topk, p.num_local_experts, p.expert_alignment
     if p.cached:
-        h = p.handle
+        h = handle if handle is not None else p.handle
         num_expanded = h.num_expanded_tokens
         if p.do_expand and not h.do_expand and not h.do_cpu_sync:
             num_expanded = worst_expanded_rows(R, M, K, L, A)
@@ -395,11 +407,28 @@ class CombinePlan:
     weights_over_ranks: bool = False   # DeepEP V1's combined_topk_weights: the sum over the destination ranks
 
 
+def combine_blocks(num_sms: int, dispatch_num_sms: int, num_ranks: int, num_tokens: int, hidden: int,
+                   num_device_sms: int) -> Tuple[int, int]:
+    """`(sending, reducing)` blocks of a combine (one launch, one block per SM, all co-resident; the reducers sum
+    each token once its chunks arrived). With `num_sms` given, both roles together take at most `num_sms` SMs (half
+    send; at least one of each with several ranks), for callers that overlap compute with the combine. With 0: the
+    dispatch's `num_sms` send and the SMs they leave reduce (as many as the reduction can use). One rank sends
+    nothing (its own partials never leave it): every block reduces."""
+    cap = min(num_sms, num_device_sms) if num_sms else num_device_sms
+    if num_ranks == 1:
+        num_send = 0
+    elif num_sms:
+        num_send = max(1, cap // 2)
+    else:
+        num_send = min(dispatch_num_sms, num_device_sms - 1)
+    num_reduce = max(1, min(cap - num_send, epilogue_blocks(num_tokens, 2 * hidden, num_device_sms)))
+    return num_send, num_reduce
+
+
 def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_weights, bias, num_sms: int,
                  previous_event, allocate_on_comm_stream: bool, weights_over_ranks: bool = False,
                  allow_previous_event_alone: bool = False) -> CombinePlan:
-    """Check a combine (`ElasticBuffer.combine`'s arguments) and size it: `num_sms` blocks send (default: the
-    dispatch's), the SMs they leave (as many as the reduction can use) reduce.
+    """Check a combine (`ElasticBuffer.combine`'s arguments) and size it (blocks per role: `combine_blocks`).
 
     The DeepEP V1 adapter's options (defaults: V2's behaviour): `weights_over_ranks` makes combined_topk_weights[t][k]
     the sum over the token's destination ranks of what each returned for slot k (non-expanded handles only);
@@ -442,15 +471,11 @@ def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_
         checks.check_shape(bi, f'bias[{j}]', (N, hidden))
         checks.check_contiguous(bi, f'bias[{j}]')
     checks.check_int('num_sms', num_sms, 0)
-    num_sms = min(num_sms or handle.num_sms, s.num_device_sms)
     chunk_stride = ceil_div(handle.num_max_tokens_per_rank, COMBINE_CHUNK_ROWS)
     if R * chunk_stride * 4 > COMBINE_CHUNK_SIGNAL_BYTES:
         raise ValueError(f'num_max_tokens_per_rank={handle.num_max_tokens_per_rank} is too large for combine '
                          f'(at most {COMBINE_CHUNK_SIGNAL_BYTES // 4 // R * COMBINE_CHUNK_ROWS} with {R} ranks)')
     event = _check_previous_event(previous_event, allocate_on_comm_stream, allow_previous_event_alone)
-    # One launch: num_sms blocks send, the other SMs reduce as the senders' chunks arrive (one block per SM, all
-    # co-resident).
-    num_send = min(num_sms, s.num_device_sms - 1)
-    num_reduce = max(1, min(s.num_device_sms - num_send, epilogue_blocks(N, 2 * hidden, s.num_device_sms)))
+    num_send, num_reduce = combine_blocks(num_sms, handle.num_sms, R, N, hidden, s.num_device_sms)
     return CombinePlan(kind, x, xi, handle, hidden, topk_weights, biases, local_reduce, num_slots, num_send,
                        num_reduce, chunk_stride, event, bool(weights_over_ranks))

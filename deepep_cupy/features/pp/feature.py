@@ -76,9 +76,11 @@ class PP:
         self.num_recv: Dict[int, int] = {}
         self.error_ptr = buf.host_mapped.ptr + ERROR_RECORD_OFFSET
         self.error = buf.host_mapped.view('int32', ERROR_WORDS, ERROR_RECORD_OFFSET)
+        self._bound: Dict[Any, Any] = {}     # (send?, peer) -> bound launch, its patched words, its layout
 
     def destroy(self) -> None:
         self.layout = None
+        self._bound = {}
 
     # ---- configuration -------------------------------------------------------------------------------------------
     def set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
@@ -231,20 +233,29 @@ class PP:
         order = buf.stream_order
         current = interop.current_stream(x)
         comm = order.begin(current, c.event)
-        if is_send:
-            self.kernels.send.launch(
-                c.grid, THREADS, stream=comm, x=info.ptr, num_bytes=info.nbytes, peer_bases=buf.sym.peer_bases_ptr,
-                rank=buf.rank_idx, dst=c.peer, dst_slot_idx=c.my_slot_for_peer, src_slot_idx_at_dst=c.peer_slot_for_me,
-                num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
-                slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
-                timeout_ns=buf.timeout_ns)
-        else:
-            self.kernels.recv.launch(
-                c.grid, THREADS, stream=comm, x=info.ptr, num_bytes=info.nbytes, peer_bases=buf.sym.peer_bases_ptr,
-                rank=buf.rank_idx, src=c.peer, src_slot_idx=c.my_slot_for_peer, dst_slot_idx_at_src=c.peer_slot_for_me,
-                num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
-                slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
-                pp_error=self.error_ptr, timeout_ns=buf.timeout_ns)
+        key = (is_send, c.peer)
+        bound = self._bound.get(key)
+        if bound is None or bound[3] is not lay:    # bound by name once per (direction, peer) and layout; per call
+            # x, its size and the grid change
+            if is_send:
+                b = self.kernels.send.bind(
+                    1, THREADS, x=0, num_bytes=0, peer_bases=buf.sym.peer_bases_ptr, rank=buf.rank_idx, dst=c.peer,
+                    dst_slot_idx=c.my_slot_for_peer, src_slot_idx_at_dst=c.peer_slot_for_me,
+                    num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
+                    slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
+                    timeout_ns=buf.timeout_ns)
+            else:
+                b = self.kernels.recv.bind(
+                    1, THREADS, x=0, num_bytes=0, peer_bases=buf.sym.peer_bases_ptr, rank=buf.rank_idx, src=c.peer,
+                    src_slot_idx=c.my_slot_for_peer, dst_slot_idx_at_src=c.peer_slot_for_me,
+                    num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
+                    slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
+                    pp_error=self.error_ptr, timeout_ns=buf.timeout_ns)
+            bound = self._bound[key] = (b, b.index('x'), b.index('num_bytes'), lay)
+        b, i_x, i_bytes, _ = bound
+        b.u64[i_x], b.u64[i_bytes] = info.ptr, info.nbytes
+        b.grid = (c.grid, 1, 1)
+        b(comm)
         counts = self.num_sent if is_send else self.num_recv
         counts[c.peer] = counts.get(c.peer, 0) + 1
         return order.finish(info.kind, current, async_with_compute_stream, (x,))

@@ -1,0 +1,419 @@
+"""A checked dispatch / combine bound to its launches: what repeated calls with one signature reuse.
+
+`EP.dispatch` / `EP.combine` key every call by its signature: each input array's kind, shape, strides, dtype and
+device (`interop.meta`), the handle's origin (the bound dispatch that made it), the scalar arguments with their types,
+and the flags. plan.py's argument checks are functions of that signature alone, except three that stay per call here:
+x's address alignment, the top-k id range of a CPU-sync dispatch (read back from the GPU before any EP kernel) and
+previous_event's type. A miss runs plan.py's checks and builds a `BoundDispatch` / `BoundCombine` (the kernels'
+argument blocks packed once by parameter name, the output layout, the handle's constants); a hit patches this call's
+pointers into the blocks and launches.
+
+Why the blocks are patched positionally: a named launch binds and packs every argument on each call (~25 per kernel,
+three kernels per dispatch); a dispatch changes about ten pointers. The indices are resolved by name when binding.
+
+Outputs: a call's small arrays (the handle's workspace, recv_src_metadata, recv_topk_idx, recv_topk_weights) are
+views of one int32 allocation (`interop.Carver`); recv_x (and recv_sf) are allocations of their own, so that the
+large output's memory goes back as soon as the caller drops it, whatever happens to the handle.
+
+DeepEP V1 calls (a `LegacyLayout`) are bound too: the key holds its inputs (channels, reported token count, the
+expert counts' signature), so the matrices' sizes and the notify scalars are fixed per bound dispatch; per call the
+expert counts' pointer and the matrices' pointers are patched. V1's matrices are carved from the handle's workspace
+allocation (after the workspace proper), recv_src_idx from the outputs' allocation (after the metadata).
+"""
+
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+from ...runtime import interop
+from ...runtime.sizes import align, ceil_div
+from . import plan as ep_plan
+from .handle import EPHandle, workspace_layout
+from .kernels import (
+    COMBINE_CHUNK_ROWS,
+    COMBINE_THREADS,
+    DISPATCH_THREADS,
+    HOST_MAX_TOKENS_WORD,
+    NOTIFY_THREADS,
+    PHASE_RECV,
+    PHASE_SEND,
+    RECV_THREADS,
+    SEND_THREADS,
+    dispatch_chunk_rows,
+)
+
+_MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
+# Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
+_INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
+           'recv_layout')
+_OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx')
+
+
+def _patcher(bound, names):
+    """`patch(view, values)` storing `values[k]` (the pointer of `names[k]`) at the word of each of `names` that
+    `bound`'s kernel takes: straight-line code generated once (a loop over pairs costs three times as much)."""
+    taken = set(bound.spec.param_names)
+    body = ''.join(f'    u[{bound.index(n)}] = v[{k}]\n' for k, n in enumerate(names) if n in taken) or '    pass\n'
+    namespace = {}
+    exec(compile(f'def patch(u, v):\n{body}', f'<patch of {bound.spec.name}>', 'exec'), namespace)
+    return namespace['patch']
+
+
+class _Outputs(NamedTuple):
+    """Where a dispatch's outputs go for one (num_recv, num_expanded)."""
+    num_recv: int
+    num_expanded: int
+    num_out_rows: int
+    words: int                  # int32 words of the small outputs' allocation
+    meta_offset: int            # word offsets in it
+    src_idx_offset: int         # V1's recv_src_idx [num_recv] (-1: not a V1 dispatch)
+    topk_offset: int
+    weights_offset: int
+    x_shape: Tuple[int, int]
+    sf_shape: Optional[Tuple[int, int]]
+    sf_strides: Tuple[int, int]
+    topk_shape: Optional[Tuple[int, int]]
+    weights_shape: Optional[Tuple[int, ...]]
+    meta_shape: Tuple[int, int]
+    grid: int
+
+
+class BoundDispatch:
+    """A dispatch signature checked by `plan_dispatch`, with its launches bound (see the module docstring).
+
+    Args:
+        ep: the EP feature; p: the checked plan of the call that missed; allocate_on_comm_stream,
+        async_with_compute_stream: the call's flags. The EP feature is passed to each call, not kept (handles keep
+        their bound dispatch: no cycle through the feature); neither are the call's arrays (`without_arrays`).
+    """
+
+    def __init__(self, ep, p: ep_plan.DispatchPlan, allocate_on_comm_stream: bool, async_with_compute_stream: bool):
+        s = ep.settings
+        self.kind, self.fp8, self.cached, self.cpu_sync = p.kind, p.fp8, p.cached, p.do_cpu_sync
+        # DeepEP V1 (`p.legacy`): channels of its matrices, else None; its matrices' int32 words after the workspace
+        # (even, so that the outputs carved after them keep 8-byte alignment).
+        R = s.num_ranks
+        lg = p.legacy
+        self.v1_channels = None if lg is None else lg.num_channels
+        self.v1_words = 0 if lg is None else align(R * R + 2 * R * lg.num_channels, 2)
+        self.claim = p.new_layout          # claim the data region on the first call that passes every check
+        self.key = None
+        self.carver = ep.carver(p.kind)
+        self.stream = interop.stream_getter(p.kind, p.xi.device)
+        self.alloc_on_comm, self.async_ = bool(allocate_on_comm_stream), bool(async_with_compute_stream)
+        R, K, L = s.num_ranks, p.num_topk, p.num_local_experts
+        self.num_experts, self.num_local_experts, self.num_topk = p.num_experts, L, K
+        self.num_topk_values = p.num_tokens * K
+        self.num_ranks = R
+        self.x_dtype = 'float8_e4m3fn' if p.fp8 else 'bfloat16'
+        self.sf_dtype = p.sfi.dtype if p.sfi is not None else None
+        self._sizes: Dict[Tuple[int, int], _Outputs] = {}
+        kernels = ep.kernels(K)
+        sym, lay, xi, sfi = ep._sym, p.layout, p.xi, p.sfi
+        tail = dict(peer_bases=sym.peer_bases_ptr, rank=sym.local_idx, error_record=ep._host_ptr,
+                    timeout_ns=ep._buf.timeout_ns)
+        x_row_bytes = xi.strides[0] * xi.itemsize
+        if p.cached:
+            h = p.handle
+            self.ws_words, self.offsets = 0, h.offsets
+            do_cpu_sync = h.do_cpu_sync
+        else:
+            self.ws_words, self.offsets = workspace_layout(p.num_tokens, R, K, L, p.do_handle_copy)
+            do_cpu_sync = p.do_cpu_sync
+            reported = p.num_tokens if lg is None or lg.reported_num_tokens < 0 else lg.reported_num_tokens
+            grid = max(1, ceil_div(p.num_tokens, NOTIFY_THREADS))
+            # Cooperative for several blocks only (one block has no grid barrier to wait in).
+            self.notify = kernels.notify.bind(
+                grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, topk_idx=0,
+                num_tokens=p.num_tokens, num_topk=K, num_experts=p.num_experts,
+                num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment,
+                scratch=sym.base + lay.scratch_offset, send_pos=0, send_expert_pos=0, recv_layout=0,
+                psum_recv_per_expert=0, do_expand=int(p.do_expand), cumulative_stats=0,
+                host_counts=ep.host_counts_ptr if p.do_cpu_sync else 0, host_seq=0, topk_copy=0, token_of_slot=0,
+                send_count=0, reported_num_tokens=reported, expert_counts=0,
+                num_channels=self.v1_channels or 0, channel_prefix_matrix=0, recv_channel_prefix_matrix=0,
+                rank_prefix_matrix=0, **tail)
+            self.notify_idx = tuple(self.notify.index(n) for n in (
+                'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
+                'topk_copy', 'token_of_slot', 'send_count'))
+            self.notify_v1_idx = tuple(self.notify.index(n) for n in (
+                'expert_counts', 'rank_prefix_matrix', 'channel_prefix_matrix', 'recv_channel_prefix_matrix'))
+            self.notify_seq = self.notify.index('host_seq')
+        # The dispatch launches. Default kernel (ep_dispatch.cu): with `one_launch` senders and receivers share one
+        # launch (no CPU sync or cached, and at one rank always: there is nothing to send); else a send-only launch
+        # before the host waits for the counts and a receive-only one after. Legacy: the previous two kernels.
+        d = dict(x=0, x_row_bytes=x_row_bytes, hidden_bytes=p.hidden_bytes, num_topk=K,
+                 num_max_tokens_per_rank=p.num_max_tokens_per_rank, recv_offset=lay.dispatch_recv_offset, **tail)
+        sf_strides = dict(sf_stride_token=sfi.strides[0] if sfi else 0, sf_stride_col=sfi.strides[1] if sfi else 0)
+        outs = dict(do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=0,
+                    num_meta_rows=0, recv_x=0, recv_sf=0, recv_sf_stride_row=0, recv_sf_stride_col=0,
+                    recv_topk_idx=0, recv_topk_weights=0, recv_src_metadata=0, recv_src_idx=0, recv_layout=0,
+                    num_sf=p.num_sf,
+                    num_experts=p.num_experts)
+        self.legacy_kernels = ep.legacy_dispatch      # the previous dispatch design (not DeepEP V1)
+        self.one_launch = not self.legacy_kernels and (R == 1 or (ep.dispatch_overlap and not p.do_cpu_sync))
+        self.num_send_blocks = 0 if R == 1 else min(p.num_sms, s.num_device_sms - 1)
+        if self.legacy_kernels:
+            self.send = kernels.dispatch_send.bind(
+                p.num_sms, SEND_THREADS, sf=0, num_sf=p.num_sf, topk_idx=0, topk_weights=0, send_pos=0,
+                send_expert_pos=0, num_tokens=p.num_tokens, **sf_strides, **d)
+            self.recv = kernels.dispatch_recv.bind(1, RECV_THREADS, **outs, **d)
+        else:
+            chunk_rows = dispatch_chunk_rows(p.num_max_tokens_per_rank, R)
+            common = dict(sf=0, topk_idx=0, topk_weights=0, send_expert_pos=0, token_of_slot=0, send_count=0,
+                          num_tokens=p.num_tokens, chunk_rows=chunk_rows,
+                          chunk_stride=ceil_div(p.num_max_tokens_per_rank, chunk_rows), **sf_strides, **outs, **d)
+            if self.one_launch:
+                self.send = None
+                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_SEND | PHASE_RECV,
+                                                  num_send_blocks=self.num_send_blocks, **common)
+            else:
+                self.send = kernels.dispatch.bind(self.num_send_blocks, DISPATCH_THREADS, phases=PHASE_SEND,
+                                                  num_send_blocks=self.num_send_blocks, **common)
+                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
+                                                  **common)
+        # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in.
+        self.send_patch = _patcher(self.send, _INPUTS) if self.send is not None else None
+        self.recv_in_patch, self.recv_out_patch = _patcher(self.recv, _INPUTS), _patcher(self.recv, _OUTPUTS)
+        r = self.recv
+        self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
+        self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
+        self.recv_extra = 0 if self.send is not None or self.legacy_kernels else self.num_send_blocks
+        self.handle_fields = (p.do_expand, p.num_experts, p.expert_alignment, p.num_max_tokens_per_rank, p.num_sms,
+                              p.num_tokens, K, p.hidden, p.kind, s.owner_id, do_cpu_sync, R, L, self.offsets)
+        self.p = p.without_arrays()
+        self.num_device_sms = s.num_device_sms
+        self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
+
+    # ---- output layout -----------------------------------------------------------------------------------------------
+    def outputs(self, num_recv: int, num_expanded: int) -> _Outputs:
+        """The output sizes and the carving of the small outputs for these receive counts (memoised)."""
+        out = self._sizes.get((num_recv, num_expanded))
+        if out is not None:
+            return out
+        p = self.p
+        o = ep_plan.dispatch_outputs(p, num_recv, num_expanded, [], self.num_device_sms)
+        offset = meta = 0
+        offset += num_recv * (p.num_topk + 2)
+        src_idx = offset if self.v1_channels is not None else -1
+        if src_idx >= 0:
+            offset += num_recv
+        topk = offset = align(offset, 2)
+        if o.topk_idx_shape is not None:
+            offset += 2 * o.topk_idx_shape[0] * o.topk_idx_shape[1]
+        weights = offset
+        if o.topk_weights_shape is not None:
+            n = 1
+            for d in o.topk_weights_shape:
+                n *= d
+            offset += n
+        out = _Outputs(num_recv, num_expanded, o.num_out_rows, offset, meta, src_idx, topk, weights,
+                       (o.num_out_rows, p.hidden),
+                       o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
+                       o.epilogue_blocks)
+        if len(self._sizes) >= _MAX_SIZES:
+            self._sizes.clear()
+        self._sizes[(num_recv, num_expanded)] = out
+        return out
+
+    # ---- one call ----------------------------------------------------------------------------------------------------
+    def __call__(self, ep, x_in, topk_idx, topk_weights, stats, handle: Optional[EPHandle], event, xp: int, sp: int,
+                 tp: int, wp: int, cp: int, legacy: Any = None, ecp: int = 0):
+        """Run the dispatch for this call's arrays (`x_in` as given; the pointers come from `interop.meta`) on the EP
+        feature `ep`. `legacy`: the call's `LegacyLayout` (V1; its outputs are filled), `ecp` its expert counts'
+        address (0: none)."""
+        if xp & 15:
+            raise ValueError('x rows must start at 16-byte aligned addresses')
+        carver = self.carver
+        current = self.stream()
+        if self.cpu_sync:
+            # The range check needs the GPU: start it first, do the host work that needs no check meanwhile.
+            wait_range = ep._start_range(topk_idx, tp, self.num_topk_values, self.num_topk, current)
+        comm = ep._order.begin(current, event)
+        alloc_stream = comm if self.alloc_on_comm else None
+        out = self.fixed
+        psum_expert = None
+        if self.cached:
+            h = handle
+            ws, ws_ptr, user_topk, tp = h.workspace, h.workspace_ptr, h._topk_idx, h.topk_idx_ptr
+            psum_expert = h._psum_expert
+            if self.p.do_expand != h.do_expand:
+                psum_expert = _psum_expert_from_layout(h.recv_layout, h.num_ranks, self.num_local_experts,
+                                                       h.expert_alignment, self.p.do_expand, self.kind, comm)
+        else:
+            user_topk = None if self.p.do_handle_copy else topk_idx
+            ws = carver.words(self.ws_words + self.v1_words + (out.words if out is not None else 0), alloc_stream)
+            ws_ptr = carver.ptr(ws)
+        o = self.offsets
+        if self.cpu_sync:
+            lo, hi = wait_range()
+            if lo < -1 or hi >= self.num_experts:
+                raise ValueError(f'topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}')
+        if self.claim:
+            ep._claim(self)
+        if not self.cached:
+            n, i = self.notify, self.notify_idx
+            u = n.u64
+            u[i[0]], u[i[1]], u[i[2]], u[i[3]] = tp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[2]
+            u[i[4]], u[i[5]], u[i[6]] = ws_ptr + 4 * o[3], cp, ws_ptr + 4 * o[4] if o[4] >= 0 else 0
+            u[i[7]], u[i[8]] = ws_ptr + 4 * o[5], ws_ptr + 4 * o[6]
+            if self.v1_channels is not None:
+                self._v1_matrices(legacy, ws, ws_ptr, u, ecp)
+            if self.cpu_sync:
+                seq = ep._next_host_seq()
+                n.i32[self.notify_seq] = seq
+            n(comm)
+        # _INPUTS' pointers in order.
+        ins = (xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[5], ws_ptr + 4 * o[6],
+               ws_ptr + 4 * o[2])
+        snd = self.send
+        if snd is not None:
+            self.send_patch(snd.u64, ins)
+            snd(comm)
+
+        if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
+            group, base = ws, self.ws_words + self.v1_words
+            counts = []
+        else:
+            if self.cpu_sync:
+                num_recv, num_expanded, counts = ep._wait_host_counts(seq, self.num_local_experts)
+                if legacy is not None:
+                    legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
+            else:
+                num_recv, num_expanded, counts = ep_plan.dispatch_counts(self.p, handle)
+            out = self.outputs(num_recv, num_expanded)
+            group, base = carver.words(out.words, alloc_stream), 0
+        recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
+        recv_sf = None
+        if out.sf_shape is not None:
+            storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
+            if self.p.use_tma_aligned_col_major_sf:
+                rows = out.num_out_rows
+                recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
+            else:
+                recv_sf = storage
+        # recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view then.
+        recv_topk_idx = recv_topk_weights = None
+        if out.topk_shape is not None:
+            recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
+        if out.weights_shape is not None:
+            recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
+        gp = carver.ptr(group) + 4 * base
+        if legacy is not None:
+            legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), base + out.src_idx_offset)
+        # _OUTPUTS' pointers in order.
+        outs = (carver.ptr(recv_x), carver.ptr(recv_sf) if recv_sf is not None else 0,
+                gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
+                gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset,
+                gp + 4 * out.src_idx_offset if legacy is not None else 0)
+        r = self.recv
+        self.recv_in_patch(r.u64, ins)
+        self.recv_out_patch(r.u64, outs)
+        r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
+        r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
+        # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
+        r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
+        r(comm)
+
+        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
+                                   gp + 4 * out.meta_offset, (carver, group, out.meta_shape, base + out.meta_offset),
+                                   ws, ws_ptr, user_topk, psum_expert)
+        if self.async_:
+            sf = x_in[1] if self.fp8 else None
+            xa = x_in[0] if self.fp8 else x_in
+            event_out = ep._order.finish(self.kind, current, True,
+                                         (xa, sf, topk_idx, topk_weights, stats, recv_x, recv_sf, recv_topk_idx,
+                                          recv_topk_weights, ws, group, user_topk,
+                                          None if legacy is None else legacy.expert_counts))
+        else:
+            event_out = ep._order.finish(self.kind, current, False, ())
+        out_x = (recv_x, recv_sf) if self.fp8 else recv_x
+        return out_x, recv_topk_idx, recv_topk_weights, new_handle, event_out
+
+
+    def _v1_matrices(self, legacy, ws, ws_ptr: int, u, ecp: int) -> None:
+        """DeepEP V1's matrices of this call: views of `ws` after the workspace proper, set on `legacy`; their
+        addresses (and the expert counts' `ecp`) patched into the notify launch's argument words `u`."""
+        R, C, base, carver = self.num_ranks, self.v1_channels, self.ws_words, self.carver
+        legacy.rank_prefix_matrix = carver.view(ws, 'int32', (R, R), base)
+        legacy.channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R)
+        legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R + R * C)
+        mp = ws_ptr + 4 * base
+        i = self.notify_v1_idx
+        u[i[0]], u[i[1]] = ecp, mp
+        u[i[2]], u[i[3]] = (mp + 4 * R * R, mp + 4 * (R * R + R * C)) if C else (0, 0)
+
+
+class BoundCombine:
+    """A combine signature checked by `plan_combine`, with its launch bound."""
+
+    def __init__(self, ep, p: ep_plan.CombinePlan, allocate_on_comm_stream: bool, async_with_compute_stream: bool):
+        h = p.handle
+        self.kind = p.kind
+        self.carver = ep.carver(p.kind)
+        self.stream = interop.stream_getter(p.kind, p.xi.device)
+        self.alloc_on_comm, self.async_ = bool(allocate_on_comm_stream), bool(async_with_compute_stream)
+        self.num_tokens, self.hidden, self.num_topk = h.num_tokens, p.hidden, h.num_topk
+        self.num_x_rows = p.xi.shape[0]
+        self.with_weights = p.topk_weights is not None
+        self.num_biases = len(p.biases)
+        sym = ep._sym
+        self.launch = ep.kernels(h.num_topk).combine[p.local_reduce].bind(
+            p.num_send_blocks + p.num_reduce_blocks, COMBINE_THREADS, x=0, hidden=p.hidden, topk_weights=0,
+            do_expand=int(h.do_expand), recv_src_metadata=0, recv_layout=0, send_pos=0, topk_idx=0,
+            num_tokens=h.num_tokens, num_topk=h.num_topk, num_experts=h.num_experts,
+            num_max_tokens_per_rank=h.num_max_tokens_per_rank, num_slots=p.num_slots, bias0=0, bias1=0,
+            combined_x=0, combined_topk_weights=0, with_weights=int(self.with_weights),
+            weights_over_ranks=int(p.weights_over_ranks), num_send_blocks=p.num_send_blocks,
+            chunk_rows=COMBINE_CHUNK_ROWS, chunk_stride=p.chunk_stride,
+            peer_bases=sym.peer_bases_ptr, rank=sym.local_idx, combine_offset=ep.layout.combine_recv_offset,
+            error_record=ep._host_ptr, timeout_ns=ep._buf.timeout_ns)
+        self.idx = tuple(self.launch.index(n) for n in (
+            'x', 'topk_weights', 'recv_src_metadata', 'recv_layout', 'send_pos', 'topk_idx', 'bias0', 'bias1',
+            'combined_x', 'combined_topk_weights'))
+
+    def __call__(self, ep, x, handle: EPHandle, topk_weights, biases: List[Any], event, xp: int, wp: int,
+                 bias_ptrs: List[int]):
+        carver, h = self.carver, handle
+        if xp & 15:
+            raise ValueError('x must start at a 16-byte aligned address')
+        if self.num_x_rows != h.num_rows:
+            raise ValueError(f'x must have shape [{h.num_rows}, {self.hidden}], got [{self.num_x_rows}, '
+                             f'{self.hidden}]')
+        current = self.stream()
+        comm = ep._order.begin(current, event)
+        alloc_stream = comm if self.alloc_on_comm else None
+        combined_x = carver.empty((self.num_tokens, self.hidden), 'bfloat16', alloc_stream)
+        combined_w = None
+        if self.with_weights:
+            combined_w = carver.empty((self.num_tokens, self.num_topk), 'float32', alloc_stream)
+        b, i = self.launch, self.idx
+        u = b.u64
+        ws = h.workspace_ptr
+        u[i[0]], u[i[1]], u[i[2]], u[i[3]] = xp, wp, h._meta_ptr, ws + 4 * h.offsets[2]
+        u[i[4]], u[i[5]] = ws + 4 * h.offsets[0], h.topk_idx_ptr
+        u[i[6]] = bias_ptrs[0] if self.num_biases else 0
+        u[i[7]] = bias_ptrs[1] if self.num_biases > 1 else 0
+        u[i[8]] = carver.ptr(combined_x)
+        u[i[9]] = carver.ptr(combined_w) if combined_w is not None else 0
+        b(comm)
+        if self.async_:
+            event_out = ep._order.finish(self.kind, current, True,
+                                         (x, topk_weights, *biases, combined_x, combined_w, h.metadata_owner,
+                                          h.workspace, h._topk_idx))
+        else:
+            event_out = ep._order.finish(self.kind, current, False, ())
+        return combined_x, combined_w, event_out
+
+
+def _psum_expert_from_layout(recv_layout, R: int, L: int, alignment: int, do_expand: bool, kind: str, stream):
+    """psum_num_recv_tokens_per_expert from the layout blob (for a cached dispatch in the other mode)."""
+    counts = recv_layout[R:R + L]
+    if kind == 'torch':
+        import torch
+        with torch.cuda.stream(interop.torch_stream(stream.ptr)):
+            aligned = (counts + alignment - 1) // alignment * alignment
+            return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else torch.cumsum(aligned, 0).to(torch.int32)
+    import cupy
+    import numpy as np
+    with stream:
+        aligned = (counts + alignment - 1) // alignment * alignment
+        return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else cupy.cumsum(aligned).astype(np.int32)

@@ -1,0 +1,325 @@
+"""Host time per call of the real API (dispatch / combine, all-gather, reduce-scatter, all-reduce, PP send/recv,
+engram fetch) without a GPU: every line of deepep_cupy's Python runs as on a GPU, only the CUDA calls underneath are
+replaced (tests/fakes.py's buffer; kernels are real `jit.launch.Kernel`s that pack their arguments, with a driver
+whose launch is a no-op; CPU torch tensors; streams and events that do nothing). The notify and range kernels'
+fakes write their host-mapped records, so the host's polling runs too.
+
+    PYTHONPATH=. python perf/host_path_cpu.py [--calls 2000] [--tokens 128] [--ranks 1]
+
+What it measures is the Python cost (checks, plans, argument packing, bookkeeping) plus CPU torch's allocations;
+it does not see the CUDA API calls themselves (`cuLaunchKernel`, the caching allocator, event records), which the
+`[api]` line counts per call instead. This machine's numbers are a lower bound of the GPU host's (about 2x slower
+Python there).
+"""
+
+import argparse
+import ctypes
+import os
+import struct
+import sys
+import time
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, 'tests')):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import fakes  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from deepep_cupy.jit import launch  # noqa: E402
+from deepep_cupy.runtime import interop  # noqa: E402
+
+API = {'launch': 0, 'alloc': 0, 'event': 0}
+
+
+class FakeDriver:
+    """`cupy_backends.cuda.api.driver` stand-in: launches call the kernel's fake (if any) and count."""
+
+    def __init__(self):
+        self.on_launch = {}
+
+    def launchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):  # noqa: N802 (cupy's name)
+        API['launch'] += 1
+        hook = self.on_launch.get(fn)
+        if hook is not None:
+            hook(args)
+
+    def launchCooperativeKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, args):  # noqa: N802
+        self.launchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, args, 0)
+
+    @staticmethod
+    def funcSetAttribute(*args):  # noqa: N802
+        pass
+
+    @staticmethod
+    def occupancyMaxActiveBlocksPerMultiprocessor(*args):  # noqa: N802
+        return 1
+
+
+DRIVER = FakeDriver()
+_NEXT_FN = [0x100]
+
+
+def fake_kernel(spec: launch.KernelSpec, device: int = -1) -> launch.Kernel:
+    _NEXT_FN[0] += 1
+    k = launch.Kernel(spec, SimpleNamespace(ptr=_NEXT_FN[0]), device)
+    k._num_sms = 132
+    k.max_active_blocks_per_sm = lambda block, shared_mem=0: 1
+    return k
+
+
+_KERNELS = {}
+
+
+def fake_load_kernels(specs, defines=None, device=None):
+    out = {}
+    for s in specs:
+        k = _KERNELS.get(s.name)
+        if k is None:
+            k = _KERNELS[s.name] = fake_kernel(s)
+            _install_hook(k)
+        out[s.name] = k
+    return out
+
+
+def _field(kernel, name, fmt):
+    """Reader of one packed parameter of `kernel` from a launch's `args` (the address of the array of pointers to
+    each parameter, as cuLaunchKernel takes it)."""
+    i = kernel.spec.param_names.index(name)
+    size = struct.calcsize(fmt)
+
+    def read(args):
+        address = ctypes.c_uint64.from_address(args + 8 * i).value
+        return struct.unpack(fmt, ctypes.string_at(address, size))[0]
+    return read
+
+
+def _install_hook(kernel):
+    """Fakes of the kernels whose host-mapped records the host polls: the range kernel writes [seq, lo, hi], notify
+    the counts of a dispatch in which every token is received once (worst case)."""
+    name = kernel.spec.name
+    if 'value_range_kernel' in name:
+        host, seq = _field(kernel, 'host_out', '=Q'), _field(kernel, 'seq', '=q')
+
+        def hook(args):
+            rec = np.frombuffer((ctypes.c_int64 * 3).from_address(host(args)), np.int64)
+            rec[1], rec[2], rec[0] = 0, 1, seq(args)
+        DRIVER.on_launch[kernel.function.ptr] = hook
+    elif 'notify_dispatch' in name:
+        host, seq = _field(kernel, 'host_counts', '=Q'), _field(kernel, 'host_seq', '=i')
+        tokens, experts = _field(kernel, 'num_tokens', '=i'), _field(kernel, 'num_experts', '=i')
+
+        def hook(args):
+            address = host(args)
+            if address:
+                n, e = tokens(args), experts(args)
+                rec = np.frombuffer((ctypes.c_int32 * (3 + e)).from_address(address), np.int32)
+                rec[1], rec[2] = n, n
+                rec[3:3 + e] = n // max(1, e)
+                rec[0] = seq(args)
+        DRIVER.on_launch[kernel.function.ptr] = hook
+
+
+class CountingEvent(fakes.FakeEvent):
+    def record(self, stream=None):
+        API['event'] += 1
+
+
+class CountingStream(fakes.FakeStream):
+    def wait_event(self, event):
+        API['event'] += 1
+
+
+def install(monkeypatch_targets=None):
+    """Replace the CUDA layer under deepep_cupy (process-wide; this script only)."""
+    from deepep_cupy.features.agrs import feature as agrs_feature
+    from deepep_cupy.features.engram import feature as engram_feature
+    from deepep_cupy.features.ep import kernels as ep_kernels
+    from deepep_cupy.features.pp import feature as pp_feature
+    from deepep_cupy.runtime import streams
+    launch._DRIVER[:] = [DRIVER]
+    for module in (launch, ep_kernels, agrs_feature, engram_feature, pp_feature):
+        module.load_kernels = fake_load_kernels
+    current = CountingStream('current')
+    interop.current_stream = lambda like=None: current
+    if hasattr(interop, 'stream_getter'):          # (absent before the bound calls: the harness runs on both)
+        interop.stream_getter = lambda kind, device: lambda: current
+
+    cache = {}
+
+    def empty(self, shape, dtype, stream=None):
+        # A caching allocator's hit: the same tensor for the same request (CPU allocations of a few MiB would cost
+        # page faults that CUDA's caching allocator does not have; the [api] line counts the allocations instead).
+        API['alloc'] += 1
+        key = (tuple(shape) if isinstance(shape, (tuple, list)) else (shape,), dtype)
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = torch.empty(shape, dtype=getattr(torch, dtype))
+        return t
+    interop.Allocator.empty = empty
+    if hasattr(interop, 'Carver'):
+        interop.Carver.empty = empty
+    interop.torch_stream = lambda handle: current
+    if hasattr(engram_feature.Engram, '_device_arrays'):     # (V2.5's layered engram: the fetch reads two small
+        fake = SimpleNamespace(data=SimpleNamespace(ptr=0x100))    # device arrays that CuPy would make)
+        engram_feature.Engram._device_arrays = lambda self, layout, sf_rows: {'layers': fake, 'table_bases': fake}
+    torch.Tensor.record_stream = lambda self, stream: None       # CPU tensors: nothing to record
+    streams.EventHandle = lambda stream=None: fakes.FakeEventHandle(stream)
+    from deepep_cupy.runtime import event as event_module
+    event_module.EventHandle.__init__ = lambda self, stream=None: setattr(self, 'event', CountingEvent())
+
+
+def make_buffer(num_ranks: int, rank: int, num_bytes: int, **attrs):
+    buf = fakes.make_buffer(num_ranks, rank, num_bytes, comm=CountingStream('comm'), **attrs)
+    hm = buf.host_mapped
+    hm.ptr = hm.data.ctypes.data            # kernels' fakes write the records at the address the host polls
+    buf.stream_order._enter, buf.stream_order._leave = CountingEvent(), CountingEvent()
+    buf._barrier = lambda stream: None
+    region = np.zeros(num_bytes, dtype=np.uint8)
+    buf.sym.local_view = lambda offset, n: region[offset - buf.data_offset:offset - buf.data_offset + n]
+    buf.sym.base = region.ctypes.data - buf.data_offset
+    return buf
+
+
+def timed(fn, calls: int):
+    """Best µs per call over batches of 50 calls (`calls` in all; the minimum resists other load on the machine),
+    and the CUDA API calls per call."""
+    for _ in range(min(200, calls)):
+        fn()
+    for key in API:
+        API[key] = 0
+    per_batch, batch = [], 50
+    for _ in range(max(1, calls // batch)):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        per_batch.append((time.perf_counter() - t0) / batch)
+    n = max(1, calls // batch) * batch
+    return min(per_batch) * 1e6, {k: v / n for k, v in API.items()}
+
+
+def ep_cases(args):
+    buf = make_buffer(args.ranks, 0, 1 << 30, num_max_tokens_per_rank=args.tokens, hidden=args.hidden,
+                      num_topk=args.topk)
+    g = torch.Generator().manual_seed(0)
+    n = args.tokens
+    x = torch.randn(n, args.hidden, generator=g).to(torch.bfloat16)
+    idx = torch.topk(torch.rand(n, args.experts, generator=g), args.topk).indices
+    w = torch.rand(n, args.topk, generator=g)
+    x8 = (x.to(torch.float8_e4m3fn), torch.ones(n, args.hidden // 128))
+    out = buf.dispatch(x, idx, w, num_experts=args.experts, num_sms=22)
+    handle = out[3]
+    y = torch.zeros(handle.num_rows, args.hidden, dtype=torch.bfloat16)
+    return {
+        'dispatch cpu-sync': lambda: buf.dispatch(x, idx, w, num_experts=args.experts, num_sms=22),
+        'dispatch no-sync': lambda: buf.dispatch(x, idx, w, num_experts=args.experts, num_sms=22, do_cpu_sync=False),
+        'dispatch cached': lambda: buf.dispatch(x, handle=handle),
+        'dispatch fp8 no-sync': lambda: buf.dispatch(x8, idx, w, num_experts=args.experts, num_sms=22,
+                                                     do_cpu_sync=False),
+        'combine': lambda: buf.combine(y, handle),
+        'combine weights': lambda: buf.combine(y, handle, topk_weights=out[2]),
+    }
+
+
+def v1_cases(args):
+    """DeepEP V1's `Buffer` (normal mode: its engine laid out by the first dispatch) with the same tokens; the
+    layout tensors made once, as V1 callers get them from `get_dispatch_layout`."""
+    try:
+        from deepep_cupy.buffers.legacy import Buffer
+        from deepep_cupy.buffers.legacy_normal import NormalEngine, NormalMode
+    except ImportError:                 # (absent before the V1 Buffer: the harness runs on both)
+        return {}
+    R, E = args.ranks, args.experts
+
+    def make_engine(num_bytes):
+        eng = NormalEngine.__new__(NormalEngine)
+        eng.__dict__.update(make_buffer(R, 0, num_bytes).__dict__)
+        eng.__dict__.update(_nvlink_gbs=450.0, ep=None, geometry=(0, 0, 0))
+        eng.barrier = lambda **kw: None
+        return eng
+    order = fakes.stream_order(CountingStream('comm'))
+    order._enter, order._leave = CountingEvent(), CountingEvent()
+    buf = Buffer.__new__(Buffer)
+    buf.__dict__.update(
+        _destroyed=False, group=None, rank=0, group_size=R, num_nvl_bytes=1 << 30, num_rdma_bytes=0,
+        low_latency_mode=False, explicitly_destroy=True, enable_shrink=False, device=-1, _stream=None, _order=order,
+        _configs={}, _ll=None, _layout=None, _normal=NormalMode(R, -1, 1 << 30, make_engine))
+    g = torch.Generator().manual_seed(0)
+    n = args.tokens
+    x = torch.randn(n, args.hidden, generator=g).to(torch.bfloat16)
+    idx = torch.topk(torch.rand(n, E, generator=g), args.topk).indices
+    w = torch.rand(n, args.topk, generator=g)
+    owner = idx // (E // R)
+    in_rank = torch.stack([(owner == r).any(1) for r in range(R)], 1)
+    layout = dict(num_tokens_per_rank=in_rank.sum(0).int(), is_token_in_rank=in_rank,
+                  num_tokens_per_expert=torch.stack([(idx == e).sum() for e in range(E)]).int())
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    return {
+        'V1 dispatch cpu-sync': lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout),
+        'V1 dispatch num_worst_tokens': lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                             num_worst_tokens=R * n, **layout),
+        'V1 dispatch cached': lambda: buf.dispatch(x, handle=handle),
+        'V1 combine weights': lambda: buf.combine(recv_x, handle, topk_weights=recv_w),
+    }
+
+
+def agrs_cases(args):
+    buf = make_buffer(args.ranks, 0, 64 << 20)
+    ag = buf._agrs_feature()
+    ag.set_config(16 << 20, 32)
+    tensors = [torch.zeros(1 << 18, dtype=torch.float32) for _ in range(4)]        # 4 x 1 MiB
+
+    def gather4():
+        ag.create_session()
+        ag.all_gather(tensors)
+        ag.plan.close()
+    x = torch.zeros(1 << 20, dtype=torch.float32)
+    return {
+        'all_gather 4 x 1 MiB (+ session)': gather4,
+        'reduce_scatter 4 MiB': lambda: buf.reduce_scatter(x),
+        'all_reduce 4 MiB': lambda: buf.all_reduce(x),
+    }
+
+
+def pp_cases(args):
+    buf = make_buffer(2, 0, 64 << 20)
+    buf.pp_set_config(1 << 20, 4)
+    x = torch.zeros(1 << 18, dtype=torch.float32)
+    return {'pp_send 1 MiB': lambda: buf.pp_send(x, 1), 'pp_recv 1 MiB': lambda: buf.pp_recv(x, 1)}
+
+
+def engram_cases(args):
+    buf = make_buffer(args.ranks, 0, 64 << 20)
+    table = torch.zeros(4096, 1024, dtype=torch.bfloat16)
+    buf.engram_write(table)
+    indices = torch.zeros(128, 4, dtype=torch.int32)
+    return {'engram_fetch 128 x 4': lambda: buf.engram_fetch(indices)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--calls', type=int, default=2000)
+    p.add_argument('--tokens', type=int, default=128)
+    p.add_argument('--hidden', type=int, default=7168)
+    p.add_argument('--topk', type=int, default=8)
+    p.add_argument('--experts', type=int, default=256)
+    p.add_argument('--ranks', type=int, default=1)
+    p.add_argument('--only', default='', help='comma-separated substrings of case names')
+    args = p.parse_args(argv)
+    install()
+    only = [s for s in args.only.split(',') if s]
+    for make in (ep_cases, v1_cases, agrs_cases, pp_cases, engram_cases):
+        for name, fn in make(args).items():
+            if only and not any(s in name for s in only):
+                continue
+            us, api = timed(fn, args.calls)
+            print(f'[host-cpu] {name:34s} {us:7.1f} us per call   [api] launches {api["launch"]:.1f}, '
+                  f'allocations {api["alloc"]:.1f}, event records/waits {api["event"]:.1f}', flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The bound calls of EP (features/ep/bound.py) without a GPU: a call signature is checked once and its launches
+bound; later calls with the same signature launch exactly what a fresh plan would (only the per-call pointers
+differ), still raise on the per-call checks (address alignment, top-k id range, previous_event's type), never match a
+signature that differs in a checked property, and keep no caller array alive."""
+
+import gc
+import weakref
+
+import pytest
+
+torch = pytest.importorskip('torch')
+
+import test_ep_checks_cpu as ep_tests  # noqa: E402
+
+from deepep_cupy.features.ep import feature as ep_feature  # noqa: E402
+from deepep_cupy.features.ep.handle import EPHandle  # noqa: E402
+
+R, M, H, K, E = ep_tests.R, ep_tests.M, ep_tests.H, ep_tests.K, ep_tests.E
+
+# Arguments that hold addresses (differ between calls with other tensors) or the CPU-sync sequence number.
+PER_CALL = {'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
+            'topk_copy', 'token_of_slot', 'send_count', 'host_seq', 'x', 'sf', 'topk_weights', 'recv_x', 'recv_sf',
+            'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'combined_x', 'combined_topk_weights', 'bias0',
+            'bias1'}
+
+
+def _fixed(entry):
+    return entry.name, entry.grid, entry.block, {k: v for k, v in entry.args.items() if k not in PER_CALL}
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    idx = torch.topk(torch.rand(M, E, generator=g), K).indices
+    w = torch.rand(M, K, generator=g)
+    return x, idx, w
+
+
+def _fresh_plan_launches(monkeypatch, call):
+    """The launches of `call(buf)` on a buffer that has bound nothing yet."""
+    buf = ep_tests.make_buffer(monkeypatch)
+    call(buf)
+    return [_fixed(e) for e in buf.launches]
+
+
+@pytest.mark.parametrize('mode', ['cpu-sync', 'no-sync', 'expand', 'fp8'])
+def test_a_bound_call_launches_what_a_fresh_plan_launches(monkeypatch, mode):
+    x, idx, w = _inputs()
+    kw = dict(num_experts=E)
+    if mode != 'cpu-sync':
+        kw['do_cpu_sync'] = False
+    if mode == 'expand':
+        kw.update(do_expand=True, expert_alignment=4)
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if mode == 'fp8' else x
+    buf = ep_tests.make_buffer(monkeypatch)
+    for _ in range(3):
+        buf.launches.clear()
+        out = buf.dispatch(xin, idx.clone(), w.clone(), **kw)
+        first = [_fixed(e) for e in buf.launches]
+    assert len(buf._ep._bound) == 1
+    assert first == _fresh_plan_launches(monkeypatch, lambda b: b.dispatch(xin, idx, w, **kw))
+    # Cached dispatch and combine with the handle, twice each: bound once, same launches as fresh plans.
+    handle = out[3]
+    rows = torch.zeros(handle.num_rows, H, dtype=torch.bfloat16)
+    for _ in range(2):
+        buf.launches.clear()
+        again = buf.dispatch(xin, handle=handle, do_expand=kw.get('do_expand', False))
+        buf.combine(rows, handle)
+    assert len(buf._ep._bound) == 3 and again[3]._origin is not handle._origin
+    names = [e.name for e in buf.launches]
+    assert names[-1].startswith('deepep::combine') and 'notify' not in ' '.join(names)
+
+
+def test_per_call_checks_still_raise_on_a_bound_signature(monkeypatch):
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    good = buf.dispatch(x, idx, w, num_experts=E)
+    buf.launches.clear()
+    # Same shape, strides, dtype and device, but rows 2 bytes off a 16-byte boundary.
+    flat = torch.zeros(M * H + 8, dtype=torch.bfloat16)
+    shifted = flat[1:1 + M * H].view(M, H)
+    with pytest.raises(ValueError, match='16-byte aligned'):
+        buf.dispatch(shifted, idx, w, num_experts=E)
+    with pytest.raises(ValueError, match=r'topk_idx values must be in \[-1, 16\)'):
+        buf.dispatch(x, torch.full_like(idx, E), w, num_experts=E)
+    with pytest.raises(TypeError, match='previous_event must be an EventHandle'):
+        buf.dispatch(x, idx, w, num_experts=E, previous_event=object(), allocate_on_comm_stream=True)
+    # Scalars that compare equal to the bound ones but have another type are checked afresh.
+    with pytest.raises(TypeError, match='num_experts must be an int'):
+        buf.dispatch(x, idx, w, num_experts=float(E))
+    with pytest.raises(TypeError, match='num_sms must be an int'):
+        buf.dispatch(x, idx, w, num_experts=E, num_sms=True)
+    buf.dispatch(x, idx, w, num_experts=E, num_sms=1)
+    with pytest.raises(TypeError, match='num_sms must be an int'):
+        buf.dispatch(x, idx, w, num_experts=E, num_sms=True)
+    # Another signature of a bound call: checked afresh.
+    with pytest.raises(TypeError, match='topk_weights must be float32'):
+        buf.dispatch(x, idx, w.double(), num_experts=E)
+    rows = torch.zeros(good[3].num_rows, H, dtype=torch.bfloat16)
+    buf.launches.clear()
+    buf.combine(rows, good[3])
+    assert [e.name.split('<')[0] for e in buf.launches] == ['deepep::combine_impl_with_combine_reduce_epilogue_impl']
+    buf.launches.clear()
+    with pytest.raises(ValueError, match='16-byte aligned'):
+        buf.combine(torch.zeros(rows.numel() + 8, dtype=torch.bfloat16)[1:1 + rows.numel()].view(rows.shape),
+                    good[3])
+    assert buf.launches == []
+
+
+def test_a_bound_combine_checks_the_rows_of_each_handle(monkeypatch):
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    calls = iter([(R * M, R * M * K), (R * M - 3, R * M * K)])
+    monkeypatch.setattr(buf._ep, '_wait_host_counts', lambda seq, n: (*next(calls), [1] * n))
+    h1 = buf.dispatch(x, idx, w, num_experts=E)[3]
+    h2 = buf.dispatch(x, idx, w, num_experts=E)[3]
+    assert h1._origin is h2._origin and (h1.num_recv_tokens, h2.num_recv_tokens) == (R * M, R * M - 3)
+    rows = torch.zeros(R * M, H, dtype=torch.bfloat16)
+    buf.combine(rows, h1)
+    buf.launches.clear()
+    with pytest.raises(ValueError, match=rf'x must have shape \[{R * M - 3}, {H}\]'):
+        buf.combine(rows, h2)
+    assert buf.launches == []
+    buf.combine(rows[:R * M - 3], h2)
+    # A handle made by hand is never bound (its fields are not a dispatch's constants).
+    hand = ep_tests._handle(h1.buffer_id)
+    before = dict(buf._ep._bound)
+    buf.combine(rows, hand)
+    assert buf._ep._bound == before
+
+
+def test_bound_calls_keep_no_caller_array_alive(monkeypatch):
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    x2, idx2, w2 = x.clone(), idx.clone(), w.clone()
+    refs = [weakref.ref(t) for t in (x2, idx2, w2)]
+    out = buf.dispatch(x2, idx2, w2, num_experts=E, do_handle_copy=True)
+    del x2, idx2, w2
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    assert isinstance(out[3], EPHandle) and len(buf._ep._bound) == 1
+    buf._ep.destroy()
+    assert buf._ep._bound == {}
+
+
+def test_the_first_dispatch_claims_the_region_only_once_its_checks_pass(monkeypatch):
+    x, idx, _ = _inputs()
+    buf = ep_tests.fakes.make_buffer(R, 0, 1 << 30)             # no MoE settings: the first dispatch lays out
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: ep_tests.RecordingKernels([]))
+    current = ep_tests.fakes.FakeStream('current')
+    monkeypatch.setattr(ep_tests.interop, 'stream_getter', lambda kind, device: lambda: current)
+    ep = buf._ep_feature()
+    monkeypatch.setattr(ep, '_start_range', lambda t, ptr, n, k, stream: ep_tests.cpu_range_of(t))
+    monkeypatch.setattr(ep, '_wait_host_counts', lambda seq, n: (R * M, R * M * K, [1] * n))
+    with pytest.raises(ValueError, match='topk_idx values'):
+        buf.dispatch(x, torch.full_like(idx, -2), num_experts=E, num_max_tokens_per_rank=M)
+    assert buf._data_region_owner is None and ep.layout is None and ep._bound == {}
+    buf.dispatch(x, idx, num_experts=E, num_max_tokens_per_rank=M)
+    assert buf._data_region_owner == ep_feature.DATA_REGION_OWNER and ep.layout is not None and len(ep._bound) == 1
+
+
+DISPATCH = 'deepep::dispatch_impl_with_dispatch_copy_epilogue_impl'
+
+
+def _phases(log):
+    return [(e.name.split('<')[0], e.args.get('phases'), e.args.get('num_send_blocks')) for e in log]
+
+
+def test_dispatch_launch_structure_per_mode_and_knob(monkeypatch):
+    x, idx, w = _inputs()
+    both = ep_tests.ep_kernels.PHASE_SEND | ep_tests.ep_kernels.PHASE_RECV
+    send, recv = ep_tests.ep_kernels.PHASE_SEND, ep_tests.ep_kernels.PHASE_RECV
+    notify = ('deepep::notify_dispatch', None, None)
+    buf = ep_tests.make_buffer(monkeypatch)
+    buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
+    assert _phases(buf.launches) == [notify, (DISPATCH, both, 4)]
+    # Overlap off: a no-sync dispatch runs like a CPU-sync one, send then receive.
+    monkeypatch.setenv('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', '0')
+    buf = ep_tests.make_buffer(monkeypatch)
+    buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
+    assert _phases(buf.launches) == [notify, (DISPATCH, send, 4), (DISPATCH, recv, 0)]
+    # Legacy: the previous kernels.
+    monkeypatch.setenv('DEEPEP_CUPY_EP_LEGACY_DISPATCH', '1')
+    buf = ep_tests.make_buffer(monkeypatch)
+    out = buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
+    assert [n for n, _, _ in _phases(buf.launches)] == ['deepep::notify_dispatch', 'deepep::dispatch_send_legacy',
+                                                        'deepep::dispatch_recv_legacy']
+    buf.launches.clear()
+    buf.combine(torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16), out[3])
+    assert [n for n, _, _ in _phases(buf.launches)] == ['deepep::combine_impl_with_combine_reduce_epilogue_impl']
+
+
+def test_one_rank_dispatches_in_one_launch_without_senders(monkeypatch):
+    """At one rank every token stays: one launch of receivers only, whatever the mode."""
+    x, idx, w = _inputs()
+    b = ep_tests.ep_kernels.topk_bucket(K)
+    log = []
+
+    class OneRankKernels:
+        notify = ep_tests.fakes.RecordingKernel(ep_tests.ep_kernels.notify_spec(1, b), log)
+        topk_range = None
+        dispatch = ep_tests.fakes.RecordingKernel(ep_tests.ep_kernels.dispatch_spec(1, b), log)
+        combine = {lr: ep_tests.fakes.RecordingKernel(ep_tests.ep_kernels.combine_spec(1, b, lr), log)
+                   for lr in (True, False)}
+    buf = ep_tests.fakes.make_buffer(1, 0, 1 << 30, num_max_tokens_per_rank=M, num_topk=K)
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: OneRankKernels)
+    current = ep_tests.fakes.FakeStream('current')
+    monkeypatch.setattr(ep_tests.interop, 'stream_getter', lambda kind, device: lambda: current)
+    ep = buf._ep_feature()
+    monkeypatch.setattr(ep, '_start_range', lambda t, ptr, n, k, stream: ep_tests.cpu_range_of(t))
+    monkeypatch.setattr(ep, '_wait_host_counts', lambda seq, n: (M, M * K, [1] * n))
+    both = ep_tests.ep_kernels.PHASE_SEND | ep_tests.ep_kernels.PHASE_RECV
+    for cpu_sync in (True, False):
+        log.clear()
+        out = buf.dispatch(x, idx, w, num_experts=E, num_sms=22, do_cpu_sync=cpu_sync)
+        assert _phases(log) == [('deepep::notify_dispatch', None, None), (DISPATCH, both, 0)]
+        assert log[1].grid == ep_tests.ep_plan.epilogue_blocks(M, 2 * H, 132)
+    log.clear()
+    buf.combine(torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16), out[3], num_sms=10)
+    assert log[0].args['num_send_blocks'] == 0
+    assert log[0].grid == min(10, ep_tests.ep_plan.epilogue_blocks(M, 2 * H, 132))
+
+
+def test_cpu_sync_counts_become_a_list_on_first_access(monkeypatch):
+    import numpy as np
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    counts = np.array([3, 0, 5, 8, 1, 2, 4, 9], dtype=np.int32)
+    monkeypatch.setattr(buf._ep, '_wait_host_counts', lambda seq, n: (R * M, R * M * K, counts[:n].copy()))
+    h = buf.dispatch(x, idx, w, num_experts=E)[3]
+    listed = h.num_recv_tokens_per_expert_list
+    assert listed == counts[:E // R].tolist() and type(listed) is list and all(type(v) is int for v in listed)
+    assert h.num_recv_tokens_per_expert_list is listed
