@@ -201,6 +201,17 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
     // ---- block 0: exchange counts with the peers --------------------------------------------------------------
     // The received counts land in shared memory (the block's per-warp count area is free again): [kNumRanks][row].
     const int row_words = 1 + num_local_experts;
+    // Before writing into peer d's notify area (counts and rows), d must be done reading what we wrote there for its
+    // previous notify: wait for data_consumed[d] (written by d, in our control area) to reach the data epoch of our
+    // last dispatch. d publishes it at the end of that dispatch's receive, which its stream runs after its notify.
+    // ep_dispatch_legacy.cu's receive waits for every source, so no rank can start its next notify before every peer
+    // finished this one; the fused kernel's receivers wait only for the chunks they receive, so a rank that exchanges
+    // no tokens with d could otherwise overwrite d's area while d still reads it. Normally already true: the next
+    // dispatch's senders wait for the same signal, and d's own notify signal (waited for below) comes after it.
+    if (kNumRanks > 1 &&
+        !wait_all_peers(peers, kSigDataConsumed, kNumRanks, read_local(ctrl + kCtrlDataEpoch), timeout_ns, sink,
+                        kPhaseNotify))
+        return;
     // The notify rows (common/ep.cuh), at every rank d (at one rank: our own workspace only, read back below): our
     // row of the count matrix, our token count, and per destination our channel prefixes.
     const int row_len = kNotifyRowChannels + (with_channels ? num_channels : 0);

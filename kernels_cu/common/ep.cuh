@@ -10,7 +10,9 @@
 //     notify_signal[src]     at +256: src published its counts for notify epoch e into our notify area
 //     data_signal[src]       at +384: src finished writing its dispatch messages of data epoch e into our slots
 //                            (ep_dispatch_legacy.cu; ep_dispatch.cu releases chunk by chunk, see below)
-//     data_consumed[dst]     at +512: dst copied our messages of epoch e out of its slots (we may overwrite them)
+//     data_consumed[dst]     at +512: dst copied our messages of epoch e out of its slots (we may overwrite them);
+//                            notify also waits for it (epoch of our last dispatch) before writing into dst's notify
+//                            area: dst is then done reading what we wrote there for its previous notify
 //     combine_signal[src]    at +640: src finished writing its combine rows of combine epoch e into our slots
 //     combine_consumed[dst]  at +768: dst reduced our rows of combine epoch e (we may overwrite them)
 // Notify counts (byte offset kNotifyOffset of the workspace): int32 [src][1 + num_local_experts]:
