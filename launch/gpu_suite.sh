@@ -15,7 +15,8 @@
 #   legacy     V1 Buffer (normal mode) rank program, 1 and 2/4/8 ranks
 #   coll       PP, all-gather / reduce-scatter / all-reduce, engram, load balancing, allocation, barrier
 #   deepep     DeepEP's own V2.0 and V1 test programs (.upstream/) through `python -m deepep_cupy.as_deep_ep`
-#   deepep25   DeepEP's V2.5 test programs and its gate test, the same way
+#   deepep25   DeepEP's V2.5 test programs, the same way
+#   gate       DeepEP's tests/utils/test_gate.py (minutes; GATE_TIMEOUT bounds it)
 #   launchers  the EP rank program under torchrun and under SLURM-style variables (2 ranks)
 #   pytest     the GPU pytest tests
 #   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs)
@@ -36,7 +37,7 @@ export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_j
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll deepep deepep25 launchers pytest bench)
+[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll deepep deepep25 gate launchers pytest bench)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # step NAME TIMEOUT_S COMMAND...: run, log, record PASS/FAIL with the wall time. Each step's output lands in suite.log
@@ -55,7 +56,7 @@ step() {
     { flock 9; cat "$tmp" >> "$LOG"; echo "$line" >> "$SUMMARY"; } 9>> /tmp/deepep_cupy_gpu_suite.lock
     rm -f "$tmp"
 }
-lane() { ( "$@" ) & }
+lane() { ( export MASTER_PORT; "$@" ) & }      # lane FUNCTION [ARGS]: run in the background until `join`
 join() { wait; }
 
 $PY -m pip install -q -e . --no-deps --no-build-isolation >> "$LOG" 2>&1 || echo "pip install failed" | tee -a "$SUMMARY"
@@ -80,7 +81,7 @@ LL="$PY -m deepep_cupy.tests.legacy_low_latency --num-gpu-timeout-secs 60"
 if want perf1; then
     # Alone on the GPU: one rank, checks then perf lines; the snapshot before the refactor beside it when present.
     step "ep np=1 (perf)" 240 $ONE $R 1 $EP --num-create-destroy 5
-    step "ep_profile np=1" 180 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096
+    step "ep_profile np=1" 180 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 --variants default,legacy
     if [ -d .baseline/deepep_cupy ]; then
         step "baseline: ep np=1 (perf)" 240 bash -c "cd .baseline && CUDA_VISIBLE_DEVICES=0 $ROOT/$R 1 \
             $PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 --num-create-destroy 0 \
@@ -98,18 +99,18 @@ fi
 
 ep_lane_topk() {
     local k
-    for k in 1 3 9 17 32; do
+    for k in 1 9 32; do
         step "ep np=1 top-$k" 120 $ONE $R 1 $EP --num-tokens 256 --hidden 1024 --num-topk $k --skip-perf-test \
             --skip-timeout-test --num-create-destroy 0
     done
 }
 ep_lane_shared() {
     step "ep np=2 (sharing 1 GPU)" 300 $ONE $R 2 $EP --num-tokens 512 --hidden 2048 --skip-perf-test \
-        --num-create-destroy 3
+        --num-create-destroy 2
     step "ep np=2 allow_multiple_reduction=0 (sharing)" 300 $ONE $R 2 $EP --allow-multiple-reduction 0 \
         --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0 --masked-ratio 0.2
     step "ep np=4 (sharing 1 GPU)" 300 $ONE $R 4 $EP --num-tokens 256 --hidden 2048 --skip-perf-test \
-        --num-create-destroy 2
+        --num-create-destroy 1
     step "ep np=8 (sharing 1 GPU)" 400 $ONE $R 8 $EP --num-tokens 128 --hidden 1024 --skip-perf-test \
         --num-create-destroy 1 --test-first-only
     step "ep np=2 pressure 100 seeds (sharing)" 300 $ONE $R 2 $EP --num-tokens 256 --hidden 1024 \
@@ -123,14 +124,14 @@ ep_lane_shared() {
 }
 ll_lane() {
     local n
-    for n in 2 4 8; do
+    for n in 2 8; do
         step "ll np=$n (sharing 1 GPU)" 300 $ONE $R $n $LL --num-tokens 64 --hidden 2048 --num-experts 64 \
             --skip-perf-test
     done
 }
 legacy_lane() {
     local n
-    for n in 1 2 4 8; do
+    for n in 2 4 8; do
         step "legacy intranode np=$n (sharing 1 GPU)" 300 $ONE $R $n $PY -m deepep_cupy.tests.legacy_intranode \
             --num-tokens 512 --hidden 2048 --skip-perf-test
     done
@@ -171,6 +172,12 @@ deepep_lane() {
     step "DeepEP elastic/test_barrier.py np=1" 300 $ONE $RUN $U/head/tests/elastic/test_barrier.py --num-processes 1
     step "DeepEP elastic/test_pp.py np=2 (sharing)" 300 $ONE $RUN $U/head/tests/elastic/test_pp.py --num-processes 2
     step "DeepEP elastic/test_engram.py np=1" 300 $ONE $RUN $U/head/tests/elastic/test_engram.py --num-processes 1
+    step "DeepEP elastic/test_engram.py --use-fp8 np=1" 300 $ONE $RUN $U/head/tests/elastic/test_engram.py \
+        --num-processes 1 --use-fp8
+}
+deepep_legacy_lane() {
+    local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep"
+    [ -d $U ] || return
     step "DeepEP legacy/test_intranode.py np=1" 400 bash -c "cd $U/head/tests/legacy && CUDA_VISIBLE_DEVICES=0 \
         $RUN test_intranode.py --num-processes 1"
     step "DeepEP legacy/test_low_latency.py np=1" 400 bash -c "cd $U/head/tests/legacy && CUDA_VISIBLE_DEVICES=0 \
@@ -179,8 +186,6 @@ deepep_lane() {
         $RUN test_intranode.py --num-processes 1"
     step "DeepEP v1 test_low_latency.py np=1" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
         $RUN test_low_latency.py --num-processes 1"
-    step "DeepEP elastic/test_engram.py --use-fp8 np=1" 300 $ONE $RUN $U/head/tests/elastic/test_engram.py \
-        --num-processes 1 --use-fp8
 }
 deepep_v25_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep" t
@@ -204,7 +209,12 @@ deepep_v25_lane() {
     step "DeepEP v25 bucket/test_mixed.py np=1" 400 $ONE $RUN $V/bucket/test_mixed.py --num-processes 1 \
         --num-bytes 64M --num-rounds 3 --num-tests 24
     step "DeepEP v25 bucket/test_perf.py np=1" 400 $ONE $RUN $V/bucket/test_perf.py --num-processes 1 \
-        --num-bytes 1M 64M --nccl-profiles auto
+        --num-bytes 1M 16M --nccl-profiles auto
+}
+deepep_v25_np2_lane() {
+    local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep" t
+    [ -d $U ] || return
+    local V=$U/v25/tests
     # Two ranks sharing the GPU (gloo): the programs whose own torch.distributed calls gloo serves (no CUDA
     # all-gather / reduce-scatter / all-to-all references).
     for t in ep/test_ep.py comm/test_barrier.py buffer/test_allocation.py pp/test_pp.py bucket/test_all_reduce.py \
@@ -218,6 +228,19 @@ deepep_v25_lane() {
     step "DeepEP v25 engram/test_engram.py --skip-check --use-cpu-rdma-storage np=2 (sharing)" 300 $ONE $RUN \
         $V/engram/test_engram.py --num-processes 2 --skip-check --use-cpu-rdma-storage
 }
+firsthour_lane() {
+    # The README's commands as a new user runs them on this host (no registry here: --no-deps next to the
+    # preinstalled packages, in a fresh virtual environment that sees them).
+    local V; V=$(mktemp -d)/venv
+    step "firsthour: fresh venv + offline install" 300 bash -c "$PY -m venv --system-site-packages $V && \
+        $V/bin/python -m pip install -q -e . --no-deps --no-build-isolation"
+    step "firsthour: --help without a GPU check" 60 $V/bin/python -m deepep_cupy.tests.ep --help
+    step "firsthour: launch/run_local.sh 2 python -m deepep_cupy.tests.ep" 600 env PATH="$V/bin:$PATH" \
+        $ONE $R 2 python -m deepep_cupy.tests.ep
+    step "firsthour: python -m pytest -q tests -m 'not slow'" 360 $V/bin/python -m pytest -q tests -m "not slow"
+    step "firsthour: no GPU visible (one line expected)" 60 bash -c "! CUDA_VISIBLE_DEVICES= $R 2 \
+        $V/bin/python -m deepep_cupy.tests.barrier"
+}
 launchers_lane() {
     local A="--num-tokens 256 --hidden 2048 --skip-perf-test --num-create-destroy 1"
     step "ep under torchrun np=2 (sharing)" 300 $ONE launch/torchrun.sh 2 -m deepep_cupy.tests.ep $A
@@ -227,29 +250,29 @@ launchers_lane() {
         for p in \${pids[@]}; do wait \$p || rc=1; done; exit \$rc"
 }
 
-# Lanes run at the same time, three or four at a time (more processes time-slicing one GPU only slows every wait).
+# After perf1 (alone), every requested logic lane runs at the same time (the ranks of a lane share the GPU anyway;
+# these runs check results, they time nothing that is reported).
 if want ep; then
-    lane ep_topk ep_lane_topk
-    lane ep_shared ep_lane_shared
+    lane ep_lane_topk
+    lane ep_lane_shared
 fi
-want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll ll_lane
-want legacy && [ -f deepep_cupy/tests/legacy_intranode.py ] && lane legacy legacy_lane
-join
+want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll_lane
+want legacy && [ -f deepep_cupy/tests/legacy_intranode.py ] && lane legacy_lane
 if want coll; then
-    lane coll2 coll_lane 2
-    lane coll4 coll_lane 4
+    for np in ${COLL_NPS-2 4}; do lane coll_lane $np; done
 fi
-want launchers && lane launchers launchers_lane
-join
-want deepep && lane deepep deepep_lane
-want deepep25 && lane deepep_v25 deepep_v25_lane
+want launchers && lane launchers_lane
+# DeepEP's programs rendezvous at MASTER_PORT (default 8361): one port per lane, as they run at the same time.
+want deepep && MASTER_PORT=18361 lane deepep_lane
+want deepep && MASTER_PORT=18461 lane deepep_legacy_lane
+want deepep25 && MASTER_PORT=18561 lane deepep_v25_lane
+want deepep25 && MASTER_PORT=18661 lane deepep_v25_np2_lane
 # DeepEP's gate test (no ranks) runs for minutes: beside the others, bounded.
-want deepep25 && [ -d .upstream ] && lane gate step "DeepEP utils/test_gate.py" 420 $ONE $PY -m deepep_cupy.as_deep_ep \
-    .upstream/head/tests/utils/test_gate.py
+want gate && [ -d .upstream ] && lane step "DeepEP utils/test_gate.py" ${GATE_TIMEOUT:-420} $ONE $PY \
+    -m deepep_cupy.as_deep_ep .upstream/head/tests/utils/test_gate.py
+want pytest && lane step "pytest GPU tests" 400 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
+want firsthour && lane firsthour_lane
 join
-if want pytest; then
-    step "pytest GPU tests" 400 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
-fi
 if want ep && [ "$NGPU" -ge 2 ]; then
     step "ep np=$NGPU (1 rank/GPU)" 420 $R "$NGPU" $EP
     step "ep np=$NGPU pressure (100 seeds)" 300 $R "$NGPU" $EP --num-tokens 512 --hidden 2048 --do-pressure-test \
@@ -267,19 +290,6 @@ if want tune && [ "$NGPU" -ge 2 ]; then
         --skip-error-test --skip-timeout-test
     step "prefetch_weights ring np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.prefetch_weights --pattern ring \
         --skip-check --skip-error-test --skip-timeout-test
-fi
-if want firsthour; then
-    # The README's commands as a new user runs them on this host (no registry here: --no-deps next to the
-    # preinstalled packages, in a fresh virtual environment that sees them).
-    V=$(mktemp -d)/venv
-    step "firsthour: fresh venv + offline install" 300 bash -c "$PY -m venv --system-site-packages $V && \
-        $V/bin/python -m pip install -q -e . --no-deps --no-build-isolation"
-    step "firsthour: --help without a GPU check" 60 $V/bin/python -m deepep_cupy.tests.ep --help
-    step "firsthour: launch/run_local.sh 2 python -m deepep_cupy.tests.ep" 600 env PATH="$V/bin:$PATH" \
-        $ONE $R 2 python -m deepep_cupy.tests.ep
-    step "firsthour: python -m pytest -q tests -m 'not slow'" 600 $V/bin/python -m pytest -q tests -m "not slow"
-    step "firsthour: no GPU visible (one line expected)" 60 bash -c "! CUDA_VISIBLE_DEVICES= $R 2 \
-        $V/bin/python -m deepep_cupy.tests.barrier"
 fi
 echo "=== summary" >> "$LOG"
 cat "$SUMMARY" | tee -a "$LOG"
