@@ -12,7 +12,8 @@
 #              and the same for the pre-refactor snapshot in .baseline/ when it exists (side by side, same run)
 #   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure
 #   ll         low-latency rank program at 2/4/8 ranks sharing the GPUs (and one rank per GPU)
-#   legacy     V1 Buffer (normal mode) rank program, 1 and 2/4/8 ranks
+#   legacy     V1 Buffer (normal mode) rank program, 2/4/8 ranks and the dispatch knobs (legacy1: one rank, alone)
+#   v25        the V2.5 API rank program (EPBuffer + load balancing, BucketBuffer, PPBuffer, EngramBuffer), 1/2/4 ranks
 #   coll       PP, all-gather / reduce-scatter / all-reduce, engram, load balancing, allocation, barrier
 #   deepep     DeepEP's own V2.0 and V1 test programs (.upstream/) through `python -m deepep_cupy.as_deep_ep`
 #   deepep25   DeepEP's V2.5 test programs, the same way
@@ -97,6 +98,16 @@ if want perf1; then
     step "v25 API np=1 (perf)" 240 $ONE $R 1 $PY -m deepep_cupy.tests.v25
 fi
 
+if want legacy1 && [ -f deepep_cupy/tests/legacy_intranode.py ]; then
+    step "legacy intranode np=1 (perf)" 240 $ONE $R 1 $PY -m deepep_cupy.tests.legacy_intranode
+fi
+
+v25_lane() {
+    local n
+    for n in 1 2 4; do
+        step "v25 API np=$n (sharing 1 GPU)" 300 $ONE $R $n $PY -m deepep_cupy.tests.v25 --skip-perf-test
+    done
+}
 ep_lane_topk() {
     local k
     for k in 1 9 32; do
@@ -262,6 +273,7 @@ if want coll; then
     for np in ${COLL_NPS-2 4}; do lane coll_lane $np; done
 fi
 want launchers && lane launchers_lane
+want v25 && [ -f deepep_cupy/tests/v25.py ] && lane v25_lane
 # DeepEP's programs rendezvous at MASTER_PORT (default 8361): one port per lane, as they run at the same time.
 want deepep && MASTER_PORT=18361 lane deepep_lane
 want deepep && MASTER_PORT=18461 lane deepep_legacy_lane

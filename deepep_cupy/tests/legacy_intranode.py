@@ -255,7 +255,7 @@ def main(argv=None) -> int:
             log(f'[check] get_dispatch_layout and {n} dispatch modes (+ num_worst_tokens, cached, combine) bitwise '
                 f'equal to the references ({time.perf_counter() - t0:.1f} s)')
         if not args.skip_scenario_test:
-            for line in legacy_scenarios.run_all(buf, group, args, Case, run_modes, check_dispatch):
+            for line in legacy_scenarios.run_all(buf, group, args):
                 log(line)
         if not args.skip_error_test:
             tried = legacy_scenarios.test_errors(buf, case)

@@ -204,10 +204,11 @@ def test_ep_and_lb(group, rank: int, R: int, args) -> int:
             check_equal(combined, case.expected_combined(0, True), f'EPBuffer combine (defer_epilogue={defer})')
             check_equal(combined_w, case.topk_weights, 'EPBuffer combined_topk_weights')
             num_checked += 3
+        # Zero padding: the alignment gaps are otherwise unspecified (whatever the allocation held).
         ref = ref_buf.dispatch(case.x_fp8, case.topk_idx, case.topk_weights, num_experts=case.E, do_expand=True,
-                               expert_alignment=128)
+                               expert_alignment=128, do_zero_padding=True)
         got = buf.dispatch(case.x_fp8, case.topk_idx, case.topk_weights, num_experts=case.E, do_expand=True,
-                           expert_alignment=128)
+                           expert_alignment=128, do_zero_padding=True)
         for i, (a, b) in enumerate(zip((*got[0], got[2]), (*ref[0], ref[2]))):
             check_equal(a, b, f'EPBuffer expanded FP8 dispatch output {i} vs ElasticBuffer')
         check_equal(pool.cpu(), want_pool, 'the LB pool after dispatch / combine (regions do not overlap)')
