@@ -7,7 +7,9 @@ Python process it starts (`torch.multiprocessing.spawn` children, subprocesses).
 The program runs as `__main__` with `sys.argv` and `sys.path[0]` as `python SCRIPT` / `python -m MODULE` would set
 them. Child processes get `deep_ep` through a bootstrap directory put first on `PYTHONPATH` (and on `sys.path`, which
 spawned children copy). With a real DeepEP installed the runner refuses unless `--force` (or
-`DEEPEP_CUPY_SHADOW_DEEP_EP=1`) is given.
+`DEEPEP_CUPY_SHADOW_DEEP_EP=1`) is given. On a torch older than 2.12 the runner also gives `torch.distributed` the
+`all_gather_single` / `reduce_scatter_single` names DeepEP's V2.5 programs call (aliases of `all_gather_into_tensor` /
+`reduce_scatter_tensor`).
 """
 
 import os
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
     if module is None and not argv:
         return _usage_error('no program given')
 
-    from .deep_ep_alias import BOOTSTRAP_DIR, install_as_deep_ep
+    from .deep_ep_alias import BOOTSTRAP_DIR, TORCH_COMPAT_ENV, install_as_deep_ep, torch_compat
     if force:
         os.environ['DEEPEP_CUPY_SHADOW_DEEP_EP'] = '1'      # children inherit the decision
     try:
@@ -58,6 +60,10 @@ def main(argv=None) -> int:
     # Children import deep_ep from the bootstrap, which imports deepep_cupy: from a checkout (not installed), the
     # directory holding the package must travel too.
     extra = [BOOTSTRAP_DIR, *_package_root_if_not_installed()]
+    # DeepEP's V2.5 programs call torch.distributed names of torch 2.12+: alias them on an older torch, here and in
+    # the children (see deep_ep_alias.torch_compat).
+    os.environ[TORCH_COMPAT_ENV] = '1'
+    torch_compat()
     os.environ['PYTHONPATH'] = os.pathsep.join([*extra, *filter(None, [os.environ.get('PYTHONPATH')])])
     sys.path[0] = os.getcwd() if module is not None else os.path.dirname(os.path.abspath(argv[0]))
     sys.path[1:1] = extra

@@ -198,3 +198,22 @@ def uninstall_deep_ep() -> None:
         sys.meta_path.remove(_finder)
     for name in [n for n in sys.modules if n == ALIAS or n.startswith(ALIAS + '.')]:
         del sys.modules[name]
+
+
+# Environment variable the runner sets so that its child processes apply `torch_compat()` too.
+TORCH_COMPAT_ENV = 'DEEPEP_CUPY_TORCH_COMPAT'
+
+
+def torch_compat() -> None:
+    """Give an older torch the `torch.distributed` names DeepEP's V2.5 test programs call: `all_gather_single` and
+    `reduce_scatter_single` (torch 2.12+) as aliases of `all_gather_into_tensor` / `reduce_scatter_tensor`, which take
+    the same arguments. Only names torch lacks are added; nothing happens without torch. The runner
+    (`python -m deepep_cupy.as_deep_ep`) applies it in the program and in its child processes; library code never."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    for name, same in (('all_gather_single', 'all_gather_into_tensor'),
+                       ('reduce_scatter_single', 'reduce_scatter_tensor')):
+        if not hasattr(dist, name) and hasattr(dist, same):
+            setattr(dist, name, getattr(dist, same))

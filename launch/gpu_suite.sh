@@ -243,8 +243,14 @@ firsthour_lane() {
     # The README's commands as a new user runs them on this host (no registry here: --no-deps next to the
     # preinstalled packages, in a fresh virtual environment that sees them).
     local V; V=$(mktemp -d)/venv
+    # The preinstalled packages live in a virtual environment of their own on the GPU machine (python3 is
+    # /opt/torch/.venv/bin/python3), which --system-site-packages does not reach: a .pth file points the fresh venv at
+    # the site-packages of the interpreter that made it.
     step "firsthour: fresh venv + offline install" 300 bash -c "$PY -m venv --system-site-packages $V && \
-        $V/bin/python -m pip install -q -e . --no-deps --no-build-isolation"
+        $PY -c 'import site; print(chr(10).join(site.getsitepackages()))' > \
+        \$($V/bin/python -c 'import site; print(site.getsitepackages()[0])')/preinstalled.pth && \
+        $V/bin/python -m pip install -q -e . --no-deps --no-build-isolation && \
+        $V/bin/python -c 'import numpy, cupy, torch, mpi4py, pytest; print(\"fresh venv sees the preinstalled packages\")'"
     step "firsthour: --help without a GPU check" 60 $V/bin/python -m deepep_cupy.tests.ep --help
     step "firsthour: launch/run_local.sh 2 python -m deepep_cupy.tests.ep" 600 env PATH="$V/bin:$PATH" \
         $ONE $R 2 python -m deepep_cupy.tests.ep

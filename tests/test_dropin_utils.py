@@ -35,10 +35,12 @@ def fake_tools(monkeypatch):
     outputs = {}
     monkeypatch.setattr(utils_envs, '_run', lambda args: outputs.get(args[0]))
     monkeypatch.setattr(nvlink, '_run', lambda args: outputs.get(args[0]))
-    for f in (utils_envs.get_rdma_gbs, utils_envs.get_nvlink_gbs, utils_envs.check_fast_rdma_atomic_support):
+    caches = (utils_envs.get_rdma_gbs, utils_envs.get_nvlink_gbs, nvlink.get_nvlink_gbs,
+              utils_envs.check_fast_rdma_atomic_support)
+    for f in caches:
         f.cache_clear()
     yield outputs
-    for f in (utils_envs.get_rdma_gbs, utils_envs.get_nvlink_gbs, utils_envs.check_fast_rdma_atomic_support):
+    for f in caches:
         f.cache_clear()
 
 
@@ -53,6 +55,7 @@ def test_rdma_gbs_and_fallbacks(fake_tools):
     fake_tools.clear()
     utils_envs.get_rdma_gbs.cache_clear()
     utils_envs.get_nvlink_gbs.cache_clear()
+    nvlink.get_nvlink_gbs.cache_clear()
     assert utils_envs.get_rdma_gbs() == utils_envs.FALLBACK_LINK_GBS > 0     # never 0: DeepEP's test_pp divides by it
     assert utils_envs.get_sm_read_gbs() == 180 and utils_envs.get_sm_write_gbs() == 45
 
@@ -178,3 +181,26 @@ def test_math_deepep_semantics():
     x = torch.randn(4, 256)
     q, sf = m.per_token_cast_to_fp8(x)
     assert torch.equal(m.per_token_cast_back(q, x_scales=sf), m.per_token_cast_back(q, sf))
+
+
+def test_nvlink_gbs_never_zero(fake_tools):
+    """No NVLink reported: DeepEP's perf lines divide by get_nvlink_gbs(), so ours falls back to a nominal link; the
+    runtime probe the library uses stays exact."""
+    assert nvlink.get_nvlink_gbs() == 0.0
+    assert utils_envs.get_nvlink_gbs() == pytest.approx(utils_envs.FALLBACK_LINK_GBS * 0.9)
+    fake_tools['nvidia-smi'] = 'GPU 0: NVIDIA H200 (UUID: x)\n\t Link 0: 26.562 GB/s\n'
+    utils_envs.get_nvlink_gbs.cache_clear()
+    nvlink.get_nvlink_gbs.cache_clear()
+    assert utils_envs.get_nvlink_gbs() == pytest.approx(26.562 * 0.9)
+
+
+def test_torch_compat_aliases(monkeypatch):
+    """The runner's torch.distributed aliases for DeepEP's V2.5 programs: added only where torch lacks the names."""
+    dist = pytest.importorskip('torch.distributed')
+    from deepep_cupy.deep_ep_alias import torch_compat
+    for name in ('all_gather_single', 'reduce_scatter_single'):
+        if hasattr(dist, name):
+            monkeypatch.delattr(dist, name)
+    torch_compat()
+    assert dist.all_gather_single is dist.all_gather_into_tensor
+    assert dist.reduce_scatter_single is dist.reduce_scatter_tensor

@@ -249,8 +249,12 @@ class ElasticBuffer(BufferBase):
     get_pp_buffer_size_hint = staticmethod(get_pp_buffer_size_hint)
 
     @_doc(PP.set_config)
-    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int, num_qps: int = 0) -> None:
+        # `num_qps` (DeepEP's RDMA queue pairs for PP) has no meaning over NVLink: it is recorded as `num_pp_qps`
+        # (0: the buffer's `num_allocated_qps`), capped at `num_allocated_qps` as upstream does.
+        check_int('num_qps', num_qps)
         self._pp_feature().set_config(num_max_tensor_bytes, num_max_inflight_tensors)
+        self.num_pp_qps = min(num_qps or self.num_allocated_qps, self.num_allocated_qps)
 
     @_doc(PP.send)
     def pp_send(self, x, dst_rank_idx: int, num_sms: int = 0, previous_event=None,

@@ -98,7 +98,7 @@ def test_buckets(group, rank: int, R: int, seed: int) -> int:
                         f'all_gather {dt} from outside the storage')
             bucket.view(R, 48)[rank].copy_(mine + 1)
             check_equal(buf.all_gather(bucket.view(R, 48)[rank]).wait().cpu(),
-                        torch.cat([(torch.arange(48) + 100 * r + 1).to(dt) for r in range(R)]), f'all_gather {dt}')
+                        torch.cat([(torch.arange(48) + 100 * r).to(dt) + 1 for r in range(R)]), f'all_gather {dt}')
             num_checked += 2
         num_checked += test_session(buf, group, rank, R, gen)
         tried = []

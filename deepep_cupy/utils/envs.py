@@ -26,8 +26,9 @@ from typing import List, Optional, Tuple
 
 from .. import envs as lib_envs
 from ..runtime import group as group_mod
+from ..runtime import nvlink as _nvlink
 from ..runtime.group import ProcessGroup
-from ..runtime.nvlink import get_nvlink_gbs, parse_nvlink_gbs  # noqa: F401  (re-exported: DeepEP's names)
+from ..runtime.nvlink import parse_nvlink_gbs  # noqa: F401  (re-exported: DeepEP's name)
 from ..runtime.topology import get_logical_domain_size, get_physical_domain_size
 
 __all__ = ['init_dist', 'init_seed', 'get_local_seed', 'get_global_seed', 'dist_print', 'get_nvlink_gbs',
@@ -355,7 +356,7 @@ def get_rdma_gbs(nic_name: str = 'mlx5_0') -> float:
     rate = None if text is None else parse_ibstat_rate(text, nic_name)
     if rate is not None:
         return rate / 8
-    return get_nvlink_gbs() or FALLBACK_LINK_GBS
+    return _nvlink.get_nvlink_gbs() or FALLBACK_LINK_GBS
 
 
 @functools.lru_cache
@@ -402,3 +403,17 @@ class EnvOverride:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@functools.lru_cache
+def get_nvlink_gbs(factor: float = 0.9) -> float:
+    """Usable NVLink bandwidth of one GPU: the sum of its links' GB/s (first GPU of `nvidia-smi nvlink -s`) × `factor`.
+
+    Without NVLink (a single GPU, PCIe GPUs, no nvidia-smi) this returns `FALLBACK_LINK_GBS` × `factor`, not 0 as
+    DeepEP does: DeepEP's test programs divide by it in their performance lines. The library's own SM heuristics read
+    the exact figure (`deepep_cupy.runtime.nvlink`).
+
+    Args:
+        factor: the fraction of the link rate a kernel can reach.
+    """
+    return _nvlink.get_nvlink_gbs(factor) or FALLBACK_LINK_GBS * factor

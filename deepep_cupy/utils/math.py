@@ -123,16 +123,25 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor,
         raise TypeError(f'x_scales must be a torch.Tensor, got {type(sf).__name__}')
     num_tokens, hidden = x_fp8.shape
     num_groups = ceil_div(hidden, FP8_GROUP_SIZE)
-    if sf.dtype == torch.int32:
-        if tuple(sf.shape) != (num_tokens, ceil_div(num_groups, 4)):
-            raise ValueError(f'x_scales (packed UE8M0) must be [{num_tokens}, {ceil_div(num_groups, 4)}], '
-                             f'got {tuple(sf.shape)}')
-        exponent_bytes = sf.contiguous().view(torch.uint8)[:, :num_groups].to(torch.int32)
+    # Any shape holding the scales token by token works, as upstream (it views them as `[num_tokens, -1]`): DeepEP's
+    # low-latency test passes packed UE8M0 scales `[L, T, H/512]` viewed as `(-1, H/128)`.
+    if num_tokens == 0:
+        scales = torch.empty((0, num_groups), dtype=torch.float32, device=x_fp8.device)
+    elif sf.dtype == torch.int32:
+        exponent_bytes = sf.contiguous().view(torch.uint8).reshape(-1)
+        if exponent_bytes.numel() % max(1, num_tokens) or exponent_bytes.numel() // max(1, num_tokens) < num_groups:
+            raise ValueError(f'x_scales (packed UE8M0) must hold at least {num_groups} exponent bytes per token for '
+                             f'{num_tokens} tokens, got shape {tuple(sf.shape)}')
+        exponent_bytes = exponent_bytes.view(num_tokens, -1)[:, :num_groups].to(torch.int32)
         scales = (exponent_bytes << 23).view(torch.float32)
     elif sf.dtype == torch.float32:
-        if tuple(sf.shape) != (num_tokens, num_groups):
-            raise ValueError(f'x_scales must be [{num_tokens}, {num_groups}], got {tuple(sf.shape)}')
-        scales = sf
+        if tuple(sf.shape) == (num_tokens, num_groups):
+            scales = sf
+        elif sf.numel() == num_tokens * num_groups:
+            scales = sf.reshape(num_tokens, num_groups)
+        else:
+            raise ValueError(f'x_scales must be [{num_tokens}, {num_groups}] (or hold that many scales token by '
+                             f'token), got {tuple(sf.shape)}')
     else:
         raise TypeError(f'x_scales must be float32 scales or int32 packed UE8M0 factors, got dtype {sf.dtype}')
 

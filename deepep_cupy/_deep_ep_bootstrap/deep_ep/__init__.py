@@ -3,6 +3,10 @@ the program and in every Python process it starts gives deepep_cupy (this module
 
 __deepep_cupy_bootstrap__ = True
 
-from deepep_cupy.deep_ep_alias import install_as_deep_ep  # noqa: E402
+import os  # noqa: E402
+
+from deepep_cupy.deep_ep_alias import TORCH_COMPAT_ENV, install_as_deep_ep, torch_compat  # noqa: E402
 
 install_as_deep_ep()
+if os.environ.get(TORCH_COMPAT_ENV) == '1':     # set by the runner
+    torch_compat()
