@@ -431,9 +431,9 @@ def test_cached_dispatch_and_combine(monkeypatch, inputs):
     combined, combined_w, event = buf.combine(recv_x, handle, topk_weights=recv_w, bias=(x, x))
     assert combined.shape == (300, H) and combined_w.shape == (300, K)
     launch = world.launch('combine_impl')
-    # config.num_sms caps the combine's SMs, senders and reducers together (half send).
-    assert launch.args['weights_over_ranks'] == 1 and launch.args['num_send_blocks'] == Buffer.num_sms // 2
-    assert launch.grid <= Buffer.num_sms
+    # config.num_sms SMs send (DeepEP's meaning); the reducers take the SMs left.
+    assert launch.args['weights_over_ranks'] == 1 and launch.args['num_send_blocks'] == Buffer.num_sms
+    assert launch.grid > Buffer.num_sms
     # previous_event alone is legal (vLLM's dual-batch overlap), V2's rule does not apply.
     buf.combine(recv_x, handle, previous_event=fake_event())
     buf.dispatch(x, topk_idx=idx, topk_weights=w, previous_event=fake_event(), **_layout_args(inputs))

@@ -232,9 +232,9 @@ class ElasticBuffer(BufferBase):
             topk_weights: float32 `[num_recv_tokens, num_topk]` (non-expanded) or `[num_expanded_tokens]` (expanded);
                 the result's combined_topk_weights[t][k] is the value returned for slot k by its owner.
             bias: None, a tensor or a tuple of up to two bfloat16 `[num_tokens, hidden]` tensors added in FP32.
-            num_sms: SMs the combine takes, senders and reducers together (half send; at least 2 with several
-                ranks), for overlapping compute with it. 0: the dispatch's `num_sms` send and the SMs they leave (as
-                many as the reduction can use) reduce what arrives, in the same launch.
+            num_sms: SMs that send (0: the dispatch's `num_sms`), DeepEP's meaning; the SMs they leave (as many as
+                the reduction can use) reduce what arrives, in the same launch, as DeepEP's reduce epilogue takes
+                the whole GPU. One rank sends nothing: every block reduces.
             previous_event, async_with_compute_stream, allocate_on_comm_stream: as in `dispatch`.
 
         Returns:

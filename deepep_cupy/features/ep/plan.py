@@ -410,18 +410,18 @@ class CombinePlan:
 def combine_blocks(num_sms: int, dispatch_num_sms: int, num_ranks: int, num_tokens: int, hidden: int,
                    num_device_sms: int) -> Tuple[int, int]:
     """`(sending, reducing)` blocks of a combine (one launch, one block per SM, all co-resident; the reducers sum
-    each token once its chunks arrived). With `num_sms` given, both roles together take at most `num_sms` SMs (half
-    send; at least one of each with several ranks), for callers that overlap compute with the combine. With 0: the
-    dispatch's `num_sms` send and the SMs they leave reduce (as many as the reduction can use). One rank sends
-    nothing (its own partials never leave it): every block reduces."""
-    cap = min(num_sms, num_device_sms) if num_sms else num_device_sms
+    each token once its chunks arrived). `num_sms` (0: the dispatch's) is DeepEP's: the SMs that communicate; the
+    reducers take the SMs the senders leave (as many as the reduction can use), as DeepEP's reduce epilogue takes the
+    whole GPU. One rank sends nothing (its own partials never leave it): every block reduces.
+
+    Capping the reducers by `num_sms` too (tried this session) made a combine with the SM count DeepEP's programs and
+    vLLM pass (its `get_theoretical_num_sms`) up to 60x slower at one rank (4 SMs) and halved the senders on two:
+    measured on 1xH200 with DeepEP's tests/elastic/test_ep.py (combine 3634 us at 4096 tokens)."""
     if num_ranks == 1:
         num_send = 0
-    elif num_sms:
-        num_send = max(1, cap // 2)
     else:
-        num_send = min(dispatch_num_sms, num_device_sms - 1)
-    num_reduce = max(1, min(cap - num_send, epilogue_blocks(num_tokens, 2 * hidden, num_device_sms)))
+        num_send = max(1, min(num_sms or dispatch_num_sms, num_device_sms - 1))
+    num_reduce = max(1, min(num_device_sms - num_send, epilogue_blocks(num_tokens, 2 * hidden, num_device_sms)))
     return num_send, num_reduce
 
 
