@@ -364,7 +364,7 @@ def test_lb_reduce_check_accepts_valid_arguments():
     assert call.pairs[0].pool_offset == 2 * MiB and call.pairs[0].num_bytes_per_expert == 256
     assert call.pairs[0].src is grads and call.host_mapping.dtype == np.int32
     assert buf._lb.check('reduce', pool, grads, mapping, 0).num_sms == lb.theoretical_num_sms(
-        __import__('deepep_cupy.utils.envs', fromlist=['x']).get_nvlink_gbs(), 132)
+        __import__('deepep_cupy.runtime.nvlink', fromlist=['x']).get_nvlink_gbs(), 132)
 
 
 def test_lb_reduce_check_rejects_bad_arguments():

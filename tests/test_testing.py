@@ -160,13 +160,22 @@ def test_parse_nvlink_gbs():
     assert utils_envs.parse_nvlink_gbs('GPU 0: PCIe card (UUID: x)\n') == 0.0
 
 
-def test_get_nvlink_gbs_without_nvidia_smi(monkeypatch, tmp_path):
-    monkeypatch.setenv('PATH', str(tmp_path))
+def _clear_nvlink_caches():
+    from deepep_cupy.runtime import nvlink
     utils_envs.get_nvlink_gbs.cache_clear()
+    nvlink.get_nvlink_gbs.cache_clear()
+
+
+def test_get_nvlink_gbs_without_nvidia_smi(monkeypatch, tmp_path):
+    """No nvidia-smi: the library's probe reads 0, DeepEP's utility a nominal link (its programs divide by it)."""
+    from deepep_cupy.runtime import nvlink
+    monkeypatch.setenv('PATH', str(tmp_path))
+    _clear_nvlink_caches()
     try:
-        assert utils_envs.get_nvlink_gbs() == 0.0
+        assert nvlink.get_nvlink_gbs() == 0.0
+        assert utils_envs.get_nvlink_gbs() == pytest.approx(utils_envs.FALLBACK_LINK_GBS * 0.9)
     finally:
-        utils_envs.get_nvlink_gbs.cache_clear()
+        _clear_nvlink_caches()
 
 
 def test_get_nvlink_gbs_with_fake_nvidia_smi(monkeypatch, tmp_path):
@@ -174,12 +183,12 @@ def test_get_nvlink_gbs_with_fake_nvidia_smi(monkeypatch, tmp_path):
     script.write_text(f'#!/bin/sh\ncat <<"EOF"\n{NVLINK_OUTPUT}EOF\n')
     script.chmod(0o755)
     monkeypatch.setenv('PATH', f'{tmp_path}{os.pathsep}{os.environ["PATH"]}')
-    utils_envs.get_nvlink_gbs.cache_clear()
+    _clear_nvlink_caches()
     try:
         assert utils_envs.get_nvlink_gbs() == pytest.approx((26.562 * 2 + 50) * 0.9)
         assert utils_envs.get_nvlink_gbs(1.0) == pytest.approx(26.562 * 2 + 50)
     finally:
-        utils_envs.get_nvlink_gbs.cache_clear()
+        _clear_nvlink_caches()
 
 
 # GPU
