@@ -246,7 +246,7 @@ firsthour_lane() {
     # The preinstalled packages live in a virtual environment of their own on the GPU machine (python3 is
     # /opt/torch/.venv/bin/python3), which --system-site-packages does not reach: a .pth file points the fresh venv at
     # the site-packages of the interpreter that made it.
-    step "firsthour: fresh venv + offline install" 300 bash -c "$PY -m venv --system-site-packages $V && \
+    step "firsthour: fresh venv + offline install" 300 bash -c "$PY -m venv --without-pip --system-site-packages $V && \
         $PY -c 'import site; print(chr(10).join(site.getsitepackages()))' > \
         \$($V/bin/python -c 'import site; print(site.getsitepackages()[0])')/preinstalled.pth && \
         $V/bin/python -m pip install -q -e . --no-deps --no-build-isolation && \
