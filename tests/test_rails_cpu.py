@@ -1,0 +1,439 @@
+"""Rails and their transports without a GPU (runtime/rails.py): the rail topology and its layout check, the per-rail
+unique-id exchange over a fake world group, exchange plans, the NCCL transport's calls against fake communicators
+(every rail peer issues matching groups, sends and receives, headers included) and the IPC loopback transport's
+copies and flags against a simulated stream of every rank. Both transports then carry real bytes: the host reference
+of the pack kernel writes the rail send regions (features/hybrid/messages.py), the transport moves them, the host
+reference of the forward kernel writes the scale-up slots, and every slot equals what the dispatch reference says."""
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from deepep_cupy.features.hybrid import layout as hlay
+from deepep_cupy.features.hybrid import messages
+from deepep_cupy.features.hybrid import reference as href
+from deepep_cupy.runtime import rails
+from deepep_cupy.runtime.group import ProcessGroup
+
+
+class WorldView(ProcessGroup):
+    """Rank `rank` of a world whose other ranks contribute `others(r, obj)` to every all-gather."""
+
+    def __init__(self, rank, size, others, hosts=None):
+        super().__init__(rank, size)
+        self.others, self.calls = others, 0
+        self.host_of_rank = list(hosts) if hosts is not None else [0] * size
+
+    def allgather_object(self, obj, timeout=None):
+        self.calls += 1
+        return [obj if r == self.rank else self.others(r, obj) for r in range(self.size)]
+
+
+# ---- topology -------------------------------------------------------------------------------------------------------
+def test_rail_topology_of_a_node_major_job():
+    t = rails.rail_topology(8, 2, 5, host_of_rank=['a'] * 4 + ['b'] * 4)
+    assert (t.num_domains, t.domain_idx, t.scaleup_idx) == (4, 2, 1)
+    assert t.rail_ranks == (1, 3, 5, 7) and t.peer_domains == [0, 1, 3] and t.rail_rank_of(3) == 7
+    # Several domains per host are fine (DEEPEP_CUPY_SCALEUP_SIZE), one domain over two hosts is not
+    rails.rail_topology(4, 1, 0, host_of_rank=['a', 'a', 'b', 'b'])
+    with pytest.raises(ValueError, match='node-major: domain 0 .* rank 1 is on'):
+        rails.rail_topology(4, 2, 0, host_of_rank=['a', 'b', 'a', 'b'])
+    with pytest.raises(ValueError, match='not consecutive'):
+        rails.rail_topology(4, 1, 0, host_of_rank=['a', 'b', 'a', 'b'])
+    with pytest.raises(ValueError, match='cannot form scale-up domains'):
+        rails.rail_topology(6, 4, 0)
+
+
+def test_rail_group_and_unique_ids():
+    N, R = 3, 2
+    made = []
+
+    def others(r, obj):                   # what rank r contributes: an id when it is first on its rail
+        return f'id-of-{r}'.encode() if r < R else None
+
+    for g in range(N * R):
+        world = WorldView(g, N * R, others, hosts=[r // R for r in range(N * R)])
+        top = rails.rail_topology(N * R, R, g)
+        uid = rails.exchange_rail_unique_ids(world, top, lambda g=g: made.append(g) or f'id-of-{g}'.encode())
+        assert uid == f'id-of-{g % R}'.encode() and world.calls == 1
+        group = rails.RailGroup(world, top.rail_ranks)
+        assert (group.rank, group.size, group.host_of_rank) == (g // R, N, [0, 1, 2])
+        assert group.allgather_object('x') == ['x' if gg == g else others(gg, 'x') for gg in top.rail_ranks]
+    assert made == list(range(R))         # only each rail's first rank made an id
+
+
+def test_unique_id_from_cupy_without_a_gpu():
+    nccl = pytest.importorskip('cupy.cuda.nccl')
+    world = WorldView(0, 2, lambda r, obj: None)
+    uid = rails.exchange_rail_unique_ids(world, rails.rail_topology(2, 1, 0), nccl.get_unique_id)
+    assert len(uid) == 128
+
+
+# ---- plans -----------------------------------------------------------------------------------------------------------
+def _layout(N, R, M=6, hidden=16, K=4):
+    return hlay.HybridLayout(N, R, M, hidden, K, True, data_offset=0)
+
+
+def test_plan_exchange_static_exact_and_chunked():
+    lay = _layout(3, 2)
+    areas = lay.rail_areas('data')
+    top = rails.rail_topology(6, 2, 3)                  # domain 1, rail 1
+    cap = areas.region_bytes - rails.HEADER_BYTES
+    static = rails.plan_exchange(top, areas, 'dispatch', {0: cap, 2: cap}, {0: cap, 2: cap})
+    assert static.num_chunks == 1 and static.peers == [0, 2]
+    assert [(o.peer, o.kind, o.num_bytes) for o in static.ops] == [(0, 'send', areas.region_bytes),
+                                                                    (0, 'recv', areas.region_bytes),
+                                                                    (2, 'send', areas.region_bytes),
+                                                                    (2, 'recv', areas.region_bytes)]
+    send0 = static.ops[0]
+    assert send0.offset == areas.send_region(1, 0) and send0.peer_offset == areas.recv_region(0, 1)
+    exact = rails.plan_exchange(top, areas, 'dispatch', {0: 0, 2: 32}, {0: 48, 2: 0}, chunk_bytes=32)
+    assert exact.num_chunks == -(-areas.region_bytes // 32)
+    sizes = [(o.chunk, o.peer, o.kind, o.num_bytes) for o in exact.ops]
+    # Every transfer carries at least its header; chunk c exists while the transfer reaches c * 32
+    assert sizes == [(0, 0, 'send', 16), (0, 0, 'recv', 32), (0, 2, 'send', 32), (0, 2, 'recv', 16),
+                     (1, 0, 'recv', 32), (1, 2, 'send', 16)]
+    with pytest.raises(ValueError, match='every peer domain'):
+        rails.plan_exchange(top, areas, 'dispatch', {0: 0}, {0: 0, 2: 0})
+    with pytest.raises(ValueError, match='multiple of 16 fitting'):
+        rails.plan_exchange(top, areas, 'dispatch', {0: cap + 16, 2: 0}, {0: 0, 2: 0})
+    with pytest.raises(ValueError, match='chunk_bytes'):
+        rails.plan_exchange(top, areas, 'dispatch', {0: 0, 2: 0}, {0: 0, 2: 0}, chunk_bytes=24)
+
+
+# ---- a fake NCCL world ----------------------------------------------------------------------------------------------
+class FakeRailNccl:
+    """The NCCL of one rail: per member a module (groupStart / groupEnd) and a communicator that record calls."""
+    NCCL_UINT8 = 7
+
+    def __init__(self, num_domains):
+        self.calls = {m: [] for m in range(num_domains)}
+        self.aborted, self.destroyed = [], []
+
+    def member(self, domain):
+        rail = self
+
+        class Module:
+            NCCL_UINT8 = FakeRailNccl.NCCL_UINT8
+
+            @staticmethod
+            def groupStart():
+                rail.calls[domain].append(('start',))
+
+            @staticmethod
+            def groupEnd():
+                rail.calls[domain].append(('end',))
+
+            @staticmethod
+            def get_unique_id():
+                return b'u' * 128
+
+            @staticmethod
+            def NcclCommunicator(size, uid, rank):
+                assert (size, uid, rank) == (len(rail.calls), b'u' * 128, domain)
+                return Comm()
+
+        class Comm:
+            def send(self, ptr, n, dtype, peer, stream):
+                rail.calls[domain].append(('send', ptr, n, dtype, peer, stream))
+
+            def recv(self, ptr, n, dtype, peer, stream):
+                rail.calls[domain].append(('recv', ptr, n, dtype, peer, stream))
+
+            def abort(self):
+                rail.aborted.append(domain)
+
+            def destroy(self):
+                rail.destroyed.append(domain)
+
+        return Module, Comm()
+
+    def run(self):
+        """Check the calls match as NCCL needs them, then move the bytes (ctypes.memmove between host buffers)."""
+        ops = {}
+        groups = set()
+        for m, calls in self.calls.items():
+            group, inside = -1, False
+            for c in calls:
+                if c[0] == 'start':
+                    assert not inside, f'domain {m}: nested group'
+                    group, inside = group + 1, True
+                elif c[0] == 'end':
+                    assert inside, f'domain {m}: groupEnd without groupStart'
+                    inside = False
+                else:
+                    assert inside, f'domain {m}: {c[0]} outside a group'
+                    kind, ptr, n, dtype, peer, _ = c
+                    assert dtype == self.NCCL_UINT8 and n >= rails.HEADER_BYTES
+                    key = (m, peer) if kind == 'send' else (peer, m)
+                    ops.setdefault((kind,) + key, []).append((group, ptr, n))
+            assert not inside
+            groups.add(group)
+        assert len(groups) == 1, f'rail peers issued different numbers of groups: {groups}'
+        pairs = {k[1:] for k in ops}
+        for a, b in pairs:
+            sends, recvs = ops.get(('send', a, b), []), ops.get(('recv', a, b), [])
+            assert [(g, n) for g, _, n in sends] == [(g, n) for g, _, n in recvs], f'{a} -> {b} do not match'
+            for (_, src, n), (_, dst, _) in zip(sends, recvs):
+                ctypes.memmove(dst, src, n)
+        return groups.pop() + 1          # the number of groups every rail peer issued
+
+
+def _job(N, R, seed=3, M=6, hidden=16, K=4, L=2):
+    rng = np.random.default_rng(seed)
+    W, E = N * R, N * R * L
+    topk = []
+    for g in range(W):
+        T = 0 if g == 1 else int(rng.integers(1, M + 1))
+        t = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)]) if T else np.zeros((0, K), np.int64)
+        topk.append(np.where(rng.random(t.shape) < 0.2, -1, t).astype(np.int64))
+    shape = href.HybridShape(N, R, E, M, K)
+    x = [rng.integers(0, 256, (t.shape[0], 2 * hidden), dtype=np.uint8) for t in topk]
+    sf = [rng.integers(0, 2 ** 32, (t.shape[0], 1), dtype=np.uint32) for t in topk]
+    w = [rng.random(t.shape, dtype=np.float32) for t in topk]
+    return shape, topk, x, sf, w, _layout(N, R, M, hidden, K)
+
+
+def _check_forwarded(shape, lay, d, bufs, x, sf, w, metas):
+    """Every slot the forwarders wrote holds the token the reference puts there, byte for byte."""
+    _, scaleup = messages.formats(lay, 1, x[0].shape[1])
+    for rank in range(shape.num_ranks):
+        m = shape.domain_of(rank)
+        for src in range(shape.num_ranks):
+            n, r = shape.domain_of(src), shape.scaleup_idx_of(src)
+            if n == m:
+                continue                          # the own domain's regions come from the NVLink path
+            rt = d.routings[src]
+            tokens = np.nonzero(rt.send_pos[:, rank] >= 0)[0]
+            for t in tokens:
+                got = scaleup.unpack(bufs[rank], lay.scaleup_region_offset(n, r) +
+                                     int(rt.send_pos[t, rank]) * lay.message_bytes)
+                assert got['src_token_idx'] == t and np.array_equal(got['expert_ids'], rt.topk_idx[t])
+                assert np.array_equal(got['expert_pos'], rt.send_expert_pos[t])
+                assert np.array_equal(got['weights'], w[src][t]) and np.array_equal(got['sf'], sf[src][t])
+                assert np.array_equal(got['hidden'], x[src][t])
+        f_meta = metas[rank]
+        for n in range(shape.num_domains):
+            if n != m:
+                assert np.array_equal(f_meta[n], d.token_metadata_at_forward[rank][n])
+
+
+def _notify_and_dispatch(shape, lay, d, bufs, x, sf, w, exchange, exact):
+    """The rail part of a dispatch on every rank: pack notify, exchange, check; pack data, exchange, forward."""
+    W = shape.num_ranks
+    tops = [rails.rail_topology(W, shape.num_scaleup_ranks, g) for g in range(W)]
+    plans = []
+    for g in range(W):
+        payload = messages.pack_notify(lay, d, g, bufs[g], epoch=1)
+        plans.append(rails.plan_exchange(tops[g], lay.rail_areas('notify'), 'notify', payload, payload))
+    exchange(plans)
+    areas = lay.rail_areas('notify')
+    for g in range(W):
+        m, r = divmod(g, shape.num_scaleup_ranks)
+        for n in tops[g].peer_domains:
+            off = areas.recv_region(m, n)
+            count, epoch, kind = messages.read_header(bufs[g], off)
+            block = bufs[g][off + 16:off + 16 + 4 * count].view(np.int32)
+            assert (epoch, kind) == (1, hlay.KIND_NOTIFY)
+            assert np.array_equal(block, d.routings[n * shape.num_scaleup_ranks + r].notify_blocks[m].ravel())
+    data = lay.rail_areas('data')
+    plans = []
+    for g in range(W):
+        sent = messages.pack_dispatch(lay, d, g, bufs[g], x[g], w[g], sf[g], epoch=2)
+        if exact:            # what the notify told both ends: tokens from each rail peer
+            rail_msg = messages.formats(lay, 1, x[0].shape[1])[0].bytes
+            m, r = divmod(g, shape.num_scaleup_ranks)
+            recv = {n: int(d.routings[n * shape.num_scaleup_ranks + r].num_tokens_per_domain[m]) * rail_msg
+                    for n in tops[g].peer_domains}
+        else:
+            sent = recv = {n: data.region_bytes - 16 for n in tops[g].peer_domains}
+        plans.append(rails.plan_exchange(tops[g], data, 'dispatch', sent, recv, chunk_bytes=256))
+    exchange(plans)
+    metas = [messages.forward(lay, shape, g, bufs, 1, x[0].shape[1], epoch=2) for g in range(W)]
+    _check_forwarded(shape, lay, d, bufs, x, sf, w, metas)
+
+
+@pytest.mark.parametrize('N,R', [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize('exact', [False, True])
+def test_nccl_transport_carries_a_dispatch(N, R, exact):
+    shape, topk, x, sf, w, lay = _job(N, R)
+    d = href.dispatch(shape, topk)
+    bufs = [np.zeros(lay.end_offset, dtype=np.uint8) for _ in range(shape.num_ranks)]
+    fakes = {r: FakeRailNccl(N) for r in range(R)}
+    transports = []
+    for g in range(shape.num_ranks):
+        top = rails.rail_topology(shape.num_ranks, R, g)
+        module, _ = fakes[top.scaleup_idx].member(top.domain_idx)
+        world = WorldView(g, shape.num_ranks, lambda r, obj: b'u' * 128 if r < R else None)
+        transports.append(rails.NcclRailTransport.create(world, top, bufs[g].ctypes.data, nccl=module))
+    stream = SimpleNamespace(ptr=0x5)
+
+    def exchange(plans):
+        for t, plan in zip(transports, plans):
+            t.exchange(plan, stream)
+        for rail in fakes.values():
+            rail.run()
+            rail.calls = {m: [] for m in rail.calls}
+
+    _notify_and_dispatch(shape, lay, d, bufs, x, sf, w, exchange, exact)
+    # The timeout path: abort once, name the phase and the peer, refuse later exchanges
+    err = transports[0].timeout_error('dispatch', 1, 2.5)
+    assert 'hybrid dispatch: rail peer rank' in str(err) and f'rank {R} (domain 1' in str(err)
+    assert fakes[0].aborted == [0]
+    transports[0].abort()
+    assert fakes[0].aborted == [0]
+    with pytest.raises(RuntimeError, match='aborted'):
+        transports[0].exchange(rails.RailPlan('x', 0, ()), stream)
+    transports[0].destroy()                      # aborted: nothing to destroy
+    transports[R].destroy()                      # domain 1 of rail 0
+    assert fakes[0].destroyed == [1]
+
+
+def test_static_plans_issue_identical_calls_on_every_rail_peer():
+    """Without a CPU sync (and in CUDA graphs) every rail peer makes the very same NCCL calls: the same groups, each
+    with a send and a receive of the same size per peer, peers in ascending order; chunk 0 of every transfer starts
+    at its region, header first."""
+    N, R = 4, 2
+    lay = _layout(N, R)
+    areas = lay.rail_areas('data')
+    fake = FakeRailNccl(N)
+    cap = areas.region_bytes - rails.HEADER_BYTES
+    shapes = []
+    for n in range(N):
+        top = rails.rail_topology(N * R, R, n * R + 1)
+        module, comm = fake.member(n)
+        t = rails.NcclRailTransport(top, 0x1000_0000 * (n + 1), comm, nccl=module)
+        plan = rails.plan_exchange(top, areas, 'dispatch', dict.fromkeys(top.peer_domains, cap),
+                                   dict.fromkeys(top.peer_domains, cap), chunk_bytes=1024)
+        t.exchange(plan, SimpleNamespace(ptr=3))
+        calls = fake.calls[n]
+        shapes.append([c[0] if c[0] in ('start', 'end') else (c[0], c[2]) for c in calls])
+        firsts = [c for c in calls[:1 + 2 * (N - 1)] if c[0] in ('send', 'recv')]
+        assert [c[4] for c in firsts] == [p for p in top.peer_domains for _ in (0, 1)]
+        assert [c[1] - t.base_ptr for c in firsts] == [
+            (areas.send_region if c[0] == 'send' else areas.recv_region)(n, c[4]) for c in firsts]
+    assert all(s == shapes[0] for s in shapes)
+    assert shapes[0].count('start') == -(-areas.region_bytes // 1024)
+
+
+# ---- the loopback transport on simulated streams ---------------------------------------------------------------------
+class SimStreams:
+    """Each rank's stream as a list of operations, run round-robin until every stream is done (or none can move)."""
+
+    def __init__(self, num_ranks):
+        self.programs = [[] for _ in range(num_ranks)]
+        self.epoch_word = [0] * num_ranks
+
+    def signals(self, rank):
+        sim = self
+
+        class Signals:
+            def begin(self, stream):
+                sim.programs[rank].append(('begin',))
+
+            def signal(self, addrs, stream):
+                sim.programs[rank].append(('signal', list(addrs)))
+
+            def wait(self, addrs, peers, phase, stream):
+                assert len(addrs) == len(peers) and phase.startswith('rail ')
+                sim.programs[rank].append(('wait', list(addrs)))
+        return Signals()
+
+    def memcpy(self, rank):
+        return lambda dst, src, n, stream: self.programs[rank].append(('copy', dst, src, n))
+
+    def run(self):
+        u32 = lambda a: ctypes.c_uint32.from_address(a)  # noqa: E731
+        pcs = [0] * len(self.programs)
+        while any(pc < len(p) for pc, p in zip(pcs, self.programs)):
+            moved = False
+            for g, prog in enumerate(self.programs):
+                while pcs[g] < len(prog):
+                    op = prog[pcs[g]]
+                    epoch = u32(self.epoch_word[g])
+                    if op[0] == 'begin':
+                        epoch.value += 1
+                    elif op[0] == 'signal':
+                        for a in op[1]:
+                            u32(a).value = epoch.value
+                    elif op[0] == 'wait':
+                        if any(u32(a).value < epoch.value for a in op[1]):
+                            break
+                    else:
+                        ctypes.memmove(op[1], op[2], op[3])
+                    pcs[g] += 1
+                    moved = True
+            assert moved, f'deadlock: streams stuck at {pcs}'
+        self.programs = [[] for _ in self.programs]
+
+
+@pytest.mark.parametrize('N,R', [(2, 1), (2, 2), (2, 4), (4, 1)])
+@pytest.mark.parametrize('exact', [False, True])
+def test_loopback_transport_carries_a_dispatch(N, R, exact):
+    shape, topk, x, sf, w, lay = _job(N, R, seed=N + R)
+    d = href.dispatch(shape, topk)
+    W = shape.num_ranks
+    bufs = [np.zeros(lay.end_offset, dtype=np.uint8) for _ in range(W)]
+    sim = SimStreams(W)
+    transports = []
+    for g in range(W):
+        top = rails.rail_topology(W, R, g)
+        bases = [bufs[rr].ctypes.data for rr in top.rail_ranks]
+        t = rails.IpcLoopbackTransport(top, bases, lay.rail_flags_offset, sim.signals(g), sim.memcpy(g))
+        sim.epoch_word[g] = t.epoch_word
+        transports.append(t)
+    stream = SimpleNamespace(ptr=0x9)
+
+    def exchange(plans):
+        for t, plan in zip(transports, plans):
+            t.exchange(plan, stream)
+        sim.run()
+
+    _notify_and_dispatch(shape, lay, d, bufs, x, sf, w, exchange, exact)
+    # Two exchanges ran: every epoch word and flag says 2
+    for t in transports:
+        assert ctypes.c_uint32.from_address(t.epoch_word).value == 2
+        for p in t.rails.peer_domains:
+            assert ctypes.c_uint32.from_address(t.ready_flag(t.rails.domain_idx, p)).value == 2
+
+
+def test_loopback_order_and_addresses():
+    """Rank (domain 1) of a 3-domain rail: ready at every peer, per peer one wait then its copies from the peer's
+    send region for us into our receive region, consumed at every peer, then one wait for every peer."""
+    log = []
+
+    class Signals:
+        def begin(self, stream):
+            log.append(('begin',))
+
+        def signal(self, addrs, stream):
+            log.append(('signal', tuple(addrs)))
+
+        def wait(self, addrs, peers, phase, stream):
+            log.append(('wait', tuple(addrs), tuple(peers), phase))
+
+    lay = _layout(3, 1)
+    top = rails.rail_topology(3, 1, 1)
+    bases = [0x10_0000_0000, 0x20_0000_0000, 0x30_0000_0000]
+    t = rails.IpcLoopbackTransport(top, bases, lay.rail_flags_offset, Signals(),
+                                   lambda dst, src, n, s: log.append(('copy', dst, src, n)))
+    areas = lay.rail_areas('data')
+    plan = rails.plan_exchange(top, areas, 'combine', {0: 32, 2: 0}, {0: 0, 2: 64})
+    t.exchange(plan, SimpleNamespace(ptr=1))
+    flags = lay.rail_flags_offset
+    assert log == [
+        ('begin',),
+        ('signal', (bases[0] + flags + 2 * 128, bases[2] + flags + 2 * 128)),
+        ('wait', (bases[1] + flags + 1 * 128,), (0,), 'rail combine'),
+        ('copy', bases[1] + areas.recv_region(1, 0), bases[0] + areas.send_region(0, 1), 16),
+        ('wait', (bases[1] + flags + 3 * 128,), (2,), 'rail combine'),
+        ('copy', bases[1] + areas.recv_region(1, 2), bases[2] + areas.send_region(2, 1), 80),
+        ('signal', (bases[0] + flags + 5 * 128, bases[2] + flags + 5 * 128)),
+        ('wait', (bases[1] + flags + 4 * 128, bases[1] + flags + 6 * 128), (0, 2), 'rail combine')]
+    with pytest.raises(ValueError, match='one base per domain'):
+        rails.IpcLoopbackTransport(top, bases[:2], flags, Signals())
+    with pytest.raises(ValueError, match='at most 15 domains'):
+        big = rails.rail_topology(16, 1, 0)
+        rails.IpcLoopbackTransport(big, [0] * 16, flags, Signals())
