@@ -23,6 +23,7 @@
 #   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs)
 #   tune       reduce-scatter sweep and load-balancing ring patterns (needs 2 GPUs)
 #   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
+# STEP_FILTER=REGEX keeps only the steps whose names match (e.g. STEP_FILTER='test_pp|gate' ... deepep gate).
 # Stages marked parallel below run their steps in lanes at the same time (logic only: ranks share the GPU anyway);
 # perf1 and bench run alone.
 set -uo pipefail
@@ -45,6 +46,8 @@ want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done;
 # as soon as the step ends (under a lock: lanes run steps at the same time), so a run cut short keeps what finished.
 step() {
     local name=$1 limit=$2; shift 2
+    # STEP_FILTER (a bash regex) keeps only the steps whose names match it: re-runs of a few steps of several stages.
+    [ -n "${STEP_FILTER:-}" ] && ! [[ $name =~ $STEP_FILTER ]] && return 0
     local tmp; tmp=$(mktemp)
     echo "=== [$name] $*" >> "$tmp"
     local t0; t0=$(date +%s%N)

@@ -80,17 +80,22 @@ def map_unbalanced_ratio_to_factor(num_tokens: int, num_experts: int, num_ranks:
     Returns:
         the lower end of the final bracket.
     """
-    factor_lo, factor_hi = FACTOR_RANGE
+    # The bracket lives on the device and moves with `torch.where`: the 20 steps queue without a host sync, and the
+    # one `.item()` at the end waits for all of them (DeepEP's test_gate calls this tens of thousands of times).
+    device = _default_device(device)
+    factor_lo = torch.tensor(FACTOR_RANGE[0], dtype=torch.float64, device=device)
+    factor_hi = torch.tensor(FACTOR_RANGE[1], dtype=torch.float64, device=device)
+    num_experts_per_rank = num_experts // num_ranks
     for _ in range(NUM_BISECT_ITERATIONS):
         factor_mid = (factor_lo + factor_hi) / 2
-        scores = get_scores_by_factor(num_tokens, num_experts, num_ranks, factor_mid, device)
+        scores = torch.rand((num_tokens, num_experts), dtype=torch.float32, device=device)
+        scores[:, :num_experts_per_rank] *= factor_mid.float()
         topk_idx = torch.topk(scores, num_topk, dim=1).indices
         counts = count_tokens_per_rank(topk_idx, num_experts, num_ranks).float()
-        if counts[0].item() > counts[1:].mean().item() * ratio:
-            factor_hi = factor_mid
-        else:
-            factor_lo = factor_mid
-    return factor_lo
+        too_hot = counts[0] > counts[1:].mean() * ratio
+        factor_hi = torch.where(too_hot, factor_mid, factor_hi)
+        factor_lo = torch.where(too_hot, factor_lo, factor_mid)
+    return float(factor_lo.item())
 
 
 # Precise mode
