@@ -200,6 +200,16 @@ deepep_legacy_lane() {
         $RUN test_intranode.py --num-processes 1"
     step "DeepEP v1 test_low_latency.py np=1" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
         $RUN test_low_latency.py --num-processes 1"
+    # Two ranks sharing the GPU: init_dist gives them a gloo group, which serves these programs' CUDA all_reduce /
+    # all_gather calls.
+    step "DeepEP legacy/test_intranode.py np=2 (sharing)" 400 bash -c "cd $U/head/tests/legacy && \
+        CUDA_VISIBLE_DEVICES=0 $RUN test_intranode.py --num-processes 2"
+    step "DeepEP legacy/test_low_latency.py np=2 (sharing)" 400 bash -c "cd $U/head/tests/legacy && \
+        CUDA_VISIBLE_DEVICES=0 $RUN test_low_latency.py --num-processes 2"
+    step "DeepEP v1 test_intranode.py np=2 (sharing)" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
+        $RUN test_intranode.py --num-processes 2"
+    step "DeepEP v1 test_low_latency.py np=2 (sharing)" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
+        $RUN test_low_latency.py --num-processes 2"
 }
 deepep_v25_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep" t
