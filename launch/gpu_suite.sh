@@ -253,22 +253,26 @@ deepep_v25_np2_lane() {
         $V/engram/test_engram.py --num-processes 2 --skip-check --use-cpu-rdma-storage
 }
 firsthour_lane() {
-    # The README's commands as a new user runs them on this host (no registry here: --no-deps next to the
-    # preinstalled packages, in a fresh virtual environment that sees them).
-    local V; V=$(mktemp -d)/venv
+    # The README's commands as a new user runs them on this host, from a fresh clone (no registry here: --no-deps next
+    # to the preinstalled packages, in a fresh virtual environment that sees them).
+    local T; T=$(mktemp -d); local V=$T/venv C=$T/deepep_cupy
+    step "firsthour: fresh clone" 120 bash -c "git clone -q '$ROOT' '$C' 2>/dev/null || { mkdir -p '$C' && \
+        tar -C '$ROOT' --exclude=./.upstream --exclude=./.baseline -cf - . | tar -C '$C' -xf - && \
+        echo 'no .git in this copy: the checkout copied instead of cloned'; }"
     # The preinstalled packages live in a virtual environment of their own on the GPU machine (python3 is
     # /opt/torch/.venv/bin/python3), which --system-site-packages does not reach: a .pth file points the fresh venv at
     # the site-packages of the interpreter that made it.
-    step "firsthour: fresh venv + offline install" 300 bash -c "$PY -m venv --without-pip --system-site-packages $V && \
-        $PY -c 'import site; print(chr(10).join(site.getsitepackages()))' > \
+    step "firsthour: fresh venv + offline install" 300 bash -c "cd '$C' && $PY -m venv --without-pip \
+        --system-site-packages $V && $PY -c 'import site; print(chr(10).join(site.getsitepackages()))' > \
         \$($V/bin/python -c 'import site; print(site.getsitepackages()[0])')/preinstalled.pth && \
         $V/bin/python -m pip install -q -e . --no-deps --no-build-isolation && \
         $V/bin/python -c 'import numpy, cupy, torch, mpi4py, pytest; print(\"fresh venv sees the preinstalled packages\")'"
-    step "firsthour: --help without a GPU check" 60 $V/bin/python -m deepep_cupy.tests.ep --help
-    step "firsthour: launch/run_local.sh 2 python -m deepep_cupy.tests.ep" 600 env PATH="$V/bin:$PATH" \
-        $ONE $R 2 python -m deepep_cupy.tests.ep
-    step "firsthour: python -m pytest -q tests -m 'not slow'" 360 $V/bin/python -m pytest -q tests -m "not slow"
-    step "firsthour: no GPU visible (one line expected)" 60 bash -c "! CUDA_VISIBLE_DEVICES= $R 2 \
+    step "firsthour: --help without a GPU check" 60 bash -c "cd '$C' && $V/bin/python -m deepep_cupy.tests.ep --help"
+    step "firsthour: launch/run_local.sh 2 python -m deepep_cupy.tests.ep" 600 bash -c "cd '$C' && \
+        PATH='$V/bin':\$PATH CUDA_VISIBLE_DEVICES=0 $R 2 python -m deepep_cupy.tests.ep"
+    step "firsthour: python -m pytest -q tests -m 'not slow'" 360 bash -c "cd '$C' && \
+        $V/bin/python -m pytest -q tests -m 'not slow'"
+    step "firsthour: no GPU visible (one line expected)" 60 bash -c "cd '$C' && ! CUDA_VISIBLE_DEVICES= $R 2 \
         $V/bin/python -m deepep_cupy.tests.barrier"
 }
 launchers_lane() {
