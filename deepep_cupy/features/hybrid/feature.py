@@ -111,7 +111,7 @@ def _ptr(a) -> int:
 def _capturing(like) -> bool:
     if interop.is_torch(like):
         import torch
-        return torch.cuda.is_current_stream_capturing()
+        return like.is_cuda and torch.cuda.is_current_stream_capturing()
     import cupy
     return cupy.cuda.get_current_stream().is_capturing()
 
