@@ -76,6 +76,8 @@ def check_dispatch_args(feat, x, topk_idx, topk_weights, num_experts: Optional[i
     hidden_bytes = H * xi.itemsize
     if hidden_bytes % 16:
         raise ValueError(f'hidden * itemsize must be a multiple of 16 bytes, got {hidden_bytes}')
+    if xi.ptr % 16 or (T > 1 and xi.strides[0] * xi.itemsize % 16):
+        raise ValueError('x rows must start at 16-byte aligned addresses')
     num_sf, sf_strides = 0, (0, 0)
     if fp8:
         si = tensor_info(sf, 'sf')
