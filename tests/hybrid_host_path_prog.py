@@ -94,6 +94,12 @@ for sync in (True, False):
             cx, cw, ev = buf.combine(y, h)
 out = buf.dispatch(x, idx, w, num_experts=E, num_max_tokens_per_rank=8 if T <= 8 else 12)
 print('tmaf', tuple(out[3].token_metadata_at_forward.shape))
+a = buf.dispatch(x, idx, w, num_experts=E, async_with_compute_stream=True, allocate_on_comm_stream=True)
+a[4].current_stream_wait()
+c = buf.combine(torch.zeros(a[0].shape[0], H, dtype=torch.bfloat16), a[3], topk_weights=a[2],
+                async_with_compute_stream=True)
+c[2].current_stream_wait()
+print('async', tuple(c[0].shape))
 z = buf.dispatch(x[:0], idx[:0], w[:0], num_experts=E)
 cx, cw, _ = buf.combine(torch.zeros(z[0].shape[0], H, dtype=torch.bfloat16), z[3], topk_weights=z[2])
 print('zero tokens', tuple(cx.shape))

@@ -94,6 +94,7 @@ def no_cuda(monkeypatch):
     monkeypatch.setattr(hfeature.interop, 'current_stream', lambda like=None: stream)
     monkeypatch.setattr(hfeature, '_capturing', lambda like: False)
     monkeypatch.setattr(hfeature, 'EventHandle', lambda *a: 'event')
+    monkeypatch.setattr(hfeature, 'EventOverlap', lambda event: event)
 
 
 def inputs(T=6, seed=0):

@@ -28,7 +28,7 @@ from typing import Optional
 
 from ... import envs
 from ...runtime import interop, workspace
-from ...runtime.event import EventHandle, as_event_handle
+from ...runtime.event import EventHandle, EventOverlap, as_event_handle
 from ...runtime.polling import wait_until
 from ...runtime.rails import IpcLoopbackTransport, NcclRailTransport, plan_exchange, rail_topology
 from . import plan as hplan
@@ -237,6 +237,13 @@ class HybridEP:
             a.num_experts // N, N * Mc, expert_alignment, num_sms, num_qps, previous_event, None,
             async_with_compute_stream, allocate_on_comm_stream, inner_handle, do_handle_copy, do_cpu_sync, do_expand,
             do_zero_padding, use_tma_aligned_col_major_sf)
+        if async_with_compute_stream and interop.is_torch(xa):
+            # The intranode engine reads the union on its stream after this call returns: keep the caching
+            # allocator from handing the memory to the current stream meanwhile.
+            comm = interop.torch_stream(self._buf.comm_stream.ptr)
+            for t in (union_x, union_sf, union_topk, union_w):
+                if t is not None:
+                    t.record_stream(comm)
         if handle is not None:
             user_topk = handle.topk_idx
         else:
@@ -312,5 +319,5 @@ class HybridEP:
                                    bias1=_ptr(biases[1]) if len(biases) > 1 else 0, num_bias=len(biases),
                                    out_x=out_x, out_weights=_ptr(out_w))
         handle.keep_combine = (cx, cw)
-        event = EventHandle() if async_with_compute_stream else None
+        event = EventOverlap(EventHandle(stream) if async_with_compute_stream else None)
         return out_x, out_w, event

@@ -85,7 +85,8 @@ def _token_metadata_at_forward(h: HybridHandle):
         if s == n:
             tokens = np.nonzero(pos[:h.num_tokens, n] >= 0)[0] if h.num_tokens else np.zeros(0, dtype=np.int64)
         else:
-            tokens = fwd_src[s, :int(fwd_count[s])]
+            tokens = fwd_src[s, :min(max(int(fwd_count[s]), 0), M)]
+            tokens = tokens[(tokens >= 0) & (tokens < M)]
         out[s, :tokens.size, 0] = tokens
         ids = union[s, tokens]
         out[s, :tokens.size, 1:] = np.where(ids >= 0, ids + n * epd, -1)
