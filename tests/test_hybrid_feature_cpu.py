@@ -210,3 +210,33 @@ def test_barrier_goes_along_the_rails():
     feat._buf._rail_barrier(fakes.FakeStream())
     assert rails.plans == ['barrier']
     assert np.array_equal(feat._host_words, np.zeros(1 + 2 * N, dtype=np.int32))
+
+
+def test_kernel_signals_name_global_peers_and_the_exchange():
+    log = []
+    k = SimpleNamespace(epoch_begin=fakes.RecordingKernel(hkernels.epoch_begin_spec(), log),
+                        signal=fakes.RecordingKernel(hkernels.signal_spec(), log),
+                        wait=fakes.RecordingKernel(hkernels.wait_spec(), log))
+    rails = rail_topology(4 * 2, 2, 5)          # domain 2, scale-up index 1: rail ranks 1, 3, 5, 7
+    sig = hkernels.KernelSignals(k, 0x9000, 5, rails.rail_ranks, 0x100, 0x200, 7)
+    stream = fakes.FakeStream()
+    sig.begin(stream)
+    sig.signal([0x10, 0x20, 0x30], stream)
+    sig.wait([0x40, 0x50], [0, 3], 'rail combine', stream)
+    begin, signal, wait = log
+    assert begin.args['epoch'] == 0x9000 and signal.args['num'] == 3 and signal.args['a2'] == 0x30
+    assert signal.args['a3'] == 0 and wait.args['num'] == 2
+    assert (wait.args['p0'], wait.args['p1'], wait.args['aux'], wait.args['rank']) == (1, 7, 3, 5)
+    assert (wait.args['claim'], wait.args['error_record'], wait.args['timeout_ns']) == (0x100, 0x200, 7)
+    with pytest.raises(ValueError, match='at most 8'):
+        sig.signal(list(range(9)), stream)
+
+
+def test_timeout_record_of_a_rail_wait_names_global_ranks():
+    from deepep_cupy.runtime import errors
+    rec = np.array([1, errors.PHASE_HYBRID_RAIL, 5, 7, 3, 2, 1, 0], dtype=np.int32)
+    assert 'hybrid rail exchange (notify): rank 5 waited for rank 7' in errors.describe(rec, rank_base=4)
+    rec[1] = 4          # an intranode phase: scale-up indices, shifted to global ranks
+    assert 'dispatch: rank 9 waited for rank 11' in errors.describe(rec, rank_base=4)
+    with pytest.raises(TimeoutError, match='rank 9 waited for rank 11'):
+        errors.raise_if_timed_out(rec, 3.0, 9, rank_base=4)
