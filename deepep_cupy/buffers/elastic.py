@@ -28,6 +28,7 @@ from ..runtime.group import get_group
 from ..runtime.group_size import group_size
 from ..runtime.nvlink import get_nvlink_gbs
 from ..runtime.sizes import align
+from . import hybrid
 from .allocator import BufferAllocator, Placeholder
 from .base import BUFFER_ALIGNMENT, BufferBase
 
@@ -89,14 +90,10 @@ class ElasticBuffer(BufferBase):
                 raise ValueError('give num_bytes, or num_max_tokens_per_rank and hidden so the size can be derived')
             num_bytes = self.get_buffer_size_hint(pg, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                                   allow_hybrid_mode, allow_multiple_reduction)
-            if allow_hybrid_mode and pg.size > 1:
-                # Several domains: the intranode part lays out N * M tokens over R ranks (features/hybrid/plan.py).
-                from ..runtime.topology import detect_topology, select_device
-                topo = detect_topology(pg, select_device(pg, device), True)
-                if topo.num_scaleout_ranks > 1:
-                    num_bytes = max(num_bytes, ep_layout.buffer_size_hint(
-                        topo.num_scaleup_ranks, topo.num_scaleout_ranks * num_max_tokens_per_rank, hidden, num_topk,
-                        allow_multiple_reduction))
+            if allow_hybrid_mode:
+                # Several domains: the intranode part lays out N * M tokens over R ranks (buffers/hybrid.py).
+                num_bytes = hybrid.size_hint(pg, device, num_bytes, num_max_tokens_per_rank, hidden, num_topk,
+                                             allow_multiple_reduction)
         check_int('num_bytes', num_bytes)
         if num_cpu_bytes % BUFFER_ALIGNMENT or num_cpu_bytes > num_bytes:
             raise ValueError(f'num_cpu_bytes must be a multiple of {BUFFER_ALIGNMENT} (2 MiB) and at most num_bytes='
@@ -137,11 +134,7 @@ class ElasticBuffer(BufferBase):
         if self._ep is None:
             if self.num_scaleout_ranks > 1:
                 # Several scale-up domains: the composed hybrid path over the intranode engine (features/hybrid).
-                inner = EP(weakref.proxy(self), self.num_scaleout_ranks * self.num_max_tokens_per_rank,
-                           self.hidden, self.num_topk, self.allow_multiple_reduction,
-                           self.prefer_overlap_with_compute, self._nvlink_gbs)
-                self._ep = HybridEP(weakref.proxy(self), inner, self.num_max_tokens_per_rank, self.hidden,
-                                    self.num_topk)
+                self._ep = hybrid.make_hybrid_ep(self)
             else:
                 self._ep = EP(weakref.proxy(self), self.num_max_tokens_per_rank, self.hidden, self.num_topk,
                               self.allow_multiple_reduction, self.prefer_overlap_with_compute, self._nvlink_gbs)
@@ -175,10 +168,7 @@ class ElasticBuffer(BufferBase):
         self._ep = self._pp = self._agrs = self._engram = self._lb = None
 
     def _release_extra(self, collective: bool) -> None:
-        hybrid, self._hybrid = getattr(self, '_hybrid', None), None
-        self._rail_barrier = None
-        if hybrid is not None:
-            hybrid.release(collective)
+        hybrid.release(self, collective)
 
     # ---- sizes and SM / QP policy ------------------------------------------------------------------------------
     @staticmethod
