@@ -210,3 +210,22 @@ def test_translate_src_index():
     assert hplan.translate_src_index(inner, N, R, M).tolist() == [b for _, b in rows] + [-1]
     t = torch.from_numpy(inner)
     assert hplan.translate_src_index(t, N, R, M).tolist() == [b for _, b in rows] + [-1]
+
+
+def test_rank_program_reorders_references_into_the_hybrid_order():
+    """deepep_cupy/tests/ep_hybrid.py's reordering of a gathered reference (what the GPU rank program compares)."""
+    from deepep_cupy.tests import ep_hybrid
+    N, R = 2, 2
+    E, M, H, K, xs, topks, ws = make_inputs(N, R, 3)
+    for d in range(N * R):
+        ref = refs.dispatch_from_gathered(xs, None, topks, ws, d, M, E)
+        src = ref.recv_src_token_global_idx.long().numpy()
+        perm = href.hybrid_row_order(src // M, src % M, R)
+        out = ep_hybrid._reorder(ref, perm, R)
+        got = out.recv_src_token_global_idx.long().numpy()
+        # grouped by source scale-up index, then source domain, then token
+        keys = [((g // M) % R, (g // M) // R, g % M) for g in got.tolist()]
+        assert keys == sorted(keys) and sorted(got.tolist()) == sorted(src.tolist())
+        assert torch.equal(out.recv_x, ref.recv_x[torch.from_numpy(perm)])
+        per_src = ref.num_recv_tokens_per_rank
+        assert out.num_recv_tokens_per_rank.tolist() == [int(per_src[r::R].sum()) for r in range(R)]
