@@ -134,8 +134,11 @@ def test_graph(buf, args, group, make_case) -> None:
 def test_timeout(args, group, case, ElasticBuffer) -> bool:
     """The last rank skips a dispatch: every other rank raises TimeoutError; its rail peers and the ranks of its
     domain name it (the others may name a rank that was itself held up: they wait for it inside their domain)."""
+    # The host bound matters with NCCL rails (a missing NCCL peer is only seen by the host's bounded notify wait;
+    # the loopback's GPU waits report first): a few GPU timeouts, not the default 300 s.
     buf = ElasticBuffer(group, num_max_tokens_per_rank=case.M, hidden=case.H, num_topk=case.K,
-                        num_gpu_timeout_secs=args.timeout_test_secs, explicitly_destroy=True)
+                        num_gpu_timeout_secs=args.timeout_test_secs,
+                        num_cpu_timeout_secs=max(20.0, 4 * args.timeout_test_secs), explicitly_destroy=True)
     W, N = group.size, buf.num_scaleout_ranks
     R = W // N
     victim = W - 1

@@ -43,7 +43,7 @@ HOST_BYTES = 4096           # the report record: [seq, send counts [N], recv cou
 class HybridRails:
     """This rank's rail memory and transport (made collectively with the buffer; released by `release`)."""
 
-    def __init__(self, buf, area: hplan.RailArea, kernels_of, transport: Optional[str] = None):
+    def __init__(self, buf, area: hplan.RailArea, kernels, transport: Optional[str] = None):
         import cupy
         topo = buf.topology
         self.rails = rail_topology(buf.num_ranks, buf.num_scaleup_ranks, buf.rank_idx)
@@ -58,7 +58,7 @@ class HybridRails:
             from ...runtime.symmetric import SymmetricMemory
             self.mem = SymmetricMemory(buf.group, list(self.rails.rail_ranks), area.total_bytes)
             self.base = self.mem.base
-            signals = KernelSignals(kernels_of(NUM_MAX_TOPK), self.base + area.flags_offset, buf.rank_idx,
+            signals = KernelSignals(kernels, self.base + area.flags_offset, buf.rank_idx,
                                     self.rails.rail_ranks, buf.sym.base + workspace.ERROR_CLAIM.offset,
                                     buf.host_mapped.ptr + workspace.HOST_ERROR_RECORD.offset, buf.timeout_ns)
             self.transport = IpcLoopbackTransport(self.rails, self.mem.peer_bases, area.flags_offset, signals)
@@ -144,7 +144,7 @@ class HybridEP:
         self._kernels_of = kernels_of or self._load_kernels
         self.inner = inner
         self.area = hplan.rail_area(self.N, self.M, hidden, self.num_topk)
-        self.rails = rails if rails is not None else HybridRails(buf, self.area, self._kernels_of)
+        self.rails = rails if rails is not None else HybridRails(buf, self.area, self._kernels_of(self.num_topk))
         self._seq = 0
         if host is None:
             from ...runtime.symmetric import HostMappedMemory
