@@ -145,9 +145,9 @@ hybrid_lane() {
     local H="--num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test" shape su np
     for shape in 2x1:1:2 2x2:2:4 2x4:4:8 4x1:1:4; do
         IFS=: read -r shape su np <<< "$shape"
-        step "hybrid $shape np=$np (loopback rails, sharing 1 GPU)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$su \
+        step "hybrid $shape np=$np + timeout (loopback rails, sharing 1 GPU)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$su \
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $EP $H --skip-error-test --skip-graph-test \
-            --skip-timeout-test --num-create-destroy 1 $([ $np -ge 8 ] && echo --test-first-only)
+            --num-create-destroy 1 $([ $np -ge 8 ] && echo --test-first-only)
     done
     step "hybrid 2x2 np=4 pressure 30 seeds (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-error-test --skip-graph-test \
@@ -155,9 +155,9 @@ hybrid_lane() {
         --num-topk 8
     for shape in 2x2:2:4 4x1:1:4; do
         IFS=: read -r shape su np <<< "$shape"
-        step "hybrid $shape np=$np CUDA graph (M=128) + timeout (loopback)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=$su \
+        step "hybrid $shape np=$np CUDA graph (M=128, loopback)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=$su \
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $EP $H --skip-check --skip-error-test \
-            --num-create-destroy 0
+            --skip-timeout-test --num-create-destroy 0
     done
     step "hybrid 2x2 np=4 argument errors (loopback)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-graph-test --skip-timeout-test \
