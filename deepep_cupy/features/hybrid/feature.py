@@ -34,7 +34,7 @@ from ...runtime.rails import IpcLoopbackTransport, NcclRailTransport, plan_excha
 from . import plan as hplan
 from .checks import check_combine_args, check_dispatch_args
 from .handle import HybridHandle
-from .kernels import MAX_DOMAINS, ROUTE_THREADS, THREADS, HybridKernels, KernelSignals
+from .kernels import MAX_DOMAINS, MAX_SIGNALS, ROUTE_THREADS, THREADS, HybridKernels, KernelSignals
 from .plan import NUM_MAX_TOPK, topk_bucket
 
 HOST_BYTES = 4096           # the report record: [seq, send counts [N], recv counts [N]]
@@ -55,6 +55,9 @@ class HybridRails:
             raise ValueError(f'hybrid mode: the rails chose different transports {sorted(set(kinds))}; set '
                              f'DEEPEP_CUPY_RAIL_TRANSPORT to one value on every rank')
         if self.kind == 'loopback':
+            if self.rails.num_domains - 1 > MAX_SIGNALS:
+                raise ValueError(f'the loopback rail transport signals at most {MAX_SIGNALS} rail peers, got '
+                                 f'{self.rails.num_domains - 1}; use fewer domains or NCCL rails')
             from ...runtime.symmetric import SymmetricMemory
             self.mem = SymmetricMemory(buf.group, list(self.rails.rail_ranks), area.total_bytes)
             self.base = self.mem.base
