@@ -54,6 +54,17 @@ def scaleup_size() -> Optional[int]:
     return _get_int('DEEPEP_CUPY_SCALEUP_SIZE')
 
 
+def rail_transport() -> str:
+    """`DEEPEP_CUPY_RAIL_TRANSPORT` (`auto` | `nccl` | `loopback`, default `auto`): how hybrid mode crosses scale-up
+    domains: NCCL point-to-point on one communicator per rail, or CUDA-IPC copies between the rail members' buffers
+    (one host only; a test double). `auto`: loopback when two members of a rail share a GPU (NCCL refuses that),
+    else NCCL."""
+    value = (os.environ.get('DEEPEP_CUPY_RAIL_TRANSPORT') or 'auto').strip().lower()
+    if value not in ('auto', 'nccl', 'loopback'):
+        raise ValueError(f'DEEPEP_CUPY_RAIL_TRANSPORT must be auto, nccl or loopback, got {value!r}')
+    return value
+
+
 def device_override() -> Optional[int]:
     """`DEEPEP_CUPY_DEVICE` (int, default `local_rank % num_visible_devices`): the CUDA device of this rank."""
     return _get_int('DEEPEP_CUPY_DEVICE')

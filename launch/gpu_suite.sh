@@ -11,6 +11,9 @@
 #   perf1      one rank alone on the GPU: the EP and low-latency rank programs with their perf lines, perf/ep_profile.py,
 #              and the same for the pre-refactor snapshot in .baseline/ when it exists (side by side, same run)
 #   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure
+#   hybrid     EP across scale-up domains (hybrid mode), ranks sharing GPU 0, rails through the IPC loopback:
+#              2x1, 2x2, 2x4, 4x1 (domains x ranks, DEEPEP_CUPY_SCALEUP_SIZE), pressure, CUDA graph, timeout, errors
+#              (not in the default list; launch/scaleout_nccl.sh runs NCCL rails across two GPUs)
 #   ll         low-latency rank program at 2/4/8 ranks sharing the GPUs (and one rank per GPU)
 #   legacy     V1 Buffer (normal mode) rank program, 2/4/8 ranks and the dispatch knobs (legacy1: one rank, alone)
 #   v25        the V2.5 API rank program (EPBuffer + load balancing, BucketBuffer, PPBuffer, EngramBuffer), 1/2/4 ranks
@@ -135,6 +138,30 @@ ep_lane_shared() {
         --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
     step "ep np=2 LEGACY_DISPATCH=1 (sharing)" 300 env DEEPEP_CUPY_EP_LEGACY_DISPATCH=1 $ONE $R 2 $EP \
         --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
+}
+hybrid_lane() {
+    # Several scale-up domains on GPU 0: DEEPEP_CUPY_SCALEUP_SIZE cuts the ranks into domains, the rails between
+    # them go through the IPC loopback transport (NCCL refuses two ranks of a communicator on one GPU).
+    local H="--num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test" shape su np
+    for shape in 2x1:1:2 2x2:2:4 2x4:4:8 4x1:1:4; do
+        IFS=: read -r shape su np <<< "$shape"
+        step "hybrid $shape np=$np + timeout (loopback rails, sharing 1 GPU)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$su \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $EP $H --skip-error-test --skip-graph-test \
+            --num-create-destroy 1 $([ $np -ge 8 ] && echo --test-first-only)
+    done
+    step "hybrid 2x2 np=4 pressure 30 seeds (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-error-test --skip-graph-test \
+        --skip-timeout-test --num-create-destroy 0 --do-pressure-test --num-pressure-seeds 30 --unbalanced-ratio 2 \
+        --num-topk 8
+    for shape in 2x2:2:4 4x1:1:4; do
+        IFS=: read -r shape su np <<< "$shape"
+        step "hybrid $shape np=$np CUDA graph (M=128, loopback)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=$su \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $EP $H --skip-check --skip-error-test \
+            --skip-timeout-test --num-create-destroy 0
+    done
+    step "hybrid 2x2 np=4 argument errors (loopback)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-graph-test --skip-timeout-test \
+        --num-create-destroy 0
 }
 ll_lane() {
     local n
@@ -290,6 +317,7 @@ if want ep; then
     lane ep_lane_topk
     lane ep_lane_shared
 fi
+want hybrid && lane hybrid_lane
 want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll_lane
 want legacy && [ -f deepep_cupy/tests/legacy_intranode.py ] && lane legacy_lane
 if want coll; then

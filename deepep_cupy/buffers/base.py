@@ -71,6 +71,8 @@ class BufferBase:
     _owns_stream = True         # the communication stream returns to the pool at teardown
     num_extra_bytes = num_host_bytes = 0
     host_storage: Optional[HostStorage] = None
+    _rail_barrier = None        # hybrid mode: the barrier along the rails (features/hybrid)
+    error_rank_base = 0         # global rank of this domain's scale-up index 0 (timeout messages)
 
     def __init__(self, group=None, comm=None, num_bytes: int = 0, allow_hybrid_mode: bool = True,
                  num_cpu_timeout_secs: float = 300, num_gpu_timeout_secs: float = 100,
@@ -127,12 +129,12 @@ class BufferBase:
         self.comm_stream = _acquire_stream(self.device) if comm_stream is None else comm_stream
         self.stream_order = StreamOrder(self.comm_stream)
         self._barrier = Barrier(self.sym, self.host_mapped.ptr, self.timeout_ns, with_tests=True)
-        # Between scale-up domains the barrier goes through NCCL (an all-reduce of one word on the same stream).
+        # No world NCCL communicator (ranks of several domains may share a GPU, which NCCL refuses): between scale-up
+        # domains the barrier goes along the rails of the hybrid feature (`_rail_barrier`, set by it).
         self.nccl = None
-        if self.num_scaleout_ranks > 1:
-            from ..runtime.nccl import create_nccl_comm
-            self.nccl = create_nccl_comm(self.group)
-            self._nccl_word = cupy.zeros(1, dtype=cupy.int32)
+        self._rail_barrier = None
+        # Kernels of a domain report scale-up indices; the timeout message adds this to name global ranks.
+        self.error_rank_base = self.scaleout_rank_idx * self.num_scaleup_ranks
         self.num_device_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
         self._data_region_owner: Optional[str] = None
         self._failed: Optional[str] = None
@@ -226,7 +228,8 @@ class BufferBase:
         if self._failed is not None:
             raise RuntimeError(f'this deepep_cupy buffer is unusable after an earlier failure: {self._failed}')
         try:
-            errors.raise_if_timed_out(self.error_record, self.num_gpu_timeout_secs, self.rank_idx)
+            errors.raise_if_timed_out(self.error_record, self.num_gpu_timeout_secs, self.rank_idx,
+                                      getattr(self, 'error_rank_base', 0))
         except TimeoutError as e:
             self._failed = str(e)
             raise
@@ -242,8 +245,8 @@ class BufferBase:
         current = interop.current_stream()
         stream = self.stream_order.begin(current) if use_comm_stream else current
         self._barrier(stream)
-        if self.nccl is not None:
-            self.nccl.all_reduce(self._nccl_word, self._nccl_word, stream=stream)
+        if self._rail_barrier is not None:
+            self._rail_barrier(stream)
             self._barrier(stream)
         if use_comm_stream:
             self.stream_order.end(current)
@@ -270,6 +273,10 @@ class BufferBase:
     def _destroy_features(self) -> None:
         """Release what the buffer's features hold (the subclasses' components); local, no collective."""
 
+    def _release_extra(self, collective: bool) -> None:
+        """Release memory a feature holds outside the symmetric buffer (the hybrid rails), once no kernel runs;
+        `collective`: every rank does it now (else local, as for garbage collection)."""
+
     def destroy(self) -> None:
         """Release all GPU memory (collective: every rank must call it). Idempotent."""
         if self._destroyed:
@@ -280,6 +287,7 @@ class BufferBase:
         try:
             cupy.cuda.runtime.deviceSynchronize()
         finally:
+            self._release_extra(collective=True)
             if self.nccl is not None:
                 self.nccl.destroy()
                 self.nccl = None
@@ -308,6 +316,7 @@ class BufferBase:
         def timed_out():
             raise TimeoutError('the communication stream did not finish')
         wait_until(lambda: event.done, limit, timed_out, spin=False)
+        self._release_extra(collective=False)
         if self.nccl is not None:
             self.nccl.destroy()
             self.nccl = None

@@ -18,6 +18,7 @@ from ..features.ep import layout as ep_layout
 from ..features.ep import plan as ep_plan
 from ..features.ep.feature import EP
 from ..features.ep.handle import EPHandle
+from ..features.hybrid.feature import HybridEP
 from ..features.lb.feature import LB
 from ..features.pp.feature import PP
 from ..features.pp.plan import get_pp_buffer_size_hint
@@ -27,6 +28,7 @@ from ..runtime.group import get_group
 from ..runtime.group_size import group_size
 from ..runtime.nvlink import get_nvlink_gbs
 from ..runtime.sizes import align
+from . import hybrid
 from .allocator import BufferAllocator, Placeholder
 from .base import BUFFER_ALIGNMENT, BufferBase
 
@@ -60,8 +62,10 @@ class ElasticBuffer(BufferBase):
         hidden: hidden size; num_topk: top-k (0: size for up to 32).
         use_fp8_dispatch: accepted for DeepEP compatibility (the buffer is sized for BF16, which covers FP8).
         deterministic: accepted; dispatch is always deterministic here (rows ordered by source rank, then token).
-        allow_hybrid_mode: NVLink inside a scale-up domain and NCCL between domains. This build implements one
-            scale-up domain; several domains raise `NotImplementedError` at construction.
+        allow_hybrid_mode: NVLink inside a scale-up domain and rails (NCCL, or the IPC loopback when rail members
+            share a GPU: `DEEPEP_CUPY_RAIL_TRANSPORT`) between domains. With several domains dispatch / combine take
+            the composed hybrid path (features/hybrid/feature.py; rows in DeepEP V2's hybrid order, combine reduced
+            in each domain first); the other features stay inside one domain.
         allow_multiple_reduction: combine of expanded inputs reduces per rank before sending (less traffic).
         prefer_overlap_with_compute: SM heuristic (False: at least 64 SMs).
         num_allocated_qps: DeepEP's queue-pair budget (0: 17 direct, 129 hybrid); caps `get_theoretical_num_qps`.
@@ -86,6 +90,10 @@ class ElasticBuffer(BufferBase):
                 raise ValueError('give num_bytes, or num_max_tokens_per_rank and hidden so the size can be derived')
             num_bytes = self.get_buffer_size_hint(pg, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                                   allow_hybrid_mode, allow_multiple_reduction)
+            if allow_hybrid_mode:
+                # Several domains: the intranode part lays out N * M tokens over R ranks (buffers/hybrid.py).
+                num_bytes = hybrid.size_hint(pg, device, num_bytes, num_max_tokens_per_rank, hidden, num_topk,
+                                             allow_multiple_reduction)
         check_int('num_bytes', num_bytes)
         if num_cpu_bytes % BUFFER_ALIGNMENT or num_cpu_bytes > num_bytes:
             raise ValueError(f'num_cpu_bytes must be a multiple of {BUFFER_ALIGNMENT} (2 MiB) and at most num_bytes='
@@ -106,23 +114,30 @@ class ElasticBuffer(BufferBase):
                          explicitly_destroy=explicitly_destroy, device=device,
                          config={'num_max_tokens_per_rank': num_max_tokens_per_rank, 'hidden': hidden,
                                  'num_topk': num_topk, 'allow_multiple_reduction': self.allow_multiple_reduction})
-        if self.num_scaleout_ranks > 1:
+        if self.num_scaleout_ranks > 1 and not (num_max_tokens_per_rank and hidden):
             self.destroy()
-            raise NotImplementedError(
-                f'{self.num_scaleout_ranks} scale-up domains: dispatch/combine across domains (hybrid mode over NCCL) '
-                f'is not implemented yet; run within one NVLink domain')
+            raise ValueError(f'{self.num_scaleout_ranks} scale-up domains (hybrid mode): give num_max_tokens_per_rank '
+                             f'and hidden at construction (they size the rail buffers)')
         self.num_rdma_ranks, self.num_nvlink_ranks = self.num_scaleout_ranks, self.num_scaleup_ranks
         self.num_allocated_qps = ep_plan.resolve_num_allocated_qps(num_allocated_qps, self.num_scaleout_ranks > 1)
         # Read the NVLink bandwidth now (it runs nvidia-smi once per process), never inside a timed or captured call.
         self._nvlink_gbs = get_nvlink_gbs() or DEFAULT_NVLINK_GBS
-        if (num_max_tokens_per_rank and hidden) or num_topk:
-            self._ep_feature()      # lays out the EP regions and compiles the kernels now
+        if (num_max_tokens_per_rank and hidden) or num_topk or self.num_scaleout_ranks > 1:
+            try:
+                self._ep_feature()      # lays out the EP regions and compiles the kernels now (hybrid: the rails)
+            except BaseException:
+                self.destroy()
+                raise
 
     # ---- the features, each created on first use ---------------------------------------------------------------
     def _ep_feature(self) -> EP:
         if self._ep is None:
-            self._ep = EP(weakref.proxy(self), self.num_max_tokens_per_rank, self.hidden, self.num_topk,
-                          self.allow_multiple_reduction, self.prefer_overlap_with_compute, self._nvlink_gbs)
+            if self.num_scaleout_ranks > 1:
+                # Several scale-up domains: the composed hybrid path over the intranode engine (features/hybrid).
+                self._ep = hybrid.make_hybrid_ep(self)
+            else:
+                self._ep = EP(weakref.proxy(self), self.num_max_tokens_per_rank, self.hidden, self.num_topk,
+                              self.allow_multiple_reduction, self.prefer_overlap_with_compute, self._nvlink_gbs)
         return self._ep
 
     def _pp_feature(self) -> PP:
@@ -149,7 +164,11 @@ class ElasticBuffer(BufferBase):
         for feature in (self._ep, self._pp, self._agrs, self._engram, self._lb):
             if feature is not None:
                 feature.destroy()
+        self._hybrid = self._ep if isinstance(self._ep, HybridEP) else None
         self._ep = self._pp = self._agrs = self._engram = self._lb = None
+
+    def _release_extra(self, collective: bool) -> None:
+        hybrid.release(self, collective)
 
     # ---- sizes and SM / QP policy ------------------------------------------------------------------------------
     @staticmethod

@@ -16,12 +16,14 @@ from ..features.ep import layout as ep_layout
 from ..features.ep import plan as ep_plan
 from ..features.ep.feature import EP
 from ..features.ep.handle import EPHandle
+from ..features.hybrid.feature import HybridEP
 from ..features.lb.feature import LB
 from ..runtime.checks import check_int
 from ..runtime.group import get_group
 from ..runtime.group_size import group_size
 from ..runtime.nvlink import get_nvlink_gbs
 from ..runtime.sizes import align
+from . import hybrid
 from .allocator import BufferAllocator, Placeholder
 from .base import BUFFER_ALIGNMENT, BufferBase, V25Methods
 
@@ -44,7 +46,8 @@ class EPBuffer(V25Methods, BufferBase):
             placeholders become views of this rank's region) or a byte count (a multiple of 2 MiB; 0: none). Every
             rank of the domain passes the same plan.
         deterministic: accepted; dispatch is always deterministic here (rows ordered by source rank, then token).
-        allow_hybrid_mode: NVLink inside a scale-up domain and NCCL between domains (this build: one domain).
+        allow_hybrid_mode: NVLink inside a scale-up domain and rails between domains (several domains: the composed
+            hybrid path of `ElasticBuffer`, features/hybrid; needs num_max_tokens_per_rank and hidden).
         allow_multiple_reduction, prefer_overlap_with_compute: as `ElasticBuffer`'s.
         sl_idx: RDMA service level; accepted (no RDMA traffic inside one NVLink domain).
         num_allocated_qps: queue-pair budget (0: 129 with `allow_hybrid_mode`, else 17); caps
@@ -80,6 +83,9 @@ class EPBuffer(V25Methods, BufferBase):
                 raise ValueError('give num_bytes, or num_max_tokens_per_rank and hidden so the size can be derived')
             num_bytes = self.get_buffer_size_hint(pg, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                                   allow_hybrid_mode, allow_multiple_reduction)
+            if allow_hybrid_mode:
+                num_bytes = hybrid.size_hint(pg, device, num_bytes, num_max_tokens_per_rank, hidden, num_topk,
+                                             allow_multiple_reduction)
         self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_max_tokens_per_rank, hidden, num_topk
         self.use_fp8_dispatch = bool(use_fp8_dispatch)
         self.deterministic = bool(deterministic)
@@ -98,10 +104,6 @@ class EPBuffer(V25Methods, BufferBase):
                                                 plan.signature(), 'allow_multiple_reduction':
                                                 self.allow_multiple_reduction})
         try:
-            if self.num_scaleout_ranks > 1:
-                raise NotImplementedError(
-                    f'{self.num_scaleout_ranks} scale-up domains: dispatch/combine across domains (hybrid mode over '
-                    f'NCCL) is not implemented yet; run within one NVLink domain')
             self.num_rdma_ranks, self.num_nvlink_ranks = self.num_scaleout_ranks, self.num_scaleup_ranks
             self.num_allocated_qps = num_allocated_qps or (ep_plan.HYBRID_QPS if allow_hybrid_mode
                                                            else ep_plan.DIRECT_QPS)
@@ -114,13 +116,16 @@ class EPBuffer(V25Methods, BufferBase):
             if plan is not None:
                 kind = 'cupy' if all(isinstance(p, Placeholder) for p in plan.placeholders) else 'torch'
                 plan.materialize(self._lb.storage(kind))
-            if (num_max_tokens_per_rank and hidden) or num_topk:
-                self._ep_feature()                  # lays out the EP region and compiles the kernels now
+            if (num_max_tokens_per_rank and hidden) or num_topk or self.num_scaleout_ranks > 1:
+                self._ep_feature()                  # lays out the EP region and compiles the kernels now (hybrid:
+                #                                     the rails too, collectively)
         except BaseException:
             self.destroy()
             raise
 
     def _ep_feature(self) -> EP:
+        if self._ep is None and self.num_scaleout_ranks > 1:
+            self._ep = hybrid.make_hybrid_ep(self)      # several scale-up domains: the composed hybrid path
         if self._ep is None:
             self._ep = EP(weakref.proxy(self), self.num_max_tokens_per_rank, self.hidden, self.num_topk,
                           self.allow_multiple_reduction, self.prefer_overlap_with_compute, self._nvlink_gbs)
@@ -130,7 +135,11 @@ class EPBuffer(V25Methods, BufferBase):
         for feature in (self._ep, self._lb):
             if feature is not None:
                 feature.destroy()
+        self._hybrid = self._ep if isinstance(self._ep, HybridEP) else None
         self._ep = self._lb = None
+
+    def _release_extra(self, collective: bool) -> None:
+        hybrid.release(self, collective)
 
     # ---- sizes and SM / QP policy ------------------------------------------------------------------------------
     @staticmethod

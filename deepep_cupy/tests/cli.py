@@ -85,6 +85,8 @@ def ep_parser() -> argparse.ArgumentParser:
     _skip(p, 'error', 'timeout')
     p.add_argument('--timeout-test-secs', type=float, default=3.0,
                    help='GPU timeout of the buffer used by the missing-rank check')
+    p.add_argument('--skip-graph-test', action='store_true',
+                   help='hybrid mode (several scale-up domains): skip the CUDA-graph capture and replay check')
     p.add_argument('--num-create-destroy', type=int, default=100,
                    help='buffer create/destroy cycles of the memory-leak check (0: skip it)')
     return p

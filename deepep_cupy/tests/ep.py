@@ -105,6 +105,9 @@ class Case:
         return self.expected[key]
 
 
+make_case = Case      # hybrid mode (several domains): ep_hybrid.hybrid_case_class(Case, N), set by main
+
+
 def check_dispatch(case: Case, out, use_fp8: bool, alignment: int, do_expand: bool, exact: bool, what: str,
                    zero_padding: bool = False):
     """Compare one dispatch's outputs with the references."""
@@ -229,8 +232,8 @@ def test_small_m_and_empty_ranks(buf: ElasticBuffer, args, group, rank: int, num
     ranks with an empty batch). Both checked bit for bit, dispatch (plain, expanded, cached) and combine."""
     num_checked = 0
     m_small = max(1, 1 << max(0, (args.num_tokens // 3).bit_length() - 1))      # a power of two below M
-    cases = (('per-call num_max_tokens_per_rank', Case(args, group, rank, num_ranks, args.seed + 7, m_small)),
-             ('0-token ranks', Case(args, group, rank, num_ranks, args.seed + 8, None,
+    cases = (('per-call num_max_tokens_per_rank', make_case(args, group, rank, num_ranks, args.seed + 7, m_small)),
+             ('0-token ranks', make_case(args, group, rank, num_ranks, args.seed + 8, None,
                                     0 if rank % 2 == 1 or num_ranks == 1 else max(1, args.num_tokens - rank))))
     for what, case in cases:
         m = case.M
@@ -439,10 +442,17 @@ def main(argv=None) -> int:
     log(f'[init] {num_ranks} ranks, {buf.topology.num_ranks_per_gpu()} per GPU, buffer {buf.num_bytes / 2**20:.0f} '
         f'MiB, built (kernels compiled/loaded) in {time.perf_counter() - t0:.2f} s; tokens {args.num_tokens}, hidden '
         f'{args.hidden}, top-{args.num_topk}, {args.num_experts} experts')
+    global make_case
+    hybrid = buf.num_scaleout_ranks > 1
+    if hybrid:
+        from . import ep_hybrid
+        make_case = ep_hybrid.hybrid_case_class(Case, buf.num_scaleout_ranks)
+        log(f'[init] hybrid mode: {buf.num_scaleout_ranks} domains x {buf.num_scaleup_ranks} ranks, rails over '
+            f'{buf._ep.rails.kind}; rows in hybrid order, combine reduced in each domain first')
     ok = True
     case = None
     try:
-        case = Case(args, group, rank, num_ranks, args.seed)
+        case = make_case(args, group, rank, num_ranks, args.seed)
         if not args.skip_check:
             t0 = time.perf_counter()
             n = run_modes(buf, case, args.test_first_only)
@@ -455,7 +465,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             log(f'[check] per-call num_max_tokens_per_rank below the buffer\'s and 0-token ranks: {n} calls bitwise '
                 f'equal ({time.perf_counter() - t0:.1f} s)')
-            test_misc(buf, case)
+            (ep_hybrid.test_misc if hybrid else test_misc)(buf, case)
             test_cupy(buf, case)
             log('[check] CuPy arrays in, CuPy arrays out: bitwise equal')
         if not args.skip_error_test:
@@ -468,9 +478,12 @@ def main(argv=None) -> int:
         if args.do_pressure_test:
             t0 = time.perf_counter()
             for s in range(1, args.num_pressure_seeds + 1):
-                pc = Case(args, group, rank, num_ranks, args.seed + s)
+                pc = make_case(args, group, rank, num_ranks, args.seed + s)
                 run_modes(buf, pc, True)
             log(f'[pressure] {args.num_pressure_seeds} seeds, zero mismatches ({time.perf_counter() - t0:.1f} s)')
+        if hybrid and not args.skip_graph_test:
+            ep_hybrid.test_graph(buf, args, group, make_case)
+            log('[graph] hybrid dispatch (no CPU sync) + combine in one CUDA graph, 2 replays bitwise equal')
         if not args.skip_perf_test:
             lines = group.allgather_object(perf(buf, case, args))
             for rank_lines in lines:
@@ -483,7 +496,7 @@ def main(argv=None) -> int:
     ok = all(group.allgather_object(ok))
 
     if ok and case is not None and not args.skip_timeout_test and num_ranks > 1:
-        good = test_timeout(args, group, case)
+        good = ep_hybrid.test_timeout(args, group, case, ElasticBuffer) if hybrid else test_timeout(args, group, case)
         log(f'[timeout] a missing rank gives TimeoutError on every other rank: {"OK" if good else "FAILED"}')
         ok &= good
     if ok and case is not None and args.num_create_destroy:

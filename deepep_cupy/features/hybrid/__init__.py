@@ -1,8 +1,19 @@
 """Hybrid mode: EP dispatch/combine across several scale-up (NVLink) domains joined by NCCL rails (issue #13,
-design memo SCALEOUT.md). This package is the CPU-verified foundation; it is NOT wired into `ElasticBuffer` yet (a
-buffer over several domains still raises NotImplementedError) and no hybrid kernel exists yet.
+design memo SCALEOUT.md).
+
+What runs today is P1, the COMPOSED path (feature.py): a rail hop packed by small kernels (kernels_cu/hybrid.cu),
+then the verified intranode engine (features/ep, composed by the buffer) over each domain on the forwarder's union
+input, and the reverse for combine, with a final FP32 reduction at the origin. Rows come in the hybrid order below
+and combine is bitwise `refs.combine(..., reduce_in_scaleup=True)`. `ElasticBuffer` takes it when it has several
+domains. The FUSED design below (hierarchical notify, forwarding straight into the receivers' slots, combine units
+pushed to the forwarder, chunked rails overlapping NVLink) is the next step: it removes the union copy, the padded
+N * M intranode layout and the second NVLink pass of own-domain tokens; its host references are reference.py and
+combine_reference.py, and the kernels it needs are listed at the end.
 
 Modules:
+    feature.py            P1: `HybridEP` (dispatch / combine), `HybridRails` (rail memory and transport)
+    plan.py, checks.py    P1: rail area, row sizes, payloads, transport choice, metadata translation; argument checks
+    handle.py, kernels.py P1: `HybridHandle`; kernel declarations and the loopback's stream signals
     layout.py             sizes and offsets (symmetric data region, rail regions, message formats), the size hint
     reference.py          host reference of dispatch: routing, positions, rails, forwarding, receive layout
     combine_reference.py  host reference of combine: in-domain reduction at the forwarder, the final one at the origin
@@ -61,7 +72,7 @@ Timeouts: every GPU wait is bounded (error record names phase and peer); the hos
 `transport.timeout_error(phase, peer_domain, secs)`, which aborts the rail communicators and returns the
 `TimeoutError` to raise.
 
-Kernels still to write (none exists; list for the next session; each must match the reference named)
+Kernels of the fused design (not written yet; each must match the reference named)
 ------------------------------------------------------------------------------------------------------------------
 - kernels_cu/ep_hybrid_notify.cu
   `hybrid_notify_dispatch<kMaxTopk>` (cooperative, W <= 64 destinations): send_pos [T][W], domain_pos [T][N],
@@ -90,25 +101,8 @@ Kernels still to write (none exists; list for the next session; each must match 
   system scope), `rail_wait` (bounded, error record with phase and peer): `runtime.rails.StreamSignals`.
 Every specialisation compiles for sm_90 in the CPU tests (as the shipped ones do).
 
-Next session (needs a GPU)
-------------------------------------------------------------------------------------------------------------------
-1. The kernels above, compiled for sm_90 on the CPU; a `features/hybrid/feature.py` (plans, launches) driven on the
-   CPU with recording kernels and a fake transport.
-2. Wiring: `ElasticBuffer` accepts several domains when the feature is present; `BufferBase` drops its world NCCL
-   communicator (barrier = IPC barrier, rail all-reduce of one word, IPC barrier); the transport is chosen by a new
-   `DEEPEP_CUPY_RAIL_TRANSPORT` (auto | nccl | loopback; auto = loopback when two members of a rail share a GPU,
-   which NCCL refuses); the loopback's mappings come from `PeerMapping(RailGroup(world, rails.rail_ranks), ...)`;
-   `get_buffer_size_hint` uses `layout.buffer_size_hint` with N > 1; the handle's hybrid fields
-   (psum `[R]`, token_metadata_at_forward `[N, M, 1 + K]`, dst_buffer_slot_idx `[T, W]`); tests.ep compares rows
-   after `hybrid_row_order` and combine against `refs.combine(..., N, R, ..., reduce_in_scaleup=H2 and amr)`.
-3. On 1 GPU through the loopback (ranks share the GPU; logic only, `--skip-perf-test`), each also with
-   `--do-pressure-test`, a decode-size case (`--num-tokens 128`, CUDA graph) and the timeout case:
-     DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback launch/run_local.sh 2 python -m \\
-         deepep_cupy.tests.ep --num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test     # 2 x 1
-     DEEPEP_CUPY_SCALEUP_SIZE=2 ... launch/run_local.sh 4 ...                                       # 2 x 2
-     DEEPEP_CUPY_SCALEUP_SIZE=4 ... launch/run_local.sh 8 ...                                       # 2 x 4
-     DEEPEP_CUPY_SCALEUP_SIZE=1 ... launch/run_local.sh 4 ...                                       # 4 x 1
-4. Two GPUs (the two-GPU issue): the same with DEEPEP_CUPY_RAIL_TRANSPORT=nccl, rails crossing the GPUs
-   (DEEPEP_CUPY_HOST / DEEPEP_CUPY_DEVICE per domain), then NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 with the socket
-   transport over loopback.
+P1 on a GPU (launch/gpu_suite.sh hybrid: ranks sharing GPU 0, loopback rails; launch/scaleout_nccl.sh: NCCL rails
+across two GPUs), e.g.
+    DEEPEP_CUPY_SCALEUP_SIZE=2 DEEPEP_CUPY_RAIL_TRANSPORT=loopback launch/run_local.sh 4 python -m \\
+        deepep_cupy.tests.ep --num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test     # 2 x 2
 """

@@ -1,0 +1,43 @@
+"""What `ElasticBuffer` and `EPBuffer` share for several scale-up domains (hybrid mode, features/hybrid): the size of
+the intranode part and the composition of the two features (the intranode engine over the domain, laid out for the
+forwarder's union input of N * M tokens, under the hybrid feature)."""
+
+import weakref
+
+from ..features.ep import layout as ep_layout
+from ..features.ep.feature import EP
+from ..features.hybrid.feature import HybridEP
+
+
+def size_hint(pg, device, num_bytes: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+              allow_multiple_reduction: bool) -> int:
+    """`num_bytes`, raised to what the intranode part needs when the group forms several domains (a host collective:
+    it detects the topology, as the buffer will)."""
+    if pg.size <= 1:
+        return num_bytes
+    from ..runtime.topology import detect_topology, select_device
+    topo = detect_topology(pg, select_device(pg, device), True)
+    if topo.num_scaleout_ranks <= 1:
+        return num_bytes
+    return max(num_bytes, ep_layout.buffer_size_hint(topo.num_scaleup_ranks,
+                                                     topo.num_scaleout_ranks * num_max_tokens_per_rank, hidden,
+                                                     num_topk, allow_multiple_reduction))
+
+
+def make_hybrid_ep(buf) -> HybridEP:
+    """The EP feature of a buffer over several domains (collective: it makes the rails)."""
+    if not (buf.num_max_tokens_per_rank and buf.hidden):
+        raise ValueError(f'{buf.num_scaleout_ranks} scale-up domains (hybrid mode): give num_max_tokens_per_rank and '
+                         f'hidden at construction (they size the rail buffers)')
+    proxy = weakref.proxy(buf)
+    inner = EP(proxy, buf.num_scaleout_ranks * buf.num_max_tokens_per_rank, buf.hidden, buf.num_topk,
+               buf.allow_multiple_reduction, buf.prefer_overlap_with_compute, buf._nvlink_gbs)
+    return HybridEP(proxy, inner, buf.num_max_tokens_per_rank, buf.hidden, buf.num_topk)
+
+
+def release(buf, collective: bool) -> None:
+    """`BufferBase._release_extra` of a buffer whose destroyed EP feature may hold rails (`buf._hybrid`)."""
+    hybrid, buf._hybrid = getattr(buf, '_hybrid', None), None
+    buf._rail_barrier = None
+    if hybrid is not None:
+        hybrid.release(collective)

@@ -1,0 +1,152 @@
+"""Argument checks of the hybrid dispatch / combine: everything is rejected before the first kernel (the rail kernels
+run before the intranode engine's own checks)."""
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+from ...runtime.interop import tensor_info
+from . import plan as hplan
+from .plan import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK
+
+
+@dataclass
+class DispatchArgs:
+    x: Any
+    sf: Any
+    topk_idx: Any
+    num_tokens: int
+    num_topk: int
+    num_experts: int
+    num_max_tokens: int
+    hidden_bytes: int
+    x_row_bytes: int
+    num_sf: int
+    sf_strides: Tuple[int, int]
+    cpu_sync: bool
+
+    def check_range(self, buf) -> None:
+        """topk_idx values in [-1, num_experts) (a host read of its min / max; skipped inside CUDA-graph capture)."""
+        t = self.topk_idx
+        if not self.num_tokens:
+            return
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -1 or hi >= self.num_experts:
+            raise ValueError(f'topk_idx values must be in [-1, {self.num_experts}), got [{lo}, {hi}]')
+
+
+def _device_check(info, device: int, name: str) -> None:
+    if info.device != device:
+        raise ValueError(f'{name} must be on this buffer\'s device ({device}), got device {info.device}')
+
+
+def check_dispatch_args(feat, x, topk_idx, topk_weights, num_experts: Optional[int],
+                        num_max_tokens_per_rank: Optional[int], expert_alignment: Optional[int], previous_event,
+                        allocate_on_comm_stream: bool, handle, do_cpu_sync: Optional[bool]) -> DispatchArgs:
+    """Check a hybrid dispatch's arguments (ValueError / TypeError as the intranode engine raises them)."""
+    from .handle import HybridHandle
+    device = feat.inner.settings.device
+    if previous_event is not None and not allocate_on_comm_stream:
+        raise ValueError('previous_event needs allocate_on_comm_stream=True')
+    if handle is not None:
+        if type(handle) is not HybridHandle:
+            raise TypeError(f'handle must be the HybridHandle of a dispatch on this buffer, got '
+                            f'{type(handle).__name__}')
+        if handle.buffer_id != id(feat):
+            raise ValueError('handle comes from another buffer')
+        if topk_idx is not None:
+            raise ValueError('a cached dispatch (handle given) takes topk_idx from the handle: pass topk_idx=None')
+        if expert_alignment is not None and expert_alignment != handle.expert_alignment:
+            raise ValueError(f'expert_alignment={expert_alignment} differs from the handle\'s '
+                             f'({handle.expert_alignment})')
+        topk_idx, num_experts = handle.topk_idx, handle.num_experts
+        num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+    fp8 = isinstance(x, (tuple, list))
+    if fp8 and len(x) != 2:
+        raise ValueError('x must be a tensor or a (x_fp8, sf) pair')
+    xa, sf = (x[0], x[1]) if fp8 else (x, None)
+    xi = tensor_info(xa, 'x')
+    _device_check(xi, device, 'x')
+    if xi.ndim != 2:
+        raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {xi.shape}')
+    if not xi.dtype_matches('float8_e4m3fn' if fp8 else 'bfloat16'):
+        raise TypeError(f'x must be {"float8_e4m3fn" if fp8 else "bfloat16"}, got {xi.dtype}')
+    T, H = xi.shape
+    if H and xi.strides[1] != 1 or (T > 1 and xi.strides[0] < H):
+        raise ValueError('x rows must be contiguous')
+    hidden_bytes = H * xi.itemsize
+    if hidden_bytes % 16:
+        raise ValueError(f'hidden * itemsize must be a multiple of 16 bytes, got {hidden_bytes}')
+    if xi.ptr % 16 or (T > 1 and xi.strides[0] * xi.itemsize % 16):
+        raise ValueError('x rows must start at 16-byte aligned addresses')
+    num_sf, sf_strides = 0, (0, 0)
+    if fp8:
+        si = tensor_info(sf, 'sf')
+        _device_check(si, device, 'sf')
+        if si.ndim != 2 or si.shape[0] != T:
+            raise ValueError(f'sf must be [num_tokens={T}, num_sf], got {si.shape}')
+        if si.itemsize != 4:
+            raise TypeError(f'sf must hold 4-byte scales (float32, or int32 packed UE8M0), got {si.dtype}')
+        num_sf, sf_strides = si.shape[1], (si.strides[0], si.strides[1])
+    ti = tensor_info(topk_idx, 'topk_idx')
+    _device_check(ti, device, 'topk_idx')
+    if ti.dtype != 'int64':
+        raise TypeError(f'topk_idx must be int64, got {ti.dtype}')
+    if ti.ndim != 2 or ti.shape[0] != T or not 1 <= ti.shape[1] <= NUM_MAX_TOPK:
+        raise ValueError(f'topk_idx must be [num_tokens={T}, 1..{NUM_MAX_TOPK}], got {ti.shape}')
+    if not ti.is_contiguous():
+        raise ValueError('topk_idx must be contiguous')
+    K = ti.shape[1]
+    if topk_weights is not None:
+        wi = tensor_info(topk_weights, 'topk_weights')
+        _device_check(wi, device, 'topk_weights')
+        if wi.dtype != 'float32':
+            raise TypeError(f'topk_weights must be float32, got {wi.dtype}')
+        if wi.shape != ti.shape or not wi.is_contiguous():
+            raise ValueError(f'topk_weights must be contiguous {ti.shape}, got {wi.shape}')
+    W = feat.N * feat.R
+    if num_experts is None:
+        raise ValueError('num_experts is required')
+    if num_experts <= 0 or num_experts % W or num_experts // W > NUM_MAX_LOCAL_EXPERTS:
+        raise ValueError(f'num_experts ({num_experts}) must be a positive multiple of the number of ranks ({W}), '
+                         f'at most {NUM_MAX_LOCAL_EXPERTS} per rank')
+    M = feat.M if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+    if not isinstance(M, int) or not 1 <= M <= feat.M:
+        raise ValueError(f'num_max_tokens_per_rank must be in [1, {feat.M}] (the buffer\'s), got {M!r}')
+    if T > M:
+        raise ValueError(f'num_tokens ({T}) > num_max_tokens_per_rank ({M})')
+    if hplan.dispatch_row_bytes(K, num_sf, hidden_bytes) > feat.area.row_bytes or K > feat.num_topk:
+        raise ValueError(f'hidden {H} / top-k {K} / {num_sf} scales exceed the buffer\'s (hidden {feat.hidden}, '
+                         f'top-k {feat.num_topk})')
+    cpu_sync = handle is None and (do_cpu_sync is None or bool(do_cpu_sync))
+    return DispatchArgs(xa, sf, topk_idx, T, K, num_experts, M, hidden_bytes, xi.strides[0] * xi.itemsize, num_sf,
+                        sf_strides, cpu_sync)
+
+
+def check_combine_args(feat, x, handle, bias) -> List[Any]:
+    """Check what the intranode combine does not see (the handle's type, the biases); returns the biases."""
+    from .handle import HybridHandle
+    if type(handle) is not HybridHandle:
+        raise TypeError(f'handle must be the HybridHandle of a dispatch on this buffer, got {type(handle).__name__}')
+    if handle.buffer_id != id(feat):
+        raise ValueError('handle comes from another buffer')
+    xi = tensor_info(x, 'x')
+    if xi.ndim != 2 or not xi.dtype_matches('bfloat16'):
+        raise (TypeError if xi.ndim == 2 else ValueError)(f'combine x must be 2-D bfloat16, got {xi.dtype} {xi.shape}')
+    H, K, T = xi.shape[1], handle.topk_idx.shape[1], handle.num_tokens
+    if hplan.combine_row_bytes(H, K) > feat.area.row_bytes:
+        raise ValueError(f'combine hidden {H} exceeds the buffer\'s ({feat.hidden})')
+    if bias is None:
+        biases = []
+    elif isinstance(bias, (tuple, list)):
+        biases = [b for b in bias if b is not None]
+        if len(bias) > 2:
+            raise ValueError(f'bias: at most 2 tensors, got {len(bias)}')
+    else:
+        biases = [bias]
+    for b in biases:
+        bi = tensor_info(b, 'bias')
+        if bi.shape != (T, H) or not bi.is_contiguous():
+            raise ValueError(f'bias must be contiguous [{T}, {H}], got {bi.shape}')
+        if not bi.dtype_matches('bfloat16'):
+            raise TypeError(f'bias must be bfloat16, got {bi.dtype}')
+    return biases

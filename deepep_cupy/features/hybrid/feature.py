@@ -1,0 +1,326 @@
+"""The hybrid EP feature, P1: dispatch / combine across N scale-up domains composed from the verified intranode
+engine (`features/ep`) and rail exchanges (`runtime/rails.py`), with the small kernels of kernels_cu/hybrid.cu.
+
+Dispatch at rank (n, r), all on the caller's current stream, then the intranode engine's own streams:
+ 1. hybrid_route: per token its destination domains (dedup: a token crosses rail r once per domain) and its rail
+    position there; hybrid_pack: rows (x, scales, top-k, weights, source token) into the send region of each domain.
+ 2. rail exchange with the rail peers (m, r). CPU sync: a header-only 'notify' exchange, the host reads the counts
+    (hybrid_report, bounded wait), then an exact-size 'dispatch' exchange; no CPU sync / cached / CUDA graphs: one
+    static exchange of M rows per peer, counts in the 16-byte headers (no host sync at all).
+ 3. hybrid_unpack: the forwarder's union input of N * M rows, row s * M + t = token t of the rail peer in domain s
+    (own tokens at s = n), top-k masked to this domain's experts (domain-relative ids, -1 elsewhere); rows no token
+    fills have top-k -1 and go nowhere.
+ 4. the intranode dispatch of the union over the domain (E / N experts, N * M tokens per rank): every row reaches every
+    local owner; rows arrive grouped by forwarder r, then union row (source domain, token) = `hybrid_row_order`.
+Combine: the intranode combine back to the forwarder's union rows (FP32 in-domain reduction, one rounding: DeepEP's
+reduce_in_scaleup=True), hybrid_combine_pack of the rows of other domains' tokens into the rail send regions (rail
+order), the reverse rail exchange, then hybrid_combine_final at the origin: bias, then each domain's partial in
+ascending key (the domain's last top-k slot), FP32, one rounding: bitwise `refs.combine(..., reduce_in_scaleup=True)`.
+
+The fully fused design (features/hybrid/__init__.py) would add: a hierarchical notify instead of the union's padded
+N * M rows (the intranode layout pass scans empty rows; worst-case buffers grow with N), forwarding straight into
+the receivers' slots (no union copy and no second NVLink pass of the own-domain tokens), chunked rails overlapping
+NVLink (P2), and combine units pushed to the forwarder without the union round trip.
+"""
+
+import weakref
+from typing import Optional
+
+from ... import envs
+from ...runtime import interop, workspace
+from ...runtime.event import EventHandle, EventOverlap, as_event_handle
+from ...runtime.polling import wait_until
+from ...runtime.rails import IpcLoopbackTransport, NcclRailTransport, plan_exchange, rail_topology
+from . import plan as hplan
+from .checks import check_combine_args, check_dispatch_args
+from .handle import HybridHandle
+from .kernels import MAX_DOMAINS, MAX_SIGNALS, ROUTE_THREADS, THREADS, HybridKernels, KernelSignals
+from .plan import NUM_MAX_TOPK, topk_bucket
+
+HOST_BYTES = 4096           # the report record: [seq, send counts [N], recv counts [N]]
+
+
+class HybridRails:
+    """This rank's rail memory and transport (made collectively with the buffer; released by `release`)."""
+
+    def __init__(self, buf, area: hplan.RailArea, kernels, transport: Optional[str] = None):
+        import cupy
+        topo = buf.topology
+        self.rails = rail_topology(buf.num_ranks, buf.num_scaleup_ranks, buf.rank_idx)
+        gpus = [topo.pci_bus_ids[g] for g in self.rails.rail_ranks]
+        self.kind = hplan.choose_transport(transport or envs.rail_transport(), gpus)
+        self.area, self.mem, self.own_ptr = area, None, 0
+        kinds = buf.group.allgather_object(self.kind)
+        if len(set(kinds)) != 1:
+            raise ValueError(f'hybrid mode: the rails chose different transports {sorted(set(kinds))}; set '
+                             f'DEEPEP_CUPY_RAIL_TRANSPORT to one value on every rank')
+        if self.kind == 'loopback':
+            if self.rails.num_domains - 1 > MAX_SIGNALS:
+                raise ValueError(f'the loopback rail transport signals at most {MAX_SIGNALS} rail peers, got '
+                                 f'{self.rails.num_domains - 1}; use fewer domains or NCCL rails')
+            from ...runtime.symmetric import SymmetricMemory
+            self.mem = SymmetricMemory(buf.group, list(self.rails.rail_ranks), area.total_bytes)
+            self.base = self.mem.base
+            signals = KernelSignals(kernels, self.base + area.flags_offset, buf.rank_idx,
+                                    self.rails.rail_ranks, buf.sym.base + workspace.ERROR_CLAIM.offset,
+                                    buf.host_mapped.ptr + workspace.HOST_ERROR_RECORD.offset, buf.timeout_ns)
+            self.transport = IpcLoopbackTransport(self.rails, self.mem.peer_bases, area.flags_offset, signals)
+        else:
+            self.own_ptr = self.base = cupy.cuda.runtime.malloc(area.total_bytes)
+            cupy.cuda.runtime.memset(self.base, 0, area.total_bytes)
+            cupy.cuda.runtime.deviceSynchronize()
+            self.transport = NcclRailTransport.create(buf.group, self.rails, self.base)
+        peers = self.rails.peer_domains
+        self.barrier_plan = plan_exchange(self.rails, area, 'barrier', {m: 0 for m in peers}, {m: 0 for m in peers})
+
+    def exchange(self, plan, stream) -> None:
+        self.transport.exchange(plan, stream)
+
+    def barrier(self, stream) -> None:
+        self.transport.exchange(self.barrier_plan, stream)
+
+    def release(self, collective: bool) -> None:
+        if self.transport is not None:
+            self.transport.destroy()
+            self.transport = None
+        if self.mem is not None:
+            if collective:
+                self.mem.destroy()
+            else:
+                self.mem.release_local()
+            self.mem = None
+        if self.own_ptr:
+            import cupy
+            cupy.cuda.runtime.free(self.own_ptr)
+            self.own_ptr = 0
+
+
+def _empty(like, shape, dtype=None):
+    """An uninitialised array of the same library, device and (default) dtype as `like`."""
+    if interop.is_torch(like):
+        import torch
+        dt = {'int32': torch.int32, 'int64': torch.int64, 'float32': torch.float32}.get(dtype, dtype) or like.dtype
+        return torch.empty(shape, dtype=dt, device=like.device)
+    import cupy
+    return cupy.empty(shape, dtype=dtype or like.dtype)
+
+
+def _ptr(a) -> int:
+    if a is None:
+        return 0
+    return a.data_ptr() if interop.is_torch(a) else a.data.ptr
+
+
+def _capturing(like) -> bool:
+    if interop.is_torch(like):
+        import torch
+        return like.is_cuda and torch.cuda.is_current_stream_capturing()
+    import cupy
+    return cupy.cuda.get_current_stream().is_capturing()
+
+
+class HybridEP:
+    """The EP feature of a buffer over several scale-up domains (see the module docstring).
+
+    Args:
+        buf: the buffer (held weakly by the caller).
+        inner: the intranode engine over the domain (features/ep `EP`, laid out for N * M tokens per rank; the
+            buffer composes the two features).
+        num_max_tokens_per_rank, hidden, num_topk: the buffer's MoE settings (M and hidden are required: they size
+            the rail area).
+        rails: a `HybridRails` (tests inject one); default: made here (collective).
+        kernels_of: `num_topk -> HybridKernels` (tests inject fakes); host: host-mapped memory for the counts.
+    """
+
+    def __init__(self, buf, inner, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+                 rails: Optional[HybridRails] = None, kernels_of=None, host=None):
+        if not (num_max_tokens_per_rank and hidden):
+            raise ValueError('hybrid mode (several scale-up domains) needs num_max_tokens_per_rank and hidden at '
+                             'construction: they size the rail buffers')
+        self._buf = buf
+        self.N, self.R = buf.num_scaleout_ranks, buf.num_scaleup_ranks
+        self.domain, self.rank = buf.scaleout_rank_idx, buf.rank_idx
+        if self.N > MAX_DOMAINS:
+            raise ValueError(f'hybrid mode supports at most {MAX_DOMAINS} scale-up domains, got {self.N}')
+        self.M, self.hidden, self.num_topk = num_max_tokens_per_rank, hidden, num_topk or NUM_MAX_TOPK
+        self._kernels = {}
+        self._kernels_of = kernels_of or self._load_kernels
+        self.inner = inner
+        self.area = hplan.rail_area(self.N, self.M, hidden, self.num_topk)
+        self.rails = rails if rails is not None else HybridRails(buf, self.area, self._kernels_of(self.num_topk))
+        self._seq = 0
+        if host is None:
+            from ...runtime.symmetric import HostMappedMemory
+            host = HostMappedMemory(HOST_BYTES)
+        self._host = host
+        self._host_words = self._host.view('int32', 1 + 2 * self.N)
+        self._host_ptr = self._host.ptr
+        ref = weakref.ref(self)
+        buf._rail_barrier = lambda stream: ref() is not None and ref().rails.barrier(stream)
+        if num_topk:
+            self._kernels_of(num_topk)
+
+    def _load_kernels(self, num_topk: int) -> HybridKernels:
+        b = topk_bucket(num_topk)
+        if b not in self._kernels:
+            self._kernels[b] = HybridKernels(b)
+        return self._kernels[b]
+
+    def destroy(self) -> None:
+        self.inner.destroy()
+
+    def release(self, collective: bool) -> None:
+        """Free the rail memory (after the streams finished; `BufferBase._release_extra`)."""
+        if self.rails is not None:
+            self.rails.release(collective)
+            self.rails = None
+        if self._host is not None and hasattr(self._host, 'free'):
+            self._host.free()
+            self._host = None
+
+    # ---- dispatch ----------------------------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None,
+                 num_experts: Optional[int] = None, num_max_tokens_per_rank: Optional[int] = None,
+                 expert_alignment: Optional[int] = None, num_sms: int = 0, num_qps: int = 0,
+                 previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
+                 allocate_on_comm_stream: bool = False, handle: Optional[HybridHandle] = None,
+                 do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None, do_expand: bool = False,
+                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+        """`ElasticBuffer.dispatch` across domains (see there); rows come in DeepEP V2's hybrid order."""
+        self.inner._check_usable()
+        a = check_dispatch_args(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                                expert_alignment, previous_event, allocate_on_comm_stream, handle, do_cpu_sync)
+        N, n, Mc, K = self.N, self.domain, a.num_max_tokens, a.num_topk
+        xa, sf, topk, w = a.x, a.sf, a.topk_idx, topk_weights
+        stream = interop.current_stream(xa)
+        if previous_event is not None:
+            as_event_handle(previous_event).stream_wait(stream)
+        if a.cpu_sync and not _capturing(xa):      # as the intranode engine: checked where the host syncs anyway
+            a.check_range(self._buf)
+        k = self._kernels_of(K)
+        T, area, base = a.num_tokens, self.area, self.rails.base
+        rails = self.rails.rails
+        row = hplan.dispatch_row_bytes(K, a.num_sf, a.hidden_bytes)
+        domain_pos = _empty(topk, (T, N), 'int32')
+        counts = _empty(topk, (N,), 'int32')
+        k.route.launch(1, ROUTE_THREADS, stream=stream, topk_idx=topk, num_tokens=T, num_topk=K,
+                       experts_per_domain=a.num_experts // N, num_domains=N, domain=n, domain_pos=domain_pos,
+                       counts=counts, rail_base=base, send_offset=area.send_offset, region_bytes=area.region_bytes)
+        xargs = dict(x=xa, x_row_bytes=a.x_row_bytes, hidden_bytes=a.hidden_bytes, sf=sf if sf is not None else 0,
+                     sf_stride_token=a.sf_strides[0], sf_stride_col=a.sf_strides[1], num_sf=a.num_sf, topk_idx=topk,
+                     topk_weights=w if w is not None else 0, num_tokens=T, num_topk=K)
+        if T:
+            k.pack.launch(T, THREADS, stream=stream, **xargs, domain_pos=domain_pos, num_domains=N, domain=n,
+                          rail_base=base, send_offset=area.send_offset, region_bytes=area.region_bytes)
+        send_counts = recv_counts = None
+        if a.cpu_sync:
+            send_counts, recv_counts = self._notify(k, counts, stream)
+            plan = plan_exchange(rails, area, 'dispatch', hplan.payloads(rails.peer_domains, send_counts, Mc, row),
+                                 hplan.payloads(rails.peer_domains, recv_counts, Mc, row))
+        else:
+            static = hplan.payloads(rails.peer_domains, None, Mc, row)
+            plan = plan_exchange(rails, area, 'dispatch', static, static)
+        self.rails.exchange(plan, stream)
+        union_x = _empty(xa, (N * Mc, xa.shape[1]))
+        union_sf = _empty(sf, (N * Mc, a.num_sf)) if sf is not None else None
+        union_topk = _empty(topk, (N * Mc, K))
+        union_w = _empty(topk, (N * Mc, K), 'float32') if w is not None else None
+        fwd = _empty(topk, (N * Mc + N,), 'int32')
+        fwd_src, fwd_count = fwd[:N * Mc], fwd[N * Mc:]
+        uargs = dict(experts_per_domain=a.num_experts // N, num_domains=N, domain=n, num_max_tokens=Mc,
+                     rail_base=base, recv_offset=area.recv_offset, region_bytes=area.region_bytes, union_x=union_x,
+                     union_sf=_ptr(union_sf), union_topk=union_topk, union_weights=_ptr(union_w), fwd_src=fwd_src,
+                     fwd_count=fwd_count)
+        k.unpack.launch(min(N * Mc, 8192), THREADS, stream=stream, mode=0, **xargs, **uargs)
+        k.unpack.launch(N * Mc, THREADS, stream=stream, mode=1, **xargs, **uargs)
+        inner_x = (union_x, union_sf) if sf is not None else union_x
+        inner_handle = handle.inner if handle is not None else None
+        recv_x, recv_topk, recv_w, inner_handle, event = self.inner.dispatch(
+            inner_x, None if handle is not None else union_topk, union_w, cumulative_local_expert_recv_stats,
+            a.num_experts // N, N * Mc, expert_alignment, num_sms, num_qps, previous_event, None,
+            async_with_compute_stream, allocate_on_comm_stream, inner_handle, do_handle_copy, do_cpu_sync, do_expand,
+            do_zero_padding, use_tma_aligned_col_major_sf)
+        if async_with_compute_stream and interop.is_torch(xa):
+            # The intranode engine reads the union on its stream after this call returns: keep the caching
+            # allocator from handing the memory to the current stream meanwhile.
+            comm = interop.torch_stream(self._buf.comm_stream.ptr)
+            for t in (union_x, union_sf, union_topk, union_w):
+                if t is not None:
+                    t.record_stream(comm)
+        if handle is not None:
+            user_topk = handle.topk_idx
+        else:
+            user_topk = topk.clone() if do_handle_copy and hasattr(topk, 'clone') else \
+                (topk.copy() if do_handle_copy else topk)
+        h = HybridHandle(inner_handle, user_topk, a.num_experts, Mc, N, self.R, n, domain_pos, fwd_src, fwd_count,
+                         send_counts, recv_counts, union_topk if handle is None else handle.union_topk,
+                         (union_x, union_sf, union_topk, union_w, fwd, counts), id(self))
+        return recv_x, recv_topk, recv_w, h, event
+
+    def _notify(self, k, counts, stream):
+        """CPU sync: the header-only rail exchange, then the send / receive counts on the host (bounded wait)."""
+        rails, N, n = self.rails.rails, self.N, self.domain
+        zero = {m: 0 for m in rails.peer_domains}
+        self.rails.exchange(plan_exchange(rails, self.area, 'notify', zero, zero), stream)
+        self._seq = seq = (self._seq % 0x7FFFFFFF) + 1
+        words = self._host_words
+        words[0] = 0
+        k.report.launch(1, 1, stream=stream, counts=counts, rail_base=self.rails.base,
+                        recv_offset=self.area.recv_offset, region_bytes=self.area.region_bytes, num_domains=N,
+                        domain=n, host_out=self._host_ptr, seq=seq)
+        buf = self._buf
+
+        def check():
+            if int(buf.error_record[0]) != 0:
+                buf.check_usable()          # raises the GPU's timeout report (phase and peer)
+
+        def timed_out():
+            buf.fail('hybrid notify timed out')
+            peer = rails.peer_domains[0]
+            raise self.rails.transport.timeout_error('notify', peer, buf.num_cpu_timeout_secs)
+        wait_until(lambda: int(words[0]) == seq, buf.num_cpu_timeout_secs, timed_out, check)
+        check()
+        send = {m: int(words[1 + m]) for m in range(N) if m != n}
+        recv = {m: int(words[1 + N + m]) for m in range(N) if m != n}
+        for m, c in list(send.items()) + list(recv.items()):
+            if not 0 <= c <= self.M:
+                raise RuntimeError(f'hybrid notify: rail count {c} for domain {m} is out of range [0, {self.M}]')
+        return send, recv
+
+    # ---- combine -----------------------------------------------------------------------------------------------
+    def combine(self, x, handle: HybridHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
+                previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """`ElasticBuffer.combine` across domains (see there): bitwise `refs.combine(..., reduce_in_scaleup=True)`."""
+        self.inner._check_usable()
+        biases = check_combine_args(self, x, handle, bias)
+        cx, cw, _ = self.inner.combine(x, handle.inner, topk_weights, None, num_sms, num_qps, previous_event, None,
+                                       False, allocate_on_comm_stream)
+        N, n, Mc, T = self.N, self.domain, handle.num_max_tokens_per_rank, handle.num_tokens
+        K, hidden = handle.topk_idx.shape[1], x.shape[1]
+        k = self._kernels_of(K)
+        stream = interop.current_stream(x)
+        area, base, rails = self.area, self.rails.base, self.rails.rails
+        k.combine_pack.launch(N * Mc, THREADS, stream=stream, combined_x=cx, combined_weights=_ptr(cw), hidden=hidden,
+                              num_topk=K, fwd_src=handle.fwd_src, fwd_count=handle.fwd_count, num_domains=N,
+                              domain=n, num_max_tokens=Mc, rail_base=base, send_offset=area.send_offset,
+                              region_bytes=area.region_bytes)
+        row = hplan.combine_row_bytes(hidden, K)
+        peers = rails.peer_domains
+        plan = plan_exchange(rails, area, 'combine', hplan.payloads(peers, handle.recv_counts, Mc, row),
+                             hplan.payloads(peers, handle.send_counts, Mc, row))
+        self.rails.exchange(plan, stream)
+        out_x = _empty(x, (T, hidden))
+        out_w = _empty(cw, (T, K)) if cw is not None else None
+        if T:
+            k.combine_final.launch(T, THREADS, stream=stream, topk_idx=handle.topk_idx, num_tokens=T, num_topk=K,
+                                   experts_per_domain=handle.num_experts // N, num_domains=N, domain=n,
+                                   num_max_tokens=Mc, domain_pos=handle.domain_pos, combined_x=cx,
+                                   combined_weights=_ptr(cw), hidden=hidden, rail_base=base,
+                                   recv_offset=area.recv_offset, region_bytes=area.region_bytes,
+                                   bias0=_ptr(biases[0]) if biases else 0,
+                                   bias1=_ptr(biases[1]) if len(biases) > 1 else 0, num_bias=len(biases),
+                                   out_x=out_x, out_weights=_ptr(out_w))
+        handle.keep_combine = (cx, cw)
+        event = EventOverlap(EventHandle(stream) if async_with_compute_stream else None)
+        return out_x, out_w, event

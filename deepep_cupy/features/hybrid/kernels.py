@@ -1,0 +1,155 @@
+"""Kernel declarations of the composed hybrid path (`kernels_cu/hybrid.cu`) and the loopback transport's stream
+signals built on them (`runtime.rails.StreamSignals`)."""
+
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from ...jit.launch import PTR, KernelSpec, Param, load_kernels
+from .plan import TOPK_BUCKETS, topk_bucket
+
+FAMILY = 'hybrid'
+THREADS = 256               # kHybridThreads
+ROUTE_THREADS = 1024        # kHybridRouteThreads
+MAX_DOMAINS = 16            # kHybridMaxDomains
+MAX_SIGNALS = 8             # kHybridMaxSignals: rail peers one signal / wait launch names
+PHASE_AUX = {'notify': 1, 'dispatch': 2, 'combine': 3, 'barrier': 4}
+
+_P = Param
+_X = (_P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('sf', PTR),
+      _P('sf_stride_token', np.int64), _P('sf_stride_col', np.int64), _P('num_sf', np.int32), _P('topk_idx', PTR),
+      _P('topk_weights', PTR), _P('num_tokens', np.int32), _P('num_topk', np.int32))
+_RAIL = (_P('rail_base', PTR),)
+
+
+def route_spec(bucket: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::hybrid_route<{bucket}>', (
+        _P('topk_idx', PTR), _P('num_tokens', np.int32), _P('num_topk', np.int32),
+        _P('experts_per_domain', np.int32), _P('num_domains', np.int32), _P('domain', np.int32),
+        _P('domain_pos', PTR), _P('counts', PTR), *_RAIL, _P('send_offset', np.uint64),
+        _P('region_bytes', np.uint64)))
+
+
+def pack_spec(bucket: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::hybrid_pack<{bucket}>', (
+        *_X, _P('domain_pos', PTR), _P('num_domains', np.int32), _P('domain', np.int32), *_RAIL,
+        _P('send_offset', np.uint64), _P('region_bytes', np.uint64)))
+
+
+def report_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::hybrid_report', (
+        _P('counts', PTR), *_RAIL, _P('recv_offset', np.uint64), _P('region_bytes', np.uint64),
+        _P('num_domains', np.int32), _P('domain', np.int32), _P('host_out', PTR), _P('seq', np.int32)))
+
+
+def unpack_spec(bucket: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::hybrid_unpack<{bucket}>', (
+        _P('mode', np.int32), *_X, _P('experts_per_domain', np.int32), _P('num_domains', np.int32),
+        _P('domain', np.int32), _P('num_max_tokens', np.int32), *_RAIL, _P('recv_offset', np.uint64),
+        _P('region_bytes', np.uint64), _P('union_x', PTR), _P('union_sf', PTR), _P('union_topk', PTR),
+        _P('union_weights', PTR), _P('fwd_src', PTR), _P('fwd_count', PTR)))
+
+
+def combine_pack_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::hybrid_combine_pack', (
+        _P('combined_x', PTR), _P('combined_weights', PTR), _P('hidden', np.int32), _P('num_topk', np.int32),
+        _P('fwd_src', PTR), _P('fwd_count', PTR), _P('num_domains', np.int32), _P('domain', np.int32),
+        _P('num_max_tokens', np.int32), *_RAIL, _P('send_offset', np.uint64), _P('region_bytes', np.uint64)))
+
+
+def combine_final_spec(bucket: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::hybrid_combine_final<{bucket}>', (
+        _P('topk_idx', PTR), _P('num_tokens', np.int32), _P('num_topk', np.int32),
+        _P('experts_per_domain', np.int32), _P('num_domains', np.int32), _P('domain', np.int32),
+        _P('num_max_tokens', np.int32), _P('domain_pos', PTR), _P('combined_x', PTR), _P('combined_weights', PTR),
+        _P('hidden', np.int32), *_RAIL, _P('recv_offset', np.uint64), _P('region_bytes', np.uint64),
+        _P('bias0', PTR), _P('bias1', PTR), _P('num_bias', np.int32), _P('out_x', PTR), _P('out_weights', PTR)))
+
+
+_ADDRS = tuple(_P(f'a{i}', np.uint64) for i in range(MAX_SIGNALS))
+_PEERS = tuple(_P(f'p{i}', np.int32) for i in range(MAX_SIGNALS))
+
+
+def epoch_begin_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::rail_epoch_begin', (_P('epoch', PTR),))
+
+
+def signal_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::rail_signal', (_P('epoch', PTR), _P('num', np.int32), *_ADDRS))
+
+
+def wait_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::rail_wait', (
+        _P('epoch', PTR), _P('num', np.int32), _P('aux', np.int32), _P('rank', np.int32), _P('claim', PTR),
+        _P('error_record', PTR), _P('timeout_ns', np.uint64), *_ADDRS, *_PEERS))
+
+
+def specs_for(bucket: int) -> List[KernelSpec]:
+    return [route_spec(bucket), pack_spec(bucket), report_spec(), unpack_spec(bucket), combine_pack_spec(),
+            combine_final_spec(bucket), epoch_begin_spec(), signal_spec(), wait_spec()]
+
+
+def shipped_specs() -> Dict[str, List[KernelSpec]]:
+    """Family name -> every specialisation (one per top-k bucket)."""
+    out: List[KernelSpec] = []
+    for bucket in TOPK_BUCKETS:
+        out.extend(s for s in specs_for(bucket) if s not in out)
+    return {FAMILY: out}
+
+
+class HybridKernels:
+    """The loaded kernels for one top-k bucket (attributes named after the kernels)."""
+
+    def __init__(self, num_topk: int):
+        bucket = topk_bucket(num_topk)
+        loaded = load_kernels(specs_for(bucket))
+        self.route = loaded[route_spec(bucket).name]
+        self.pack = loaded[pack_spec(bucket).name]
+        self.report = loaded[report_spec().name]
+        self.unpack = loaded[unpack_spec(bucket).name]
+        self.combine_pack = loaded[combine_pack_spec().name]
+        self.combine_final = loaded[combine_final_spec(bucket).name]
+        self.epoch_begin = loaded[epoch_begin_spec().name]
+        self.signal = loaded[signal_spec().name]
+        self.wait = loaded[wait_spec().name]
+
+
+def _padded(values: Sequence[int], what: str) -> List[int]:
+    values = [int(v) for v in values]
+    if len(values) > MAX_SIGNALS:
+        raise ValueError(f'a rail signal names at most {MAX_SIGNALS} {what}, got {len(values)}')
+    return values + [0] * (MAX_SIGNALS - len(values))
+
+
+class KernelSignals:
+    """`runtime.rails.StreamSignals` on the GPU: the epoch word at `epoch_ptr` (device memory, so CUDA-graph replays
+    advance it), release stores and bounded waits that report (hybrid rail, this rank, the peer's global rank).
+
+    Args:
+        kernels: an object with `epoch_begin`, `signal`, `wait` launchers (`HybridKernels`, or fakes).
+        epoch_ptr: this rank's epoch word (`IpcLoopbackTransport.epoch_word`).
+        rank: this rank (global); peer_rank_of_domain: rail member per domain (global ranks).
+        claim_ptr, error_record_ptr, timeout_ns: the buffer's error claim word, host-mapped record and GPU bound.
+    """
+
+    def __init__(self, kernels, epoch_ptr: int, rank: int, peer_rank_of_domain: Sequence[int], claim_ptr: int,
+                 error_record_ptr: int, timeout_ns: int):
+        self.k, self.epoch_ptr, self.rank = kernels, int(epoch_ptr), int(rank)
+        self.peer_rank_of_domain = [int(g) for g in peer_rank_of_domain]
+        self.claim_ptr, self.error_record_ptr, self.timeout_ns = int(claim_ptr), int(error_record_ptr), int(timeout_ns)
+
+    def begin(self, stream) -> None:
+        self.k.epoch_begin.launch(1, 1, stream=stream, epoch=self.epoch_ptr)
+
+    def signal(self, addrs, stream) -> None:
+        a = _padded(addrs, 'addresses')
+        self.k.signal.launch(1, 32, stream=stream, epoch=self.epoch_ptr, num=len(addrs),
+                             **{f'a{i}': a[i] for i in range(MAX_SIGNALS)})
+
+    def wait(self, addrs, peers, phase: str, stream) -> None:
+        a = _padded(addrs, 'addresses')
+        p = _padded([self.peer_rank_of_domain[d] for d in peers], 'peers')
+        aux = PHASE_AUX.get(phase.replace('rail ', ''), 0)
+        self.k.wait.launch(1, 32, stream=stream, epoch=self.epoch_ptr, num=len(addrs), aux=aux, rank=self.rank,
+                           claim=self.claim_ptr, error_record=self.error_record_ptr, timeout_ns=self.timeout_ns,
+                           **{f'a{i}': a[i] for i in range(MAX_SIGNALS)}, **{f'p{i}': p[i] for i in range(MAX_SIGNALS)})

@@ -1,0 +1,107 @@
+"""Pure host-side pieces of the composed hybrid path (feature.py): the rail area, row sizes, exchange payloads, the
+transport choice, the metadata translation and the size of the intranode part. No CUDA here (CPU-tested)."""
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+from ...runtime.rails import FLAGS_BYTES, HEADER_BYTES
+from ...runtime.sizes import align, ceil_div
+
+SF_GROUP = 128              # features/ep/layout.py SF_GROUP: at most one 4-byte scale per 128 channels
+NUM_MAX_TOPK = 32           # features/ep/layout.py NUM_MAX_TOPK
+NUM_MAX_LOCAL_EXPERTS = 1024    # features/ep/layout.py NUM_MAX_LOCAL_EXPERTS
+TOPK_BUCKETS = (1, 2, 4, 8, 16, 32)     # features/ep/kernels.py TOPK_BUCKETS (the kMaxTopk template values)
+
+
+def topk_bucket(num_topk: int) -> int:
+    """The kMaxTopk the hybrid kernels are compiled with for a top-k of `num_topk`."""
+    for bucket in TOPK_BUCKETS:
+        if num_topk <= bucket:
+            return bucket
+    raise ValueError(f'num_topk must be in [1, {NUM_MAX_TOPK}], got {num_topk}')
+
+
+def dispatch_row_bytes(num_topk: int, num_sf: int, hidden_bytes: int) -> int:
+    """Bytes of one dispatch rail row (kernels_cu/hybrid.cu `rail_row`): [src token int32 | top-k int64 x K |
+    weights f32 x K | scales 4 B x num_sf | x], each part padded to 16 bytes."""
+    return 16 + align(8 * num_topk, 16) + align(4 * num_topk, 16) + align(4 * num_sf, 16) + align(hidden_bytes, 16)
+
+
+def combine_row_bytes(hidden: int, num_topk: int) -> int:
+    """Bytes of one combine rail row: [x bf16 x hidden | weights f32 x K], each part padded to 16 bytes."""
+    return align(2 * hidden, 16) + align(4 * num_topk, 16)
+
+
+@dataclass(frozen=True)
+class RailArea:
+    """A rank's rail memory: `[flags | send regions [N] | recv regions [N]]`, each region a 16-byte header and up to
+    `num_max_tokens` rows of `row_bytes` (the largest of both formats). Every rank has the same layout, so a peer's
+    region for this rank sits at the same offset as this rank's region for the peer (`runtime.rails.RailAreasLike`).
+    """
+    num_domains: int
+    num_max_tokens: int
+    row_bytes: int
+
+    @property
+    def region_bytes(self) -> int:
+        return HEADER_BYTES + self.num_max_tokens * self.row_bytes
+
+    @property
+    def flags_offset(self) -> int:
+        return 0
+
+    @property
+    def send_offset(self) -> int:
+        return FLAGS_BYTES
+
+    @property
+    def recv_offset(self) -> int:
+        return FLAGS_BYTES + self.num_domains * self.region_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return align(self.recv_offset + self.num_domains * self.region_bytes, 1 << 21)
+
+    def send_region(self, self_domain: int, peer_domain: int) -> int:
+        return self.send_offset + peer_domain * self.region_bytes
+
+    def recv_region(self, self_domain: int, peer_domain: int) -> int:
+        return self.recv_offset + peer_domain * self.region_bytes
+
+
+def rail_area(num_domains: int, num_max_tokens: int, hidden: int, num_topk: int) -> RailArea:
+    """The rail area for a buffer's settings: BF16 rows with the most scales any FP8 dispatch may carry."""
+    row = max(dispatch_row_bytes(num_topk, ceil_div(hidden, SF_GROUP), 2 * hidden), combine_row_bytes(hidden, num_topk))
+    return RailArea(num_domains, num_max_tokens, row)
+
+
+def payloads(peers: Sequence[int], rows: Optional[Dict[int, int]], num_max_tokens: int, row_bytes: int
+             ) -> Dict[int, int]:
+    """Payload bytes per peer domain: `rows[m] * row_bytes` (exact, known to both ends), or the static worst case
+    `num_max_tokens * row_bytes` when `rows` is None (no CPU sync, CUDA graphs: the header carries the count)."""
+    if rows is None:
+        return {m: num_max_tokens * row_bytes for m in peers}
+    return {m: int(rows[m]) * row_bytes for m in peers}
+
+
+def choose_transport(setting: str, rail_gpu_ids: Sequence[str]) -> str:
+    """`'nccl'` or `'loopback'` for `DEEPEP_CUPY_RAIL_TRANSPORT` = `setting` and the GPUs (PCI bus ids) of this rank's
+    rail members. Every member sees the same ids, so a rail agrees; auto picks loopback when two members share a GPU
+    (NCCL refuses two ranks of one communicator on one GPU)."""
+    if setting in ('nccl', 'loopback'):
+        if setting == 'nccl' and len(set(rail_gpu_ids)) < len(rail_gpu_ids):
+            raise ValueError('DEEPEP_CUPY_RAIL_TRANSPORT=nccl, but two members of a rail share a GPU, which NCCL '
+                             'refuses; use loopback (or auto) for ranks that share GPUs')
+        return setting
+    if setting != 'auto':
+        raise ValueError(f'rail transport must be auto, nccl or loopback, got {setting!r}')
+    return 'loopback' if len(set(rail_gpu_ids)) < len(rail_gpu_ids) else 'nccl'
+
+
+def translate_src_index(inner, num_domains: int, num_scaleup_ranks: int, num_max_tokens: int):
+    """The intranode dispatch's source index `r * (N * M) + s * M + t` (local source r, union row s * M + t) as the
+    global one `(s * R + r) * M + t`; negative values stay. Works on numpy / torch / CupPy integer arrays."""
+    nm = num_domains * num_max_tokens
+    r, rem = inner // nm, inner % nm
+    out = ((rem // num_max_tokens) * num_scaleup_ranks + r) * num_max_tokens + rem % num_max_tokens
+    return out * (inner >= 0) + inner * (inner < 0)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Hybrid mode with NCCL rails between GPUs, on one host with (at least) two GPUs: domain d runs on GPU d and acts as
+# host "node<d>" (DEEPEP_CUPY_HOST), so every rail crosses the GPUs and the rail transport is NCCL (one communicator
+# per rail, no world communicator). Each shape runs twice: NCCL as it chooses (P2P over NVLink), then with
+# NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, i.e. the socket transport over the loopback interface (what crosses a
+# network between real nodes). Logic only (--skip-perf-test). Logs under $OUT (default ./out/scaleout_nccl).
+#
+#   bash launch/scaleout_nccl.sh [SHAPE...]        SHAPE = NxR (domains x ranks per domain), default: 2x1 2x2 2x4
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out/scaleout_nccl}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_jit}
+PY=${PYTHON:-python3}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+shapes=("$@")
+[ ${#shapes[@]} -eq 0 ] && shapes=(2x1 2x2 2x4)
+ARGS="--num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 --num-tokens 256 --hidden 2048 --num-experts 64 \
+--skip-perf-test --num-create-destroy 1"
+fails=0
+
+# run NAME NUM_DOMAINS RANKS_PER_DOMAIN [VAR=VALUE...]: one rank program; each rank finds its domain from its MPI rank
+# (Open MPI or MPICH) and takes that domain's GPU and host name.
+run() {
+    local name=$1 n=$2 r=$3; shift 3
+    local log="$OUT/${name//[^A-Za-z0-9_.-]/_}.log"
+    echo "=== [$name] ($n domains x $r ranks, NCCL rails)" | tee "$log"
+    env "$@" DEEPEP_CUPY_RAIL_TRANSPORT=nccl timeout --kill-after=10 900 launch/run_local.sh $((n * r)) bash -c \
+        "g=\${OMPI_COMM_WORLD_RANK:-\${PMI_RANK:-0}}; d=\$((g / $r)); export DEEPEP_CUPY_HOST=node\$d \
+         DEEPEP_CUPY_DEVICE=\$((d % $NGPU)); exec $PY -m deepep_cupy.tests.ep $ARGS" >> "$log" 2>&1
+    local rc=$?
+    tail -3 "$log"
+    if [ $rc -ne 0 ]; then echo "FAIL(rc=$rc) $name"; fails=$((fails + 1)); else echo "PASS $name"; fi
+}
+
+if [ "$NGPU" -lt 2 ]; then
+    echo "scaleout_nccl.sh needs 2 GPUs (NCCL refuses two ranks of a rail on one GPU); found $NGPU" >&2
+    exit 2
+fi
+for shape in "${shapes[@]}"; do
+    n=${shape%x*}; r=${shape#*x}
+    if [ "$n" -gt "$NGPU" ]; then
+        echo "skip $shape: $n domains on $NGPU GPUs would put two rail members on one GPU"; continue
+    fi
+    run "hybrid $shape NCCL" "$n" "$r"
+    run "hybrid $shape NCCL socket (P2P and SHM off)" "$n" "$r" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
+        NCCL_SOCKET_IFNAME=lo
+done
+echo "scaleout_nccl: $fails failed"
+[ $fails -eq 0 ]
