@@ -240,3 +240,21 @@ def test_timeout_record_of_a_rail_wait_names_global_ranks():
     assert 'dispatch: rank 9 waited for rank 11' in errors.describe(rec, rank_base=4)
     with pytest.raises(TimeoutError, match='rank 9 waited for rank 11'):
         errors.raise_if_timed_out(rec, 3.0, 9, rank_base=4)
+
+
+def test_previous_event_reaches_the_intranode_engine_after_the_union(monkeypatch):
+    """With `previous_event` the intranode engine's stream waits for that event alone, so the union the current
+    stream builds must be covered by an event recorded after it (found on the GPU: a race in psum per source)."""
+    recorded = []
+    monkeypatch.setattr(hfeature, 'EventHandle', lambda *a: recorded.append(len(log)) or f'after-{len(log)}')
+    feat, inner, rails, log = make(rank=0)
+    waited = []
+    user_event = SimpleNamespace(stream_wait=lambda stream: waited.append(stream))
+    monkeypatch.setattr(hfeature, 'as_event_handle', lambda e: e)
+    x, topk, w = inputs()
+    feat.dispatch(x, topk, w, num_experts=E, do_cpu_sync=False, previous_event=user_event,
+                  allocate_on_comm_stream=True)
+    unpacks = [i for i, c in enumerate(log) if c.name.startswith('deepep::hybrid_unpack')]
+    assert waited and recorded == [unpacks[-1] + 1]
+    passed = inner.calls[0][6][2]                    # rest = (num_sms, num_qps, previous_event, ...)
+    assert passed == f'after-{unpacks[-1] + 1}' and passed is not user_event

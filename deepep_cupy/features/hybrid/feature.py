@@ -235,9 +235,12 @@ class HybridEP:
         k.unpack.launch(N * Mc, THREADS, stream=stream, mode=1, **xargs, **uargs)
         inner_x = (union_x, union_sf) if sf is not None else union_x
         inner_handle = handle.inner if handle is not None else None
+        # With a previous event the intranode engine's stream waits for that event only, not for the current stream:
+        # hand it an event recorded after the union was built (the current stream already waited for the caller's).
+        inner_previous = EventHandle(stream) if previous_event is not None else None
         recv_x, recv_topk, recv_w, inner_handle, event = self.inner.dispatch(
             inner_x, None if handle is not None else union_topk, union_w, cumulative_local_expert_recv_stats,
-            a.num_experts // N, N * Mc, expert_alignment, num_sms, num_qps, previous_event, None,
+            a.num_experts // N, N * Mc, expert_alignment, num_sms, num_qps, inner_previous, None,
             async_with_compute_stream, allocate_on_comm_stream, inner_handle, do_handle_copy, do_cpu_sync, do_expand,
             do_zero_padding, use_tma_aligned_col_major_sf)
         if async_with_compute_stream and interop.is_torch(xa):
