@@ -98,3 +98,13 @@ def ep_dispatch_overlap() -> bool:
     receive in one launch, the receive overlapping the send; off: a send launch, then a receive launch (as with CPU
     sync). Read when a buffer's EP feature is made."""
     return _get_bool('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', True)
+
+
+def ep_fused_notify() -> bool:
+    """`DEEPEP_CUPY_EP_FUSED_NOTIFY` (bool, default off): a dispatch without CPU sync (not cached) runs the notify and
+    the dispatch as ONE launch (kernels_cu/ep_fused.cu: the notify blocks publish the send positions and the receive
+    layout to the other blocks of the launch through local flags) instead of the notify kernel, then the dispatch
+    kernel. Needs the dispatch in one launch (`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` on, or one rank) and is ignored with
+    `DEEPEP_CUPY_EP_LEGACY_DISPATCH`; calls it cannot serve (features/ep/fused.py `fused_refusal`) use the two
+    kernels. Read when a buffer's EP feature is made; every rank must set it alike."""
+    return _get_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
