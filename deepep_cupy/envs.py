@@ -108,3 +108,12 @@ def ep_fused_notify() -> bool:
     `DEEPEP_CUPY_EP_LEGACY_DISPATCH`; calls it cannot serve (features/ep/fused.py `fused_refusal`) use the two
     kernels. Read when a buffer's EP feature is made; every rank must set it alike."""
     return _get_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
+
+
+def ep_fused_cooperative() -> bool:
+    """`DEEPEP_CUPY_EP_FUSED_COOPERATIVE` (bool, default on): launch the fused notify and dispatch
+    (`DEEPEP_CUPY_EP_FUSED_NOTIFY`) cooperatively, so that the driver guarantees its blocks are co-resident (they wait
+    for each other). Off: a plain launch of the same grid (at most one block per SM, as the dispatch and combine
+    kernels are launched), for a setting that refuses cooperative launches (e.g. a graph capture). Read when a
+    buffer's EP feature is made."""
+    return _get_bool('DEEPEP_CUPY_EP_FUSED_COOPERATIVE', True)

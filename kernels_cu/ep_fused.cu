@@ -19,7 +19,10 @@
 // (at most kFusedPrefetchBytes), and the senders wait for their destinations' data_consumed (ep_dispatch.cu's
 // senders do that first; they then find it done).
 // Every wait is bounded (timeout.cuh): a notify block that timed out never raises a flag, and the blocks waiting for
-// it time out too (phase dispatch, peer = this rank, aux kAuxFusedPositions / kAuxFusedLayout).
+// it give up once its record is written. They wait twice as long as a wait on a peer, so that a missing peer is
+// reported as such (by the notify block that waited for it) rather than as a flag of this rank that never came; only a
+// notify block stuck without a record makes them report (phase dispatch, peer = this rank, aux kAuxFusedPositions /
+// kAuxFusedLayout).
 // With the peers the protocol is the two kernels' (notify epoch and signals, data epoch, chunk signals, data_consumed
 // published by the last block). Sending before the count exchange ends changes nothing for them: ep_dispatch.cu's
 // senders, too, need only data_consumed[d] >= e - 1 before writing into d's slots and releasing its chunk signals.
@@ -49,13 +52,38 @@ struct FusedArrival {
     }
 };
 
-// Thread 0 waits (bounded) for a local flag of this launch to reach `epoch`; every thread gets the result.
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+// Thread 0 waits (bounded: twice the peers' timeout) for a local flag of this launch to reach `epoch` (acquire at GPU
+// scope: only blocks of this launch release it); every thread gets the result.
 __device__ __forceinline__ bool wait_fused_flag(const uint32_t* flag, uint32_t epoch, uint64_t timeout_ns,
                                                 const ErrorSink& sink, int rank, int aux) {
     __shared__ int s_flag_ok;
     if (threadIdx.x == 0) {
-        s_flag_ok = wait_epoch(flag, epoch, timeout_ns, sink, kPhaseDispatch, rank, rank, aux) ? 1 : 0;
+        const uint64_t longer = timeout_ns > (~0ull >> 2) ? timeout_ns : 2 * timeout_ns;
+        int ok = 1;
+        uint32_t seen = ld_acquire_gpu(flag);
+        const uint64_t start = global_timer_ns();
+        for (uint32_t iter = 0; !epoch_reached(seen, epoch); ++iter) {
+            if ((iter & 255) == 255) {
+                if (global_timer_ns() - start > longer) {
+                    report_timeout(sink, kPhaseDispatch, rank, rank, epoch, seen, aux);
+                    ok = 0;
+                    break;
+                }
+                if (timeout_reported(sink)) {
+                    ok = 0;
+                    break;
+                }
+            }
+            seen = ld_acquire_gpu(flag);
+        }
         __threadfence();
+        s_flag_ok = ok;
     }
     __syncthreads();
     const bool ok = s_flag_ok != 0;

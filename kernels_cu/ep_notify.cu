@@ -48,29 +48,29 @@ struct NoNotifyHook {
 template <int kNumRanks, int kMaxTopk, int kThreads, typename OnPositions>
 __device__ __forceinline__ bool
 notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
-                int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
-                int32_t* scratch,                 // [num_blocks][num_experts + kNumRanks], local
-                int32_t* send_pos,                // [num_tokens][kNumRanks] out: slot at each destination or -1
-                int32_t* send_expert_pos,         // [num_tokens][num_topk] out: position among tokens of that expert
-                int32_t* recv_layout,             // layout blob (see RecvLayout) out
-                int32_t* psum_recv_per_expert,    // [L] out, or null (see features/ep/handle.py: two conventions)
-                int do_expand,
-                int32_t* cumulative_stats,        // [L] += unaligned counts, or null
-                int32_t* host_counts,             // host-mapped: seq, num_recv, num_expanded, aligned counts [L];
-                                                  // [kHostMaxTokensWord] the most tokens any rank dispatches
-                int host_seq,
-                int64_t* topk_copy,               // [num_tokens][num_topk] out: a copy of topk_idx, or null
-                int reported_num_tokens,          // published to the peers (the caller's count, >= num_tokens)
-                const int32_t* expert_counts,     // [num_experts] published per-expert counts instead, or null
-                int num_channels,                 // DeepEP V1 channels of the matrices below (0: none)
-                int32_t* channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null (num_channels = 0)
-                int32_t* recv_channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null
-                int32_t* rank_prefix_matrix,      // [kNumRanks][kNumRanks] out, or null
-                int32_t* token_of_slot,           // [kNumRanks][num_tokens] out: the token in slot p at destination d
-                int32_t* send_count,              // [kNumRanks] out: tokens this rank sends to each destination
-                int block, int num_blocks,
-                int32_t* smem,                    // [kNotifyWarps][num_keys] per-warp counts, then block bases
-                const OnPositions& on_positions) {
+            int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
+            int32_t* scratch,                 // [num_blocks][num_experts + kNumRanks], local
+            int32_t* send_pos,                // [num_tokens][kNumRanks] out: slot at each destination or -1
+            int32_t* send_expert_pos,         // [num_tokens][num_topk] out: position among tokens of that expert
+            int32_t* recv_layout,             // layout blob (see RecvLayout) out
+            int32_t* psum_recv_per_expert,    // [L] out, or null (see features/ep/handle.py: two conventions)
+            int do_expand,
+            int32_t* cumulative_stats,        // [L] += unaligned counts, or null
+            int32_t* host_counts,             // host-mapped: seq, num_recv, num_expanded, aligned counts [L];
+                                              // [kHostMaxTokensWord] the most tokens any rank dispatches
+            int host_seq,
+            int64_t* topk_copy,               // [num_tokens][num_topk] out: a copy of topk_idx, or null
+            int reported_num_tokens,          // published to the peers (the caller's count, >= num_tokens)
+            const int32_t* expert_counts,     // [num_experts] published per-expert counts instead, or null
+            int num_channels,                 // DeepEP V1 channels of the matrices below (0: none)
+            int32_t* channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null (num_channels = 0)
+            int32_t* recv_channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null
+            int32_t* rank_prefix_matrix,      // [kNumRanks][kNumRanks] out, or null
+            int32_t* token_of_slot,           // [kNumRanks][num_tokens] out: the token in slot p at destination d
+            int32_t* send_count,              // [kNumRanks] out: tokens this rank sends to each destination
+            int block, int num_blocks,
+            int32_t* smem,                    // [kNotifyWarps][num_keys] per-warp counts, then block bases
+            const OnPositions& on_positions) {
     constexpr int kTokensPerBlock = kThreads;     // one token per thread
     constexpr int kNotifyWarps = kThreads / 32;
     const int num_keys = num_experts + kNumRanks;

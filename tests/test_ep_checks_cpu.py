@@ -234,6 +234,10 @@ class RecordingKernels:
         self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(R, b), log)
         self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(R, b), log)
         self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(R, b, lr), log) for lr in (True, False)}
+        self.fused = fakes.RecordingKernel(ep_kernels.fused_dispatch_spec(R, b), log)
+
+    def fused_dispatch(self):
+        return self.fused
 
 
 def make_buffer(monkeypatch, num_bytes=1 << 30):

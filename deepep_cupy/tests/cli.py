@@ -85,6 +85,9 @@ def ep_parser() -> argparse.ArgumentParser:
     _skip(p, 'error', 'timeout')
     p.add_argument('--timeout-test-secs', type=float, default=3.0,
                    help='GPU timeout of the buffer used by the missing-rank check')
+    p.add_argument('--timeout-test-no-sync', action='store_true',
+                   help='the missing-rank check with a dispatch without CPU sync (the fused kernel under '
+                        'DEEPEP_CUPY_EP_FUSED_NOTIFY=1)')
     p.add_argument('--num-create-destroy', type=int, default=100,
                    help='buffer create/destroy cycles of the memory-leak check (0: skip it)')
     return p

@@ -369,7 +369,11 @@ def test_timeout(args, group, case: Case) -> bool:
     outcome = 'skipped (the missing rank)'
     if group.rank != victim:
         try:
-            buf.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E)
+            buf.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E,
+                         do_cpu_sync=not args.timeout_test_no_sync)
+            if args.timeout_test_no_sync:      # no host wait inside the dispatch: wait here, bounded
+                buf.synchronize()
+                buf.check_usable()
             outcome = 'no error'
         except TimeoutError as e:
             outcome = 'TimeoutError' if f'waited for rank {victim}' in str(e) else f'bad message: {e}'

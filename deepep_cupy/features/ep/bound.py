@@ -121,6 +121,7 @@ class BoundDispatch:
             p.num_tokens, p.num_experts, R, self.num_send_blocks, s.num_device_sms, p.cached, p.do_cpu_sync,
             self.one_launch)
         self.fused = self.fused_refusal is None
+        self.fused_cooperative = ep.fused_cooperative
         self.num_notify_blocks = ep_fused.fused_notify_blocks(p.num_tokens) if self.fused else 0
         notify_args = None
         if p.cached:
@@ -185,8 +186,9 @@ class BoundDispatch:
             if self.fused:
                 self.send = None
                 self.recv = self.notify = kernels.fused_dispatch().bind(
-                    1, DISPATCH_THREADS, shared_mem=ep_fused.fused_smem_bytes(p.num_experts, R), cooperative=True,
-                    num_send_blocks=self.num_send_blocks, num_notify_blocks=self.num_notify_blocks,
+                    1, DISPATCH_THREADS, shared_mem=ep_fused.fused_smem_bytes(p.num_experts, R),
+                    cooperative=self.fused_cooperative, num_send_blocks=self.num_send_blocks,
+                    num_notify_blocks=self.num_notify_blocks,
                     **{**notify_args, **common})
             elif self.one_launch:
                 self.send = None

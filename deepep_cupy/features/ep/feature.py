@@ -68,6 +68,7 @@ class EP:
         # The dispatch kernels (envs.py; read once: every dispatch of a buffer uses one protocol, as every rank must).
         self.legacy_dispatch, self.dispatch_overlap = envs.ep_legacy_dispatch(), envs.ep_dispatch_overlap()
         self.fused_notify = envs.ep_fused_notify() and not self.legacy_dispatch
+        self.fused_cooperative = envs.ep_fused_cooperative()
         self._carvers: Dict[str, interop.Carver] = {}
         if num_max_tokens_per_rank and hidden:
             buf.claim_data_region(DATA_REGION_OWNER)
