@@ -14,7 +14,8 @@
 //     releases e once every notify block wrote its tokens' slots and positions and block 0 wrote send_count. The
 //     senders need no more: they send while block 0 still exchanges the counts with the peers.
 //   layout ready (kCtrlFusedLayout): block 0 releases e once the receive layout is written (after the exchange).
-//     The receivers wait for both flags.
+//     The receivers wait for both flags; at one rank without expansion, for the positions only (they need just the
+//     receive count there, which notify_body writes into the layout before the positions).
 // Before the flags, the blocks without notify work do what needs no layout: they prefetch their share of x into L2
 // (at most kFusedPrefetchBytes), and the senders wait for their destinations' data_consumed (ep_dispatch.cu's
 // senders do that first; they then find it done).
@@ -150,7 +151,10 @@ fused_notify_and_dispatch(
     // `ok` is uniform over the block here (every failure above is a block's).
     if (ok)
         ok = wait_fused_flag(ctrl + kCtrlFusedPositions, epoch, timeout_ns, sink, rank, kAuxFusedPositions);
-    if (ok && !sender)
+    // One rank, not expanded: the receivers read only the receive count of the layout, which notify_body writes
+    // before the positions (the row of a received token is its slot).
+    const bool needs_layout = kNumRanks > 1 || do_expand;
+    if (ok && !sender && needs_layout)
         ok = wait_fused_flag(ctrl + kCtrlFusedLayout, epoch, timeout_ns, sink, rank, kAuxFusedLayout);
 
     const MessageLayout msg(num_topk, num_sf, hidden_bytes);

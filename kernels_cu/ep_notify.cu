@@ -212,6 +212,14 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
     }
     if (block == 0 && threadIdx.x < kNumRanks)
         send_count[threadIdx.x] = totals[num_experts + threadIdx.x];
+    if (kNumRanks == 1 && block == 0 && threadIdx.x == 0) {
+        // One rank receives what it sends: its receive count is known now. Written before on_positions too, so that
+        // the fused kernel's receivers of a non-expanded dispatch start with the positions (ep_fused.cu); the
+        // layout pass below writes the same values again.
+        const RecvLayout early{recv_layout, 1, num_experts};
+        early.psum_src()[0] = totals[num_experts];
+        early.totals()[0] = totals[num_experts];
+    }
     on_positions();
     if (block != 0)
         return true;
