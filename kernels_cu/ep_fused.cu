@@ -5,9 +5,11 @@
 // Cooperative launch of kDispatchThreads threads per block, at most one block per SM (the host checks the grid
 // against the SM count, the launch against the occupancy: a grid that cannot be co-resident fails to launch instead
 // of deadlocking in the waits below):
-//   blocks [0, num_notify_blocks) first run notify_body with one token per thread (512 tokens per block: positions are
-//     counts of earlier tokens, so every output is the notify kernel's, bit for bit), then take their dispatch role;
-//   blocks [0, num_send_blocks) send, the others receive, exactly as in ep_dispatch.cu.
+//   blocks [0, num_send_blocks) send, the others receive, exactly as in ep_dispatch.cu;
+//   the first num_notify_blocks receiving blocks, [num_send_blocks, num_send_blocks + num_notify_blocks), first run
+//     notify_body with one token per thread (512 tokens per block: positions are counts of earlier tokens, so every
+//     output is the notify kernel's, bit for bit). Receivers wait for the layout anyway (with several ranks), so the
+//     count exchange of notify block 0 delays no sender.
 // Two local flags inside the launch (control words of common/ep.cuh), each set to this dispatch's data epoch e (the
 // flags only grow with the epoch: nothing to reset between launches):
 //   positions ready (kCtrlFusedPositions): the last notify block to arrive (ticket kCtrlFusedArrivals, reset by it)
@@ -119,16 +121,17 @@ fused_notify_and_dispatch(
     const uint32_t epoch = read_local(ctrl + kCtrlDataEpoch) + 1;
     const int block = blockIdx.x;
     const bool sender = block < num_send_blocks;
+    const int notify_block = block - num_send_blocks;      // this block's index among the notify blocks
     bool ok = true;
-    if (block < num_notify_blocks) {
+    if (notify_block >= 0 && notify_block < num_notify_blocks) {
         ok = notify_body<kNumRanks, kMaxTopk, kDispatchThreads>(
             topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases, rank,
             error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert,
             do_expand, cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts,
             num_channels, channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot,
-            send_count, block, num_notify_blocks, smem,
+            send_count, notify_block, num_notify_blocks, smem,
             FusedArrival{ctrl, epoch, static_cast<uint32_t>(num_notify_blocks)});
-        if (block == 0) {
+        if (notify_block == 0) {
             // Every thread's layout words are written: release them to the receivers.
             __syncthreads();
             if (ok && threadIdx.x == 0) {
@@ -142,7 +145,8 @@ fused_notify_and_dispatch(
         const int64_t rows = min(static_cast<int64_t>(num_tokens),
                                  max(static_cast<int64_t>(1), kFusedPrefetchBytes / (lines_per_row * 128)));
         const int64_t stride = static_cast<int64_t>(gridDim.x - num_notify_blocks) * blockDim.x;
-        for (int64_t i = static_cast<int64_t>(block - num_notify_blocks) * blockDim.x + threadIdx.x;
+        const int64_t index = sender ? block : block - num_notify_blocks;     // among the blocks without notify work
+        for (int64_t i = index * blockDim.x + threadIdx.x;
              i < rows * lines_per_row; i += stride)
             prefetch_l2(x + (i / lines_per_row) * x_row_bytes + (i % lines_per_row) * 128);
         if (sender && kNumRanks > 1)

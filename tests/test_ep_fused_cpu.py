@@ -29,17 +29,18 @@ def test_sizes_and_grid():
     assert [fused.fused_notify_blocks(n) for n in (0, 1, 512, 513, 4096, 4097)] == [1, 1, 1, 2, 8, 9]
     assert fused.FUSED_THREADS == ep_kernels.DISPATCH_THREADS == 512
     assert fused.fused_smem_bytes(256, 8) == (512 // 32 + 2) * (256 + 8) * 4
-    # Senders first, then the receivers the dispatch kernel would have, never past the SMs, at least the notify blocks.
+    # Senders first, then the receivers the dispatch kernel would have, never past the SMs, at least the notify
+    # blocks (the first receivers).
     assert fused.fused_grid(0, 112, 1, 132) == 112
     assert fused.fused_grid(22, 200, 1, 132) == 132
-    assert fused.fused_grid(4, 1, 8, 132) == 8
+    assert fused.fused_grid(4, 1, 8, 132) == 12
     assert fused.fused_grid(0, 1, 1, 132) == 1
     assert fused.fused_grid(131, 5, 1, 132) == 132
-    for send in (0, 1, 22, 131):
+    for send in (0, 1, 22, 124):
         for epi in (1, 7, 132):
-            for nb in (1, 8, 132):
+            for nb in (1, 8, 132 - send):
                 g = fused.fused_grid(send, epi, nb, 132)
-                assert max(send + 1, nb) <= g <= 132
+                assert send + max(1, nb) <= g <= 132
 
 
 @pytest.mark.parametrize('case, reason', [
@@ -48,13 +49,15 @@ def test_sizes_and_grid():
     (dict(one_launch=False), 'two launches'),
     (dict(num_experts=4096), 'shared memory'),
     (dict(num_tokens=132 * 512 + 1), 'notify blocks'),
-    (dict(num_send_blocks=132), 'receiving block'),
+    (dict(num_tokens=(132 - 24) * 512 + 1), 'notify blocks'),
+    (dict(num_send_blocks=132), 'notify blocks'),
 ])
 def test_refusals(case, reason):
     kw = dict(num_tokens=4096, num_experts=256, num_ranks=8, num_send_blocks=24, num_device_sms=132, cached=False,
               cpu_sync=False, one_launch=True)
     assert fused.fused_refusal(**kw) is None
-    assert fused.fused_refusal(132 * 512, 2800, 8, 131, 132, False, False, True) is None   # the largest accepted
+    assert fused.fused_refusal(512, 2800, 8, 131, 132, False, False, True) is None   # the largest accepted
+    assert fused.fused_refusal(132 * 512, 256, 1, 0, 132, False, False, True) is None
     kw.update(case)
     assert reason in fused.fused_refusal(**kw)
 
@@ -126,7 +129,7 @@ def test_the_grid_covers_every_notify_block(monkeypatch):
     buf.dispatch(x, idx, w, num_experts=E, num_sms=1, do_cpu_sync=False)
     (f,) = buf.launches
     assert f.args['num_notify_blocks'] == M // 4 == 16
-    assert f.grid == 16 > 1 + ep_tests.ep_plan.epilogue_blocks(R * M, 2 * H, 132)
+    assert f.grid == 1 + 16 > 1 + ep_tests.ep_plan.epilogue_blocks(R * M, 2 * H, 132)
     b = next(iter(buf._ep._bound.values()))
     assert b.fused and b.fused_refusal is None
 

@@ -37,15 +37,14 @@ def fused_refusal(num_tokens: int, num_experts: int, num_ranks: int, num_send_bl
         return 'the dispatch runs its send and receive as two launches (DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0)'
     if fused_smem_bytes(num_experts, num_ranks) > NUM_MAX_FUSED_SMEM_BYTES:
         return f'num_experts={num_experts}: the notify counts exceed the shared memory of a 512-thread block'
-    if fused_notify_blocks(num_tokens) > num_device_sms:
-        return f'{num_tokens} tokens need more notify blocks than the GPU has SMs'
-    if num_send_blocks >= num_device_sms:
-        return 'no SM left for a receiving block'
+    if num_send_blocks + fused_notify_blocks(num_tokens) > num_device_sms:
+        return (f'{num_tokens} tokens need {fused_notify_blocks(num_tokens)} notify blocks beside '
+                f'{num_send_blocks} sending blocks: more than the GPU has SMs')
     return None
 
 
 def fused_grid(num_send_blocks: int, epilogue_grid: int, num_notify_blocks: int, num_device_sms: int) -> int:
     """Blocks of a fused launch: the senders, then receivers as the dispatch kernel has them (at most one block per
-    SM), and at least the notify blocks (they also send or receive)."""
+    SM), at least as many as the notify blocks (the first receivers; `fused_refusal` keeps them within the SMs)."""
     grid = num_send_blocks + min(epilogue_grid, num_device_sms - num_send_blocks)
-    return min(num_device_sms, max(grid, num_notify_blocks))
+    return min(num_device_sms, max(grid, num_send_blocks + num_notify_blocks))
