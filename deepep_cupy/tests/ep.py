@@ -425,6 +425,13 @@ def perf(buf: ElasticBuffer, case: Case, args):
     return lines
 
 
+def dispatch_paths(buf: ElasticBuffer) -> str:
+    """Bound dispatch signatures fused into one launch (DEEPEP_CUPY_EP_FUSED_NOTIFY), and why the others are not."""
+    bound = [b for b in buf._ep._bound.values() if hasattr(b, 'fused_refusal')]
+    why = sorted({b.fused_refusal for b in bound if not b.fused})
+    return f'{sum(b.fused for b in bound)} of {len(bound)} bound dispatches fused (one launch); others: {why}'
+
+
 def main(argv=None) -> int:
     p = cli.ep_parser()
     args = p.parse_args(argv)
@@ -462,6 +469,7 @@ def main(argv=None) -> int:
             test_misc(buf, case)
             test_cupy(buf, case)
             log('[check] CuPy arrays in, CuPy arrays out: bitwise equal')
+            log(f'[check] dispatch kernels: {dispatch_paths(buf)}')
         if not args.skip_error_test:
             tried = test_errors(buf, case)
             out = buf.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E)

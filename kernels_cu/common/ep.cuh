@@ -57,6 +57,7 @@ constexpr int kCtrlFusedArrivals = 10, kCtrlFusedPositions = 11, kCtrlFusedLayou
 constexpr int kAuxGridBarrier = 1000, kAuxFusedPositions = 1001, kAuxFusedLayout = 1002;
 constexpr int kSigNotify = 64, kSigData = 96, kSigDataConsumed = 128, kSigCombine = 160, kSigCombineConsumed = 192;
 static_assert((kSigCombineConsumed + 32) * 4 <= kWsEPCtrlBytes, "EP control words overflow their workspace region");
+static_assert(kCtrlFusedLayout < kSigNotify, "the local control words overlap the signals");
 
 struct Peers {
     const uint64_t* bases;   // device table of peer base addresses
