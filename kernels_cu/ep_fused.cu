@@ -29,6 +29,11 @@
 // With the peers the protocol is the two kernels' (notify epoch and signals, data epoch, chunk signals, data_consumed
 // published by the last block). Sending before the count exchange ends changes nothing for them: ep_dispatch.cu's
 // senders, too, need only data_consumed[d] >= e - 1 before writing into d's slots and releasing its chunk signals.
+//
+// Why one kernel rather than Programmatic Dependent Launch between the two: griddepcontrol.wait returns only once the
+// whole notify grid completed and flushed, so PDL would overlap the dispatch's launch and prologue with the notify's
+// tail and no more; here the senders send while the counts are exchanged and, at one rank, the receivers copy while
+// block 0 still writes the per-expert layout. It also needs no launch attributes (cuLaunchKernelEx) in the JIT layer.
 #include "ep_notify.cu"
 #include "ep_dispatch.cu"
 
