@@ -109,3 +109,22 @@ def ep_dispatch_overlap() -> bool:
     receive in one launch, the receive overlapping the send; off: a send launch, then a receive launch (as with CPU
     sync). Read when a buffer's EP feature is made."""
     return _get_bool('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', True)
+
+
+def ep_fused_notify() -> bool:
+    """`DEEPEP_CUPY_EP_FUSED_NOTIFY` (bool, default off): a dispatch without CPU sync (not cached) runs the notify and
+    the dispatch as ONE launch (kernels_cu/ep_fused.cu: the notify blocks publish the send positions and the receive
+    layout to the other blocks of the launch through local flags) instead of the notify kernel, then the dispatch
+    kernel. Needs the dispatch in one launch (`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` on, or one rank) and is ignored with
+    `DEEPEP_CUPY_EP_LEGACY_DISPATCH`; calls it cannot serve (features/ep/fused.py `fused_refusal`) use the two
+    kernels. Read when a buffer's EP feature is made; every rank must set it alike."""
+    return _get_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
+
+
+def ep_fused_cooperative() -> bool:
+    """`DEEPEP_CUPY_EP_FUSED_COOPERATIVE` (bool, default on): launch the fused notify and dispatch
+    (`DEEPEP_CUPY_EP_FUSED_NOTIFY`) cooperatively, so that the driver guarantees its blocks are co-resident (they wait
+    for each other). Off: a plain launch of the same grid (at most one block per SM, as the dispatch and combine
+    kernels are launched), for a setting that refuses cooperative launches (e.g. a graph capture). Read when a
+    buffer's EP feature is made."""
+    return _get_bool('DEEPEP_CUPY_EP_FUSED_COOPERATIVE', True)

@@ -1,7 +1,8 @@
 // EP notify: the send layout of this rank's tokens and the exchange of counts with the peers of the scale-up domain.
 //
-// Cooperative launch, one block per kTokensPerBlock tokens (a warp per 32 tokens). Compiled per top-k bucket
-// kMaxTopk; the exact top-k is `num_topk` (see "top-k buckets" in common/ep.cuh).
+// Cooperative launch, one block per kNotifyThreads tokens (a warp per 32 tokens). Compiled per top-k bucket
+// kMaxTopk; the exact top-k is `num_topk` (see "top-k buckets" in common/ep.cuh). The work is notify_body, which
+// ep_fused.cu runs too (the notify and the dispatch in one launch, with blocks of 512 tokens).
 //   1. Every token: the destination ranks it goes to (once per rank owning >= 1 of its experts), its slot at each
 //      destination = its position among this rank's tokens going there (so received rows are ordered by source rank,
 //      then token index: deterministic), and, per top-k slot, its position among this rank's tokens choosing that
@@ -31,37 +32,50 @@
 namespace deepep {
 
 constexpr int kNotifyThreads = 256;
-constexpr int kTokensPerBlock = kNotifyThreads;   // one token per thread
-constexpr int kNotifyWarps = kNotifyThreads / 32;
 constexpr int kHostMaxTokensWord = 3 + kNotifyMaxLocalExperts;   // in host_counts, after the per-expert counts
 
-template <int kNumRanks, int kMaxTopk>
-__global__ void __launch_bounds__(kNotifyThreads, 1)
-notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
-                int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
-                int32_t* scratch,                 // [gridDim.x][num_experts + kNumRanks], local
-                int32_t* send_pos,                // [num_tokens][kNumRanks] out: slot at each destination or -1
-                int32_t* send_expert_pos,         // [num_tokens][num_topk] out: position among tokens of that expert
-                int32_t* recv_layout,             // layout blob (see RecvLayout) out
-                int32_t* psum_recv_per_expert,    // [L] out, or null (see features/ep/handle.py: two conventions)
-                int do_expand,
-                int32_t* cumulative_stats,        // [L] += unaligned counts, or null
-                int32_t* host_counts,             // host-mapped: seq, num_recv, num_expanded, aligned counts [L];
-                                                  // [kHostMaxTokensWord] the most tokens any rank dispatches
-                int host_seq,
-                int64_t* topk_copy,               // [num_tokens][num_topk] out: a copy of topk_idx, or null
-                int reported_num_tokens,          // published to the peers (the caller's count, >= num_tokens)
-                const int32_t* expert_counts,     // [num_experts] published per-expert counts instead, or null
-                int num_channels,                 // DeepEP V1 channels of the matrices below (0: none)
-                int32_t* channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null (num_channels = 0)
-                int32_t* recv_channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null
-                int32_t* rank_prefix_matrix,      // [kNumRanks][kNumRanks] out, or null
-                int32_t* token_of_slot,           // [kNumRanks][num_tokens] out: the token in slot p at destination d
-                int32_t* send_count) {            // [kNumRanks] out: tokens this rank sends to each destination
-    extern __shared__ int32_t smem[];           // [kNotifyWarps][num_keys] per-warp counts, then block bases
+// No hook: the notify kernel alone.
+struct NoNotifyHook {
+    __device__ __forceinline__ void operator()() const {}
+};
+
+// The notify's work for the blocks [0, num_blocks) of a launch of kThreads threads per block (one token per thread),
+// `block` this block's index among them and `smem` the dynamic shared memory (notify_smem_bytes in
+// features/ep/plan.py, for kThreads / 32 warps). What it computes does not depend on kThreads (positions are counts
+// of earlier tokens). `on_positions()` is called by every thread of every block once the block's per-token outputs
+// (send_pos, token_of_slot, send_expert_pos, V1 channel prefixes) and, in block 0, send_count are written (a block
+// barrier after it is the hook's). Returns false (in every thread of the block) after a timeout.
+template <int kNumRanks, int kMaxTopk, int kThreads, typename OnPositions>
+__device__ __forceinline__ bool
+notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
+            int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
+            int32_t* scratch,                 // [num_blocks][num_experts + kNumRanks], local
+            int32_t* send_pos,                // [num_tokens][kNumRanks] out: slot at each destination or -1
+            int32_t* send_expert_pos,         // [num_tokens][num_topk] out: position among tokens of that expert
+            int32_t* recv_layout,             // layout blob (see RecvLayout) out
+            int32_t* psum_recv_per_expert,    // [L] out, or null (see features/ep/handle.py: two conventions)
+            int do_expand,
+            int32_t* cumulative_stats,        // [L] += unaligned counts, or null
+            int32_t* host_counts,             // host-mapped: seq, num_recv, num_expanded, aligned counts [L];
+                                              // [kHostMaxTokensWord] the most tokens any rank dispatches
+            int host_seq,
+            int64_t* topk_copy,               // [num_tokens][num_topk] out: a copy of topk_idx, or null
+            int reported_num_tokens,          // published to the peers (the caller's count, >= num_tokens)
+            const int32_t* expert_counts,     // [num_experts] published per-expert counts instead, or null
+            int num_channels,                 // DeepEP V1 channels of the matrices below (0: none)
+            int32_t* channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null (num_channels = 0)
+            int32_t* recv_channel_prefix_matrix,   // [kNumRanks][num_channels] out, or null
+            int32_t* rank_prefix_matrix,      // [kNumRanks][kNumRanks] out, or null
+            int32_t* token_of_slot,           // [kNumRanks][num_tokens] out: the token in slot p at destination d
+            int32_t* send_count,              // [kNumRanks] out: tokens this rank sends to each destination
+            int block, int num_blocks,
+            int32_t* smem,                    // [kNotifyWarps][num_keys] per-warp counts, then block bases
+            const OnPositions& on_positions) {
+    constexpr int kTokensPerBlock = kThreads;     // one token per thread
+    constexpr int kNotifyWarps = kThreads / 32;
     const int num_keys = num_experts + kNumRanks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = blockIdx.x * kTokensPerBlock + threadIdx.x;
+    const int t = block * kTokensPerBlock + threadIdx.x;
     const bool valid = t < num_tokens;
     const int num_local_experts = num_experts / kNumRanks;
     const Peers peers{peer_bases, rank};
@@ -123,7 +137,7 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
     // the warp bases. A single block (decode sizes) skips the round trip through scratch and the grid barrier.
     int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
     int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
-    const bool one_block = gridDim.x == 1;
+    const bool one_block = num_blocks == 1;
     for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
         int running = 0;
         for (int w = 0; w < kNotifyWarps; ++w) {
@@ -136,15 +150,16 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
             block_base[key] = 0;
             totals[key] = running;
         } else {
-            scratch[static_cast<int64_t>(blockIdx.x) * num_keys + key] = running;
+            scratch[static_cast<int64_t>(block) * num_keys + key] = running;
         }
     }
     if (!one_block) {
-        grid_sync(ctrl);
+        if (!grid_sync(ctrl, num_blocks, timeout_ns, sink, kPhaseNotify, rank))
+            return false;
         for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
             int running = 0, base = 0;
-            for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
-                if (b == static_cast<int>(blockIdx.x))
+            for (int b = 0; b < num_blocks; ++b) {
+                if (b == block)
                     base = running;
                 running += __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
             }
@@ -188,15 +203,26 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
                 }
             }
         }
-        if (gridDim.x > 1)
-            grid_sync(ctrl);
-        else
+        if (num_blocks > 1) {
+            if (!grid_sync(ctrl, num_blocks, timeout_ns, sink, kPhaseNotify, rank))
+                return false;
+        } else {
             __syncthreads();
+        }
     }
-    if (blockIdx.x != 0)
-        return;
-    if (threadIdx.x < kNumRanks)
+    if (block == 0 && threadIdx.x < kNumRanks)
         send_count[threadIdx.x] = totals[num_experts + threadIdx.x];
+    if (kNumRanks == 1 && block == 0 && threadIdx.x == 0) {
+        // One rank receives what it sends: its receive count is known now. Written before on_positions too, so that
+        // the fused kernel's receivers of a non-expanded dispatch start with the positions (ep_fused.cu); the
+        // layout pass below writes the same values again.
+        const RecvLayout early{recv_layout, 1, num_experts};
+        early.psum_src()[0] = totals[num_experts];
+        early.totals()[0] = totals[num_experts];
+    }
+    on_positions();
+    if (block != 0)
+        return true;
 
     // ---- block 0: exchange counts with the peers --------------------------------------------------------------
     // The received counts land in shared memory (the block's per-warp count area is free again): [kNumRanks][row].
@@ -211,7 +237,7 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
     if (kNumRanks > 1 &&
         !wait_all_peers(peers, kSigDataConsumed, kNumRanks, read_local(ctrl + kCtrlDataEpoch), timeout_ns, sink,
                         kPhaseNotify))
-        return;
+        return false;
     // The notify rows (common/ep.cuh), at every rank d (at one rank: our own workspace only, read back below): our
     // row of the count matrix, our token count, and per destination our channel prefixes.
     const int row_len = kNotifyRowChannels + (with_channels ? num_channels : 0);
@@ -268,7 +294,7 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
             st_release_sys(peers.remote_signal(threadIdx.x, kSigNotify), epoch);
         }
         if (!wait_all_peers(peers, kSigNotify, kNumRanks, epoch, timeout_ns, sink, kPhaseNotify))
-            return;
+            return false;
         const auto* area = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyOffset);
         for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x)
             s_area[i] = area[i];
@@ -347,6 +373,25 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
         reinterpret_cast<volatile int32_t*>(host_counts)[0] = host_seq;
         __threadfence_system();
     }
+    return true;
+}
+
+template <int kNumRanks, int kMaxTopk>
+__global__ void __launch_bounds__(kNotifyThreads, 1)
+notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
+                int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
+                int32_t* scratch, int32_t* send_pos, int32_t* send_expert_pos, int32_t* recv_layout,
+                int32_t* psum_recv_per_expert, int do_expand, int32_t* cumulative_stats, int32_t* host_counts,
+                int host_seq, int64_t* topk_copy, int reported_num_tokens, const int32_t* expert_counts,
+                int num_channels, int32_t* channel_prefix_matrix, int32_t* recv_channel_prefix_matrix,
+                int32_t* rank_prefix_matrix, int32_t* token_of_slot, int32_t* send_count) {
+    extern __shared__ int32_t smem[];
+    notify_body<kNumRanks, kMaxTopk, kNotifyThreads>(
+        topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases, rank,
+        error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert, do_expand,
+        cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts, num_channels,
+        channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot, send_count, blockIdx.x,
+        gridDim.x, smem, NoNotifyHook{});
 }
 
 }  // namespace deepep

@@ -5,7 +5,8 @@ against issue 11's targets.
     launch/run_local.sh 1 python perf/ep_profile.py [--tokens 128,4096] [--num-sms 22] [--variants default,legacy]
 
 Per variant (default: the dispatch kernel; no-overlap: DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0; legacy:
-DEEPEP_CUPY_EP_LEGACY_DISPATCH=1), tokens and dtype (BF16, FP8):
+DEEPEP_CUPY_EP_LEGACY_DISPATCH=1; fused: DEEPEP_CUPY_EP_FUSED_NOTIFY=1, the no-sync dispatch as one launch), tokens
+and dtype (BF16, FP8):
   [host]      host wall time of one call: median from idle (GPU idle and ranks aligned before each call), and per call
               back to back
   [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
@@ -42,11 +43,11 @@ from deepep_cupy.runtime import preflight  # noqa: E402  (torch-free: --help nee
 
 # Kernel names as the profiler shows them (features/ep/kernels.py, runtime/host_range.py), each matched as a
 # substring, and the label printed for it.
-KERNELS = (('value_range_kernel', 'range'), ('notify_dispatch', 'notify'),
+KERNELS = (('value_range_kernel', 'range'), ('fused_notify_and_dispatch', 'fused'), ('notify_dispatch', 'notify'),
            ('dispatch_impl_with_dispatch_copy_epilogue_impl', 'dispatch'), ('dispatch_send_legacy', 'send'),
            ('dispatch_recv_legacy', 'recv'), ('combine_impl_with_combine_reduce_epilogue_impl', 'combine'))
 VARIANTS = {'default': {}, 'no-overlap': {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'},
-            'legacy': {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}}
+            'legacy': {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}, 'fused': {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}}
 
 
 def _label(name: str):
@@ -242,7 +243,8 @@ def run_variant(variant, runner, args, group, timer):
     from deepep_cupy import ElasticBuffer
     from deepep_cupy.utils.math import per_token_cast_to_fp8
     log = runner.log
-    saved = {k: os.environ.get(k) for k in ('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', 'DEEPEP_CUPY_EP_LEGACY_DISPATCH')}
+    saved = {k: os.environ.get(k) for k in ('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', 'DEEPEP_CUPY_EP_LEGACY_DISPATCH',
+                                            'DEEPEP_CUPY_EP_FUSED_NOTIFY')}
     os.environ.update(VARIANTS[variant])
     tokens = [int(t) for t in args.tokens.split(',')]
     try:
@@ -427,9 +429,15 @@ def summary(runner, args, log):
         if name in res:
             line(f'host, {name}', res[name]['loop'], 25 * (2 if name == 'pp' else 1))
     copy = res.get(('copy', large, 'bf16'), {}).get('us')
-    span = get((v, large, 'bf16', 'dispatch no-sync'), 'span')
-    line(f'dispatch span / plain copy, {large} tokens bf16 no-sync', span / copy if span and copy else None, 1.3, 'x')
-    line(f'decode dispatch span in a graph, {small} tokens', get((v, small, 'bf16', 'dispatch graph'), 'span'), 10)
+    for w in ('default', 'fused'):      # the fused notify and dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY) when run
+        tag = '' if w == 'default' else f' [{w}]'
+        span = get((w, large, 'bf16', 'dispatch no-sync'), 'span')
+        if w == 'default' or span is not None:
+            ratio = span / copy if span and copy else None
+            line(f'dispatch span / plain copy, {large} tokens bf16 no-sync{tag}', ratio, 1.3, 'x')
+        graph = get((w, small, 'bf16', 'dispatch graph'), 'span')
+        if w == 'default' or graph is not None:
+            line(f'decode dispatch span in a graph, {small} tokens{tag}', graph, 10)
     line(f'decode combine span in a graph, {small} tokens', get((v, small, 'bf16', 'combine graph'), 'span'), 7)
     cached = dict(get((v, large, 'bf16', 'dispatch cached'), 'parts') or [])
     uncached = dict(get((v, large, 'bf16', 'dispatch no-sync'), 'parts') or [])

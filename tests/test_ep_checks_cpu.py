@@ -122,8 +122,9 @@ def test_topk_buckets():
         for k in ep_kernels.SUPPORTED_TOPK:
             for specs in ep_kernels.specs_for(n, ep_kernels.topk_bucket(k)).values():
                 assert {s.name for s in specs} <= names
-    # notify, dispatch, two combines, the legacy send and receive per (ranks, bucket); one shared range kernel.
-    assert sum(len(v) for v in shipped.values()) == 8 * 6 * 6 + 1
+    # notify, dispatch, two combines, the legacy send and receive, the fused notify and dispatch per (ranks, bucket);
+    # one shared range kernel.
+    assert sum(len(v) for v in shipped.values()) == 8 * 6 * 7 + 1
 
 
 def invalid_cases(dispatch, combine, handle, other_handle, recv, x, idx, w):
@@ -233,6 +234,10 @@ class RecordingKernels:
         self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(R, b), log)
         self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(R, b), log)
         self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(R, b, lr), log) for lr in (True, False)}
+        self.fused = fakes.RecordingKernel(ep_kernels.fused_dispatch_spec(R, b), log)
+
+    def fused_dispatch(self):
+        return self.fused
 
 
 def make_buffer(monkeypatch, num_bytes=1 << 30):

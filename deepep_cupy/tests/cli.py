@@ -87,6 +87,9 @@ def ep_parser() -> argparse.ArgumentParser:
                    help='GPU timeout of the buffer used by the missing-rank check')
     p.add_argument('--skip-graph-test', action='store_true',
                    help='hybrid mode (several scale-up domains): skip the CUDA-graph capture and replay check')
+    p.add_argument('--timeout-test-no-sync', action='store_true',
+                   help='the missing-rank check with a dispatch without CPU sync (the fused kernel under '
+                        'DEEPEP_CUPY_EP_FUSED_NOTIFY=1)')
     p.add_argument('--num-create-destroy', type=int, default=100,
                    help='buffer create/destroy cycles of the memory-leak check (0: skip it)')
     return p

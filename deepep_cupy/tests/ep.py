@@ -372,7 +372,11 @@ def test_timeout(args, group, case: Case) -> bool:
     outcome = 'skipped (the missing rank)'
     if group.rank != victim:
         try:
-            buf.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E)
+            buf.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E,
+                         do_cpu_sync=not args.timeout_test_no_sync)
+            if args.timeout_test_no_sync:      # no host wait inside the dispatch: wait here, bounded
+                buf.synchronize()
+                buf.check_usable()
             outcome = 'no error'
         except TimeoutError as e:
             outcome = 'TimeoutError' if f'waited for rank {victim}' in str(e) else f'bad message: {e}'
@@ -424,6 +428,13 @@ def perf(buf: ElasticBuffer, case: Case, args):
     return lines
 
 
+def dispatch_paths(buf: ElasticBuffer) -> str:
+    """Bound dispatch signatures fused into one launch (DEEPEP_CUPY_EP_FUSED_NOTIFY), and why the others are not."""
+    bound = [b for b in buf._ep._bound.values() if hasattr(b, 'fused_refusal')]
+    why = sorted({b.fused_refusal for b in bound if not b.fused})
+    return f'{sum(b.fused for b in bound)} of {len(bound)} bound dispatches fused (one launch); others: {why}'
+
+
 def main(argv=None) -> int:
     p = cli.ep_parser()
     args = p.parse_args(argv)
@@ -468,6 +479,7 @@ def main(argv=None) -> int:
             (ep_hybrid.test_misc if hybrid else test_misc)(buf, case)
             test_cupy(buf, case)
             log('[check] CuPy arrays in, CuPy arrays out: bitwise equal')
+            log(f'[check] dispatch kernels: {dispatch_paths(buf)}')
         if not args.skip_error_test:
             tried = test_errors(buf, case)
             out = buf.dispatch(case.x, case.topk_idx, case.topk_weights, num_experts=case.E)

@@ -6,6 +6,9 @@
 //     [0] notify epoch   [1] dispatch data epoch   [2] combine epoch
 //     [4] dispatch send ticket   [5] combine send ticket   [6] dispatch recv ticket   [7] combine recv ticket
 //     [8] grid barrier arrivals  [9] grid barrier generation
+//     ep_fused.cu (the notify and the dispatch in one launch): [10] notify blocks arrived, [11] positions ready
+//     (data epoch: every notify block wrote its tokens' slots and positions), [12] layout ready (data epoch: the
+//     receive layout is written)
 //   signals, written by peers (index = the peer's scale-up rank), epochs that only grow:
 //     notify_signal[src]     at +256: src published its counts for notify epoch e into our notify area
 //     data_signal[src]       at +384: src finished writing its dispatch messages of data epoch e into our slots
@@ -49,8 +52,12 @@ constexpr int kCtrlNotifyEpoch = 0, kCtrlDataEpoch = 1, kCtrlCombineEpoch = 2;
 constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
 constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;
 constexpr int kCtrlGridCount = 8, kCtrlGridGen = 9;
+constexpr int kCtrlFusedArrivals = 10, kCtrlFusedPositions = 11, kCtrlFusedLayout = 12;
+// Auxiliary words of error records (timeout.cuh) for waits on this rank's own blocks (peer = this rank).
+constexpr int kAuxGridBarrier = 1000, kAuxFusedPositions = 1001, kAuxFusedLayout = 1002;
 constexpr int kSigNotify = 64, kSigData = 96, kSigDataConsumed = 128, kSigCombine = 160, kSigCombineConsumed = 192;
 static_assert((kSigCombineConsumed + 32) * 4 <= kWsEPCtrlBytes, "EP control words overflow their workspace region");
+static_assert(kCtrlFusedLayout < kSigNotify, "the local control words overlap the signals");
 
 struct Peers {
     const uint64_t* bases;   // device table of peer base addresses
@@ -96,24 +103,45 @@ __device__ __forceinline__ bool last_block_done(uint32_t* ticket) {
     return s_last;
 }
 
-// Software grid barrier for cooperative launches (all blocks co-resident).
-__device__ __forceinline__ void grid_sync(uint32_t* ctrl) {
+// Software grid barrier of blocks [0, num_blocks) of a launch (all co-resident: a cooperative launch). Bounded: a
+// block that waits longer than timeout_ns reports (phase, rank, rank, generation + 1, generation seen,
+// kAuxGridBarrier) and gets false (in every thread), as do the others once a timeout was reported.
+__device__ __forceinline__ bool grid_sync(uint32_t* ctrl, uint32_t num_blocks, uint64_t timeout_ns,
+                                          const ErrorSink& sink, int phase, int rank) {
+    __shared__ int s_grid_ok;
     __syncthreads();
     if (threadIdx.x == 0) {
+        int ok = 1;
         volatile uint32_t* gen = ctrl + kCtrlGridGen;
         const uint32_t g = *gen;
         __threadfence();
-        if (atomicAdd(ctrl + kCtrlGridCount, 1u) == gridDim.x - 1) {
+        if (atomicAdd(ctrl + kCtrlGridCount, 1u) == num_blocks - 1) {
             *reinterpret_cast<volatile uint32_t*>(ctrl + kCtrlGridCount) = 0;
             __threadfence();
             atomicExch(ctrl + kCtrlGridGen, g + 1);
         } else {
-            while (*gen == g) {
+            const uint64_t start = global_timer_ns();
+            for (uint32_t iter = 0; *gen == g; ++iter) {
+                if ((iter & 255) == 255) {
+                    if (global_timer_ns() - start > timeout_ns) {
+                        report_timeout(sink, phase, rank, rank, g + 1, *gen, kAuxGridBarrier);
+                        ok = 0;
+                        break;
+                    }
+                    if (timeout_reported(sink)) {
+                        ok = 0;
+                        break;
+                    }
+                }
             }
         }
         __threadfence();
+        s_grid_ok = ok;
     }
     __syncthreads();
+    const bool ok = s_grid_ok != 0;
+    __syncthreads();              // s_grid_ok may be rewritten by the next barrier
+    return ok;
 }
 
 // Threads [0, num_ranks) each wait for one peer's signal of `kind` to reach `epoch`; then the block syncs.

@@ -29,6 +29,11 @@ __device__ __forceinline__ void st_release_sys(uint32_t* ptr, uint32_t v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(ptr), "r"(v) : "memory");
 }
 
+// Release at GPU scope: for flags read by other blocks of the same launch only (ep_fused.cu).
+__device__ __forceinline__ void st_release_gpu(uint32_t* ptr, uint32_t v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(ptr), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void st_release_sys(int32_t* ptr, int32_t v) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" :: "l"(ptr), "r"(v) : "memory");
 }

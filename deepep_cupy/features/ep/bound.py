@@ -25,6 +25,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ...runtime import interop
 from ...runtime.sizes import align, ceil_div
+from . import fused as ep_fused
 from . import plan as ep_plan
 from .handle import EPHandle, workspace_layout
 from .kernels import (
@@ -107,10 +108,22 @@ class BoundDispatch:
         self.sf_dtype = p.sfi.dtype if p.sfi is not None else None
         self._sizes: Dict[Tuple[int, int], _Outputs] = {}
         kernels = ep.kernels(K)
-        sym, lay, xi, sfi = ep._sym, p.layout, p.xi, p.sfi
+        sym, lay, xi = ep._sym, p.layout, p.xi
         tail = dict(peer_bases=sym.peer_bases_ptr, rank=sym.local_idx, error_record=ep._host_ptr,
                     timeout_ns=ep._buf.timeout_ns)
         x_row_bytes = xi.strides[0] * xi.itemsize
+        self.legacy_kernels = ep.legacy_dispatch      # the previous dispatch design (not DeepEP V1)
+        self.one_launch = not self.legacy_kernels and (R == 1 or (ep.dispatch_overlap and not p.do_cpu_sync))
+        self.num_send_blocks = 0 if R == 1 else min(p.num_sms, s.num_device_sms - 1)
+        # DEEPEP_CUPY_EP_FUSED_NOTIFY: the notify and the dispatch in one launch (features/ep/fused.py), bound below
+        # with the dispatch's arguments; `notify` is then that launch too (its notify arguments are patched alike).
+        self.fused_refusal = 'DEEPEP_CUPY_EP_FUSED_NOTIFY is off' if not ep.fused_notify else ep_fused.fused_refusal(
+            p.num_tokens, p.num_experts, R, self.num_send_blocks, s.num_device_sms, p.cached, p.do_cpu_sync,
+            self.one_launch)
+        self.fused = self.fused_refusal is None
+        self.fused_cooperative = ep.fused_cooperative
+        self.num_notify_blocks = ep_fused.fused_notify_blocks(p.num_tokens) if self.fused else 0
+        notify_args = None
         if p.cached:
             h = p.handle
             self.ws_words, self.offsets = 0, h.offsets
@@ -120,10 +133,8 @@ class BoundDispatch:
             do_cpu_sync = p.do_cpu_sync
             reported = p.num_tokens if lg is None or lg.reported_num_tokens < 0 else lg.reported_num_tokens
             grid = max(1, ceil_div(p.num_tokens, NOTIFY_THREADS))
-            # Cooperative for several blocks only (one block has no grid barrier to wait in).
-            self.notify = kernels.notify.bind(
-                grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, topk_idx=0,
-                num_tokens=p.num_tokens, num_topk=K, num_experts=p.num_experts,
+            notify_args = dict(
+                topk_idx=0, num_tokens=p.num_tokens, num_topk=K, num_experts=p.num_experts,
                 num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment,
                 scratch=sym.base + lay.scratch_offset, send_pos=0, send_expert_pos=0, recv_layout=0,
                 psum_recv_per_expert=0, do_expand=int(p.do_expand), cumulative_stats=0,
@@ -131,45 +142,10 @@ class BoundDispatch:
                 send_count=0, reported_num_tokens=reported, expert_counts=0,
                 num_channels=self.v1_channels or 0, channel_prefix_matrix=0, recv_channel_prefix_matrix=0,
                 rank_prefix_matrix=0, **tail)
-            self.notify_idx = tuple(self.notify.index(n) for n in (
-                'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
-                'topk_copy', 'token_of_slot', 'send_count'))
-            self.notify_v1_idx = tuple(self.notify.index(n) for n in (
-                'expert_counts', 'rank_prefix_matrix', 'channel_prefix_matrix', 'recv_channel_prefix_matrix'))
-            self.notify_seq = self.notify.index('host_seq')
-        # The dispatch launches. Default kernel (ep_dispatch.cu): with `one_launch` senders and receivers share one
-        # launch (no CPU sync or cached, and at one rank always: there is nothing to send); else a send-only launch
-        # before the host waits for the counts and a receive-only one after. Legacy: the previous two kernels.
-        d = dict(x=0, x_row_bytes=x_row_bytes, hidden_bytes=p.hidden_bytes, num_topk=K,
-                 num_max_tokens_per_rank=p.num_max_tokens_per_rank, recv_offset=lay.dispatch_recv_offset, **tail)
-        sf_strides = dict(sf_stride_token=sfi.strides[0] if sfi else 0, sf_stride_col=sfi.strides[1] if sfi else 0)
-        outs = dict(do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=0,
-                    num_meta_rows=0, recv_x=0, recv_sf=0, recv_sf_stride_row=0, recv_sf_stride_col=0,
-                    recv_topk_idx=0, recv_topk_weights=0, recv_src_metadata=0, recv_src_idx=0, recv_layout=0,
-                    num_sf=p.num_sf,
-                    num_experts=p.num_experts)
-        self.legacy_kernels = ep.legacy_dispatch      # the previous dispatch design (not DeepEP V1)
-        self.one_launch = not self.legacy_kernels and (R == 1 or (ep.dispatch_overlap and not p.do_cpu_sync))
-        self.num_send_blocks = 0 if R == 1 else min(p.num_sms, s.num_device_sms - 1)
-        if self.legacy_kernels:
-            self.send = kernels.dispatch_send.bind(
-                p.num_sms, SEND_THREADS, sf=0, num_sf=p.num_sf, topk_idx=0, topk_weights=0, send_pos=0,
-                send_expert_pos=0, num_tokens=p.num_tokens, **sf_strides, **d)
-            self.recv = kernels.dispatch_recv.bind(1, RECV_THREADS, **outs, **d)
-        else:
-            chunk_rows = dispatch_chunk_rows(p.num_max_tokens_per_rank, R)
-            common = dict(sf=0, topk_idx=0, topk_weights=0, send_expert_pos=0, token_of_slot=0, send_count=0,
-                          num_tokens=p.num_tokens, chunk_rows=chunk_rows,
-                          chunk_stride=ceil_div(p.num_max_tokens_per_rank, chunk_rows), **sf_strides, **outs, **d)
-            if self.one_launch:
-                self.send = None
-                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_SEND | PHASE_RECV,
-                                                  num_send_blocks=self.num_send_blocks, **common)
-            else:
-                self.send = kernels.dispatch.bind(self.num_send_blocks, DISPATCH_THREADS, phases=PHASE_SEND,
-                                                  num_send_blocks=self.num_send_blocks, **common)
-                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
-                                                  **common)
+            # Cooperative for several blocks only (one block has no grid barrier to wait in).
+            self.notify = None if self.fused else kernels.notify.bind(
+                grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, **notify_args)
+        self._bind_dispatch(p, kernels, tail, x_row_bytes, notify_args)
         # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in.
         self.send_patch = _patcher(self.send, _INPUTS) if self.send is not None else None
         self.recv_in_patch, self.recv_out_patch = _patcher(self.recv, _INPUTS), _patcher(self.recv, _OUTPUTS)
@@ -182,6 +158,54 @@ class BoundDispatch:
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
+
+    def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
+        """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
+        R, K, lay, sfi = self.num_ranks, self.num_topk, p.layout, p.sfi
+        # The dispatch launches. Default kernel (ep_dispatch.cu): with `one_launch` senders and receivers share one
+        # launch (no CPU sync or cached, and at one rank always: there is nothing to send); else a send-only launch
+        # before the host waits for the counts and a receive-only one after. Legacy: the previous two kernels.
+        d = dict(x=0, x_row_bytes=x_row_bytes, hidden_bytes=p.hidden_bytes, num_topk=K,
+                 num_max_tokens_per_rank=p.num_max_tokens_per_rank, recv_offset=lay.dispatch_recv_offset, **tail)
+        sf_strides = dict(sf_stride_token=sfi.strides[0] if sfi else 0, sf_stride_col=sfi.strides[1] if sfi else 0)
+        outs = dict(do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=0,
+                    num_meta_rows=0, recv_x=0, recv_sf=0, recv_sf_stride_row=0, recv_sf_stride_col=0,
+                    recv_topk_idx=0, recv_topk_weights=0, recv_src_metadata=0, recv_src_idx=0, recv_layout=0,
+                    num_sf=p.num_sf,
+                    num_experts=p.num_experts)
+        if self.legacy_kernels:
+            self.send = kernels.dispatch_send.bind(
+                p.num_sms, SEND_THREADS, sf=0, num_sf=p.num_sf, topk_idx=0, topk_weights=0, send_pos=0,
+                send_expert_pos=0, num_tokens=p.num_tokens, **sf_strides, **d)
+            self.recv = kernels.dispatch_recv.bind(1, RECV_THREADS, **outs, **d)
+        else:
+            chunk_rows = dispatch_chunk_rows(p.num_max_tokens_per_rank, R)
+            common = dict(sf=0, topk_idx=0, topk_weights=0, send_expert_pos=0, token_of_slot=0, send_count=0,
+                          num_tokens=p.num_tokens, chunk_rows=chunk_rows,
+                          chunk_stride=ceil_div(p.num_max_tokens_per_rank, chunk_rows), **sf_strides, **outs, **d)
+            if self.fused:
+                self.send = None
+                self.recv = self.notify = kernels.fused_dispatch().bind(
+                    1, DISPATCH_THREADS, shared_mem=ep_fused.fused_smem_bytes(p.num_experts, R),
+                    cooperative=self.fused_cooperative, num_send_blocks=self.num_send_blocks,
+                    num_notify_blocks=self.num_notify_blocks,
+                    **{**notify_args, **common})
+            elif self.one_launch:
+                self.send = None
+                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_SEND | PHASE_RECV,
+                                                  num_send_blocks=self.num_send_blocks, **common)
+            else:
+                self.send = kernels.dispatch.bind(self.num_send_blocks, DISPATCH_THREADS, phases=PHASE_SEND,
+                                                  num_send_blocks=self.num_send_blocks, **common)
+                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
+                                                  **common)
+        if not p.cached:
+            self.notify_idx = tuple(self.notify.index(n) for n in (
+                'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
+                'topk_copy', 'token_of_slot', 'send_count'))
+            self.notify_v1_idx = tuple(self.notify.index(n) for n in (
+                'expert_counts', 'rank_prefix_matrix', 'channel_prefix_matrix', 'recv_channel_prefix_matrix'))
+            self.notify_seq = self.notify.index('host_seq')
 
     # ---- output layout -----------------------------------------------------------------------------------------------
     def outputs(self, num_recv: int, num_expanded: int) -> _Outputs:
@@ -260,7 +284,8 @@ class BoundDispatch:
             if self.cpu_sync:
                 seq = ep._next_host_seq()
                 n.i32[self.notify_seq] = seq
-            n(comm)
+            if not self.fused:        # fused: the notify's pointers are the launch's, below
+                n(comm)
         # _INPUTS' pointers in order.
         ins = (xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[5], ws_ptr + 4 * o[6],
                ws_ptr + 4 * o[2])
@@ -310,7 +335,11 @@ class BoundDispatch:
         r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
         r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
         # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
-        r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
+        if self.fused:
+            r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
+                                          self.num_device_sms), 1, 1)
+        else:
+            r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
         r(comm)
 
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,

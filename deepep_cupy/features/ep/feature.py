@@ -67,6 +67,8 @@ class EP:
         self._bound: Dict[tuple, object] = {}       # call signature -> BoundDispatch / BoundCombine
         # The dispatch kernels (envs.py; read once: every dispatch of a buffer uses one protocol, as every rank must).
         self.legacy_dispatch, self.dispatch_overlap = envs.ep_legacy_dispatch(), envs.ep_dispatch_overlap()
+        self.fused_notify = envs.ep_fused_notify() and not self.legacy_dispatch
+        self.fused_cooperative = envs.ep_fused_cooperative()
         self._carvers: Dict[str, interop.Carver] = {}
         if num_max_tokens_per_rank and hidden:
             buf.claim_data_region(DATA_REGION_OWNER)
@@ -80,6 +82,8 @@ class EP:
         k = self._kernels.get(bucket)
         if k is None:
             k = self._kernels[bucket] = EPKernels(self.settings.num_ranks, bucket, self.legacy_dispatch)
+            if self.fused_notify:
+                k.fused_dispatch()      # compiled with the others, not inside the first (maybe captured) dispatch
         return k
 
     def destroy(self) -> None:

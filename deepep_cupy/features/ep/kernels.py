@@ -74,6 +74,26 @@ def dispatch_spec(num_ranks: int, bucket: int) -> KernelSpec:
         _P('recv_offset', np.uint64), *_ERR))
 
 
+def fused_dispatch_spec(num_ranks: int, bucket: int) -> KernelSpec:
+    """The notify and the dispatch in one launch (`kernels_cu/ep_fused.cu`, `DEEPEP_CUPY_EP_FUSED_NOTIFY`): the
+    union of the two kernels' parameters (same names) and `num_notify_blocks`."""
+    return KernelSpec('ep_fused', f'deepep::fused_notify_and_dispatch<{num_ranks}, {bucket}>', (
+        _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('sf', PTR),
+        _P('sf_stride_token', np.int64), _P('sf_stride_col', np.int64), _P('num_sf', np.int32), _P('topk_idx', PTR),
+        _P('topk_weights', PTR), _P('num_tokens', np.int32), _P('num_topk', np.int32), _P('num_experts', np.int32),
+        _P('num_max_tokens_per_rank', np.int32), _P('expert_alignment', np.int32), _P('scratch', PTR),
+        _P('send_pos', PTR), _P('send_expert_pos', PTR), _P('token_of_slot', PTR), _P('send_count', PTR),
+        _P('recv_layout', PTR), _P('psum_recv_per_expert', PTR), _P('do_expand', np.int32),
+        _P('cumulative_stats', PTR), _P('host_counts', PTR), _P('host_seq', np.int32), _P('topk_copy', PTR),
+        _P('reported_num_tokens', np.int32), _P('expert_counts', PTR), _P('num_channels', np.int32),
+        _P('channel_prefix_matrix', PTR), _P('recv_channel_prefix_matrix', PTR), _P('rank_prefix_matrix', PTR),
+        _P('do_zero_padding', np.int32), _P('num_out_rows', np.int32), _P('num_meta_rows', np.int32),
+        _P('recv_x', PTR), _P('recv_sf', PTR), _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64),
+        _P('recv_topk_idx', PTR), _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), _P('recv_src_idx', PTR),
+        _P('num_send_blocks', np.int32), _P('num_notify_blocks', np.int32), _P('chunk_rows', np.int32),
+        _P('chunk_stride', np.int32), *_COMMON_TAIL, _P('recv_offset', np.uint64), *_ERR))
+
+
 def dispatch_send_spec(num_ranks: int, bucket: int) -> KernelSpec:
     """The previous design's send kernel (`DEEPEP_CUPY_EP_LEGACY_DISPATCH`)."""
     return KernelSpec('ep_dispatch_legacy', f'deepep::dispatch_send_legacy<{num_ranks}, {bucket}>', (
@@ -122,9 +142,10 @@ def combine_spec(num_ranks: int, bucket: int, local_reduce: bool) -> KernelSpec:
         _P('chunk_stride', np.int32), *_COMMON_TAIL, _P('combine_offset', np.uint64), *_ERR))
 
 
-def specs_for(num_ranks: int, bucket: int, legacy_dispatch: bool = True) -> Dict[str, List[KernelSpec]]:
+def specs_for(num_ranks: int, bucket: int, legacy_dispatch: bool = True,
+              fused: bool = True) -> Dict[str, List[KernelSpec]]:
     """Every EP kernel a buffer of `num_ranks` ranks needs for a top-k in `bucket`, by family (with the previous
-    dispatch design's family unless `legacy_dispatch` is False)."""
+    dispatch design's family unless `legacy_dispatch` is False, the fused notify and dispatch unless `fused` is)."""
     specs = {
         'ep_notify': [notify_spec(num_ranks, bucket), topk_range_spec()],
         'ep_dispatch': [dispatch_spec(num_ranks, bucket)],
@@ -132,6 +153,8 @@ def specs_for(num_ranks: int, bucket: int, legacy_dispatch: bool = True) -> Dict
     }
     if legacy_dispatch:
         specs['ep_dispatch_legacy'] = [dispatch_send_spec(num_ranks, bucket), dispatch_recv_spec(num_ranks, bucket)]
+    if fused:
+        specs['ep_fused'] = [fused_dispatch_spec(num_ranks, bucket)]
     return specs
 
 
@@ -148,11 +171,14 @@ def shipped_specs(max_ranks: int) -> Dict[str, List[KernelSpec]]:
 
 class EPKernels:
     """The loaded EP kernels for one (num_ranks, top-k bucket); the previous dispatch design's only with
-    `legacy_dispatch` (else `dispatch_send` / `dispatch_recv` are None)."""
+    `legacy_dispatch` (else `dispatch_send` / `dispatch_recv` are None); the fused one on request
+    (`fused_dispatch`)."""
 
     def __init__(self, num_ranks: int, bucket: int, legacy_dispatch: bool = False):
+        self.num_ranks, self.bucket = num_ranks, bucket
+        self._fused = None
         loaded = {}
-        for family_specs in specs_for(num_ranks, bucket, legacy_dispatch).values():
+        for family_specs in specs_for(num_ranks, bucket, legacy_dispatch, fused=False).values():
             loaded.update(load_kernels(family_specs))
         self.notify = loaded[notify_spec(num_ranks, bucket).name]
         self.topk_range = loaded[topk_range_spec().name]
@@ -160,3 +186,10 @@ class EPKernels:
         self.dispatch_send = loaded.get(dispatch_send_spec(num_ranks, bucket).name)
         self.dispatch_recv = loaded.get(dispatch_recv_spec(num_ranks, bucket).name)
         self.combine = {lr: loaded[combine_spec(num_ranks, bucket, lr).name] for lr in (True, False)}
+
+    def fused_dispatch(self):
+        """The notify and the dispatch in one kernel (`DEEPEP_CUPY_EP_FUSED_NOTIFY`), loaded on first use."""
+        if self._fused is None:
+            spec = fused_dispatch_spec(self.num_ranks, self.bucket)
+            self._fused = load_kernels([spec])[spec.name]
+        return self._fused

@@ -1,0 +1,50 @@
+"""Sizes of the fused notify and dispatch launch (`kernels_cu/ep_fused.cu`, `DEEPEP_CUPY_EP_FUSED_NOTIFY`), as pure
+functions of plain values (tests/test_ep_fused_cpu.py).
+
+The fused kernel waits inside the launch (its senders and receivers for flags its notify blocks raise), so every block
+must be resident at once: the launch is cooperative (the driver refuses a grid that cannot be co-resident, and
+jit/launch.py checks it against the occupancy first), and the grid stays at most one block per SM, like the dispatch
+kernel's. A call the fused kernel cannot serve says why (`fused_refusal`) and runs the notify and dispatch kernels."""
+
+from typing import Optional
+
+from ...runtime.sizes import ceil_div
+from .kernels import DISPATCH_THREADS
+
+FUSED_THREADS = DISPATCH_THREADS            # threads per block = notify tokens per notify block
+NUM_MAX_FUSED_SMEM_BYTES = 200 * 1024       # dynamic shared memory (notify's per-warp counts), one block per SM
+
+
+def fused_smem_bytes(num_experts: int, num_ranks: int) -> int:
+    """Dynamic shared memory of the fused kernel: notify_body's per-warp counts, block bases and totals per key for
+    FUSED_THREADS / 32 warps (plan.notify_smem_bytes for the notify kernel's 8)."""
+    return (FUSED_THREADS // 32 + 2) * (num_experts + num_ranks) * 4
+
+
+def fused_notify_blocks(num_tokens: int) -> int:
+    """Blocks that run the notify's work: one token per thread."""
+    return max(1, ceil_div(num_tokens, FUSED_THREADS))
+
+
+def fused_refusal(num_tokens: int, num_experts: int, num_ranks: int, num_send_blocks: int, num_device_sms: int,
+                  cached: bool, cpu_sync: bool, one_launch: bool) -> Optional[str]:
+    """Why a dispatch cannot be one fused launch, or None when it can."""
+    if cached:
+        return 'a cached dispatch has no notify'
+    if cpu_sync:
+        return 'a CPU-sync dispatch waits for the counts on the host between notify and receive'
+    if not one_launch:
+        return 'the dispatch runs its send and receive as two launches (DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0)'
+    if fused_smem_bytes(num_experts, num_ranks) > NUM_MAX_FUSED_SMEM_BYTES:
+        return f'num_experts={num_experts}: the notify counts exceed the shared memory of a 512-thread block'
+    if num_send_blocks + fused_notify_blocks(num_tokens) > num_device_sms:
+        return (f'{num_tokens} tokens need {fused_notify_blocks(num_tokens)} notify blocks beside '
+                f'{num_send_blocks} sending blocks: more than the GPU has SMs')
+    return None
+
+
+def fused_grid(num_send_blocks: int, epilogue_grid: int, num_notify_blocks: int, num_device_sms: int) -> int:
+    """Blocks of a fused launch: the senders, then receivers as the dispatch kernel has them (at most one block per
+    SM), at least as many as the notify blocks (the first receivers; `fused_refusal` keeps them within the SMs)."""
+    grid = num_send_blocks + min(epilogue_grid, num_device_sms - num_send_blocks)
+    return min(num_device_sms, max(grid, num_send_blocks + num_notify_blocks))
