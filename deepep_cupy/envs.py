@@ -98,3 +98,11 @@ def ep_dispatch_overlap() -> bool:
     receive in one launch, the receive overlapping the send; off: a send launch, then a receive launch (as with CPU
     sync). Read when a buffer's EP feature is made."""
     return _get_bool('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', True)
+
+
+def always_comm_stream() -> bool:
+    """`DEEPEP_CUPY_ALWAYS_COMM_STREAM` (bool, default off): run every call on the buffer's communication stream, as
+    DeepEP does. Off: a synchronous call without `previous_event` whose outputs are allocated on the current stream
+    runs on the current stream (the same order, without four event records / waits; runtime/streams.py). Read when a
+    buffer is made."""
+    return _get_bool('DEEPEP_CUPY_ALWAYS_COMM_STREAM')

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from deepep_cupy.jit import launch  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
 
-API = {'launch': 0, 'alloc': 0, 'event': 0}
+API = {'launch': 0, 'alloc': 0, 'event': 0, 'event_new': 0}
 
 
 class FakeDriver:
@@ -167,9 +167,19 @@ def install(monkeypatch_targets=None):
         fake = SimpleNamespace(data=SimpleNamespace(ptr=0x100))    # device arrays that CuPy would make)
         engram_feature.Engram._device_arrays = lambda self, layout, sf_rows: {'layers': fake, 'table_bases': fake}
     torch.Tensor.record_stream = lambda self, stream: None       # CPU tensors: nothing to record
-    streams.EventHandle = lambda stream=None: fakes.FakeEventHandle(stream)
+    def new_handle(stream=None):
+        # An `EventHandle` (the event a call returns) costs a cudaEventCreate and a record.
+        API['event_new'] += 1
+        API['event'] += 1
+        return fakes.FakeEventHandle(stream)
+    streams.EventHandle = new_handle
     from deepep_cupy.runtime import event as event_module
-    event_module.EventHandle.__init__ = lambda self, stream=None: setattr(self, 'event', CountingEvent())
+
+    def init_handle(self, stream=None):
+        API['event_new'] += 1
+        API['event'] += 1
+        self.event = CountingEvent()
+    event_module.EventHandle.__init__ = init_handle
 
 
 def make_buffer(num_ranks: int, rank: int, num_bytes: int, **attrs):
@@ -317,7 +327,8 @@ def main(argv=None) -> int:
                 continue
             us, api = timed(fn, args.calls)
             print(f'[host-cpu] {name:34s} {us:7.1f} us per call   [api] launches {api["launch"]:.1f}, '
-                  f'allocations {api["alloc"]:.1f}, event records/waits {api["event"]:.1f}', flush=True)
+                  f'allocations {api["alloc"]:.1f}, event records/waits {api["event"]:.1f} '
+                  f'(new events {api["event_new"]:.1f})', flush=True)
     return 0
 
 
