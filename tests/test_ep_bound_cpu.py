@@ -294,3 +294,24 @@ def test_a_combine_with_weights_carves_both_outputs_out_of_one_allocation(monkey
     assert (sx == sw) == carve
     if carve:
         assert ax == 0 and bx <= aw and aw % 512 == 0 and bw <= combined.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize('cap_all', [False, True])
+def test_combine_grid_follows_the_cap_all_sms_knob(monkeypatch, cap_all):
+    monkeypatch.setenv('DEEPEP_CUPY_COMBINE_CAP_ALL_SMS', '1' if cap_all else '0')
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    handle = buf.dispatch(x, idx, w, num_experts=E, num_sms=20)[3]
+    rows = torch.zeros(handle.num_rows, H, dtype=torch.bfloat16)
+    for num_sms in (24, 0):
+        buf.launches.clear()
+        buf.combine(rows, handle, num_sms=num_sms)
+        (launch,) = [e for e in buf.launches if e.name.startswith('deepep::combine')]
+        send, grid = launch.args['num_send_blocks'], launch.grid
+        grid = grid if type(grid) is int else grid[0]
+        want = ep_tests.ep_plan.combine_blocks(num_sms, 20, R, M, H, 132, cap_all)
+        assert (send, grid - send) == want
+        if cap_all:
+            assert grid <= (num_sms or 20) and send == (num_sms or 20) // 2
+        else:
+            assert send == (num_sms or 20)

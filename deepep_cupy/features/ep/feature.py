@@ -67,6 +67,7 @@ class EP:
         self._bound: Dict[tuple, object] = {}       # call signature -> BoundDispatch / BoundCombine
         # The dispatch kernels (envs.py; read once: every dispatch of a buffer uses one protocol, as every rank must).
         self.legacy_dispatch, self.dispatch_overlap = envs.ep_legacy_dispatch(), envs.ep_dispatch_overlap()
+        self.combine_cap_all_sms = envs.combine_cap_all_sms()      # num_sms caps a combine's reducers too
         self._carvers: Dict[str, interop.Carver] = {}
         if num_max_tokens_per_rank and hidden:
             buf.claim_data_region(DATA_REGION_OWNER)
@@ -233,7 +234,7 @@ class EP:
         if b is None:
             p = ep_plan.plan_combine(self.settings, self.layout, x, handle, topk_weights, bias, num_sms,
                                      previous_event, allocate_on_comm_stream, weights_over_ranks,
-                                     allow_previous_event_alone)
+                                     allow_previous_event_alone, self.combine_cap_all_sms)
             b = BoundCombine(self, p, allocate_on_comm_stream, async_with_compute_stream)
             if origin and _cacheable(xs, ws) and (bs is None or _cacheable(*bs)):
                 self._remember(key, b)
