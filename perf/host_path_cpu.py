@@ -286,9 +286,15 @@ def agrs_cases(args):
         ag.create_session()
         ag.all_gather(tensors)
         ag.plan.close()
+    def gather4_wait():        # as perf/ep_profile.py times it: the wait handle's launch too
+        ag.create_session()
+        *_, wait = ag.all_gather(tensors)
+        wait()
+        ag.plan.close()
     x = torch.zeros(1 << 20, dtype=torch.float32)
     return {
         'all_gather 4 x 1 MiB (+ session)': gather4,
+        'all_gather 4 x 1 MiB (+ wait)': gather4_wait,
         'reduce_scatter 4 MiB': lambda: buf.reduce_scatter(x),
         'all_reduce 4 MiB': lambda: buf.all_reduce(x),
     }

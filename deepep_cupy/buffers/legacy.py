@@ -313,7 +313,7 @@ class Buffer(LowLatencyMethods):
         check_int('num_worst_tokens', num_worst_tokens, 0)
         if num_worst_tokens and topk_idx is None:
             raise ValueError('num_worst_tokens > 0 needs topk_idx (as DeepEP)')
-        num_experts = interop.tensor_info(num_tokens_per_expert, 'num_tokens_per_expert').shape[0]
+        num_experts = interop.shape_of(num_tokens_per_expert, 'num_tokens_per_expert')[0]
         return self._normal.dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                      expert_alignment, num_worst_tokens, num_experts, num_sms, previous_event,
                                      async_finish, allocate_on_comm_stream)
