@@ -233,69 +233,6 @@ def test_cpu_sync_counts_become_a_list_on_first_access(monkeypatch):
     assert h.num_recv_tokens_per_expert_list is listed
 
 
-def _span(t):
-    """(storage address, first byte, end byte) of a tensor in its storage."""
-    start = t.data_ptr() - t.untyped_storage().data_ptr()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
-    return t.untyped_storage().data_ptr(), start, start + (last + 1) * t.element_size()
-
-
-@pytest.mark.parametrize('mode', ['cpu-sync', 'no-sync', 'fp8', 'fp8-col-major', 'cached', 'large'])
-def test_a_dispatch_carves_its_outputs_out_of_one_allocation(monkeypatch, mode):
-    from deepep_cupy.features.ep import bound
-    x, idx, w = _inputs()
-    kw = dict(num_experts=E, do_cpu_sync=mode == 'cpu-sync')
-    xin = x
-    if mode.startswith('fp8'):
-        xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2))
-        kw['use_tma_aligned_col_major_sf'] = mode == 'fp8-col-major'
-    if mode == 'large':
-        monkeypatch.setattr(bound, 'CARVE_MAX_BYTES', 0)
-    buf = ep_tests.make_buffer(monkeypatch)
-    out = buf.dispatch(xin, idx, w, **kw)
-    if mode == 'cached':
-        out = buf.dispatch(xin, handle=out[3])
-    recv_x, recv_sf = out[0] if type(out[0]) is tuple else (out[0], None)
-    handle = out[3]
-    parts = [recv_x, recv_sf, out[1], out[2], handle.recv_src_metadata]
-    if mode in ('no-sync', 'fp8', 'fp8-col-major', 'large'):
-        parts.append(handle.workspace[:handle._origin.ws_words])     # the workspace proper
-    spans = [_span(t) for t in parts if t is not None]
-    storages = {s for s, _, _ in spans}
-    if mode == 'large':
-        assert len(storages) == 2 + (recv_sf is not None) and _span(recv_x)[1] == 0
-        return
-    assert len(storages) == 1
-    size = recv_x.untyped_storage().nbytes()
-    ordered = sorted((a, b) for _, a, b in spans)
-    assert all(b <= c for (_, b), (c, _) in zip(ordered, ordered[1:])) and ordered[-1][1] <= size
-    assert _span(recv_x)[1] % 512 == 0 and (recv_sf is None or _span(recv_sf)[1] % 512 == 0)
-    assert recv_x.is_contiguous() and recv_x.dtype == (torch.float8_e4m3fn if recv_sf is not None else torch.bfloat16)
-    assert tuple(recv_x.shape) == (handle.num_rows, H)
-    if recv_sf is not None:
-        assert recv_sf.dtype == torch.float32 and recv_sf.shape == (handle.num_rows, 2)
-        assert recv_sf.stride() == ((1, ep_tests.ep_plan.align(handle.num_rows, 4)) if mode == 'fp8-col-major'
-                                    else (2, 1))
-
-
-@pytest.mark.parametrize('carve', [True, False])
-def test_a_combine_with_weights_carves_both_outputs_out_of_one_allocation(monkeypatch, carve):
-    from deepep_cupy.features.ep import bound
-    if not carve:
-        monkeypatch.setattr(bound, 'CARVE_MAX_BYTES', 0)
-    x, idx, w = _inputs()
-    buf = ep_tests.make_buffer(monkeypatch)
-    out = buf.dispatch(x, idx, w, num_experts=E)
-    combined, combined_w, _ = buf.combine(torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16), out[3],
-                                          topk_weights=out[2])
-    assert combined.shape == (M, H) and combined.dtype == torch.bfloat16 and combined.is_contiguous()
-    assert combined_w.shape == (M, K) and combined_w.dtype == torch.float32 and combined_w.is_contiguous()
-    (sx, ax, bx), (sw, aw, bw) = _span(combined), _span(combined_w)
-    assert (sx == sw) == carve
-    if carve:
-        assert ax == 0 and bx <= aw and aw % 512 == 0 and bw <= combined.untyped_storage().nbytes()
-
-
 @pytest.mark.parametrize('cap_all', [False, True])
 def test_combine_grid_follows_the_cap_all_sms_knob(monkeypatch, cap_all):
     monkeypatch.setenv('DEEPEP_CUPY_COMBINE_CAP_ALL_SMS', '1' if cap_all else '0')

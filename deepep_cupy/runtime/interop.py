@@ -329,7 +329,7 @@ class Carver:
         return x.data_ptr() if self.kind == 'torch' else x.data.ptr
 
     def view(self, base, dtype: str, shape: Tuple[int, ...], word_offset: int):
-        """A C-contiguous `[*shape]` view of `dtype` (any size; 8 bytes at an even `word_offset`) into `base` from
+        """A C-contiguous `[*shape]` view of `dtype` (4 or 8 bytes; 8 at an even `word_offset`) into `base` from
         int32 word `word_offset`."""
         size = _ITEMSIZE[dtype]
         if self.kind == 'torch':

@@ -11,11 +11,9 @@ pointers into the blocks and launches.
 Why the blocks are patched positionally: a named launch binds and packs every argument on each call (~25 per kernel,
 three kernels per dispatch); a dispatch changes about ten pointers. The indices are resolved by name when binding.
 
-Outputs: a call's arrays (the handle's workspace, recv_src_metadata, recv_topk_idx, recv_topk_weights, and recv_x /
-recv_sf up to `CARVE_MAX_BYTES`) are views of one int32 allocation (`interop.Carver`): one caching-allocator call per
-dispatch (a CPU-sync dispatch: two, the workspace before the counts are known). Larger recv_x (and recv_sf) are
-allocations of their own, so that a large output's memory goes back as soon as the caller drops it, whatever happens
-to the handle (which keeps the shared allocation: a carved recv_x lives as long as the handle or recv_x).
+Outputs: a call's small arrays (the handle's workspace, recv_src_metadata, recv_topk_idx, recv_topk_weights) are
+views of one int32 allocation (`interop.Carver`); recv_x (and recv_sf) are allocations of their own, so that the
+large output's memory goes back as soon as the caller drops it, whatever happens to the handle.
 
 DeepEP V1 calls (a `LegacyLayout`) are bound too: the key holds its inputs (channels, reported token count, the
 expert counts' signature), so the matrices' sizes and the notify scalars are fixed per bound dispatch; per call the
@@ -43,8 +41,6 @@ from .kernels import (
 )
 
 _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
-CARVE_MAX_BYTES = 32 << 20      # recv_x + recv_sf up to this share the call's allocation (see the module docstring)
-_CARVE_ALIGN_WORDS = 128        # carved recv_x / recv_sf start 512-byte aligned (as the caching allocator's blocks)
 # Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
 _INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
            'recv_layout')
@@ -71,8 +67,6 @@ class _Outputs(NamedTuple):
     src_idx_offset: int         # V1's recv_src_idx [num_recv] (-1: not a V1 dispatch)
     topk_offset: int
     weights_offset: int
-    x_offset: int               # recv_x's and recv_sf's word offsets in the allocation (-1: allocations of their own)
-    sf_offset: int
     x_shape: Tuple[int, int]
     sf_shape: Optional[Tuple[int, int]]
     sf_strides: Tuple[int, int]
@@ -212,21 +206,8 @@ class BoundDispatch:
             for d in o.topk_weights_shape:
                 n *= d
             offset += n
-        # recv_x, recv_sf after the small arrays, 512-byte aligned in the allocation (which starts `base` words
-        # after the handle's workspace in a dispatch that allocates once).
-        base = 0 if (self.cached or self.cpu_sync) else self.ws_words + self.v1_words
-        x_bytes = o.num_out_rows * p.hidden_bytes
-        sf_bytes = 0 if o.sf_shape is None else o.sf_shape[0] * o.sf_shape[1] * 4
-        x_offset = sf_offset = -1
-        if x_bytes + sf_bytes <= CARVE_MAX_BYTES:
-            x_offset = align(base + offset, _CARVE_ALIGN_WORDS) - base
-            offset = x_offset + ceil_div(x_bytes, 4)
-            if o.sf_shape is not None:
-                sf_offset = align(base + offset, _CARVE_ALIGN_WORDS) - base
-                offset = sf_offset + sf_bytes // 4
-            offset += 2         # (a zero-size view at the end still starts inside the allocation)
-        out = _Outputs(num_recv, num_expanded, o.num_out_rows, offset, meta, src_idx, topk, weights, x_offset,
-                       sf_offset, (o.num_out_rows, p.hidden),
+        out = _Outputs(num_recv, num_expanded, o.num_out_rows, offset, meta, src_idx, topk, weights,
+                       (o.num_out_rows, p.hidden),
                        o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
                        o.epilogue_blocks)
         if len(self._sizes) >= _MAX_SIZES:
@@ -301,16 +282,10 @@ class BoundDispatch:
                 num_recv, num_expanded, counts = ep_plan.dispatch_counts(self.p, handle)
             out = self.outputs(num_recv, num_expanded)
             group, base = carver.words(out.words, alloc_stream), 0
-        if out.x_offset >= 0:
-            recv_x = carver.view(group, self.x_dtype, out.x_shape, base + out.x_offset)
-        else:
-            recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
+        recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
         recv_sf = None
         if out.sf_shape is not None:
-            if out.sf_offset >= 0:
-                storage = carver.view(group, self.sf_dtype, out.sf_shape, base + out.sf_offset)
-            else:
-                storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
+            storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
             if self.p.use_tma_aligned_col_major_sf:
                 rows = out.num_out_rows
                 recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
@@ -382,11 +357,6 @@ class BoundCombine:
         self.num_x_rows = p.xi.shape[0]
         self.with_weights = p.topk_weights is not None
         self.num_biases = len(p.biases)
-        # With weights: combined_x and combined_topk_weights carved out of one allocation (up to CARVE_MAX_BYTES).
-        x_words = ceil_div(h.num_tokens * p.hidden * 2, 4)
-        self.w_offset = align(x_words, _CARVE_ALIGN_WORDS)
-        self.carve_words = (self.w_offset + h.num_tokens * h.num_topk + 2
-                            if self.with_weights and 4 * x_words <= CARVE_MAX_BYTES else 0)
         sym = ep._sym
         self.launch = ep.kernels(h.num_topk).combine[p.local_reduce].bind(
             p.num_send_blocks + p.num_reduce_blocks, COMBINE_THREADS, x=0, hidden=p.hidden, topk_weights=0,
@@ -413,15 +383,10 @@ class BoundCombine:
         current = self.stream()
         comm = ep._order.enter(current, event, self.local)
         alloc_stream = comm if self.alloc_on_comm else None
+        combined_x = carver.empty((self.num_tokens, self.hidden), 'bfloat16', alloc_stream)
         combined_w = None
-        if self.carve_words:
-            block = carver.words(self.carve_words, alloc_stream)
-            combined_x = carver.view(block, 'bfloat16', (self.num_tokens, self.hidden), 0)
-            combined_w = carver.view(block, 'float32', (self.num_tokens, self.num_topk), self.w_offset)
-        else:
-            combined_x = carver.empty((self.num_tokens, self.hidden), 'bfloat16', alloc_stream)
-            if self.with_weights:
-                combined_w = carver.empty((self.num_tokens, self.num_topk), 'float32', alloc_stream)
+        if self.with_weights:
+            combined_w = carver.empty((self.num_tokens, self.num_topk), 'float32', alloc_stream)
         b, i = self.launch, self.idx
         u = b.u64
         ws = h.workspace_ptr
