@@ -12,7 +12,9 @@ the caller can see, without the four event records / waits. What the communicati
 the buffer's single queue, so the order keeps the *tail*: the stream known to be ordered after every kernel the
 buffer enqueued so far (None: the communication stream itself). A call on another stream than the tail first joins
 the tail (the communication stream waits for it) and then the caller's stream waits for the communication stream:
-one `begin` + `end`, the fork / join a CUDA graph capture accepts, paid only when the stream changes. Everything
+one `begin` + `end`, the fork / join a CUDA graph capture accepts, paid only when the stream changes (folding an
+eager tail into the communication stream while torch captures, in global, thread-local or relaxed mode, was checked
+on 1xH200, torch 2.11: the capture and its replay succeed). Everything
 that waits for "the buffer's work" through the communication stream (`settle`: a host synchronize, teardown,
 `get_comm_stream`) first folds the tail into it.
 """
