@@ -186,7 +186,8 @@ def make_buffer(num_ranks: int, rank: int, num_bytes: int, **attrs):
     buf = fakes.make_buffer(num_ranks, rank, num_bytes, comm=CountingStream('comm'), **attrs)
     hm = buf.host_mapped
     hm.ptr = hm.data.ctypes.data            # kernels' fakes write the records at the address the host polls
-    buf.stream_order._enter, buf.stream_order._leave = CountingEvent(), CountingEvent()
+    buf.stream_order._enter, buf.stream_order._leave, buf.stream_order._mark = (CountingEvent(), CountingEvent(),
+                                                                                 CountingEvent())
     buf._barrier = lambda stream: None
     region = np.zeros(num_bytes, dtype=np.uint8)
     buf.sym.local_view = lambda offset, n: region[offset - buf.data_offset:offset - buf.data_offset + n]
@@ -251,7 +252,7 @@ def v1_cases(args):
         eng.barrier = lambda **kw: None
         return eng
     order = fakes.stream_order(CountingStream('comm'))
-    order._enter, order._leave = CountingEvent(), CountingEvent()
+    order._enter, order._leave, order._mark = CountingEvent(), CountingEvent(), CountingEvent()
     buf = Buffer.__new__(Buffer)
     buf.__dict__.update(
         _destroyed=False, group=None, rank=0, group_size=R, num_nvl_bytes=1 << 30, num_rdma_bytes=0,

@@ -252,3 +252,46 @@ def test_combine_grid_follows_the_cap_all_sms_knob(monkeypatch, cap_all):
             assert grid <= (num_sms or 20) and send == (num_sms or 20) // 2
         else:
             assert send == (num_sms or 20)
+
+
+@pytest.mark.parametrize('always', [False, True])
+def test_synchronous_calls_run_on_the_current_stream(monkeypatch, always):
+    """runtime/streams.py's local path through the bound calls: a synchronous dispatch / combine without
+    previous_event launches on the current stream with no event wait after the first call (the first joins the
+    communication stream once); asynchronous calls and previous_event stay on the communication stream and order the
+    next local call after them. DEEPEP_CUPY_ALWAYS_COMM_STREAM=1: always the communication stream."""
+    from deepep_cupy.runtime import streams
+    from deepep_cupy.runtime.event import EventHandle
+    monkeypatch.setattr(streams, 'EventHandle', ep_tests.fakes.FakeEventHandle)
+    monkeypatch.setattr(ep_tests.interop, 'torch_stream', lambda handle: None)
+    monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: None)
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    buf.stream_order.local = not always         # (what DEEPEP_CUPY_ALWAYS_COMM_STREAM sets when a buffer is made)
+    comm, current = buf.stream_order.comm, ep_tests.interop.stream_getter('torch', 0)()
+    local = comm if always else current
+
+    def run(fn):
+        """(names of the streams launched on, (waits of comm, waits of current), result) of `fn()`."""
+        buf.launches.clear()
+        waits = (comm.waits, current.waits)
+        out = fn()
+        return {e.stream.name for e in buf.launches}, (comm.waits - waits[0], current.waits - waits[1]), out
+
+    def dispatch(**kw):
+        return buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False, **kw)
+
+    assert run(dispatch)[:2] == ({local.name}, (1, 1))                  # the first call joins once
+    every = (1, 1) if always else (0, 0)
+    for _ in range(2):
+        ran, waits, out = run(dispatch)
+        assert ran == {local.name} and waits == every
+        rows = torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16)
+        assert run(lambda rows=rows, h=out[3]: buf.combine(rows, h))[:2] == ({local.name}, every)
+    ran, waits, res = run(lambda: buf.combine(rows, out[3], async_with_compute_stream=True))
+    assert ran == {'comm'} and waits == (1 if always else 2, 0) and res[2].event is not None     # (+ the mark)
+    assert run(dispatch)[:2] == ({local.name}, (1, 1))                  # after async work: joined again
+    handle = EventHandle.__new__(EventHandle)
+    handle.stream_wait = lambda stream: stream.wait_event(None)
+    ran, waits, _ = run(lambda: dispatch(previous_event=handle, allocate_on_comm_stream=True))
+    assert ran == {'comm'} and waits == (1 if always else 2, 1)        # (+ the last local dispatch's mark)

@@ -1,6 +1,7 @@
 """`StreamOrder`'s local path without a GPU: a synchronous call runs on the caller's stream, and the order (the
-"tail") keeps every later call, host wait and teardown behind every kernel the buffer enqueued, whichever stream
-each ran on. Streams log what was enqueued on them: ('wait', name of the stream the event was recorded on)."""
+tail and the mark) keeps every later call, host wait and teardown behind every kernel the buffer enqueued, whichever
+stream each ran on, and the communication stream never waits for more than it did when everything ran on it.
+Streams log what was enqueued on them: ('wait', (event name, stream it was recorded on))."""
 
 import fakes
 
@@ -14,11 +15,12 @@ class LogStream(fakes.FakeStream):
         self.log = []
 
     def wait_event(self, event):
-        self.log.append(('wait', event.on))
+        self.log.append(('wait', (event.name, event.on)))
 
 
 class LogEvent:
-    on = None
+    def __init__(self, name):
+        self.name, self.on = name, None
 
     def record(self, stream=None):
         self.on = stream.name
@@ -28,63 +30,72 @@ def make(monkeypatch, always=False):
     monkeypatch.setenv('DEEPEP_CUPY_ALWAYS_COMM_STREAM', '1' if always else '0')
     comm = LogStream('comm')
     order = StreamOrder(comm)
-    order._enter, order._leave = LogEvent(), LogEvent()
+    order._enter, order._leave, order._mark = LogEvent('enter'), LogEvent('leave'), LogEvent('mark')
     return order, comm
 
 
-def test_local_calls_on_one_stream_record_no_event_after_the_first(monkeypatch):
+def call(order, s, **kw):
+    """A synchronous call on `s`: the stream it ran on."""
+    ran = order.enter(s, kw.get('previous_event'), local=True)
+    assert order.leave('cupy', s, ran, False).event is None
+    return ran
+
+
+def test_local_calls_on_one_stream_record_one_mark_and_wait_for_nothing(monkeypatch):
     order, comm = make(monkeypatch)
     s = LogStream('s')
-    assert order.enter(s, None, local=True) is s        # first: join the communication stream once
-    assert comm.log == [('wait', 's')] and s.log == [('wait', 'comm')]
+    assert call(order, s) is s        # the first: joins the communication stream once
+    assert comm.log == [('wait', ('enter', 's'))] and s.log == [('wait', ('leave', 'comm'))]
     for _ in range(3):
-        ran = order.enter(s, None, local=True)
-        assert ran is s and order.leave('torch', s, ran, False).event is None
-    assert comm.log == [('wait', 's')] and s.log == [('wait', 'comm')]
+        assert call(order, s) is s
+    assert comm.log == [('wait', ('enter', 's'))] and s.log == [('wait', ('leave', 'comm'))]
+    assert order._mark.on == 's' and order._marked
 
 
-def test_work_on_the_communication_stream_is_joined_before_the_next_local_call(monkeypatch):
+def test_the_communication_stream_waits_for_the_last_local_kernels_before_its_next_work(monkeypatch):
     order, comm = make(monkeypatch)
     s = LogStream('s')
-    order.enter(s, None, local=True)
+    call(order, s)
     comm.log.clear(), s.log.clear()
     monkeypatch.setattr(streams, 'EventHandle', fakes.FakeEventHandle)
     ran = order.enter(s, None, local=False)              # an asynchronous call: on the communication stream
-    assert ran is comm and comm.log == [('wait', 's')]
+    assert ran is comm and comm.log == [('wait', ('mark', 's')), ('wait', ('enter', 's'))]
     assert order.leave('cupy', s, ran, True).event is not None and s.log == []
-    assert order.enter(s, None, local=True) is s and s.log == [('wait', 'comm')]
+    assert call(order, s) is s and s.log == [('wait', ('leave', 'comm'))]     # joined after the async work
 
 
-def test_a_new_stream_waits_for_the_previous_one_through_the_communication_stream(monkeypatch):
-    order, comm = make(monkeypatch)
-    a, b = LogStream('a'), LogStream('b')
-    order.enter(a, None, local=True)
-    comm.log.clear()
-    assert order.enter(b, None, local=True) is b
-    assert comm.log == [('wait', 'a'), ('wait', 'b')] and b.log == [('wait', 'comm')]
-
-
-def test_previous_event_and_settle_fold_the_tail_into_the_communication_stream(monkeypatch):
+def test_previous_event_waits_for_the_mark_not_for_the_current_stream(monkeypatch):
     order, comm = make(monkeypatch)
     s = LogStream('s')
-    order.enter(s, None, local=True)
+    call(order, s)
     comm.log.clear()
-    handle = fakes.FakeEventHandle(LogStream('other'))
-    handle.on = 'other'
+    handle = fakes.FakeEventHandle(None)
+    handle.name, handle.on = 'previous', 'other'
     assert order.enter(s, handle, local=True) is comm     # previous_event: never local
-    assert comm.log == [('wait', 's'), ('wait', 'other')]
+    assert comm.log == [('wait', ('mark', 's')), ('wait', ('previous', 'other'))]
     order.leave('cupy', s, comm, False)
     comm.log.clear()
-    order.enter(s, None, local=True)
-    assert comm.log == [] and order.settle() is comm and comm.log == [('wait', 's')]
-    assert order.settle() is comm and comm.log == [('wait', 's')]      # folded once
+    call(order, s)
+    assert comm.log == [] and order.settle() is comm and comm.log == [('wait', ('mark', 's'))]
+    assert order.settle() is comm and comm.log == [('wait', ('mark', 's'))]      # waited once
+    order.end(s)
+    order.begin(s)                                         # nothing local since: no mark to wait for
+    assert comm.log[1:] == [('wait', ('enter', 's'))]
+
+
+def test_a_new_stream_joins_after_the_previous_ones_kernels(monkeypatch):
+    order, comm = make(monkeypatch)
+    a, b = LogStream('a'), LogStream('b')
+    call(order, a)
+    comm.log.clear()
+    assert call(order, b) is b
+    assert comm.log == [('wait', ('mark', 'a')), ('wait', ('enter', 'b'))] and b.log == [('wait', ('leave', 'comm'))]
 
 
 def test_always_comm_stream_keeps_deepeps_order(monkeypatch):
     order, comm = make(monkeypatch, always=True)
     s = LogStream('s')
     for _ in range(2):
-        ran = order.enter(s, None, local=True)
-        assert ran is comm
-        order.leave('cupy', s, ran, False)
-    assert comm.log == [('wait', 's')] * 2 and s.log == [('wait', 'comm')] * 2
+        assert call(order, s) is comm
+    assert comm.log == [('wait', ('enter', 's'))] * 2 and s.log == [('wait', ('leave', 'comm'))] * 2
+    assert order._mark.on is None
