@@ -106,7 +106,11 @@ def barrier(buffer: Any, wait_comm_stream: bool = True, with_cpu_sync: bool = Fa
 def get_comm_stream(buffer: Any):
     """The buffer's communication stream: a `torch.cuda.Stream` (external) when torch has CUDA, else the CuPy
     stream."""
-    stream = buffer.comm_stream if hasattr(buffer, 'comm_stream') else buffer.get_comm_stream()
+    order = getattr(buffer, 'stream_order', None)      # settled: synchronous calls may have run on the caller's stream
+    if order is not None:
+        stream = order.settle()
+    else:
+        stream = buffer.comm_stream if hasattr(buffer, 'comm_stream') else buffer.get_comm_stream()
     try:
         import torch
     except ImportError:

@@ -128,3 +128,19 @@ def ep_fused_cooperative() -> bool:
     kernels are launched), for a setting that refuses cooperative launches (e.g. a graph capture). Read when a
     buffer's EP feature is made."""
     return _get_bool('DEEPEP_CUPY_EP_FUSED_COOPERATIVE', True)
+
+
+def always_comm_stream() -> bool:
+    """`DEEPEP_CUPY_ALWAYS_COMM_STREAM` (bool, default off): run every call on the buffer's communication stream, as
+    DeepEP does. Off: a synchronous call without `previous_event` whose outputs are allocated on the current stream
+    runs on the current stream (the same order, without four event records / waits; runtime/streams.py). Read when a
+    buffer is made."""
+    return _get_bool('DEEPEP_CUPY_ALWAYS_COMM_STREAM')
+
+
+def combine_cap_all_sms() -> bool:
+    """`DEEPEP_CUPY_COMBINE_CAP_ALL_SMS` (bool, default off): a combine's `num_sms` (0: the dispatch's) caps every SM
+    it takes, senders and reducers together (half each), for callers that overlap compute with it. Off: DeepEP's
+    meaning, `num_sms` sending SMs, the reducers take the SMs left (features/ep/plan.py `combine_blocks`). Read when a
+    buffer's EP feature is made."""
+    return _get_bool('DEEPEP_CUPY_COMBINE_CAP_ALL_SMS')

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from deepep_cupy.jit import launch  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
 
-API = {'launch': 0, 'alloc': 0, 'event': 0}
+API = {'launch': 0, 'alloc': 0, 'event': 0, 'event_new': 0}
 
 
 class FakeDriver:
@@ -167,16 +167,27 @@ def install(monkeypatch_targets=None):
         fake = SimpleNamespace(data=SimpleNamespace(ptr=0x100))    # device arrays that CuPy would make)
         engram_feature.Engram._device_arrays = lambda self, layout, sf_rows: {'layers': fake, 'table_bases': fake}
     torch.Tensor.record_stream = lambda self, stream: None       # CPU tensors: nothing to record
-    streams.EventHandle = lambda stream=None: fakes.FakeEventHandle(stream)
+    def new_handle(stream=None):
+        # An `EventHandle` (the event a call returns) costs a cudaEventCreate and a record.
+        API['event_new'] += 1
+        API['event'] += 1
+        return fakes.FakeEventHandle(stream)
+    streams.EventHandle = new_handle
     from deepep_cupy.runtime import event as event_module
-    event_module.EventHandle.__init__ = lambda self, stream=None: setattr(self, 'event', CountingEvent())
+
+    def init_handle(self, stream=None):
+        API['event_new'] += 1
+        API['event'] += 1
+        self.event = CountingEvent()
+    event_module.EventHandle.__init__ = init_handle
 
 
 def make_buffer(num_ranks: int, rank: int, num_bytes: int, **attrs):
     buf = fakes.make_buffer(num_ranks, rank, num_bytes, comm=CountingStream('comm'), **attrs)
     hm = buf.host_mapped
     hm.ptr = hm.data.ctypes.data            # kernels' fakes write the records at the address the host polls
-    buf.stream_order._enter, buf.stream_order._leave = CountingEvent(), CountingEvent()
+    buf.stream_order._enter, buf.stream_order._leave, buf.stream_order._mark = (CountingEvent(), CountingEvent(),
+                                                                                 CountingEvent())
     buf._barrier = lambda stream: None
     region = np.zeros(num_bytes, dtype=np.uint8)
     buf.sym.local_view = lambda offset, n: region[offset - buf.data_offset:offset - buf.data_offset + n]
@@ -241,7 +252,7 @@ def v1_cases(args):
         eng.barrier = lambda **kw: None
         return eng
     order = fakes.stream_order(CountingStream('comm'))
-    order._enter, order._leave = CountingEvent(), CountingEvent()
+    order._enter, order._leave, order._mark = CountingEvent(), CountingEvent(), CountingEvent()
     buf = Buffer.__new__(Buffer)
     buf.__dict__.update(
         _destroyed=False, group=None, rank=0, group_size=R, num_nvl_bytes=1 << 30, num_rdma_bytes=0,
@@ -276,9 +287,15 @@ def agrs_cases(args):
         ag.create_session()
         ag.all_gather(tensors)
         ag.plan.close()
+    def gather4_wait():        # as perf/ep_profile.py times it: the wait handle's launch too
+        ag.create_session()
+        *_, wait = ag.all_gather(tensors)
+        wait()
+        ag.plan.close()
     x = torch.zeros(1 << 20, dtype=torch.float32)
     return {
         'all_gather 4 x 1 MiB (+ session)': gather4,
+        'all_gather 4 x 1 MiB (+ wait)': gather4_wait,
         'reduce_scatter 4 MiB': lambda: buf.reduce_scatter(x),
         'all_reduce 4 MiB': lambda: buf.all_reduce(x),
     }
@@ -317,7 +334,8 @@ def main(argv=None) -> int:
                 continue
             us, api = timed(fn, args.calls)
             print(f'[host-cpu] {name:34s} {us:7.1f} us per call   [api] launches {api["launch"]:.1f}, '
-                  f'allocations {api["alloc"]:.1f}, event records/waits {api["event"]:.1f}', flush=True)
+                  f'allocations {api["alloc"]:.1f}, event records/waits {api["event"]:.1f} '
+                  f'(new events {api["event_new"]:.1f})', flush=True)
     return 0
 
 

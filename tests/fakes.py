@@ -96,7 +96,7 @@ class FakeEventHandle:
 def stream_order(comm) -> StreamOrder:
     """A `StreamOrder` over a fake stream, with fake events (no CUDA)."""
     order = StreamOrder(comm)
-    order._enter, order._leave = FakeEvent(), FakeEvent()
+    order._enter, order._leave, order._mark = FakeEvent(), FakeEvent(), FakeEvent()
     return order
 
 

@@ -280,7 +280,8 @@ def test_engram_fetch_checks(monkeypatch):
     feature.layout, feature.written = layout, True
     from deepep_cupy.runtime import interop
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: None)
-    monkeypatch.setattr(feature, '_index_range', lambda ii, stream: lambda: (int(ii.obj.min()), int(ii.obj.max())))
+    monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: None)
+    monkeypatch.setattr(feature, '_index_range', lambda x, ptr, n, stream: lambda: (int(x.min()), int(x.max())))
     cases = [(indices.long(), TypeError, 'int32'), (indices[0], ValueError, '2-D'),
              (indices.t(), ValueError, 'contiguous'),
              (torch.zeros((4 * MiB // 256 + 1, 1), dtype=torch.int32), ValueError, 'fetch output'),

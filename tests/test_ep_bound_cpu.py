@@ -231,3 +231,67 @@ def test_cpu_sync_counts_become_a_list_on_first_access(monkeypatch):
     listed = h.num_recv_tokens_per_expert_list
     assert listed == counts[:E // R].tolist() and type(listed) is list and all(type(v) is int for v in listed)
     assert h.num_recv_tokens_per_expert_list is listed
+
+
+@pytest.mark.parametrize('cap_all', [False, True])
+def test_combine_grid_follows_the_cap_all_sms_knob(monkeypatch, cap_all):
+    monkeypatch.setenv('DEEPEP_CUPY_COMBINE_CAP_ALL_SMS', '1' if cap_all else '0')
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    handle = buf.dispatch(x, idx, w, num_experts=E, num_sms=20)[3]
+    rows = torch.zeros(handle.num_rows, H, dtype=torch.bfloat16)
+    for num_sms in (24, 0):
+        buf.launches.clear()
+        buf.combine(rows, handle, num_sms=num_sms)
+        (launch,) = [e for e in buf.launches if e.name.startswith('deepep::combine')]
+        send, grid = launch.args['num_send_blocks'], launch.grid
+        grid = grid if type(grid) is int else grid[0]
+        want = ep_tests.ep_plan.combine_blocks(num_sms, 20, R, M, H, 132, cap_all)
+        assert (send, grid - send) == want
+        if cap_all:
+            assert grid <= (num_sms or 20) and send == (num_sms or 20) // 2
+        else:
+            assert send == (num_sms or 20)
+
+
+@pytest.mark.parametrize('always', [False, True])
+def test_synchronous_calls_run_on_the_current_stream(monkeypatch, always):
+    """runtime/streams.py's local path through the bound calls: a synchronous dispatch / combine without
+    previous_event launches on the current stream with no event wait after the first call (the first joins the
+    communication stream once); asynchronous calls and previous_event stay on the communication stream and order the
+    next local call after them. DEEPEP_CUPY_ALWAYS_COMM_STREAM=1: always the communication stream."""
+    from deepep_cupy.runtime import streams
+    from deepep_cupy.runtime.event import EventHandle
+    monkeypatch.setattr(streams, 'EventHandle', ep_tests.fakes.FakeEventHandle)
+    monkeypatch.setattr(ep_tests.interop, 'torch_stream', lambda handle: None)
+    monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: None)
+    x, idx, w = _inputs()
+    buf = ep_tests.make_buffer(monkeypatch)
+    buf.stream_order.local = not always         # (what DEEPEP_CUPY_ALWAYS_COMM_STREAM sets when a buffer is made)
+    comm, current = buf.stream_order.comm, ep_tests.interop.stream_getter('torch', 0)()
+    local = comm if always else current
+
+    def run(fn):
+        """(names of the streams launched on, (waits of comm, waits of current), result) of `fn()`."""
+        buf.launches.clear()
+        waits = (comm.waits, current.waits)
+        out = fn()
+        return {e.stream.name for e in buf.launches}, (comm.waits - waits[0], current.waits - waits[1]), out
+
+    def dispatch(**kw):
+        return buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False, **kw)
+
+    assert run(dispatch)[:2] == ({local.name}, (1, 1))                  # the first call joins once
+    every = (1, 1) if always else (0, 0)
+    for _ in range(2):
+        ran, waits, out = run(dispatch)
+        assert ran == {local.name} and waits == every
+        rows = torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16)
+        assert run(lambda rows=rows, h=out[3]: buf.combine(rows, h))[:2] == ({local.name}, every)
+    ran, waits, res = run(lambda: buf.combine(rows, out[3], async_with_compute_stream=True))
+    assert ran == {'comm'} and waits == (1 if always else 2, 0) and res[2].event is not None     # (+ the mark)
+    assert run(dispatch)[:2] == ({local.name}, (1, 1))                  # after async work: joined again
+    handle = EventHandle.__new__(EventHandle)
+    handle.stream_wait = lambda stream: stream.wait_event(None)
+    ran, waits, _ = run(lambda: dispatch(previous_event=handle, allocate_on_comm_stream=True))
+    assert ran == {'comm'} and waits == (1 if always else 2, 1)        # (+ the last local dispatch's mark)

@@ -111,6 +111,21 @@ def test_combine_blocks_follow_num_sms():
         assert reduce >= 1 and send + reduce <= args[-1]
 
 
+def test_combine_blocks_cap_every_sm_when_asked():
+    # DEEPEP_CUPY_COMBINE_CAP_ALL_SMS: num_sms (explicit, else the dispatch's) caps senders and reducers together.
+    cap = dict(cap_all_sms=True)
+    assert ep_plan.combine_blocks(24, 20, 8, 4096, 7168, 132, **cap) == (12, 12)
+    assert ep_plan.combine_blocks(0, 20, 8, 4096, 7168, 132, **cap) == (10, 10)
+    assert ep_plan.combine_blocks(4, 20, 1, 4096, 7168, 132, **cap) == (0, 4)
+    assert ep_plan.combine_blocks(1, 20, 2, 4096, 7168, 132, **cap) == (1, 1)      # one of each role at least
+    assert ep_plan.combine_blocks(500, 20, 2, 4096, 7168, 132, **cap) == (66, 66)
+    assert ep_plan.combine_blocks(24, 20, 8, 4, 7168, 132, **cap) == (12, 4)        # no more reducers than rows need
+    for n in range(2, 133):
+        for ranks in (1, 2, 8):
+            send, reduce = ep_plan.combine_blocks(n, 20, ranks, 4096, 7168, 132, **cap)
+            assert send + reduce <= n and reduce >= 1 and (send >= 1) == (ranks > 1)
+
+
 def test_topk_buckets():
     assert [ep_kernels.topk_bucket(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
     with pytest.raises(ValueError):

@@ -5,6 +5,7 @@ import concurrent.futures
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -265,3 +266,33 @@ def test_deepep_profiler_names_match_one_kernel_each():
         assert len(hits) == 1, (name, hits)
     # Our fused combine is both of DeepEP's combine kernels in one launch: both names find the same kernel.
     assert 'deepep::combine_impl_with_combine_reduce_epilogue_impl' in kernels
+
+
+def test_a_bound_launch_calls_the_driver_directly(monkeypatch):
+    """A plain bound launch on a given stream goes straight to cuLaunchKernel's binding with its grid, block, shared
+    memory, stream and argument block; cooperative ones (and stream=None) still go through the kernel's checks."""
+    calls = []
+
+    class Driver:
+        @staticmethod
+        def launchKernel(*args):  # noqa: N802 (cupy's name)
+            calls.append(('plain', args))
+
+        @staticmethod
+        def launchCooperativeKernel(*args):  # noqa: N802
+            calls.append(('cooperative', args))
+
+        @staticmethod
+        def funcSetAttribute(*args):  # noqa: N802
+            pass
+
+    monkeypatch.setattr(launch, '_DRIVER', [Driver])
+    kernel = launch.Kernel(SPEC, SimpleNamespace(ptr=0xF00), 0)
+    kernel._capacity[(64, 0)] = 1 << 20
+    bound = kernel.bind(3, 64, ptr=0x1000, n=7, scale=0.5, t=9)
+    bound.grid = (5, 1, 1)
+    bound(SimpleNamespace(ptr=0xABC))
+    assert calls == [('plain', (0xF00, 5, 1, 1, 64, 1, 1, 0, 0xABC, bound.pointers_addr, 0))]
+    coop = kernel.bind(2, 64, cooperative=True, ptr=0x1000, n=7, scale=0.5, t=9)
+    coop(SimpleNamespace(ptr=0xABC))
+    assert calls[-1] == ('cooperative', (0xF00, 2, 1, 1, 64, 1, 1, 0, 0xABC, coop.pointers_addr))

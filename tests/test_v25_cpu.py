@@ -75,6 +75,7 @@ def no_cuda(monkeypatch):
     """Streams and events without CUDA: the current stream is a fake, events are fake handles."""
     current = fakes.FakeStream('current')
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
+    monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)
     monkeypatch.setattr(streams, 'EventHandle', fakes.FakeEventHandle)
     monkeypatch.setattr(engram_feature, 'EventHandle', fakes.FakeEventHandle)
     monkeypatch.setattr(interop, 'torch_stream', lambda handle: None)
@@ -476,7 +477,7 @@ def test_engram_buffer_layers(cpu, monkeypatch, no_cuda):
     assert arrays['bases'] == ([0x5000_0000, 0x6000_0000] if cpu else [base, base])
     log.clear()
     indices = torch.zeros((2, 16, 3), dtype=torch.int32)
-    monkeypatch.setattr(buf._engram, '_index_range', lambda ii, stream: lambda: (0, 2001))
+    monkeypatch.setattr(buf._engram, '_index_range', lambda x, ptr, n, stream: lambda: (0, 2001))
     hooks = buf.fetch(indices)
     assert len(hooks) == 2 and len(log) == 1
     args = log[0].args
@@ -487,6 +488,13 @@ def test_engram_buffer_layers(cpu, monkeypatch, no_cuda):
     data = [h() for h in hooks]
     assert all(d.shape == (16, 192) and d.dtype == torch.bfloat16 for d in data)
     assert data[1].data_ptr() == data[0].data_ptr() + 16 * 192 * 2
+    # A repeated signature reuses its bound launch: only the indices' address changes.
+    other = torch.zeros((2, 16, 3), dtype=torch.int32)
+    log.clear()
+    buf.fetch(other)
+    assert args['indices'] == indices.data_ptr() and log[0].args['indices'] == other.data_ptr()
+    assert {k: v for k, v in log[0].args.items() if k != 'indices'} == {k: v for k, v in args.items() if k != 'indices'}
+    assert log[0].grid == 1
     with pytest.raises(ValueError, match='3-D'):
         buf.fetch(indices[0])
     with pytest.raises(ValueError, match='1 layers'):
@@ -495,7 +503,7 @@ def test_engram_buffer_layers(cpu, monkeypatch, no_cuda):
         buf.fetch(indices, num_qps=21)
     with pytest.raises(ValueError, match='set_config gave'):
         buf.write([tables[0], tables[0]])
-    monkeypatch.setattr(buf._engram, '_index_range', lambda ii, stream: lambda: (0, 2002))
+    monkeypatch.setattr(buf._engram, '_index_range', lambda x, ptr, n, stream: lambda: (0, 2002))
     with pytest.raises(ValueError, match=r'\[0, 2002\)'):
         buf.fetch(indices)
 

@@ -187,8 +187,9 @@ class BufferBase:
               f'{mib["host"]:.1f} MiB; host-mapped {mib["host_mapped"]:.3f} MiB', flush=True)
 
     def get_comm_stream(self):
-        """The buffer's communication stream (a `cupy.cuda.Stream`; `torch.cuda.ExternalStream(s.ptr)` for torch)."""
-        return self.comm_stream
+        """The buffer's communication stream (a `cupy.cuda.Stream`; `torch.cuda.ExternalStream(s.ptr)` for torch),
+        ordered after every kernel of the buffer so far (synchronous calls may have run on the caller's stream)."""
+        return self.stream_order.settle()
 
     @staticmethod
     def capture() -> EventHandle:
@@ -256,7 +257,7 @@ class BufferBase:
     def synchronize(self, stream=None) -> None:
         """Wait for `stream` (default: the communication stream) on the host, bounded: raises `TimeoutError` if a
         kernel reported a GPU timeout, or if the stream is still busy after the GPU timeout plus a margin."""
-        stream = stream or self.comm_stream
+        stream = stream or self.stream_order.settle()
         event = stream.record()
         limit = self.num_gpu_timeout_secs + 30
 
@@ -310,7 +311,7 @@ class BufferBase:
         If the stream does not finish, the memory is left allocated rather than freed under a running kernel."""
         self._destroyed = True
         self._destroy_features()
-        event = self.comm_stream.record()
+        event = self.stream_order.settle().record()
         limit = self.num_gpu_timeout_secs + 30
 
         def timed_out():

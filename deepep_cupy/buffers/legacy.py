@@ -177,6 +177,9 @@ class Buffer(LowLatencyMethods):
         """The communication stream: a `torch.cuda.Stream` (an ExternalStream) when torch is installed, else the
         `cupy.cuda.Stream`."""
         self._check_alive()
+        self._order.settle()        # (synchronous calls may have run on the caller's stream: runtime/streams.py)
+        if self._normal is not None and self._normal.engine is not None:
+            self._normal.engine.stream_order.settle()
         if 'torch' in sys.modules or _torch_installed():
             return interop.torch_stream(self._stream.ptr)
         return self._stream
@@ -250,9 +253,10 @@ class Buffer(LowLatencyMethods):
         check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         p = plan_layout(topk_idx, num_experts, self.group_size, self.device)
         current = interop.current_stream(topk_idx)
-        comm = self._order.begin(current, as_event_handle(previous_event))
+        comm = self._order.enter(current, as_event_handle(previous_event),
+                                 local=not (async_finish or allocate_on_comm_stream))
         per_rank, per_expert, in_rank, counts = self._layout(p, comm, comm if allocate_on_comm_stream else None)
-        event = self._order.finish(p.kind, current, async_finish, (topk_idx, counts, in_rank))
+        event = self._order.leave(p.kind, current, comm, async_finish, (topk_idx, counts, in_rank))
         return per_rank, None, per_expert, in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
@@ -309,7 +313,7 @@ class Buffer(LowLatencyMethods):
         check_int('num_worst_tokens', num_worst_tokens, 0)
         if num_worst_tokens and topk_idx is None:
             raise ValueError('num_worst_tokens > 0 needs topk_idx (as DeepEP)')
-        num_experts = interop.tensor_info(num_tokens_per_expert, 'num_tokens_per_expert').shape[0]
+        num_experts = interop.shape_of(num_tokens_per_expert, 'num_tokens_per_expert')[0]
         return self._normal.dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                      expert_alignment, num_worst_tokens, num_experts, num_sms, previous_event,
                                      async_finish, allocate_on_comm_stream)

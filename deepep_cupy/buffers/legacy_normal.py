@@ -160,10 +160,10 @@ def split_x(x) -> Tuple[Any, Any, int, int]:
         data, sf = x
     else:
         data, sf = x, None
-    info = interop.tensor_info(data, 'x')
-    if info.ndim != 2:
-        raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {list(info.shape)}')
-    return data, sf, info.shape[0], info.shape[1]
+    shape = interop.shape_of(data, 'x')
+    if len(shape) != 2:
+        raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {list(shape)}')
+    return data, sf, shape[0], shape[1]
 
 
 # ---- normal mode ---------------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class NormalMode:
         if not with_topk:
             topk_idx = self.synthetic_topk(is_token_in_rank, num_experts)
             expert_counts = num_tokens_per_expert
-        K = interop.tensor_info(topk_idx, 'topk_idx').shape[-1]
+        K = interop.shape_of(topk_idx, 'topk_idx')[-1]
         worst = num_worst_tokens > 0
         channels = num_sms // 2
         for _ in range(MAX_ATTEMPTS):

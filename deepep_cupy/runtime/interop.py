@@ -107,6 +107,16 @@ def tensor_info(x: Any, name: str = 'tensor') -> TensorInfo:
     raise TypeError(f'{name} must be a torch.Tensor or a cupy.ndarray, got {type(x).__name__}')
 
 
+def shape_of(x: Any, name: str = 'tensor') -> Tuple[int, ...]:
+    """`x`'s shape (a torch tensor or CuPy array: no other property is read); `TypeError` naming `name` otherwise,
+    or for a dtype `tensor_info` rejects. For adapters that need a size before the checked call."""
+    if is_torch(x):
+        if x.dtype not in _TORCH_DTYPE_NAMES:
+            tensor_info(x, name)            # learns the dtype's name, or raises
+        return tuple(x.shape)
+    return tensor_info(x, name).shape
+
+
 def to_cupy(x: Any):
     """A CuPy view of a torch CUDA tensor (DLPack, no copy) or `x` itself if it is CuPy. bfloat16 tensors come out
     as `uint16` and float8 as `uint8` (CuPy has neither dtype)."""

@@ -3,12 +3,28 @@
 A call enters with `begin`: the communication stream waits for `previous_event` (when given) or for the caller's
 current stream. It leaves with `end` (the current stream waits for the communication stream) or `event` (an
 `EventOverlap` the caller waits on later; torch tensors used on the communication stream are marked with
-`record_stream` so torch's allocator does not reuse them early). Two events are reused for every call: a stream wait
+`record_stream` so torch's allocator does not reuse them early). The events are reused for every call: a stream wait
 captures the event's state when it is enqueued, so re-recording it afterwards is safe.
+
+A call that would wait on both sides and hand back no event (no `previous_event`, not asynchronous, outputs not
+allocated on the communication stream) runs on the caller's stream instead (`enter(..., local=True)` / `leave`): the
+same order for everything the caller can see, one event record instead of four records / waits. What the
+communication stream gave up is its role as the buffer's single queue, so the order keeps:
+- the *tail*: the stream known to be ordered after every kernel the buffer enqueued (None: only the communication
+  stream is). A local call on another stream first joins (`begin` + `end`: the fork / join a CUDA graph capture
+  accepts), paid only when the stream changes;
+- the *mark*: an event recorded right after the kernels of the last local call, which the communication stream
+  waits for before its next work (`begin`, also with `previous_event`) and before host waits and teardown
+  (`settle`: `BufferBase.synchronize`, `_release_local`, `get_comm_stream`). So the communication stream depends on
+  exactly what it did when every kernel ran on it (its earlier work and `previous_event`), never on compute the
+  caller enqueued after a local call.
+Joining a stream during a torch graph capture (an eager tail folded into the communication stream, in global,
+thread-local or relaxed mode) was checked on 1xH200 with torch 2.11: the capture and its replay succeed.
 """
 
 from typing import Any, Optional, Sequence
 
+from .. import envs
 from . import interop
 from .event import EventHandle, EventOverlap
 
@@ -20,25 +36,34 @@ class StreamOrder:
         comm: the buffer's communication stream (a `cupy.cuda.Stream`).
     """
 
-    __slots__ = ('comm', '_enter', '_leave')
+    __slots__ = ('comm', '_enter', '_leave', '_mark', '_tail', '_marked', 'local')
 
     def __init__(self, comm):
         self.comm = comm
-        self._enter = self._leave = None
+        self._enter = self._leave = self._mark = None
+        self._tail = None           # a stream ordered after every kernel of the buffer (None: only `comm` is)
+        self._marked = False        # local kernels ran since `comm` last waited for `_mark`
+        self.local = not envs.always_comm_stream()     # whether `enter` may run a call on the caller's stream
 
     def _events(self):
         import cupy
         self._enter = cupy.cuda.Event(disable_timing=True)
         self._leave = cupy.cuda.Event(disable_timing=True)
+        self._mark = cupy.cuda.Event(disable_timing=True)
 
     def begin(self, current, previous_event: Optional[EventHandle] = None):
-        """Make the communication stream wait for `previous_event`, or for `current` without one; returns it."""
+        """Make the communication stream wait for `previous_event`, or for `current` without one (and for the last
+        local call's kernels); returns it."""
         comm = self.comm
+        if self._enter is None:
+            self._events()
+        if self._marked:
+            comm.wait_event(self._mark)
+            self._marked = False
+        self._tail = None
         if previous_event is not None:
             previous_event.stream_wait(comm)
         else:
-            if self._enter is None:
-                self._events()
             self._enter.record(current)
             comm.wait_event(self._enter)
         return comm
@@ -49,6 +74,41 @@ class StreamOrder:
             self._events()
         self._leave.record(self.comm)
         current.wait_event(self._leave)
+        self._tail = current
+
+    def enter(self, current, previous_event: Optional[EventHandle] = None, local: bool = False):
+        """The stream a call runs on: `current` when `local` (the call is synchronous and allocates on `current`),
+        there is no `previous_event` and `DEEPEP_CUPY_ALWAYS_COMM_STREAM` is off (joined first when `current` is not
+        the tail); else `begin`. Pair it with `leave`."""
+        if local and previous_event is None and self.local:
+            tail = self._tail
+            if tail is not current and (tail is None or tail.ptr != current.ptr):
+                self.begin(current)
+                self.end(current)
+            return current
+        return self.begin(current, previous_event)
+
+    def leave(self, kind: str, current, stream, async_with_compute_stream: bool,
+              tensors: Sequence[Any] = ()) -> EventOverlap:
+        """`finish` of a call that ran on `stream` (what `enter` returned): after a local call, the mark is recorded
+        behind its kernels (nothing to wait for)."""
+        if async_with_compute_stream:
+            live = tuple(t for t in tensors if t is not None)
+            return self.event(kind, live, live)
+        if stream is not current:
+            self.end(current)
+        elif stream is not self.comm:
+            self._mark.record(current)
+            self._marked = True
+        return EventOverlap(None)
+
+    def settle(self):
+        """The communication stream, ordered after every kernel the buffer enqueued (on it or on a caller's stream):
+        what host waits and teardown wait for. Returns it."""
+        if self._marked:
+            self.comm.wait_event(self._mark)
+            self._marked = False
+        return self.comm
 
     def event(self, kind: str, record: Sequence[Any] = (), keep: Sequence[Any] = ()) -> EventOverlap:
         """An `EventOverlap` on the communication stream keeping `keep` alive; torch tensors of `record` (when `kind`

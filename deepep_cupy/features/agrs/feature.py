@@ -68,9 +68,14 @@ class AGRSWaitHandle:
                                'destroy_agrs_session() (the outputs are invalid now)')
         buf.check_usable()
         stream = interop.current_stream(self._like)
-        st.kernels['wait'].launch(1, 32, stream=stream, peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx,
-                                  epoch=self._epoch, meta=self._meta, error_record=buf.host_mapped.ptr,
-                                  timeout_ns=buf.timeout_ns)
+        w = st._wait_launch
+        if w is None:       # bound by name once; per call the epoch and meta change
+            w = st._wait_launch = st.kernels['wait'].bind(
+                1, 32, peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx, epoch=0, meta=0,
+                error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
+            st._wait_idx = (w.index('epoch'), w.index('meta'))
+        w.u32[st._wait_idx[0]], w.u32[st._wait_idx[1]] = self._epoch, self._meta
+        w(stream)
         self._keep_alive = ()
 
 
@@ -101,6 +106,8 @@ class AGRS:
         self._typed: Dict[str, Any] = {}          # torch views of the whole data region, per dtype
         self._infos: Dict[Any, Tuple[str, int, str, Tuple[int, ...]]] = {}    # signature -> checked tensor facts
         self._gather_launch = None                  # the gather kernel's bound launch (every argument patched)
+        self._wait_launch, self._wait_idx = None, (0, 0)     # the wait kernel's (epoch and meta patched)
+        self._strides: Dict[Tuple[int, ...], Tuple[int, ...]] = {}     # C-contiguous strides per shape
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
 
@@ -130,12 +137,15 @@ class AGRS:
                 import torch
                 typed = self._typed[dtype_name] = data.view(getattr(torch, dtype_name))
             size = typed.element_size()
+            strides = self._strides.get(shape)
+            if strides is None:
+                steps, step = [], 1
+                for n in reversed(shape):
+                    steps.append(step)
+                    step *= n
+                strides = self._strides[shape] = tuple(reversed(steps))
             assert offset % size == 0 and num_bytes == math.prod(shape) * size
-            strides, step = [], 1
-            for n in reversed(shape):
-                strides.append(step)
-                step *= n
-            return typed.as_strided(shape, tuple(reversed(strides)), offset // size)
+            return typed.as_strided(shape, strides, offset // size)
         return data[offset:offset + num_bytes].view(np.dtype(dtype_name)).reshape(shape)
 
     def destroy(self) -> None:
@@ -313,8 +323,8 @@ class AGRS:
                     t.record_stream(s)
         outputs = [self.view(kind, region.offset, num_ranks * f[1], f[2], (num_ranks, *f[3]))
                    for f, region in zip(facts, regions)]
-        handle = AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0],
-                                tuple(t for t, exact in zip(items, inplace) if not exact))
+        keep = tuple(items) if True not in inplace else tuple([t for t, exact in zip(items, inplace) if not exact])
+        handle = AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep)
         return (*outputs, handle)
 
     # ---- reductions ----------------------------------------------------------------------------------------------

@@ -37,6 +37,22 @@ from .plan import (
 DATA_REGION_OWNER = 'engram'
 
 
+class _Fetch:
+    """A fetch signature's checks and launch (the indices' kind, shape, strides, dtype and device, num_qps, the
+    scale factors' layout, layered), valid while the tables (layout, scale factors, device arrays) stay. The launch
+    is bound by the first call that passes the index range check (`bind`)."""
+
+    __slots__ = ('tables', 'kind', 'stream', 'num_layers', 'num_tokens', 'n', 'rows', 'numel', 'bind', 'launch',
+                 'i_indices', 'i_sf_out')
+
+    def __init__(self, tables: tuple, kind: str, stream, num_layers: int, num_tokens: int, n: int, rows: int,
+                 numel: int, bind):
+        self.tables = tables        # (layout, sf, device arrays) it was bound for, compared by identity
+        self.kind, self.stream = kind, stream
+        self.num_layers, self.num_tokens, self.n, self.rows, self.numel = num_layers, num_tokens, n, rows, numel
+        self.bind, self.launch, self.i_indices, self.i_sf_out = bind, None, 0, 0
+
+
 class EngramFetchHook:
     """What a fetch returns per layer: calling it makes the current stream wait for the fetch and returns the layer's
     result (`(data, sf)` for DeepEP V2.0's `engram_fetch`; `data`, or `(data, sf)` with scale factors, for V2.5's
@@ -78,6 +94,7 @@ class Engram:
         self._host_range: Optional[HostRange] = None
         self._loaded: Optional[Dict[str, Any]] = None
         self._fetch_kernel = None
+        self._fetch_calls: Dict[tuple, _Fetch] = {}     # a fetch's call signature -> its checked, bound launch
 
     def destroy(self) -> None:
         self.layout, self.sf, self._out_views, self._device, self.host_storage = None, None, {}, {}, None
@@ -295,14 +312,47 @@ class Engram:
                 out.append(flat.view(np.uint16 if layout.dtype == 'bfloat16' else np.uint8).reshape(num_tokens, width))
         return out
 
-    def _index_range(self, ii, stream):
-        """Start reading (min, max) of the indices back to the host (`HostRange`: one small kernel on `stream`, no
-        stream synchronisation); returns a function that waits for them."""
+    def _index_range(self, indices, ptr: int, numel: int, stream):
+        """Start reading (min, max) of `indices` (at `ptr`, `numel` values) back to the host (`HostRange`: one small
+        kernel on `stream`, no stream synchronisation); returns a function that waits for them."""
         buf = self._buf
         if self._host_range is None:
             self._host_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
-        return self._host_range.start(self._kernels()[RANGE_SPEC.name], ii.ptr, ii.numel, stream,
+        return self._host_range.start(self._kernels()[RANGE_SPEC.name], ptr, numel, stream,
                                       buf.num_cpu_timeout_secs, f'engram fetch on rank {buf.rank_idx} (indices)')
+
+    def _plan_fetch(self, indices, num_qps: int, col_major: bool, layered: bool, tables: tuple) -> _Fetch:
+        """The checks of a fetch that depend on its signature only, and its launch bound by name."""
+        buf, layout = self._buf, self.layout
+        ii = checks.info(indices, 'indices', buf.device)
+        checks.check_dtype(ii, 'indices', 'int32')
+        want = 3 if layered else 2
+        if ii.ndim != want:
+            shape = '[num_layers, num_tokens, num_entries_per_token]' if layered else \
+                '[num_tokens, num_entries_per_token]'
+            raise ValueError(f'indices must be {want}-D {shape}, got {list(ii.shape)}')
+        checks.check_contiguous(ii, 'indices')
+        checks.check_int('num_qps', num_qps)
+        num_layers, num_tokens, n = ii.shape if layered else (1, *ii.shape)
+        rows = layout.check_fetch(num_layers, num_tokens, n)
+        sf_strides = (0, 0, 0)
+        if self.sf is not None:
+            width, padded = n * self.num_sf, align(num_tokens, 4)
+            sf_strides = (width * padded, 1, padded) if col_major else (num_tokens * width, width, 1)
+
+        def bind(c: _Fetch) -> None:
+            fetch = self._fetch_kernel
+            if fetch is None:
+                fetch = self._fetch_kernel = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
+            dev = self._device
+            c.launch = fetch.bind(
+                grid_for(num_layers * rows * (layout.row_bytes // 16), num_qps or buf.num_device_sms), THREADS,
+                **fetch_args(layout, 0, num_layers, num_tokens, n, int(dev['layers'].data.ptr),
+                             int(dev['table_bases'].data.ptr), buf.sym.base + layout.out_offset, self.sf, self.num_sf,
+                             None, sf_strides))
+            c.i_indices, c.i_sf_out = c.launch.index('indices'), c.launch.index('sf_out')
+        return _Fetch(tables, ii.kind, interop.stream_getter(ii.kind, ii.device), num_layers, num_tokens, n, rows,
+                      ii.numel, bind)
 
     def fetch(self, indices, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False,
               check_indices: bool = True, layered: bool = False) -> List[EngramFetchHook]:
@@ -325,48 +375,49 @@ class Engram:
             num_entries_per_token * hidden]` in the tables' dtype, a view of this buffer's fetch output area (valid
             until the next fetch on this buffer); `sf` is `[num_tokens, num_entries_per_token * num_packs]`
             (float32 / int32, new memory), None without scale factors.
+
+        Calls are checked and their launch bound once per signature (`_plan_fetch`); a repeated call patches the
+        indices' (and the scale-factor output's) address.
         """
         buf = self._buf
         buf.check_usable()
         layout = self.layout
         if layout is None or not self.written:
             raise RuntimeError('engram fetch: write the tables first (no table was written on this buffer)')
-        ii = checks.info(indices, 'indices', buf.device)
-        kind = ii.kind
-        checks.check_dtype(ii, 'indices', 'int32')
-        want = 3 if layered else 2
-        if ii.ndim != want:
-            shape = '[num_layers, num_tokens, num_entries_per_token]' if layered else \
-                '[num_tokens, num_entries_per_token]'
-            raise ValueError(f'indices must be {want}-D {shape}, got {list(ii.shape)}')
-        checks.check_contiguous(ii, 'indices')
-        checks.check_int('num_qps', num_qps)
-        num_layers, num_tokens, n = ii.shape if layered else (1, *ii.shape)
-        rows = layout.check_fetch(num_layers, num_tokens, n)
-        current = interop.current_stream(indices)
+        sig, iptr = interop.meta(indices)
+        col_major = bool(use_tma_aligned_col_major_sf)
+        key = (sig, num_qps, type(num_qps), col_major, bool(layered))
+        c = self._fetch_calls.get(key)
+        tables = (layout, self.sf, self._device)
+        if c is None or any(a is not b for a, b in zip(c.tables, tables)):
+            c = self._plan_fetch(indices, num_qps, col_major, layered, tables)
+            if type(sig) is not object:
+                if len(self._fetch_calls) >= 64:
+                    self._fetch_calls.clear()
+                self._fetch_calls[key] = c
+        kind, num_layers, num_tokens, n, rows = c.kind, c.num_layers, c.num_tokens, c.n, c.rows
+        current = c.stream()
         if check_indices and rows:
-            lo, hi = self._index_range(ii, current)()
+            lo, hi = self._index_range(indices, iptr, c.numel, current)()
             if lo < 0 or hi >= layout.num_global_entries:
                 raise ValueError(f'indices must be in [0, {layout.num_global_entries}) (num_ranks x num_entries), '
                                  f'got min {lo}, max {hi}')
 
-        sf_outs, sf_out, sf_strides = [None] * num_layers, None, (0, 0, 0)
+        sf_outs, sf_out = [None] * num_layers, None
         if self.sf is not None:
-            sf_outs, sf_out, sf_strides = self._sf_outputs(kind, num_layers, num_tokens, n,
-                                                           use_tma_aligned_col_major_sf)
+            sf_outs, sf_out, _ = self._sf_outputs(kind, num_layers, num_tokens, n, col_major)
         datas = self._output(kind, num_layers, num_tokens, n * layout.hidden)
         event, keep = None, ()
         if rows:
-            fetch = self._fetch_kernel
-            if fetch is None:
-                fetch = self._fetch_kernel = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
             comm = buf.stream_order.begin(current)
             dev = self._device
-            fetch.launch(grid_for(num_layers * rows * (layout.row_bytes // 16), num_qps or buf.num_device_sms),
-                         THREADS, stream=comm,
-                         **fetch_args(layout, indices, num_layers, num_tokens, n, int(dev['layers'].data.ptr),
-                                      int(dev['table_bases'].data.ptr), buf.sym.base + layout.out_offset, self.sf,
-                                      self.num_sf, sf_out, sf_strides))
+            if c.launch is None:
+                c.bind(c)
+            b = c.launch
+            b.u64[c.i_indices] = iptr
+            if sf_out is not None:
+                b.u64[c.i_sf_out] = sf_out.data_ptr() if kind == 'torch' else sf_out.data.ptr
+            b(comm)
             if kind == 'torch':
                 s = interop.torch_stream(comm.ptr)
                 for t in (indices, sf_out):

@@ -100,6 +100,7 @@ class BoundDispatch:
         self.carver = ep.carver(p.kind)
         self.stream = interop.stream_getter(p.kind, p.xi.device)
         self.alloc_on_comm, self.async_ = bool(allocate_on_comm_stream), bool(async_with_compute_stream)
+        self.local = not (self.alloc_on_comm or self.async_)     # may run on the caller's stream (streams.py)
         R, K, L = s.num_ranks, p.num_topk, p.num_local_experts
         self.num_experts, self.num_local_experts, self.num_topk = p.num_experts, L, K
         self.num_topk_values = p.num_tokens * K
@@ -251,7 +252,7 @@ class BoundDispatch:
         if self.cpu_sync:
             # The range check needs the GPU: start it first, do the host work that needs no check meanwhile.
             wait_range = ep._start_range(topk_idx, tp, self.num_topk_values, self.num_topk, current)
-        comm = ep._order.begin(current, event)
+        comm = ep._order.enter(current, event, self.local)
         alloc_stream = comm if self.alloc_on_comm else None
         out = self.fixed
         psum_expert = None
@@ -353,7 +354,7 @@ class BoundDispatch:
                                           recv_topk_weights, ws, group, user_topk,
                                           None if legacy is None else legacy.expert_counts))
         else:
-            event_out = ep._order.finish(self.kind, current, False, ())
+            event_out = ep._order.leave(self.kind, current, comm, False)
         out_x = (recv_x, recv_sf) if self.fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event_out
 
@@ -380,6 +381,7 @@ class BoundCombine:
         self.carver = ep.carver(p.kind)
         self.stream = interop.stream_getter(p.kind, p.xi.device)
         self.alloc_on_comm, self.async_ = bool(allocate_on_comm_stream), bool(async_with_compute_stream)
+        self.local = not (self.alloc_on_comm or self.async_)     # may run on the caller's stream (streams.py)
         self.num_tokens, self.hidden, self.num_topk = h.num_tokens, p.hidden, h.num_topk
         self.num_x_rows = p.xi.shape[0]
         self.with_weights = p.topk_weights is not None
@@ -408,7 +410,7 @@ class BoundCombine:
             raise ValueError(f'x must have shape [{h.num_rows}, {self.hidden}], got [{self.num_x_rows}, '
                              f'{self.hidden}]')
         current = self.stream()
-        comm = ep._order.begin(current, event)
+        comm = ep._order.enter(current, event, self.local)
         alloc_stream = comm if self.alloc_on_comm else None
         combined_x = carver.empty((self.num_tokens, self.hidden), 'bfloat16', alloc_stream)
         combined_w = None
@@ -429,7 +431,7 @@ class BoundCombine:
                                          (x, topk_weights, *biases, combined_x, combined_w, h.metadata_owner,
                                           h.workspace, h._topk_idx))
         else:
-            event_out = ep._order.finish(self.kind, current, False, ())
+            event_out = ep._order.leave(self.kind, current, comm, False)
         return combined_x, combined_w, event_out
 
 

@@ -69,6 +69,7 @@ class EP:
         self.legacy_dispatch, self.dispatch_overlap = envs.ep_legacy_dispatch(), envs.ep_dispatch_overlap()
         self.fused_notify = envs.ep_fused_notify() and not self.legacy_dispatch
         self.fused_cooperative = envs.ep_fused_cooperative()
+        self.combine_cap_all_sms = envs.combine_cap_all_sms()      # num_sms caps a combine's reducers too
         self._carvers: Dict[str, interop.Carver] = {}
         if num_max_tokens_per_rank and hidden:
             buf.claim_data_region(DATA_REGION_OWNER)
@@ -237,7 +238,7 @@ class EP:
         if b is None:
             p = ep_plan.plan_combine(self.settings, self.layout, x, handle, topk_weights, bias, num_sms,
                                      previous_event, allocate_on_comm_stream, weights_over_ranks,
-                                     allow_previous_event_alone)
+                                     allow_previous_event_alone, self.combine_cap_all_sms)
             b = BoundCombine(self, p, allocate_on_comm_stream, async_with_compute_stream)
             if origin and _cacheable(xs, ws) and (bs is None or _cacheable(*bs)):
                 self._remember(key, b)

@@ -158,7 +158,17 @@ class EPHandle:
                 words *= s
             words *= 2 if int64 else 1
             begin = self.offsets[part] + start
-            flat = self.workspace[begin:begin + words]
+            ws = self.workspace
+            if self.kind == 'torch' and not int64 and ws.storage_offset() == 0:
+                # One as_strided on the 1-D workspace (a slice and a view cost twice as much).
+                steps, step = [], 1
+                for n in reversed(shape):
+                    steps.append(step)
+                    step *= n
+                v = ws.as_strided(shape, tuple(reversed(steps)), begin)
+                self._views[key] = v
+                return v
+            flat = ws[begin:begin + words]
             if self.kind == 'torch':
                 import torch
                 v = (flat.view(torch.int64) if int64 else flat).view(shape)

@@ -408,7 +408,7 @@ class CombinePlan:
 
 
 def combine_blocks(num_sms: int, dispatch_num_sms: int, num_ranks: int, num_tokens: int, hidden: int,
-                   num_device_sms: int) -> Tuple[int, int]:
+                   num_device_sms: int, cap_all_sms: bool = False) -> Tuple[int, int]:
     """`(sending, reducing)` blocks of a combine (one launch, one block per SM, all co-resident; the reducers sum
     each token once its chunks arrived). `num_sms` (0: the dispatch's) is DeepEP's: the SMs that communicate; the
     reducers take the SMs the senders leave (as many as the reduction can use), as DeepEP's reduce epilogue takes the
@@ -416,7 +416,14 @@ def combine_blocks(num_sms: int, dispatch_num_sms: int, num_ranks: int, num_toke
 
     Capping the reducers by `num_sms` too (tried this session) made a combine with the SM count DeepEP's programs and
     vLLM pass (its `get_theoretical_num_sms`) up to 60x slower at one rank (4 SMs) and halved the senders on two:
-    measured on 1xH200 with DeepEP's tests/elastic/test_ep.py (combine 3634 us at 4096 tokens)."""
+    measured on 1xH200 with DeepEP's tests/elastic/test_ep.py (combine 3634 us at 4096 tokens). So it is opt-in:
+    with `cap_all_sms` (`DEEPEP_CUPY_COMBINE_CAP_ALL_SMS`, for callers that overlap compute with the combine), the
+    senders and reducers together take at most `num_sms` (0: the dispatch's) SMs, half sending (at least one block
+    of each role with several ranks, so 2 SMs when `num_sms` is 1)."""
+    if cap_all_sms:
+        cap = max(1, min(num_sms or dispatch_num_sms, num_device_sms))
+        num_send = 0 if num_ranks == 1 else max(1, cap // 2)
+        return num_send, max(1, min(cap - num_send, epilogue_blocks(num_tokens, 2 * hidden, num_device_sms)))
     if num_ranks == 1:
         num_send = 0
     else:
@@ -427,12 +434,12 @@ def combine_blocks(num_sms: int, dispatch_num_sms: int, num_ranks: int, num_toke
 
 def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_weights, bias, num_sms: int,
                  previous_event, allocate_on_comm_stream: bool, weights_over_ranks: bool = False,
-                 allow_previous_event_alone: bool = False) -> CombinePlan:
+                 allow_previous_event_alone: bool = False, cap_all_sms: bool = False) -> CombinePlan:
     """Check a combine (`ElasticBuffer.combine`'s arguments) and size it (blocks per role: `combine_blocks`).
 
     The DeepEP V1 adapter's options (defaults: V2's behaviour): `weights_over_ranks` makes combined_topk_weights[t][k]
     the sum over the token's destination ranks of what each returned for slot k (non-expanded handles only);
-    `allow_previous_event_alone` as in `plan_dispatch`."""
+    `allow_previous_event_alone` as in `plan_dispatch`. `cap_all_sms`: see `combine_blocks`."""
     if not isinstance(handle, EPHandle):
         raise TypeError(f'handle must be an EPHandle, got {type(handle).__name__}')
     if handle.buffer_id != s.owner_id:
@@ -476,6 +483,6 @@ def plan_combine(s: EPSettings, lay: Optional[layout.EPLayout], x, handle, topk_
         raise ValueError(f'num_max_tokens_per_rank={handle.num_max_tokens_per_rank} is too large for combine '
                          f'(at most {COMBINE_CHUNK_SIGNAL_BYTES // 4 // R * COMBINE_CHUNK_ROWS} with {R} ranks)')
     event = _check_previous_event(previous_event, allocate_on_comm_stream, allow_previous_event_alone)
-    num_send, num_reduce = combine_blocks(num_sms, handle.num_sms, R, N, hidden, s.num_device_sms)
+    num_send, num_reduce = combine_blocks(num_sms, handle.num_sms, R, N, hidden, s.num_device_sms, cap_all_sms)
     return CombinePlan(kind, x, xi, handle, hidden, topk_weights, biases, local_reduce, num_slots, num_send,
                        num_reduce, chunk_stride, event, bool(weights_over_ranks))

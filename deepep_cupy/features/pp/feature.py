@@ -232,7 +232,7 @@ class PP:
         buf, lay, info = self._buf, c.layout, c.info
         order = buf.stream_order
         current = interop.current_stream(x)
-        comm = order.begin(current, c.event)
+        comm = order.enter(current, c.event, local=not async_with_compute_stream)
         key = (is_send, c.peer)
         bound = self._bound.get(key)
         if bound is None or bound[3] is not lay:    # bound by name once per (direction, peer) and layout; per call
@@ -258,4 +258,4 @@ class PP:
         b(comm)
         counts = self.num_sent if is_send else self.num_recv
         counts[c.peer] = counts.get(c.peer, 0) + 1
-        return order.finish(info.kind, current, async_with_compute_stream, (x,))
+        return order.leave(info.kind, current, comm, async_with_compute_stream, (x,))
