@@ -10,8 +10,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRINT_RANK = ('import os; print("rank", os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", '
-              'os.environ.get("RANK"))), os.environ.get("DEEPEP_CUPY_PROBE"), os.environ.get("NCCL_NVLS_ENABLE"))')
+# One write(2) per rank (atomic on a pipe), so the ranks' lines never interleave.
+PRINT_RANK = ('import os; e = os.environ; os.write(1, ("rank %s %s %s\\n" % (e.get("PMI_RANK", e.get('
+              '"OMPI_COMM_WORLD_RANK", e.get("RANK"))), e.get("DEEPEP_CUPY_PROBE"), '
+              'e.get("NCCL_NVLS_ENABLE"))).encode())')
 
 
 def _free_port() -> int:
