@@ -28,8 +28,8 @@
 #   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1, not in the default set): the EP rank
 #              program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync dispatches take the fused kernel),
-#              the missing-rank check without CPU sync, the V1 adapter and DeepEP's test_ep.py with it, then
-#              perf/ep_profile.py default vs fused at one rank alone; runs alone, step by step
+#              the missing-rank check without CPU sync, the V1 adapter and DeepEP's test_ep.py with it (parallel;
+#              perf1 profiles the default and fused kernels alone)
 # STEP_FILTER=REGEX keeps only the steps whose names match (e.g. STEP_FILTER='test_pp|gate' ... deepep gate).
 # Stages marked parallel below run their steps in lanes at the same time (logic only: ranks share the GPU anyway);
 # perf1 and bench run alone.
@@ -92,7 +92,8 @@ LL="$PY -m deepep_cupy.tests.legacy_low_latency --num-gpu-timeout-secs 60"
 if want perf1; then
     # Alone on the GPU: one rank, checks then perf lines; the snapshot before the refactor beside it when present.
     step "ep np=1 (perf)" 240 $ONE $R 1 $EP --num-create-destroy 5
-    step "ep_profile np=1" 180 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 --variants default,legacy
+    step "ep_profile np=1 (default vs fused notify)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 \
+        --variants default,fused
     if [ -d .baseline/deepep_cupy ]; then
         step "baseline: ep np=1 (perf)" 240 bash -c "cd .baseline && CUDA_VISIBLE_DEVICES=0 $ROOT/$R 1 \
             $PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 --num-create-destroy 0 \
@@ -108,40 +109,6 @@ if want perf1; then
     step "v25 API np=1 (perf)" 240 $ONE $R 1 $PY -m deepep_cupy.tests.v25
 fi
 
-if want fuse; then
-    F="env DEEPEP_CUPY_EP_FUSED_NOTIFY=1 CUDA_VISIBLE_DEVICES=0"
-    # One rank: 4096 tokens = 8 notify blocks (their grid barrier); the smallest and largest top-k buckets.
-    step "fuse: ep np=1 4096 tokens" 300 $F $R 1 $EP --skip-perf-test --num-create-destroy 0
-    step "fuse: ep np=1 top-1" 120 $F $R 1 $EP --num-tokens 256 --hidden 1024 --num-topk 1 --skip-perf-test \
-        --num-create-destroy 0
-    step "fuse: ep np=1 top-32" 120 $F $R 1 $EP --num-tokens 700 --hidden 1024 --num-topk 32 --skip-perf-test \
-        --num-create-destroy 0
-    # Ranks sharing the GPU: the exchange, sends before the layout, the missing-rank check without CPU sync.
-    step "fuse: ep np=2 (sharing)" 300 $F $R 2 $EP --num-tokens 512 --hidden 2048 --skip-perf-test \
-        --num-create-destroy 0 --timeout-test-no-sync
-    step "fuse: ep np=2 1100 tokens masked (sharing)" 300 $F $R 2 $EP --num-tokens 1100 --hidden 1024 \
-        --skip-perf-test --skip-timeout-test --num-create-destroy 0 --masked-ratio 0.2
-    step "fuse: ep np=4 (sharing)" 300 $F $R 4 $EP --num-tokens 256 --hidden 2048 --skip-perf-test \
-        --num-create-destroy 0 --timeout-test-no-sync
-    step "fuse: ep np=8 (sharing)" 400 $F $R 8 $EP --num-tokens 128 --hidden 1024 --skip-perf-test \
-        --num-create-destroy 0 --test-first-only
-    step "fuse: ep np=2 pressure 100 seeds (sharing)" 300 $F $R 2 $EP --num-tokens 256 --hidden 1024 \
-        --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0 --unbalanced-ratio 2 \
-        --precise-unbalanced-ratio --num-topk 8
-    step "fuse: ep np=2 plain launch (FUSED_COOPERATIVE=0)" 300 env DEEPEP_CUPY_EP_FUSED_COOPERATIVE=0 $F $R 2 \
-        $EP --num-tokens 512 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
-    [ -f deepep_cupy/tests/legacy_intranode.py ] && step "fuse: legacy intranode np=2 (sharing)" 300 $F $R 2 \
-        $PY -m deepep_cupy.tests.legacy_intranode --num-tokens 512 --hidden 2048 --skip-perf-test
-    if [ -d .upstream ]; then
-        step "fuse: DeepEP elastic/test_ep.py np=1 (checks)" 300 $F $PY -m deepep_cupy.as_deep_ep \
-            .upstream/head/tests/elastic/test_ep.py --num-processes 1 --num-tokens 1024 --hidden 2048 --skip-perf-test
-        step "fuse: DeepEP elastic/test_ep.py np=2 (sharing, checks)" 300 $F $PY -m deepep_cupy.as_deep_ep \
-            .upstream/head/tests/elastic/test_ep.py --num-processes 2 --num-tokens 256 --hidden 2048 --skip-perf-test
-    fi
-    # The timeline (eager and in a CUDA graph) of the default kernels and of the fused one, same run, alone.
-    step "fuse: ep_profile np=1 default vs fused" 300 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 \
-        --variants default,fused --skip-features
-fi
 
 if want legacy1 && [ -f deepep_cupy/tests/legacy_intranode.py ]; then
     step "legacy intranode np=1 (perf)" 240 $ONE $R 1 $PY -m deepep_cupy.tests.legacy_intranode
@@ -350,6 +317,39 @@ launchers_lane() {
         for p in \${pids[@]}; do wait \$p || rc=1; done; exit \$rc"
 }
 
+fuse_lane() {
+    # The fused notify + dispatch: logic at 1/2/4/8 ranks sharing GPU 0 (its timeline runs alone in perf1).
+    local F="env DEEPEP_CUPY_EP_FUSED_NOTIFY=1 CUDA_VISIBLE_DEVICES=0"
+    # One rank: 4096 tokens = 8 notify blocks (their grid barrier); the smallest and largest top-k buckets.
+    step "fuse: ep np=1 4096 tokens" 300 $F $R 1 $EP --skip-perf-test --num-create-destroy 0
+    step "fuse: ep np=1 top-1" 120 $F $R 1 $EP --num-tokens 256 --hidden 1024 --num-topk 1 --skip-perf-test \
+        --num-create-destroy 0
+    step "fuse: ep np=1 top-32" 120 $F $R 1 $EP --num-tokens 700 --hidden 1024 --num-topk 32 --skip-perf-test \
+        --num-create-destroy 0
+}
+fuse_lane_shared() {
+    local F="env DEEPEP_CUPY_EP_FUSED_NOTIFY=1 CUDA_VISIBLE_DEVICES=0"
+    # Ranks sharing the GPU: the exchange, sends before the layout, the missing-rank check without CPU sync.
+    step "fuse: ep np=2 (sharing)" 300 $F $R 2 $EP --num-tokens 512 --hidden 2048 --skip-perf-test \
+        --num-create-destroy 0 --timeout-test-no-sync
+    step "fuse: ep np=2 1100 tokens masked (sharing)" 300 $F $R 2 $EP --num-tokens 1100 --hidden 1024 \
+        --skip-perf-test --skip-timeout-test --num-create-destroy 0 --masked-ratio 0.2
+    step "fuse: ep np=4 (sharing)" 300 $F $R 4 $EP --num-tokens 256 --hidden 2048 --skip-perf-test \
+        --num-create-destroy 0 --timeout-test-no-sync
+    step "fuse: ep np=8 (sharing)" 400 $F $R 8 $EP --num-tokens 128 --hidden 1024 --skip-perf-test \
+        --num-create-destroy 0 --test-first-only
+    step "fuse: ep np=2 pressure 100 seeds (sharing)" 300 $F $R 2 $EP --num-tokens 256 --hidden 1024 \
+        --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0 --unbalanced-ratio 2 \
+        --precise-unbalanced-ratio --num-topk 8
+    step "fuse: ep np=2 plain launch (FUSED_COOPERATIVE=0)" 300 env DEEPEP_CUPY_EP_FUSED_COOPERATIVE=0 $F $R 2 \
+        $EP --num-tokens 512 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
+    [ -f deepep_cupy/tests/legacy_intranode.py ] && step "fuse: legacy intranode np=2 (sharing)" 300 $F $R 2 \
+        $PY -m deepep_cupy.tests.legacy_intranode --num-tokens 512 --hidden 2048 --skip-perf-test
+    if [ -d .upstream ]; then
+        step "fuse: DeepEP elastic/test_ep.py np=2 (sharing, checks)" 300 $F $PY -m deepep_cupy.as_deep_ep \
+            .upstream/head/tests/elastic/test_ep.py --num-processes 2 --num-tokens 256 --hidden 2048 --skip-perf-test
+    fi
+}
 # After perf1 (alone), every requested logic lane runs at the same time (the ranks of a lane share the GPU anyway;
 # these runs check results, they time nothing that is reported).
 if want ep; then
@@ -357,6 +357,8 @@ if want ep; then
     lane ep_lane_shared
 fi
 want hybrid && lane hybrid_lane
+want fuse && lane fuse_lane
+want fuse && lane fuse_lane_shared
 want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll_lane
 want legacy && [ -f deepep_cupy/tests/legacy_intranode.py ] && lane legacy_lane
 if want coll; then
