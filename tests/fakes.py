@@ -68,6 +68,9 @@ class FakeStream:
     def synchronize(self):
         pass
 
+    def is_capturing(self):
+        return False
+
 
 class FakeEvent:
     done = True

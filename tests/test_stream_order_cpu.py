@@ -99,3 +99,62 @@ def test_always_comm_stream_keeps_deepeps_order(monkeypatch):
         assert call(order, s) is comm
     assert comm.log == [('wait', ('enter', 's'))] * 2 and s.log == [('wait', ('leave', 'comm'))] * 2
     assert order._mark.on is None
+
+
+class CaptureStream(LogStream):
+    """A stream whose capture state the test sets (CUDA refuses waits across a capture boundary)."""
+
+    def __init__(self, name, capturing=False):
+        super().__init__(name)
+        self.capturing = capturing
+
+    def is_capturing(self):
+        return self.capturing
+
+
+def test_a_mark_recorded_inside_a_capture_is_not_waited_for_after_it(monkeypatch):
+    """Found on 1xH200: a local call captured in a graph, then an eager call: comm.wait_event(mark) failed with
+    cudaErrorInvalidValue (the mark is a node of the graph)."""
+    order, comm = make(monkeypatch)
+    comm.__class__ = CaptureStream
+    comm.capturing = False
+    s = CaptureStream('s', capturing=True)
+    call(order, s)                       # captured
+    s.capturing = False                  # the capture ended
+    comm.log.clear()
+    order.enter(s, None, local=False)
+    assert ('wait', ('mark', 's')) not in comm.log and not order._marked
+    order._marked, order._mark_captured = True, True
+    order.settle()
+    assert ('wait', ('mark', 's')) not in comm.log
+
+
+def test_an_eager_mark_is_not_waited_for_by_a_stream_joined_to_a_capture(monkeypatch):
+    """Found on 1xH200 (V1's CUDA-graph scenario): an eager local call, then calls inside a capture that had joined
+    the communication stream: comm.wait_event(mark) raised cudaErrorStreamCaptureIsolation."""
+    order, comm = make(monkeypatch)
+    comm.__class__ = CaptureStream
+    comm.capturing = False
+    s = CaptureStream('s')
+    call(order, s)                       # eager
+    comm.capturing = True                # an earlier call of the capture joined it
+    comm.log.clear()
+    order.enter(CaptureStream('g', capturing=True), None, local=False)
+    assert ('wait', ('mark', 's')) not in comm.log and not order._marked
+
+
+def test_marks_are_waited_for_on_the_same_side_of_a_capture(monkeypatch):
+    order, comm = make(monkeypatch)
+    comm.__class__ = CaptureStream
+    comm.capturing = False
+    s = CaptureStream('s')
+    call(order, s)                       # eager mark, eager communication stream: ordered
+    comm.log.clear()
+    order.enter(s, None, local=False)
+    assert comm.log[0] == ('wait', ('mark', 's'))
+    g = CaptureStream('g', capturing=True)
+    order._tail = g
+    call(order, g)                       # captured mark, the capture still running: the wait joins it
+    comm.log.clear()
+    order.enter(g, None, local=False)
+    assert comm.log[0] == ('wait', ('mark', 'g'))

@@ -36,13 +36,14 @@ class StreamOrder:
         comm: the buffer's communication stream (a `cupy.cuda.Stream`).
     """
 
-    __slots__ = ('comm', '_enter', '_leave', '_mark', '_tail', '_marked', 'local')
+    __slots__ = ('comm', '_enter', '_leave', '_mark', '_tail', '_marked', '_mark_captured', 'local')
 
     def __init__(self, comm):
         self.comm = comm
         self._enter = self._leave = self._mark = None
         self._tail = None           # a stream ordered after every kernel of the buffer (None: only `comm` is)
         self._marked = False        # local kernels ran since `comm` last waited for `_mark`
+        self._mark_captured = False     # `_mark` was recorded inside a CUDA graph capture
         self.local = not envs.always_comm_stream()     # whether `enter` may run a call on the caller's stream
 
     def _events(self):
@@ -51,6 +52,20 @@ class StreamOrder:
         self._leave = cupy.cuda.Event(disable_timing=True)
         self._mark = cupy.cuda.Event(disable_timing=True)
 
+    def _wait_mark(self, current) -> None:
+        """The communication stream waits for the last local call's mark where CUDA allows it: an event recorded
+        inside a graph capture is a node of that graph (no eager stream may wait for it once the capture ended), and a
+        stream already joined to a capture may not wait for eager work (cudaErrorStreamCaptureIsolation). Across such
+        a boundary there is nothing to order: the graph's kernels run when it is launched."""
+        comm = self.comm
+        if self._mark_captured:
+            ok = comm.is_capturing() or (current is not None and current.is_capturing())
+        else:
+            ok = not comm.is_capturing()
+        if ok:
+            comm.wait_event(self._mark)
+        self._marked = False
+
     def begin(self, current, previous_event: Optional[EventHandle] = None):
         """Make the communication stream wait for `previous_event`, or for `current` without one (and for the last
         local call's kernels); returns it."""
@@ -58,8 +73,7 @@ class StreamOrder:
         if self._enter is None:
             self._events()
         if self._marked:
-            comm.wait_event(self._mark)
-            self._marked = False
+            self._wait_mark(current)
         self._tail = None
         if previous_event is not None:
             previous_event.stream_wait(comm)
@@ -100,14 +114,14 @@ class StreamOrder:
         elif stream is not self.comm:
             self._mark.record(current)
             self._marked = True
+            self._mark_captured = current.is_capturing()
         return EventOverlap(None)
 
     def settle(self):
         """The communication stream, ordered after every kernel the buffer enqueued (on it or on a caller's stream):
         what host waits and teardown wait for. Returns it."""
         if self._marked:
-            self.comm.wait_event(self._mark)
-            self._marked = False
+            self._wait_mark(None)
         return self.comm
 
     def event(self, kind: str, record: Sequence[Any] = (), keep: Sequence[Any] = ()) -> EventOverlap:

@@ -430,7 +430,8 @@ def perf(buf: ElasticBuffer, case: Case, args):
 
 def dispatch_paths(buf: ElasticBuffer) -> str:
     """Bound dispatch signatures fused into one launch (DEEPEP_CUPY_EP_FUSED_NOTIFY), and why the others are not."""
-    bound = [b for b in buf._ep._bound.values() if hasattr(b, 'fused_refusal')]
+    ep = getattr(buf._ep, 'inner', buf._ep)         # hybrid mode: the intranode engine inside the composed path
+    bound = [b for b in getattr(ep, '_bound', {}).values() if hasattr(b, 'fused_refusal')]
     why = sorted({b.fused_refusal for b in bound if not b.fused})
     return f'{sum(b.fused for b in bound)} of {len(bound)} bound dispatches fused (one launch); others: {why}'
 
