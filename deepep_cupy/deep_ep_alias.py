@@ -205,14 +205,30 @@ TORCH_COMPAT_ENV = 'DEEPEP_CUPY_TORCH_COMPAT'
 
 
 def torch_compat() -> None:
-    """Give an older torch the `torch.distributed` names DeepEP's V2.5 test programs call: `all_gather_single` and
-    `reduce_scatter_single` (torch 2.12+) as aliases of `all_gather_into_tensor` / `reduce_scatter_tensor`, which take
-    the same arguments. Only names torch lacks are added; nothing happens without torch. The runner
-    (`python -m deepep_cupy.as_deep_ep`) applies it in the program and in its child processes; library code never."""
+    """What DeepEP's test programs need from torch.distributed beyond an older torch or gloo:
+
+    - `all_gather_single` and `reduce_scatter_single` (torch 2.12+) as aliases of `all_gather_into_tensor` /
+      `reduce_scatter_tensor`, which take the same arguments (only names torch lacks are added);
+    - `all_gather_into_tensor(out, x)` with `out` shaped `[world, *x.shape]` on a gloo group (ranks sharing a GPU get
+      gloo from `init_dist`): NCCL accepts that shape, gloo wants `[world * x.shape[0], ...]`, so the output is passed
+      as that view of the same memory (DeepEP's `tests/legacy/test_low_latency.py` gathers top-k this way).
+
+    Nothing happens without torch. The runner (`python -m deepep_cupy.as_deep_ep`) applies it in the program and in
+    its child processes; library code never."""
     try:
         import torch.distributed as dist
     except ImportError:
         return
+    gather = getattr(dist, 'all_gather_into_tensor', None)
+    if gather is not None and not getattr(gather, '_deepep_cupy_compat', False):
+        def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+            if (output_tensor.dim() == input_tensor.dim() + 1 and input_tensor.dim() >= 1
+                    and output_tensor.is_contiguous() and dist.get_backend(group) == 'gloo'):
+                output_tensor = output_tensor.view(-1, *input_tensor.shape[1:])
+            return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        all_gather_into_tensor._deepep_cupy_compat = True
+        all_gather_into_tensor.__doc__ = gather.__doc__
+        dist.all_gather_into_tensor = all_gather_into_tensor
     for name, same in (('all_gather_single', 'all_gather_into_tensor'),
                        ('reduce_scatter_single', 'reduce_scatter_tensor')):
         if not hasattr(dist, name) and hasattr(dist, same):

@@ -22,7 +22,7 @@
 #   deepep25   DeepEP's V2.5 test programs, the same way
 #   gate       DeepEP's tests/utils/test_gate.py (minutes; GATE_TIMEOUT bounds it)
 #   launchers  the EP rank program under torchrun and under SLURM-style variables (2 ranks)
-#   pytest     the GPU pytest tests
+#   pytest     the GPU pytest tests (alone, after the lanes: they read the device's free memory)
 #   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs)
 #   tune       reduce-scatter sweep and load-balancing ring patterns (needs 2 GPUs)
 #   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
@@ -234,15 +234,12 @@ deepep_legacy_lane() {
     step "DeepEP v1 test_low_latency.py np=1" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
         $RUN test_low_latency.py --num-processes 1"
     # Two ranks sharing the GPU: init_dist gives them a gloo group, which serves these programs' CUDA all_reduce /
-    # all_gather calls.
+    # all_gather calls (the runner passes gloo a [world * T, K] view where they gather into [world, T, K]).
     step "DeepEP legacy/test_intranode.py np=2 (sharing)" 400 bash -c "cd $U/head/tests/legacy && \
         CUDA_VISIBLE_DEVICES=0 $RUN test_intranode.py --num-processes 2"
     step "DeepEP legacy/test_low_latency.py np=2 (sharing)" 400 bash -c "cd $U/head/tests/legacy && \
         CUDA_VISIBLE_DEVICES=0 $RUN test_low_latency.py --num-processes 2"
-    step "DeepEP v1 test_intranode.py np=2 (sharing)" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
-        $RUN test_intranode.py --num-processes 2"
-    step "DeepEP v1 test_low_latency.py np=2 (sharing)" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
-        $RUN test_low_latency.py --num-processes 2"
+    # v1.2.1's programs bring their own init_dist (device_id=cuda:local_rank): they cannot share a GPU.
 }
 deepep_v25_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep" t
@@ -374,9 +371,10 @@ want deepep25 && MASTER_PORT=18661 lane deepep_v25_np2_lane
 # DeepEP's gate test (no ranks) runs for minutes: beside the others, bounded.
 want gate && [ -d .upstream ] && lane step "DeepEP utils/test_gate.py" ${GATE_TIMEOUT:-420} $ONE $PY \
     -m deepep_cupy.as_deep_ep .upstream/head/tests/utils/test_gate.py
-want pytest && lane step "pytest GPU tests" 400 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
 want firsthour && lane firsthour_lane
 join
+# The GPU pytest tests alone: their memory checks read the device's free memory, which other lanes' ranks change.
+want pytest && step "pytest GPU tests" 400 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
 if want ep && [ "$NGPU" -ge 2 ]; then
     step "ep np=$NGPU (1 rank/GPU)" 420 $R "$NGPU" $EP
     step "ep np=$NGPU pressure (100 seeds)" 300 $R "$NGPU" $EP --num-tokens 512 --hidden 2048 --do-pressure-test \

@@ -198,9 +198,50 @@ def test_torch_compat_aliases(monkeypatch):
     """The runner's torch.distributed aliases for DeepEP's V2.5 programs: added only where torch lacks the names."""
     dist = pytest.importorskip('torch.distributed')
     from deepep_cupy.deep_ep_alias import torch_compat
+    monkeypatch.setattr(dist, 'all_gather_into_tensor', dist.all_gather_into_tensor)     # restored afterwards
     for name in ('all_gather_single', 'reduce_scatter_single'):
         if hasattr(dist, name):
             monkeypatch.delattr(dist, name)
     torch_compat()
     assert dist.all_gather_single is dist.all_gather_into_tensor
     assert dist.reduce_scatter_single is dist.reduce_scatter_tensor
+
+
+GLOO_GATHER = """
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+sys.path.insert(0, sys.argv[1])
+from deepep_cupy.deep_ep_alias import torch_compat
+
+def run(rank, port):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch_compat()
+    dist.init_process_group('gloo', rank=rank, world_size=2)
+    x = torch.full((4, 3), rank)
+    out = torch.empty((2, 4, 3), dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x)             # NCCL's shape convention, on gloo
+    assert out[:, :, :].tolist() == [[[0] * 3] * 4, [[1] * 3] * 4], out
+    flat = torch.empty((8, 3), dtype=x.dtype)
+    dist.all_gather_into_tensor(flat, x)            # gloo's own convention still works
+    assert torch.equal(flat.view(2, 4, 3), out)
+    dist.destroy_process_group()
+
+if __name__ == '__main__':
+    mp.spawn(run, args=(int(sys.argv[2]),), nprocs=2)
+"""
+
+
+def test_torch_compat_gathers_into_a_world_leading_tensor_on_gloo(tmp_path):
+    """DeepEP's tests/legacy/test_low_latency.py gathers [world, T, K] on 2 ranks sharing a GPU (gloo): found on
+    1xH200 ('ProcessGroupGloo::allgather: invalid tensor size'); the runner's shim passes the [world * T, K] view."""
+    pytest.importorskip('torch.distributed')
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / 'gather.py'
+    script.write_text(GLOO_GATHER)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, str(script), root, str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
