@@ -221,6 +221,10 @@ deepep_lane() {
     step "DeepEP elastic/test_engram.py np=1" 300 $ONE $RUN $U/head/tests/elastic/test_engram.py --num-processes 1
     step "DeepEP elastic/test_engram.py --use-fp8 np=1" 300 $ONE $RUN $U/head/tests/elastic/test_engram.py \
         --num-processes 1 --use-fp8
+    # Two ranks sharing the GPU (their torch.distributed use is at most an all_gather_into_tensor, which gloo serves).
+    for t in test_agrs test_barrier test_engram; do
+        step "DeepEP elastic/$t.py np=2 (sharing)" 300 $ONE $RUN $U/head/tests/elastic/$t.py --num-processes 2
+    done
 }
 deepep_legacy_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep"
