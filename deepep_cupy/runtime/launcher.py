@@ -228,22 +228,28 @@ def _register_exit(store, rank: int, size: int) -> None:
     _exit_state.update(store=store, rank=rank, size=size)
 
 
-def _check_out(limit: float = 30.0) -> None:
-    store = _exit_state.get('store')
+def _check_out(limit: float = 30.0, grace: float = 0.3) -> None:
+    store = _exit_state.pop('store', None)
     if store is None:
         return
     try:
         # Tear this rank's process group down first (its threads may still talk to the peers and the store), then
-        # check out; the store's host leaves last.
+        # check out; the store's host leaves last, a grace period after the last check-out, while every other rank
+        # has already dropped its connection (a client still connected when the server goes away can abort at exit:
+        # 'terminate called without an active exception', seen rarely under load).
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
         store.add('deepep_cupy/exit', 1)
+        if not rank_zero_waits(_exit_state['rank']):
+            del store           # the last reference: the client disconnects now, before the host leaves
+            return
         deadline = time.monotonic() + limit
-        while rank_zero_waits(_exit_state['rank']) and int(store.add('deepep_cupy/exit', 0)) < _exit_state['size']:
+        while int(store.add('deepep_cupy/exit', 0)) < _exit_state['size']:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.01)
+        time.sleep(grace)
     except Exception:  # noqa: BLE001  (exit path: a peer may already be gone)
         pass
 
