@@ -2,6 +2,7 @@
 
     launch/run_local.sh 2 python perf/ep_bench.py --out DIR [--tokens 128,512,4096,8192] [--num-sms 0,24]
     python perf/ep_bench.py --plot-from DIR/ep_bench.json        # redraw the PNG on a machine with matplotlib
+    DEEPEP_CUPY_SCALEUP_SIZE=1 launch/run_local.sh 2 python perf/ep_bench.py --hybrid --out DIR   # ep_bench_hybrid.py
 
 Paths per case (tokens x {bf16, fp8} x num_sms; hidden 7168, top-8, 256 experts, balanced routing by default):
   ours  `ElasticBuffer.dispatch` (do_cpu_sync=True) and `combine` (input: recv_x converted to bfloat16)
@@ -357,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--skip-decode', action='store_true', help='skip the CUDA-graph decode case')
     p.add_argument('--num-gpu-timeout-secs', type=float, default=30, help='bound on every GPU wait of the buffer')
     p.add_argument('--seed', type=int, default=0, help='seed of the inputs')
+    p.add_argument('--hybrid', action='store_true',
+                   help='hybrid-mode rows instead (several scale-up domains): perf/ep_bench_hybrid.py')
+    p.add_argument('--ignore-local-traffic', action='store_true', help="--hybrid: DeepEP's SO / SU without own traffic")
     p.add_argument('--plot-from', metavar='JSON',
                    help='only redraw ep_bench.png from this ep_bench.json (no GPU, no MPI; needs the [perf] extra)')
     return p
@@ -395,6 +399,11 @@ def main(argv=None) -> int:
     log(f'[ep_bench] {num_ranks} ranks, GPUs {env["gpus"]}; torch {env["torch"]}, cupy {env["cupy"]}, '
         f'NCCL {env["nccl"]}')
 
+    if args.hybrid:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import ep_bench_hybrid
+        helpers = {'collect': collect, 'timed': timed, 'make_inputs': make_inputs}
+        return ep_bench_hybrid.run(group, args, env, log, helpers)
     buf = ElasticBuffer(group, num_max_tokens_per_rank=max(args.tokens), hidden=args.hidden, num_topk=args.num_topk,
                         num_gpu_timeout_secs=args.num_gpu_timeout_secs, explicitly_destroy=True)
     floor = PeerCopy.from_buffer(buf)
