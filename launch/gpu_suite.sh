@@ -23,7 +23,8 @@
 #   gate       DeepEP's tests/utils/test_gate.py (minutes; GATE_TIMEOUT bounds it)
 #   launchers  the EP rank program under torchrun and under SLURM-style variables (2 ranks)
 #   pytest     the GPU pytest tests (alone, after the lanes: they read the device's free memory)
-#   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs)
+#   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs), and perf/ep_bench.py
+#              --hybrid on 2 domains x 1 rank (DEEPEP_CUPY_SCALEUP_SIZE=1, NCCL rails across the two GPUs)
 #   tune       reduce-scatter sweep and load-balancing ring patterns (needs 2 GPUs)
 #   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1, not in the default set): the EP rank
@@ -388,6 +389,9 @@ fi
 if want bench && [ "$NGPU" -ge 2 ]; then
     step "ep_bench np=$NGPU" 600 $R "$NGPU" $PY perf/ep_bench.py --out "$OUT"
     step "ep_profile np=$NGPU" 300 $R "$NGPU" $PY perf/ep_profile.py
+    # Hybrid rows (2 domains x 1 rank, NCCL rails), the one-domain buffer of the same 2 ranks and refs beside them
+    step "ep_bench --hybrid 2x1 np=2 (NCCL rails)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=nccl \
+        $R 2 $PY perf/ep_bench.py --hybrid --out "$OUT/hybrid" --tokens 128,512,4096 --num-warmups 10 --num-tests 30
     [ -f deepep_cupy/tests/legacy_low_latency.py ] && step "ll np=$NGPU (perf)" 300 $R "$NGPU" $LL
 fi
 if want tune && [ "$NGPU" -ge 2 ]; then

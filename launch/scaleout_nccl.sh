@@ -6,6 +6,10 @@
 # network between real nodes). Logic only (--skip-perf-test). Logs under $OUT (default ./out/scaleout_nccl).
 #
 #   bash launch/scaleout_nccl.sh [SHAPE...]        SHAPE = NxR (domains x ranks per domain), default: 2x1 2x2 2x4
+#
+# Timings of the same 2x1 shape (hybrid dispatch / combine rows next to the one-domain path and refs' NCCL all-to-all,
+# DeepEP's SO / SU GB/s, a per-stage [timeline]; launch/gpu_suite.sh bench runs it):
+#   DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=nccl launch/run_local.sh 2 python perf/ep_bench.py --hybrid
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/scaleout_nccl}

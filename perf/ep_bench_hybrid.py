@@ -350,7 +350,8 @@ def run(group, args, env: dict, log, helpers) -> int:
     T = max(args.tokens)
     for op, t in timelines.items():
         name = 'dispatch (CPU sync)' if op == 'dispatch_sync' else 'combine'
-        log(f'[timeline] error: {t["error"]}' if 'error' in t else timeline_text(f'hybrid {name} {T} {dtypes[0]}', t))
+        label = f'hybrid {name} {T} {dtypes[0]}'
+        log(f'[timeline] {label}: error: {t["error"]}' if 'error' in t else timeline_text(label, t))
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         data = {'config': {**{k: v for k, v in vars(args).items() if k != 'plot_from'}, 'num_ranks': W,
