@@ -13,7 +13,7 @@
 #   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure
 #   hybrid     EP across scale-up domains (hybrid mode), ranks sharing GPU 0, rails through the IPC loopback:
 #              2x1, 2x2, 2x4, 4x1 (domains x ranks, DEEPEP_CUPY_SCALEUP_SIZE), pressure, CUDA graph, timeout, errors
-#              (not in the default list; launch/scaleout_nccl.sh runs NCCL rails across two GPUs)
+#              (launch/scaleout_nccl.sh runs NCCL rails across two GPUs)
 #   ll         low-latency rank program at 2/4/8 ranks sharing the GPUs (and one rank per GPU)
 #   legacy     V1 Buffer (normal mode) rank program, 2/4/8 ranks and the dispatch knobs (legacy1: one rank, alone)
 #   v25        the V2.5 API rank program (EPBuffer + load balancing, BucketBuffer, PPBuffer, EngramBuffer), 1/2/4 ranks
@@ -27,7 +27,7 @@
 #              --hybrid on 2 domains x 1 rank (DEEPEP_CUPY_SCALEUP_SIZE=1, NCCL rails across the two GPUs)
 #   tune       reduce-scatter sweep and load-balancing ring patterns (needs 2 GPUs)
 #   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
-#   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1, not in the default set): the EP rank
+#   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default is off): the EP rank
 #              program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync dispatches take the fused kernel),
 #              the missing-rank check without CPU sync, the V1 adapter and DeepEP's test_ep.py with it (parallel;
 #              perf1 profiles the default and fused kernels alone)
@@ -47,7 +47,7 @@ export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_j
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll deepep deepep25 gate launchers pytest bench)
+[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll hybrid fuse deepep deepep25 gate launchers pytest bench)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # step NAME TIMEOUT_S COMMAND...: run, log, record PASS/FAIL with the wall time. Each step's output lands in suite.log
