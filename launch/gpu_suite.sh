@@ -156,9 +156,9 @@ hybrid_lane() {
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $EP $H --skip-error-test --skip-graph-test \
             --num-create-destroy 1 $([ $np -ge 8 ] && echo --test-first-only)
     done
-    step "hybrid 2x2 np=4 pressure 30 seeds (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
+    step "hybrid 2x2 np=4 pressure 100 seeds (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-error-test --skip-graph-test \
-        --skip-timeout-test --num-create-destroy 0 --do-pressure-test --num-pressure-seeds 30 --unbalanced-ratio 2 \
+        --skip-timeout-test --num-create-destroy 0 --do-pressure-test --num-pressure-seeds 100 --unbalanced-ratio 2 \
         --num-topk 8
     for shape in 2x2:2:4 4x1:1:4; do
         IFS=: read -r shape su np <<< "$shape"
