@@ -166,6 +166,10 @@ hybrid_lane() {
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $EP $H --skip-check --skip-error-test \
             --skip-timeout-test --num-create-destroy 0
     done
+    # DeepEP's own test_ep.py in hybrid mode (its default --allow-hybrid-mode 1): 2 domains x 1 rank on GPU 0.
+    [ -d .upstream ] && step "DeepEP elastic/test_ep.py np=2 hybrid 2x1 (loopback, checks)" 400 env MASTER_PORT=18761 \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $PY -m deepep_cupy.as_deep_ep \
+        .upstream/head/tests/elastic/test_ep.py --num-processes 2 --num-tokens 256 --hidden 2048 --skip-perf-test
     step "hybrid 2x2 np=4 argument errors (loopback)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-graph-test --skip-timeout-test \
         --num-create-destroy 0
