@@ -195,3 +195,12 @@ def test_carver_views_share_one_allocation():
     assert idx.data_ptr() == base.data_ptr() + 24 and idx.is_contiguous() and w.untyped_storage().data_ptr() == \
         base.untyped_storage().data_ptr()
     assert carver.empty((3, 5), 'bfloat16').dtype == torch.bfloat16 and carver.ptr(base) == base.data_ptr()
+
+
+def test_contiguous_strides_match_numpy():
+    import numpy as np
+
+    from deepep_cupy.runtime.interop import contiguous_strides
+    for shape in [(), (5,), (3, 4), (2, 3, 7)]:
+        expected = tuple(s // 4 for s in np.empty(shape, dtype=np.int32).strides)
+        assert contiguous_strides(shape) == expected

@@ -6,6 +6,7 @@ CuPy has no bfloat16 or float8 dtypes, so kernels never need a CuPy view of a to
 """
 
 import contextlib
+import functools
 import math
 import sys
 import warnings
@@ -280,6 +281,17 @@ def meta(x: Any) -> Tuple[Any, int]:
     return f(x)
 
 
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """Element strides of a C-contiguous array of `shape` (cached per shape: hot paths build views with
+    `as_strided`)."""
+    steps, step = [], 1
+    for n in reversed(shape):
+        steps.append(step)
+        step *= n
+    return tuple(reversed(steps))
+
+
 class Carver:
     """Allocation for hot paths: arrays of one kind on one device (-1: host memory, as CPU tests use), with the dtype
     and device objects resolved once, and views carved out of one int32 allocation (`words` / `view`) so that a call's
@@ -296,7 +308,7 @@ class Carver:
             import torch
             self._torch = torch
             self._device = torch.device('cuda', device) if device >= 0 else torch.device('cpu')
-            self._dtypes, self._strides = {}, {}
+            self._dtypes = {}
         else:
             import cupy
             self._cupy = cupy
@@ -333,13 +345,6 @@ class Carver:
         int32 word `word_offset`."""
         size = _ITEMSIZE[dtype]
         if self.kind == 'torch':
-            strides = self._strides.get(shape)
-            if strides is None:
-                steps, step = [], 1
-                for n in reversed(shape):
-                    steps.append(step)
-                    step *= n
-                strides = self._strides[shape] = tuple(reversed(steps))
             typed = base if dtype == 'int32' else base.view(self._dtype(dtype))
-            return typed.as_strided(shape, strides, word_offset * 4 // size)
+            return typed.as_strided(shape, contiguous_strides(shape), word_offset * 4 // size)
         return self._cupy.ndarray(shape, dtype=dtypes.cupy_storage(dtype), memptr=base.data + word_offset * 4)

@@ -107,7 +107,6 @@ class AGRS:
         self._infos: Dict[Any, Tuple[str, int, str, Tuple[int, ...]]] = {}    # signature -> checked tensor facts
         self._gather_launch = None                  # the gather kernel's bound launch (every argument patched)
         self._wait_launch, self._wait_idx = None, (0, 0)     # the wait kernel's (epoch and meta patched)
-        self._strides: Dict[Tuple[int, ...], Tuple[int, ...]] = {}     # C-contiguous strides per shape
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
 
@@ -137,15 +136,8 @@ class AGRS:
                 import torch
                 typed = self._typed[dtype_name] = data.view(getattr(torch, dtype_name))
             size = typed.element_size()
-            strides = self._strides.get(shape)
-            if strides is None:
-                steps, step = [], 1
-                for n in reversed(shape):
-                    steps.append(step)
-                    step *= n
-                strides = self._strides[shape] = tuple(reversed(steps))
             assert offset % size == 0 and num_bytes == math.prod(shape) * size
-            return typed.as_strided(shape, strides, offset // size)
+            return typed.as_strided(shape, interop.contiguous_strides(shape), offset // size)
         return data[offset:offset + num_bytes].view(np.dtype(dtype_name)).reshape(shape)
 
     def destroy(self) -> None:
