@@ -258,3 +258,17 @@ def test_previous_event_reaches_the_intranode_engine_after_the_union(monkeypatch
     assert waited and recorded == [unpacks[-1] + 1]
     passed = inner.calls[0][6][2]                    # rest = (num_sms, num_qps, previous_event, ...)
     assert passed == f'after-{unpacks[-1] + 1}' and passed is not user_event
+
+
+def test_derived_num_bytes_one_domain_and_missing_sizes():
+    from deepep_cupy.buffers import hybrid as bhybrid
+    calls = []
+
+    def hint(*args):
+        calls.append(args)
+        return 6 << 20
+    one = SimpleNamespace(size=1)
+    assert bhybrid.derived_num_bytes(hint, one, None, 128, 1024, 8, True, True, True) == 6 << 20
+    assert calls == [(one, 128, 1024, 8, True, True, True)]
+    with pytest.raises(ValueError, match='num_max_tokens_per_rank and hidden'):
+        bhybrid.derived_num_bytes(hint, one, None, 0, 1024, 8, False, True, True)

@@ -86,14 +86,9 @@ class ElasticBuffer(BufferBase):
             raise ValueError(f'num_topk must be <= {ep_layout.NUM_MAX_TOPK}, got {num_topk}')
         pg = get_group(group, comm, timeout=num_cpu_timeout_secs)
         if num_bytes is None:
-            if not (num_max_tokens_per_rank and hidden):
-                raise ValueError('give num_bytes, or num_max_tokens_per_rank and hidden so the size can be derived')
-            num_bytes = self.get_buffer_size_hint(pg, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                                  allow_hybrid_mode, allow_multiple_reduction)
-            if allow_hybrid_mode:
-                # Several domains: the intranode part lays out N * M tokens over R ranks (buffers/hybrid.py).
-                num_bytes = hybrid.size_hint(pg, device, num_bytes, num_max_tokens_per_rank, hidden, num_topk,
-                                             allow_multiple_reduction)
+            num_bytes = hybrid.derived_num_bytes(self.get_buffer_size_hint, pg, device, num_max_tokens_per_rank,
+                                                 hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
+                                                 allow_multiple_reduction)
         check_int('num_bytes', num_bytes)
         if num_cpu_bytes % BUFFER_ALIGNMENT or num_cpu_bytes > num_bytes:
             raise ValueError(f'num_cpu_bytes must be a multiple of {BUFFER_ALIGNMENT} (2 MiB) and at most num_bytes='

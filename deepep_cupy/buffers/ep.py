@@ -79,13 +79,9 @@ class EPBuffer(V25Methods, BufferBase):
                              f'{num_lb_bytes}')
         pg = get_group(group, comm, timeout=num_cpu_timeout_secs)
         if num_bytes is None:
-            if not (num_max_tokens_per_rank and hidden):
-                raise ValueError('give num_bytes, or num_max_tokens_per_rank and hidden so the size can be derived')
-            num_bytes = self.get_buffer_size_hint(pg, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                                  allow_hybrid_mode, allow_multiple_reduction)
-            if allow_hybrid_mode:
-                num_bytes = hybrid.size_hint(pg, device, num_bytes, num_max_tokens_per_rank, hidden, num_topk,
-                                             allow_multiple_reduction)
+            num_bytes = hybrid.derived_num_bytes(self.get_buffer_size_hint, pg, device, num_max_tokens_per_rank,
+                                                 hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
+                                                 allow_multiple_reduction)
         self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_max_tokens_per_rank, hidden, num_topk
         self.use_fp8_dispatch = bool(use_fp8_dispatch)
         self.deterministic = bool(deterministic)

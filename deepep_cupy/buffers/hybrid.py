@@ -9,11 +9,16 @@ from ..features.ep.feature import EP
 from ..features.hybrid.feature import HybridEP
 
 
-def size_hint(pg, device, num_bytes: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
-              allow_multiple_reduction: bool) -> int:
-    """`num_bytes`, raised to what the intranode part needs when the group forms several domains (a host collective:
-    it detects the topology, as the buffer will)."""
-    if pg.size <= 1:
+def derived_num_bytes(size_hint, pg, device, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+                      use_fp8_dispatch: bool, allow_hybrid_mode: bool, allow_multiple_reduction: bool) -> int:
+    """A constructor's `num_bytes` when the caller gave none: the class's `size_hint` (its `get_buffer_size_hint`),
+    raised with `allow_hybrid_mode` to what the intranode part needs when the group forms several domains (N * M
+    tokens over R ranks; a host collective: it detects the topology, as the buffer will)."""
+    if not (num_max_tokens_per_rank and hidden):
+        raise ValueError('give num_bytes, or num_max_tokens_per_rank and hidden so the size can be derived')
+    num_bytes = size_hint(pg, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
+                          allow_multiple_reduction)
+    if not allow_hybrid_mode or pg.size <= 1:
         return num_bytes
     from ..runtime.topology import detect_topology, select_device
     topo = detect_topology(pg, select_device(pg, device), True)
