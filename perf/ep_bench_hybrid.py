@@ -29,7 +29,6 @@ Pure parts (byte accounting, row text, skip reasons, stage timeline) need no GPU
 import json
 import os
 import platform
-import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -202,17 +201,15 @@ def profile_calls(fn, num_calls: int) -> dict:
     """Run `fn` `num_calls` times, each under its own torch.profiler session; the merged stage timeline."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from deepep_cupy.utils.testing import profiler_trace_events
     calls = []
     for _ in range(num_calls):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, 'trace.json')
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                calls.append(stage_timeline(json.load(f)['traceEvents']))
+        calls.append(stage_timeline(profiler_trace_events(prof)))
     return merge_timelines(calls)
 
 

@@ -25,11 +25,9 @@ import ast
 import cProfile
 import inspect
 import io
-import json
 import os
 import pstats
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -199,11 +197,8 @@ class Runner:
             for _ in range(num_calls):
                 fn()
             torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, 'trace.json')
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                out = kernel_timeline(json.load(f)['traceEvents'], num_calls)
+        from deepep_cupy.utils.testing import profiler_trace_events
+        out = kernel_timeline(profiler_trace_events(prof), num_calls)
         self.aligned()
         return out
 

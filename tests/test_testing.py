@@ -256,3 +256,13 @@ def test_bench_kineto_fallback(monkeypatch):
     assert len(both) == 2 and both[0] == both[1] > 0
     (p0, p1), = testing.bench_kineto(fn, ('a',), num_tests=2, num_kernels_per_period=2)
     assert p0 == p1 > 0
+
+
+def test_profiler_trace_events_of_a_cpu_profile():
+    torch = pytest.importorskip('torch')
+    from deepep_cupy.utils.testing import profiler_trace_events
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8).add_(1)
+    events = profiler_trace_events(prof)
+    assert any('add_' in e.get('name', '') for e in events)
+    assert all('ts' in e for e in events if e.get('ph') == 'X')

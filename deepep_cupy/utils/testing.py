@@ -257,13 +257,19 @@ def bench_kineto(fn: Callable[[], object], kernel_names: Union[str, Tuple[str, .
 
     durations = [_average_kernel_time(prof.key_averages(), name) for name in names]
     if num_kernels_per_period > 1:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, 'trace.json')
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                trace_events = json.load(f)['traceEvents']
+        trace_events = profiler_trace_events(prof)
         durations = [_split_periods(trace_events, name, num_kernels_per_period) for name in names]
     return pack(durations)
+
+
+def profiler_trace_events(prof) -> list:
+    """The Chrome-trace events of a finished `torch.profiler.profile` (exported through a temporary file, the only
+    way torch offers them with their timestamps)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, 'trace.json')
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)['traceEvents']
 
 
 def _time_calls(fn, num_tests: int, before_call: Callable[[], None]) -> float:
