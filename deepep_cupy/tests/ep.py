@@ -203,6 +203,10 @@ def run_modes(buf: ElasticBuffer, case: Case, first_only: bool) -> int:
             num_checked += 1
         cached = call(buf.dispatch, x, handle=handle, topk_weights=case.topk_weights)
         check_dispatch(case, cached, use_fp8, alignment, False, True, f'{tag} cached dispatch')
+        # DeepEP's test_ep.py compares these two fields of a handle and of its cached dispatch's handle.
+        check_equal(cached[3].dst_buffer_slot_idx, handle.dst_buffer_slot_idx, f'{tag} cached dst_buffer_slot_idx')
+        check_equal(cached[3].psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_scaleup_rank,
+                    f'{tag} cached psum_num_recv_tokens_per_scaleup_rank')
         cached_exp = call(buf.dispatch, x, handle=exp[3], topk_weights=case.topk_weights, do_expand=True,
                           do_zero_padding=True)
         check_dispatch(case, cached_exp, use_fp8, alignment, True, True, f'{tag} cached expanded dispatch',

@@ -20,12 +20,15 @@ class HybridHandle:
         token_metadata_at_forward: `[N, M, 1 + K]` int32 made on first access: per source domain and rail position
             (own domain: position among this rank's tokens with an expert here) the source token and the K expert
             ids of THIS domain (-1 elsewhere).
-        dst_buffer_slot_idx, channel_linked_list: None (the composed path keeps no such state).
+        dst_buffer_slot_idx: `[T, N]` int32, the slot of each of this rank's tokens in each destination domain's rail
+            region (its position among the tokens going to that domain), -1 where the token has no expert there. DeepEP
+            keeps a 4-D slot tensor of its own kernels' layout; ours is the composed path's, equal across a dispatch
+            and the cached dispatches made from its handle.
+        channel_linked_list: None (the composed path keeps no channel lists).
     Rail state: domain_pos `[T, N]` int32, fwd_src `[N * M]`, fwd_count `[N]` (device), send_counts / recv_counts
     (host lists after a CPU sync, else None).
     """
 
-    dst_buffer_slot_idx = None
     channel_linked_list = None
 
     def __init__(self, inner, topk_idx: Any, num_experts: int, num_max_tokens_per_rank: int, num_domains: int,
@@ -52,6 +55,10 @@ class HybridHandle:
         if name.startswith('_') or name == 'inner':
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+    @property
+    def dst_buffer_slot_idx(self):
+        return self.domain_pos
 
     @property
     def recv_src_metadata(self):
