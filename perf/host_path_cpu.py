@@ -167,13 +167,23 @@ def install(monkeypatch_targets=None):
         fake = SimpleNamespace(data=SimpleNamespace(ptr=0x100))    # device arrays that CuPy would make)
         engram_feature.Engram._device_arrays = lambda self, layout, sf_rows: {'layers': fake, 'table_bases': fake}
     torch.Tensor.record_stream = lambda self, stream: None       # CPU tensors: nothing to record
-    def new_handle(stream=None):
+    from deepep_cupy.runtime import event as event_module
+    if hasattr(event_module, '_new_event'):
+        # The real `EventHandle` (its event pool included) over counting events: `event_new` counts the events
+        # created (cudaEventCreate), `event` every record and wait.
+        def new_event():
+            API['event_new'] += 1
+            return CountingEvent()
+        event_module._new_event = new_event
+        event_module._current_device = lambda: 0
+        return
+
+    def new_handle(stream=None):        # (before the event pool: every handle made an event)
         # An `EventHandle` (the event a call returns) costs a cudaEventCreate and a record.
         API['event_new'] += 1
         API['event'] += 1
         return fakes.FakeEventHandle(stream)
     streams.EventHandle = new_handle
-    from deepep_cupy.runtime import event as event_module
 
     def init_handle(self, stream=None):
         API['event_new'] += 1
