@@ -4,11 +4,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from . import interop
 
-
-# Events of dropped `EventHandle`s, per (stream handle, current device) (an event is reused only where it was made:
-# CUDA events belong to one device, and the default stream's handle is the same on every device), so that a call returning an event does not create one (cudaEventCreate ~1.6 us on the
-# GPU host, a record 0.9 us). Re-recording a reused event is safe: nobody holds its handle any more, and a stream
-# wait already enqueued captured the state it waited for.
+# Events of dropped `EventHandle`s per (stream handle, current device): an event is reused only where it was made
+# (CUDA events belong to one device, and the default stream's handle is the same on every device), so that a call
+# returning an event does not create one (cudaEventCreate ~1.6 us on the GPU host, a record 0.9 us). Re-recording a
+# reused event is safe: nobody holds its handle any more, and a stream wait already enqueued captured the state it
+# waited for.
 _FREE_EVENTS = {}
 _MAX_FREE_PER_STREAM = 16
 
