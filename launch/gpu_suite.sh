@@ -100,6 +100,8 @@ if want perf1; then
         --variants default,fused
     # What each CUDA API call costs from Python here (weighs perf/host_path_cpu.py's [api] counts; issue #11).
     step "host API costs (perf/host_api_gpu.py)" 300 $ONE $PY perf/host_api_gpu.py
+    step "ep_profile np=1 on a side stream (host path)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128 \
+        --variants default --side-stream
     if [ -d .baseline/deepep_cupy ]; then
         step "baseline: ep np=1 (perf)" 240 bash -c "cd .baseline && CUDA_VISIBLE_DEVICES=0 $ROOT/$R 1 \
             $PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 --num-create-destroy 0 \

@@ -81,11 +81,18 @@ def extra_cases(args, cupy, torch, driver, fn, stream, comm, block, dev):
     bound = kernel.bind(1, 32, p=0)
     x = torch.empty((128, 7168), dtype=torch.bfloat16, device=dev)
     i64 = torch.int64
+    ev_comm = cupy.cuda.Event(disable_timing=True)
     return {
         'ctypes cuLaunchKernel (empty kernel)': ctypes_launcher(fn.ptr, s_ptr, ctypes.addressof(params)),
         'cupy driver.launchKernel, extra param buffer': lambda: driver.launchKernel(fn.ptr, 1, 1, 1, 32, 1, 1, 0,
                                                                                     s_ptr, 0, extra_addr),
         'jit BoundLaunch(stream) (empty kernel)': lambda: bound(stream),
+        # The rows above launch on torch's current stream, the legacy default stream unless the caller set one (the
+        # driver orders it against every blocking stream); the same launch on a non-blocking stream:
+        'cupy driver.launchKernel, non-blocking stream': lambda: driver.launchKernel(fn.ptr, 1, 1, 1, 32, 1, 1, 0,
+                                                                                     comm.ptr,
+                                                                                     ctypes.addressof(params), 0),
+        'cupy Event.record(non-blocking stream)': lambda: ev_comm.record(comm),
         'jit Kernel.launch by name (empty kernel)': lambda: kernel.launch(1, 32, stream=stream, p=0),
         'x.new_empty [128, 7168] bf16': lambda: x.new_empty((128, 7168)),
         'block.view(int64) (typed view only)': lambda: block.view(i64),
