@@ -37,22 +37,25 @@ class EventHandle:
     def __init__(self, stream=None):
         self.stream = stream = stream if stream is not None else interop.current_stream()
         key = self._pool_key = (stream.ptr, _current_device())
-        free = _FREE_EVENTS.get(key)
-        self.event = event = free.pop() if free else _new_event()
+        try:
+            event = _FREE_EVENTS[key].pop()     # (pop is atomic: threads never share an event)
+        except (KeyError, IndexError):
+            event = _new_event()
+        self.event = event
         event.record(stream)
 
     def __del__(self):
         try:
             key, event = self._pool_key, self.event
-        except AttributeError:          # made without __init__
-            return
-        if event is None:
-            return
-        free = _FREE_EVENTS.get(key)
-        if free is None:
-            free = _FREE_EVENTS[key] = []
-        if len(free) < _MAX_FREE_PER_STREAM:
-            free.append(event)
+            if event is None:
+                return
+            free = _FREE_EVENTS.get(key)
+            if free is None:
+                free = _FREE_EVENTS.setdefault(key, [])
+            if len(free) < _MAX_FREE_PER_STREAM:
+                free.append(event)
+        except Exception:       # made without __init__, or the interpreter is shutting down: nothing to give back
+            pass
 
     def current_stream_wait(self, like: Any = None) -> None:
         """Make the current stream (torch's if `like` is a torch tensor or torch is in use) wait for this event."""
