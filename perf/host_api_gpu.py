@@ -54,7 +54,14 @@ def best(fn, calls, sync=None, batch: int = 200):
 
 def ctypes_launcher(fn_ptr: int, stream_ptr: int, params_addr: int):
     """`cuLaunchKernel` from libcuda through ctypes with preset argument types (the alternative to CuPy's binding)."""
-    lib = ctypes.CDLL('libcuda.so.1')
+    try:
+        lib = ctypes.CDLL('libcuda.so.1')
+    except OSError as e:
+        reason = str(e)
+
+        def missing():
+            raise RuntimeError(f'libcuda.so.1 not loadable: {reason}')
+        return missing
     f = lib.cuLaunchKernel
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
@@ -138,7 +145,10 @@ def main(argv=None) -> int:
         'cupy.cuda.Event() (create)': lambda: cupy.cuda.Event(disable_timing=True),
         'torch._C._cuda_getCurrentRawStream': lambda: raw(0),
     }
-    cases.update(extra_cases(args, cupy, torch, driver, fn, stream, comm, block, dev))
+    try:
+        cases.update(extra_cases(args, cupy, torch, driver, fn, stream, comm, block, dev))
+    except Exception as e:          # the original rows still run
+        print(f'[api-cost] the extra rows could not be set up: {type(e).__name__}: {e}', flush=True)
     for name, f in cases.items():
         try:
             us = best(f, args.calls, torch.cuda.synchronize)
