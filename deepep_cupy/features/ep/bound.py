@@ -159,6 +159,7 @@ class BoundDispatch:
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
+        self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -333,14 +334,16 @@ class BoundDispatch:
         r = self.recv
         self.recv_in_patch(r.u64, ins)
         self.recv_out_patch(r.u64, outs)
-        r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
-        r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
-        # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
-        if self.fused:
-            r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
-                                          self.num_device_sms), 1, 1)
-        else:
-            r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
+        if out is not self._recv_sized:       # the words and grid of these sizes stay in the block until they change
+            r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
+            r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
+            # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
+            if self.fused:
+                r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
+                                              self.num_device_sms), 1, 1)
+            else:
+                r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
+            self._recv_sized = out
         r(comm)
 
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
