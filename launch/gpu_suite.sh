@@ -22,6 +22,8 @@
 #   deepep25   DeepEP's V2.5 test programs, the same way
 #   gate       DeepEP's tests/utils/test_gate.py (minutes; GATE_TIMEOUT bounds it)
 #   launchers  the EP rank program under torchrun and under SLURM-style variables (2 ranks)
+#   host       the lean host path's GPU pieces (event pool across a graph capture, current_stream); its timings are
+#              perf1's ep_profile and perf/host_api_gpu.py
 #   pytest     the GPU pytest tests (alone, after the lanes: they read the device's free memory)
 #   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs), and perf/ep_bench.py
 #              --hybrid on 2 domains x 1 rank (DEEPEP_CUPY_SCALEUP_SIZE=1, NCCL rails across the two GPUs)
@@ -47,7 +49,8 @@ export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_j
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll hybrid fuse deepep deepep25 gate launchers pytest bench)
+[ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll hybrid fuse deepep deepep25 gate launchers host pytest
+                                   bench)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # step NAME TIMEOUT_S COMMAND...: run, log, record PASS/FAIL with the wall time. Each step's output lands in suite.log
@@ -95,6 +98,10 @@ if want perf1; then
     step "ep np=1 (perf)" 240 $ONE $R 1 $EP --num-create-destroy 5
     step "ep_profile np=1 (default vs fused notify)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 \
         --variants default,fused
+    # What each CUDA API call costs from Python here (weighs perf/host_path_cpu.py's [api] counts; issue #11).
+    step "host API costs (perf/host_api_gpu.py)" 300 $ONE $PY perf/host_api_gpu.py
+    step "ep_profile np=1 on a side stream (host path)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128 \
+        --variants default --side-stream
     if [ -d .baseline/deepep_cupy ]; then
         step "baseline: ep np=1 (perf)" 240 bash -c "cd .baseline && CUDA_VISIBLE_DEVICES=0 $ROOT/$R 1 \
             $PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 --num-create-destroy 0 \
@@ -115,6 +122,12 @@ if want legacy1 && [ -f deepep_cupy/tests/legacy_intranode.py ]; then
     step "legacy intranode np=1 (perf)" 240 $ONE $R 1 $PY -m deepep_cupy.tests.legacy_intranode
 fi
 
+host_lane() {
+    # The lean host path's GPU-side pieces (issue #11): pooled events (eager and across a graph capture) and
+    # current_stream's fast path. The EP / coll / deepep lanes check the calls themselves bit for bit.
+    step "host: event pool + current_stream (GPU pytest)" 180 $ONE $PY -m pytest -q -x tests/gpu/test_gpu_runtime.py \
+        -k "pooled or current_stream"
+}
 v25_lane() {
     local n
     for n in 1 2 4; do
@@ -390,6 +403,7 @@ if want coll; then
     for np in ${COLL_NPS-2 4}; do lane coll_lane $np; done
 fi
 want launchers && lane launchers_lane
+want host && lane host_lane
 want v25 && [ -f deepep_cupy/tests/v25.py ] && lane v25_lane
 # DeepEP's programs rendezvous at MASTER_PORT (default 8361): one port per lane, as they run at the same time.
 want deepep && MASTER_PORT=18361 lane deepep_lane

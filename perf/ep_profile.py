@@ -19,9 +19,11 @@ and dtype (BF16, FP8):
   [targets]   issue 11's figures with their bounds
   [profile]   (--profile, rank 0) cProfile of the host loop, top functions by own time
   [lines]     (--lines, rank 0) host time per call charged to each statement of dispatch / combine
+--side-stream runs every call on a torch side stream instead of the (legacy) default stream.
 """
 import argparse
 import ast
+import contextlib
 import cProfile
 import inspect
 import io
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--skip-features', action='store_true', help='skip the other features\' host times')
     p.add_argument('--profile', action='store_true', help='cProfile of each case (rank 0)')
     p.add_argument('--lines', action='store_true', help='time per statement of dispatch/combine (rank 0)')
+    p.add_argument('--side-stream', action='store_true',
+                   help='run every call on a torch side stream (non-blocking) instead of the default stream: launches '
+                        'and event records on the legacy default stream may cost the host more')
     return p
 
 
@@ -464,12 +469,16 @@ def main(argv=None) -> int:
         for cls, name in ((EP, 'dispatch'), (EP, 'combine'), (BoundDispatch, '__call__'), (BoundCombine, '__call__')):
             setattr(cls, name, timer.instrument(getattr(cls, name), f'{cls.__name__}.{name}'))
     runner = Runner(args, group, log, torch)
-    for variant in args.variants.split(','):
-        if variant not in VARIANTS:
-            raise SystemExit(f'--variants: unknown variant {variant!r}; choose from {sorted(VARIANTS)}')
-        run_variant(variant, runner, args, group, timer)
-    if not args.skip_features:
-        run_features(runner, args, group)
+    side = torch.cuda.stream(torch.cuda.Stream()) if args.side_stream else contextlib.nullcontext()
+    with side:
+        if args.side_stream:
+            log(f'[stream] every call on a side stream ({torch.cuda.current_stream().cuda_stream:#x})')
+        for variant in args.variants.split(','):
+            if variant not in VARIANTS:
+                raise SystemExit(f'--variants: unknown variant {variant!r}; choose from {sorted(VARIANTS)}')
+            run_variant(variant, runner, args, group, timer)
+        if not args.skip_features:
+            run_features(runner, args, group)
     summary(runner, args, log)
     return 0
 

@@ -4,16 +4,18 @@ replaced (tests/fakes.py's buffer; kernels are real `jit.launch.Kernel`s that pa
 whose launch is a no-op; CPU torch tensors; streams and events that do nothing). The notify and range kernels'
 fakes write their host-mapped records, so the host's polling runs too.
 
-    PYTHONPATH=. python perf/host_path_cpu.py [--calls 2000] [--tokens 128] [--ranks 1]
+    PYTHONPATH=. python perf/host_path_cpu.py [--calls 2000] [--tokens 128] [--ranks 1] [--json]
 
 What it measures is the Python cost (checks, plans, argument packing, bookkeeping) plus CPU torch's allocations;
 it does not see the CUDA API calls themselves (`cuLaunchKernel`, the caching allocator, event records), which the
-`[api]` line counts per call instead. This machine's numbers are a lower bound of the GPU host's (about 2x slower
-Python there).
+`[api]` line counts per call instead (launches, allocations, event records and stream waits, events created,
+`record_stream` calls; tests/test_host_path_cpu.py pins them). This machine's numbers are a lower bound of the GPU
+host's (about 2x slower Python there).
 """
 
 import argparse
 import ctypes
+import json
 import os
 import struct
 import sys
@@ -32,7 +34,7 @@ import torch  # noqa: E402
 from deepep_cupy.jit import launch  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
 
-API = {'launch': 0, 'alloc': 0, 'event': 0, 'event_new': 0}
+API = {'launch': 0, 'alloc': 0, 'event': 0, 'event_new': 0, 'record_stream': 0}
 
 
 class FakeDriver:
@@ -166,14 +168,26 @@ def install(monkeypatch_targets=None):
     if hasattr(engram_feature.Engram, '_device_arrays'):     # (V2.5's layered engram: the fetch reads two small
         fake = SimpleNamespace(data=SimpleNamespace(ptr=0x100))    # device arrays that CuPy would make)
         engram_feature.Engram._device_arrays = lambda self, layout, sf_rows: {'layers': fake, 'table_bases': fake}
-    torch.Tensor.record_stream = lambda self, stream: None       # CPU tensors: nothing to record
-    def new_handle(stream=None):
+    def record_stream(self, stream):        # CPU tensors: nothing to record; counted (a CUDA-side call on the GPU)
+        API['record_stream'] += 1
+    torch.Tensor.record_stream = record_stream
+    from deepep_cupy.runtime import event as event_module
+    if hasattr(event_module, '_new_event'):
+        # The real `EventHandle` (its event pool included) over counting events: `event_new` counts the events
+        # created (cudaEventCreate), `event` every record and wait.
+        def new_event():
+            API['event_new'] += 1
+            return CountingEvent()
+        event_module._new_event = new_event
+        event_module._current_device = lambda: 0
+        return
+
+    def new_handle(stream=None):        # (before the event pool: every handle made an event)
         # An `EventHandle` (the event a call returns) costs a cudaEventCreate and a record.
         API['event_new'] += 1
         API['event'] += 1
         return fakes.FakeEventHandle(stream)
     streams.EventHandle = new_handle
-    from deepep_cupy.runtime import event as event_module
 
     def init_handle(self, stream=None):
         API['event_new'] += 1
@@ -297,7 +311,9 @@ def agrs_cases(args):
         'all_gather 4 x 1 MiB (+ session)': gather4,
         'all_gather 4 x 1 MiB (+ wait)': gather4_wait,
         'reduce_scatter 4 MiB': lambda: buf.reduce_scatter(x),
+        'reduce_scatter 4 MiB (+ wait)': lambda: buf.reduce_scatter(x).wait(),     # as perf/ep_profile.py times it
         'all_reduce 4 MiB': lambda: buf.all_reduce(x),
+        'all_reduce 4 MiB (+ wait)': lambda: buf.all_reduce(x).wait(),
     }
 
 
@@ -313,7 +329,8 @@ def engram_cases(args):
     table = torch.zeros(4096, 1024, dtype=torch.bfloat16)
     buf.engram_write(table)
     indices = torch.zeros(128, 4, dtype=torch.int32)
-    return {'engram_fetch 128 x 4': lambda: buf.engram_fetch(indices)}
+    return {'engram_fetch 128 x 4': lambda: buf.engram_fetch(indices),
+            'engram_fetch 128 x 4 (+ hook)': lambda: buf.engram_fetch(indices)()}    # as perf/ep_profile.py
 
 
 def main(argv=None) -> int:
@@ -325,6 +342,7 @@ def main(argv=None) -> int:
     p.add_argument('--experts', type=int, default=256)
     p.add_argument('--ranks', type=int, default=1)
     p.add_argument('--only', default='', help='comma-separated substrings of case names')
+    p.add_argument('--json', action='store_true', help='also print each case as one JSON line ([json] {...})')
     args = p.parse_args(argv)
     install()
     only = [s for s in args.only.split(',') if s]
@@ -335,7 +353,9 @@ def main(argv=None) -> int:
             us, api = timed(fn, args.calls)
             print(f'[host-cpu] {name:34s} {us:7.1f} us per call   [api] launches {api["launch"]:.1f}, '
                   f'allocations {api["alloc"]:.1f}, event records/waits {api["event"]:.1f} '
-                  f'(new events {api["event_new"]:.1f})', flush=True)
+                  f'(new events {api["event_new"]:.1f}), record_stream {api["record_stream"]:.1f}', flush=True)
+            if args.json:
+                print('[json] ' + json.dumps(dict(case=name, us=us, **api)), flush=True)
     return 0
 
 

@@ -148,6 +148,9 @@ def to_torch(x: Any, dtype: Optional[str] = None):
 def current_stream(like: Any = None):
     """The stream kernels for `like` run on, as a `cupy.cuda.Stream`-like object: torch's current stream when `like`
     is a torch tensor (or None and torch has initialised CUDA), else CuPy's current stream."""
+    f = _CURRENT_STREAM_OF.get(type(like))      # a torch tensor or CuPy array type seen before: one call
+    if f is not None:
+        return f(like)
     import cupy
     torch = sys.modules.get('torch')
     use_torch = is_torch(like) or (like is None and torch is not None and torch.cuda.is_initialized())
@@ -156,10 +159,30 @@ def current_stream(like: Any = None):
         # a hot-path cost when every collective call asks twice); the public API where the C one is missing.
         raw = getattr(torch._C, '_cuda_getCurrentRawStream', None)
         if raw is not None:
+            if like is not None and type(like) is torch.Tensor:
+                _CURRENT_STREAM_OF[type(like)] = _torch_current_stream(torch, raw)
             device = like.get_device() if is_torch(like) and like.is_cuda else torch._C._cuda_getDevice()
             return external_stream(raw(device))
         return external_stream(torch.cuda.current_stream().cuda_stream)
+    if is_cupy(like):
+        _CURRENT_STREAM_OF[type(like)] = lambda x, get=cupy.cuda.get_current_stream: get()
     return cupy.cuda.get_current_stream()
+
+
+_CURRENT_STREAM_OF = {}      # array type -> its `current_stream` (learned on first sight; not for None)
+
+
+def _torch_current_stream(torch, raw):
+    """`current_stream(t)` for a torch tensor `t`: its device's current stream (the current device's for a CPU
+    tensor) without the type checks."""
+    cache, get_device = _EXTERNAL_STREAMS, torch._C._cuda_getDevice
+
+    def current(t):
+        device = t.get_device()
+        handle = raw(device if device >= 0 else get_device())
+        s = cache.get(handle)
+        return s if s is not None else external_stream(handle)
+    return current
 
 
 def stream_getter(kind: str, device: int):

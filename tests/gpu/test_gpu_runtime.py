@@ -48,6 +48,71 @@ def test_event_overlap_waits_and_runs_hook_once():
     assert ev2.event is None
 
 
+def test_event_handles_reuse_pooled_events_eagerly_and_across_a_graph_capture():
+    """The event pool (runtime/event.py): a dropped handle's event serves the next handle of its stream, orders
+    another stream after the work before it, and an event last recorded inside a (finished) graph capture records
+    eagerly again, and the reverse."""
+    import cupy
+
+    from deepep_cupy.runtime import event
+    from deepep_cupy.runtime.event import EventHandle
+    s, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    n = 1 << 22
+    x, y, z = (cupy.zeros(n, dtype=cupy.float32) for _ in range(3))
+    cupy.cuda.Device().synchronize()          # (made on the default stream; s and other do not wait for it)
+    h = EventHandle(s)
+    first = h.event
+    del h
+    for round_ in range(3):
+        with s:
+            cupy.add(cupy.arange(n, dtype=cupy.float32), round_, out=x)
+        h = EventHandle(s)
+        assert h.event is first               # the pooled event, recorded again
+        h.stream_wait(other)
+        with other:
+            cupy.multiply(x, 2, out=y)
+        other.synchronize()
+        assert float(y[-1]) == 2 * (n - 1 + round_) and float(y[0]) == 2 * round_
+        del h
+    with s:
+        cupy.add(x, 1, out=z)                 # warm (compiled) before the capture
+    s.synchronize()
+    s.begin_capture()
+    with s:
+        cupy.add(x, 1, out=z)
+    captured = EventHandle(s)                 # recorded inside the capture (a pooled event)
+    assert captured.event is first
+    del captured
+    graph = s.end_capture()
+    eager = EventHandle(s)                    # the event last recorded in the capture, recorded eagerly again
+    assert eager.event is first
+    eager.synchronize()
+    assert eager.query()
+    with s:
+        z.fill(0)
+    graph.launch(s)
+    eager2 = EventHandle(s)                   # another pooled or new event after the replay
+    eager2.stream_wait(other)
+    with other:
+        cupy.multiply(z, 1, out=y)
+    other.synchronize()
+    assert float(y[-1]) == float(x[-1]) + 1
+    assert all(len(v) <= event._MAX_FREE_PER_STREAM for v in event._FREE_EVENTS.values())
+
+
+def test_current_stream_fast_path_follows_torchs_current_stream():
+    torch = pytest.importorskip('torch')
+    from deepep_cupy.runtime import interop
+    x, cpu = torch.zeros(4, device='cuda'), torch.zeros(4)
+    for _ in range(3):          # the first call learns the type's fast path, the others take it
+        assert interop.current_stream(x).ptr == torch.cuda.current_stream().cuda_stream
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            assert interop.current_stream(x).ptr == s.cuda_stream
+            assert interop.current_stream(cpu).ptr == s.cuda_stream      # a CPU tensor: the current device's
+        assert interop.current_stream(x).ptr == torch.cuda.current_stream().cuda_stream
+
+
 def test_cooperative_grid_too_large_is_rejected():
     from deepep_cupy.features import barrier
     from deepep_cupy.jit.launch import load_kernel

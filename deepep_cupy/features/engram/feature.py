@@ -298,6 +298,10 @@ class Engram:
         """Per layer, a `[num_tokens, width]` view of the fetch output area in the tables' dtype (torch or CuPy)."""
         layout = self.layout
         views = self._out_views
+        key = (kind, num_layers, num_tokens, width)
+        out = views.get(key)        # the same views for every fetch of this shape (reset with the tables)
+        if out is not None:
+            return out
         if kind not in views:
             u8 = self._buf.sym.local_view(layout.out_offset, layout.out_bytes)
             views[kind] = interop.to_torch(u8) if kind == 'torch' else u8
@@ -310,6 +314,9 @@ class Engram:
                 out.append(flat.view(getattr(torch, layout.dtype)).view(num_tokens, width))
             else:
                 out.append(flat.view(np.uint16 if layout.dtype == 'bfloat16' else np.uint8).reshape(num_tokens, width))
+        if len(views) >= 64:
+            views.clear()
+        views[key] = out
         return out
 
     def _index_range(self, indices, ptr: int, numel: int, stream):
@@ -397,8 +404,11 @@ class Engram:
                 self._fetch_calls[key] = c
         kind, num_layers, num_tokens, n, rows = c.kind, c.num_layers, c.num_tokens, c.n, c.rows
         current = c.stream()
-        if check_indices and rows:
-            lo, hi = self._index_range(indices, iptr, c.numel, current)()
+        # The range check needs the GPU: start it first, do the host work that needs no check meanwhile.
+        wait_range = self._index_range(indices, iptr, c.numel, current) if check_indices and rows else None
+        datas = self._output(kind, num_layers, num_tokens, n * layout.hidden)
+        if wait_range is not None:
+            lo, hi = wait_range()
             if lo < 0 or hi >= layout.num_global_entries:
                 raise ValueError(f'indices must be in [0, {layout.num_global_entries}) (num_ranks x num_entries), '
                                  f'got min {lo}, max {hi}')
@@ -406,7 +416,6 @@ class Engram:
         sf_outs, sf_out = [None] * num_layers, None
         if self.sf is not None:
             sf_outs, sf_out, _ = self._sf_outputs(kind, num_layers, num_tokens, n, col_major)
-        datas = self._output(kind, num_layers, num_tokens, n * layout.hidden)
         event, keep = None, ()
         if rows:
             comm = buf.stream_order.begin(current)

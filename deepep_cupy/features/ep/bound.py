@@ -58,6 +58,10 @@ def _patcher(bound, names):
     return namespace['patch']
 
 
+def _strides(shape) -> Optional[Tuple[int, ...]]:
+    return None if shape is None else interop.contiguous_strides(tuple(shape))
+
+
 class _Outputs(NamedTuple):
     """Where a dispatch's outputs go for one (num_recv, num_expanded)."""
     num_recv: int
@@ -75,6 +79,8 @@ class _Outputs(NamedTuple):
     weights_shape: Optional[Tuple[int, ...]]
     meta_shape: Tuple[int, int]
     grid: int
+    topk_strides: Optional[Tuple[int, int]]         # C-contiguous strides of recv_topk_idx / recv_topk_weights
+    weights_strides: Optional[Tuple[int, ...]]
 
 
 class BoundDispatch:
@@ -159,6 +165,11 @@ class BoundDispatch:
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
+        self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
+        self._torch_dtypes = None
+        if self.kind == 'torch':
+            import torch
+            self._torch_dtypes = (torch.int64, torch.float32)
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -233,7 +244,7 @@ class BoundDispatch:
         out = _Outputs(num_recv, num_expanded, o.num_out_rows, offset, meta, src_idx, topk, weights,
                        (o.num_out_rows, p.hidden),
                        o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
-                       o.epilogue_blocks)
+                       o.epilogue_blocks, _strides(o.topk_idx_shape), _strides(o.topk_weights_shape))
         if len(self._sizes) >= _MAX_SIZES:
             self._sizes.clear()
         self._sizes[(num_recv, num_expanded)] = out
@@ -318,10 +329,19 @@ class BoundDispatch:
                 recv_sf = storage
         # recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view then.
         recv_topk_idx = recv_topk_weights = None
-        if out.topk_shape is not None:
-            recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
-        if out.weights_shape is not None:
-            recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
+        if self._torch_dtypes is not None:     # Carver.view's torch views with the strides and dtypes resolved once
+            i64, f32 = self._torch_dtypes
+            if out.topk_shape is not None:
+                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides,
+                                                           (base + out.topk_offset) >> 1)
+            if out.weights_shape is not None:
+                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides,
+                                                               base + out.weights_offset)
+        else:
+            if out.topk_shape is not None:
+                recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
+            if out.weights_shape is not None:
+                recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
         gp = carver.ptr(group) + 4 * base
         if legacy is not None:
             legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), base + out.src_idx_offset)
@@ -333,14 +353,16 @@ class BoundDispatch:
         r = self.recv
         self.recv_in_patch(r.u64, ins)
         self.recv_out_patch(r.u64, outs)
-        r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
-        r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
-        # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
-        if self.fused:
-            r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
-                                          self.num_device_sms), 1, 1)
-        else:
-            r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
+        if out is not self._recv_sized:       # the words and grid of these sizes stay in the block until they change
+            r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
+            r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
+            # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
+            if self.fused:
+                r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
+                                              self.num_device_sms), 1, 1)
+            else:
+                r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
+            self._recv_sized = out
         r(comm)
 
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,

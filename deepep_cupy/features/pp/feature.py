@@ -11,6 +11,7 @@ can only be seen on the GPU: nothing is copied, the message is consumed, and the
 raises `RuntimeError` describing the pair and both sizes.
 """
 
+import dataclasses
 import time
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -226,9 +227,29 @@ class PP:
         grid = max(1, min(num_sms, ceil_div(num_bytes // 16, THREADS * UNROLL)))
         return PPCall(info, peer, my_slot_for_peer, peer_slot_for_me, grid, layout, event)
 
+    def _planned(self, is_send: bool, x, peer: int, num_sms: int, previous_event):
+        """`(plan, x's address)`: `plan` once per call signature (x's kind, shape, strides, dtype and device, the peer,
+        num_sms and the layout); a repeated call re-checks only what is per call (usability, x's alignment,
+        previous_event)."""
+        sig, ptr = interop.meta(x)
+        key = (is_send, sig, peer, type(peer), num_sms, type(num_sms))
+        calls = self.__dict__.setdefault('_planned_calls', {})
+        c = calls.get(key)
+        if c is None or c.layout is not self.layout:
+            c = self.plan(is_send, x, peer, num_sms, previous_event)
+            if type(sig) is not object:
+                if len(calls) >= 64:
+                    calls.clear()
+                calls[key] = c._replace(info=dataclasses.replace(c.info, ptr=0, obj=None), event=None)   # x not kept
+            return c, c.info.ptr
+        self.check_usable()
+        if ptr % 16 and c.info.nbytes:
+            raise ValueError(f'x must start at a 16-byte aligned address, got {ptr:#x} (a view at an offset?)')
+        return c._replace(event=as_event_handle(previous_event)), ptr
+
     def _transfer(self, is_send: bool, x, peer: int, num_sms: int, previous_event,
                   async_with_compute_stream: bool) -> EventOverlap:
-        c = self.plan(is_send, x, peer, num_sms, previous_event)
+        c, ptr = self._planned(is_send, x, peer, num_sms, previous_event)
         buf, lay, info = self._buf, c.layout, c.info
         order = buf.stream_order
         current = interop.current_stream(x)
@@ -253,7 +274,7 @@ class PP:
                     pp_error=self.error_ptr, timeout_ns=buf.timeout_ns)
             bound = self._bound[key] = (b, b.index('x'), b.index('num_bytes'), lay)
         b, i_x, i_bytes, _ = bound
-        b.u64[i_x], b.u64[i_bytes] = info.ptr, info.nbytes
+        b.u64[i_x], b.u64[i_bytes] = ptr, info.nbytes
         b.grid = (c.grid, 1, 1)
         b(comm)
         counts = self.num_sent if is_send else self.num_recv

@@ -1,0 +1,176 @@
+"""The lean host path (issue #11) without a GPU: the CUDA API calls each public call makes (perf/host_path_cpu.py's
+`[api]` counts, pinned so that they cannot silently grow), the event pool behind `EventHandle`, the per-type fast
+path of `interop.current_stream`, and the per-signature PP plan re-checking what is per call."""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import fakes
+import pytest
+
+from deepep_cupy.runtime import event, interop
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Per call, at most: kernel launches, allocations, event records + stream waits, events created, record_stream calls.
+# 128 tokens, hidden 7168, top-8, 256 experts, one rank (perf/host_path_cpu.py's defaults). Lower a bound when a
+# change saves a call; raising one needs a reason in the commit.
+PINNED = {
+    'dispatch cpu-sync': dict(launch=3, alloc=3, event=1, event_new=0, record_stream=0),
+    'dispatch no-sync': dict(launch=2, alloc=2, event=1, event_new=0, record_stream=0),
+    'dispatch cached': dict(launch=1, alloc=2, event=1, event_new=0, record_stream=0),
+    'dispatch fp8 no-sync': dict(launch=2, alloc=3, event=1, event_new=0, record_stream=0),
+    'combine': dict(launch=1, alloc=1, event=1, event_new=0, record_stream=0),
+    'combine weights': dict(launch=1, alloc=2, event=1, event_new=0, record_stream=0),
+    'all_gather 4 x 1 MiB (+ session)': dict(launch=4, alloc=0, event=2, event_new=0, record_stream=4),
+    'all_gather 4 x 1 MiB (+ wait)': dict(launch=5, alloc=0, event=2, event_new=0, record_stream=4),
+    'reduce_scatter 4 MiB': dict(launch=1, alloc=1, event=3, event_new=0, record_stream=2),
+    'reduce_scatter 4 MiB (+ wait)': dict(launch=1, alloc=1, event=4, event_new=0, record_stream=2),
+    'all_reduce 4 MiB': dict(launch=1, alloc=0, event=3, event_new=0, record_stream=1),
+    'all_reduce 4 MiB (+ wait)': dict(launch=1, alloc=0, event=4, event_new=0, record_stream=1),
+    'pp_send 1 MiB': dict(launch=1, alloc=0, event=1, event_new=0, record_stream=0),
+    'pp_recv 1 MiB': dict(launch=1, alloc=0, event=1, event_new=0, record_stream=0),
+    'engram_fetch 128 x 4': dict(launch=2, alloc=0, event=3, event_new=0, record_stream=1),
+    'engram_fetch 128 x 4 (+ hook)': dict(launch=2, alloc=0, event=4, event_new=0, record_stream=1),
+}
+
+
+@pytest.fixture(scope='module')
+def api_counts():
+    """perf/host_path_cpu.py's counts per case (its own process: it replaces the CUDA layer process-wide)."""
+    torch = pytest.importorskip('torch')
+    del torch
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / 'perf' / 'host_path_cpu.py'), '--calls', '100', '--json'],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line[len('[json] '):]) for line in proc.stdout.splitlines() if line.startswith('[json] ')]
+    return {r['case']: r for r in rows}
+
+
+@pytest.mark.parametrize('case', sorted(PINNED))
+def test_api_calls_per_call_do_not_grow(api_counts, case):
+    assert case in api_counts, f'perf/host_path_cpu.py printed no case {case!r} (cases: {sorted(api_counts)})'
+    got = api_counts[case]
+    over = {k: (got[k], bound) for k, bound in PINNED[case].items() if got[k] > bound + 1e-9}
+    assert not over, f'{case}: per-call CUDA API calls above their pinned bounds (got, bound): {over}'
+
+
+def test_no_public_call_creates_an_event(api_counts):
+    made = {case: r['event_new'] for case, r in api_counts.items() if r['event_new']}
+    assert not made, f'calls that create a CUDA event per call (the pool should serve them): {made}'
+
+
+# ---- the event pool ----------------------------------------------------------------------------------------------
+class _Event:
+    made = 0
+
+    def __init__(self):
+        _Event.made += 1
+        self.records = []
+
+    def record(self, stream=None):
+        self.records.append(stream.name)
+
+
+@pytest.fixture()
+def pool(monkeypatch):
+    device = {'now': 0}
+    _Event.made = 0
+    monkeypatch.setattr(event, '_FREE_EVENTS', {})
+    monkeypatch.setattr(event, '_new_event', _Event)
+    monkeypatch.setattr(event, '_current_device', lambda: device['now'])
+    return device
+
+
+def test_event_handles_reuse_the_events_of_dropped_handles_of_their_stream(pool):
+    s, t = fakes.FakeStream('s'), fakes.FakeStream('t')
+    h = event.EventHandle(s)
+    first = h.event
+    assert first.records == ['s'] and _Event.made == 1
+    del h
+    h = event.EventHandle(s)
+    assert h.event is first and first.records == ['s', 's'] and _Event.made == 1      # recorded again
+    held = event.EventHandle(s)
+    assert held.event is not first and _Event.made == 2        # a live handle's event is never shared
+    other = event.EventHandle(t)
+    assert other.event not in (first, held.event) and _Event.made == 3      # another stream: its own events
+    del other
+    pool['now'] = 1
+    on_device_1 = event.EventHandle(t)
+    assert _Event.made == 4 and on_device_1.event.records == ['t']      # same stream handle, another device
+    del h, held, on_device_1
+    gc.collect()
+    assert sorted(len(v) for v in event._FREE_EVENTS.values()) == [1, 1, 2]
+
+
+def test_event_pool_is_bounded_and_tolerates_handles_made_without_init(pool):
+    s = fakes.FakeStream('s')
+    handles = [event.EventHandle(s) for _ in range(3 * event._MAX_FREE_PER_STREAM)]
+    del handles
+    gc.collect()
+    assert [len(v) for v in event._FREE_EVENTS.values()] == [event._MAX_FREE_PER_STREAM]
+    bare = event.EventHandle.__new__(event.EventHandle)
+    bare.stream_wait = lambda stream: None        # (tests set attributes on bare handles)
+    del bare                                    # no pool key: nothing returned, no error
+    made = _Event.made
+    ev = event.EventOverlap(event.EventHandle(s))
+    assert _Event.made == made and len(event._FREE_EVENTS[(s.ptr, 0)]) == event._MAX_FREE_PER_STREAM - 1
+    assert ev.event.event.records == ['s', 's']     # a pooled event, recorded again
+
+
+# ---- interop.current_stream's fast path ------------------------------------------------------------------------------
+def test_current_stream_learns_a_fast_path_per_array_type(monkeypatch):
+    torch = pytest.importorskip('torch')
+    handles = {'cuda:0': 7, 'cuda:1': 9}
+    monkeypatch.setattr(interop, '_CURRENT_STREAM_OF', {})
+    monkeypatch.setattr(interop, '_EXTERNAL_STREAMS', {})
+    monkeypatch.setattr(interop, 'external_stream', lambda h: interop._EXTERNAL_STREAMS.setdefault(h, ('stream', h)))
+    monkeypatch.setattr(torch._C, '_cuda_getCurrentRawStream', lambda d: handles[f'cuda:{d}'], raising=False)
+    monkeypatch.setattr(torch._C, '_cuda_getDevice', lambda: 1, raising=False)
+    x = torch.zeros(4)              # a CPU tensor: the current device's stream
+    assert interop.current_stream(x) == ('stream', 9)
+    assert interop._CURRENT_STREAM_OF[torch.Tensor] is not None
+    handles['cuda:1'] = 11          # the current stream changed: the fast path asks again
+    assert interop.current_stream(x) == ('stream', 11)
+    monkeypatch.setattr(torch.Tensor, 'get_device', lambda self: 0)
+    assert interop.current_stream(x) == ('stream', 7)       # a tensor on cuda:0: that device's stream
+
+
+# ---- PP: the plan of a call signature, re-checked per call ----------------------------------------------------------
+def test_pp_reuses_a_signatures_plan_and_rechecks_per_call_facts(monkeypatch):
+    torch = pytest.importorskip('torch')
+    from test_pp_cpu import make_buffer
+
+    from deepep_cupy.buffers.base import WORKSPACE_BYTES
+    from deepep_cupy.features.pp import plan as pp_plan
+    buf = make_buffer(monkeypatch, num_ranks=4, rank=1)
+    buf.pp_set_config(4096, 2)
+    pp = buf._pp
+    calls = []
+    real_plan = pp.plan
+    monkeypatch.setattr(pp, 'plan', lambda *a: calls.append(a[0]) or real_plan(*a))
+    x = torch.zeros(1024, dtype=torch.uint8)
+    buf.pp_send(x, 2)
+    buf.pp_send(torch.zeros(1024, dtype=torch.uint8), 2)
+    assert calls == [True] and len(buf.launches) == 2 and buf.launches[1][2]['num_bytes'] == 1024
+    cached = weakref.ref(x)
+    del x
+    gc.collect()
+    assert cached() is None                     # the remembered plan does not keep the tensor alive
+    big = torch.zeros(2048, dtype=torch.uint8)
+    with pytest.raises(ValueError, match='16-byte'):
+        buf.pp_send(big[1:1025], 2)             # same signature, misaligned address
+    with pytest.raises(TypeError, match='previous_event'):
+        buf.pp_send(big[:1024], 2, previous_event=object())
+    assert calls == [True] and len(buf.launches) == 2
+    buf.pp_recv(big[:1024], 2)                  # another direction: planned
+    pp.layout = pp_plan.PPLayout(8192, 2, WORKSPACE_BYTES)      # a new layout: planned again
+    buf.pp_send(big[:1024], 2)
+    assert calls == [True, False, True] and len(buf.launches) == 4
+    assert buf.launches[-1][2]['x'] == big.data_ptr()
