@@ -373,3 +373,26 @@ def test_pipeline_kernels_compile_for_sm90():
     names = [ep_kernels.dispatch_spec(r, b).name for r in (1, 2, 4, 8) for b in (8, 32)]
     module = compiler.compile_cubin('ep_dispatch', names, arch='90', use_cache=False)
     assert module.cubin[:4] == b'\x7fELF' and sorted(module.lowered) == sorted(names)
+
+
+def test_guard_timeout_record_says_what_waited():
+    from deepep_cupy.runtime import errors
+    rec = np.array([1, 4, 1, 1, 7, 3, errors.AUX_RAIL_READY, 0], dtype=np.int32)
+    text = errors.describe(rec, rank_base=2)
+    assert 'dispatch (hybrid pipeline: rail rows not ready' in text and 'rank 3 waited for rank 3' in text
+    assert 'expected signal 7, last seen 3' in text
+
+
+def test_perf_script_text_and_arguments():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), '..', 'perf', 'hybrid_pipeline.py')
+    spec = importlib.util.spec_from_file_location('hybrid_pipeline', path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.build_parser().parse_args([])
+    assert (args.tokens, args.hidden, args.num_topk, args.num_experts) == ([512, 4096], 7168, 8, 256)
+    assert mod.build_parser().parse_args(['--tokens', '128,']).tokens == [128]
+    assert mod.ratio_text(2e-3, 1e-3) == '0.500' and mod.ratio_text(0.0, 1.0) == 'n/a'
+    line = mod.row_text(4096, 'bf16', 'dispatch_sync', {'P1': 1e-3, 'P2': 8e-4})
+    assert '1000.0 us' in line and '800.0 us' in line and 'P2/P1 0.800' in line
