@@ -65,6 +65,19 @@ def rail_transport() -> str:
     return value
 
 
+def hybrid_pipeline() -> bool:
+    """`DEEPEP_CUPY_HYBRID_PIPELINE` (bool, default off): hybrid dispatches send the rail payload in chunks on a side
+    stream while the intranode dispatch forwards the rows already landed (P2, features/hybrid/feature.py); every rank
+    must set the same value."""
+    return _get_bool('DEEPEP_CUPY_HYBRID_PIPELINE')
+
+
+def hybrid_pipeline_rows() -> int:
+    """`DEEPEP_CUPY_HYBRID_PIPELINE_ROWS` (int, default 0 = automatic): rail rows per payload chunk of a pipelined
+    hybrid dispatch (the same on every rank)."""
+    return _get_int('DEEPEP_CUPY_HYBRID_PIPELINE_ROWS', 0)
+
+
 def device_override() -> Optional[int]:
     """`DEEPEP_CUPY_DEVICE` (int, default `local_rank % num_visible_devices`): the CUDA device of this rank."""
     return _get_int('DEEPEP_CUPY_DEVICE')

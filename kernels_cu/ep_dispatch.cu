@@ -21,12 +21,29 @@
 //   The last block of a launch with the receive phase publishes data_consumed[me] = e at every source.
 // Chunk signals live at kDispatchSignalOffset of the workspace: [src][chunk_stride] epochs. chunk_rows must be the
 // same on every rank (the host derives it from num_max_tokens_per_rank and the rank count only).
+// Readiness guard (hybrid P2, features/hybrid/feature.py; ready_mod = 0: off, no change): the input rows arrive while
+// the kernel runs (the rail payload lands chunk by chunk on another stream). Before reading input row t (its hidden
+// bytes or scales) a sender, or a receiver copying its own token t, waits (bounded) until *ready >= t % ready_mod + 1
+// (acquire); a timeout is reported as (dispatch, rank, rank, target, last seen, kAuxRailReady).
 #include "common/ep.cuh"
 
 namespace deepep {
 
 constexpr int kDispatchThreads = 512;
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
+constexpr int kAuxRailReady = 224;          // runtime/errors.py AUX_RAIL_READY
+
+// The readiness guard (see the top): lane 0 waits, the warp learns the outcome.
+__device__ __forceinline__ bool wait_row_ready(const uint32_t* ready, int ready_mod, int t, int lane,
+                                               uint64_t timeout_ns, const ErrorSink& sink, int rank) {
+    if (ready_mod <= 0)
+        return true;
+    bool ok = true;
+    if (lane == 0)
+        ok = wait_epoch(ready, static_cast<uint32_t>(t % ready_mod + 1), timeout_ns, sink, kPhaseDispatch, rank, rank,
+                        kAuxRailReady);
+    return __shfl_sync(0xffffffffu, ok, 0);
+}
 
 template <int kNumRanks, int kMaxTopk>
 __device__ __forceinline__ bool
@@ -36,7 +53,7 @@ dispatch_send_blocks(const uint8_t* x, int64_t x_row_bytes, const uint8_t* sf, i
                      int num_tokens, int num_topk, int num_max_tokens_per_rank, const MessageLayout& msg,
                      int num_chunks, const Peers& peers, int rank, uint64_t recv_offset, const ErrorSink& sink,
                      uint64_t timeout_ns, uint32_t epoch, int send_block, int num_send_blocks, int chunk_rows,
-                     int chunk_stride) {
+                     int chunk_stride, const uint32_t* ready = nullptr, int ready_mod = 0) {
     if (!wait_all_peers(peers, kSigDataConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseDispatch))
         return false;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -66,9 +83,14 @@ dispatch_send_blocks(const uint8_t* x, int64_t x_row_bytes, const uint8_t* sf, i
         uint8_t* region = peers.base(d) + recv_offset +
                           static_cast<int64_t>(rank) * num_max_tokens_per_rank * msg.bytes;
         const RowSegments segs(rows, num_chunks, num_warps);
+        bool not_ready = false;         // the readiness guard gave up (warp-uniform)
         for (int item = warp; item < rows * segs.num; item += num_warps) {
             const int p = slot0 + item / segs.num, seg = item % segs.num;
             const int t = token_of_slot[static_cast<int64_t>(d) * num_tokens + p];
+            if (!wait_row_ready(ready, ready_mod, t, lane, timeout_ns, sink, rank)) {
+                not_ready = true;
+                break;
+            }
             uint8_t* m = region + static_cast<int64_t>(p) * msg.bytes;
             if (seg == 0) {
                 // Meta: lane k < K writes slot k's expert, weight and expert position, lane 0 the source index; then
@@ -87,11 +109,21 @@ dispatch_send_blocks(const uint8_t* x, int64_t x_row_bytes, const uint8_t* sf, i
                         *reinterpret_cast<const uint32_t*>(sf + (t * sf_stride_token + q * sf_stride_col) * 4);
             }
             const int c_begin = segs.begin(seg), c_end = segs.end(seg, num_chunks);
-            warp_copy<true>(m + msg.hidden_offset + c_begin * 16, x + t * x_row_bytes + c_begin * 16,
-                            (c_end - c_begin) * 16, lane);
+            if (ready_mod > 0)      // rows written while the kernel runs: no read-only (non-coherent) loads
+                warp_copy<false>(m + msg.hidden_offset + c_begin * 16, x + t * x_row_bytes + c_begin * 16,
+                                 (c_end - c_begin) * 16, lane);
+            else
+                warp_copy<true>(m + msg.hidden_offset + c_begin * 16, x + t * x_row_bytes + c_begin * 16,
+                                (c_end - c_begin) * 16, lane);
         }
-        // The chunk's messages are written (by every warp of the block): release them to their destination.
-        __syncthreads();
+        // The chunk's messages are written (by every warp of the block): release them to their destination. With
+        // the guard on, every warp meets here whether or not it gave up (ready_mod is uniform over the block).
+        if (ready_mod > 0) {
+            if (__syncthreads_or(not_ready))
+                return false;
+        } else {
+            __syncthreads();
+        }
         if (threadIdx.x == 0)
             st_release_sys(peers.dispatch_signal(d, rank, chunk_stride, j), epoch);
     }
@@ -122,7 +154,8 @@ dispatch_recv_blocks(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, co
                      int64_t recv_sf_stride_col, int64_t* recv_topk_idx, float* recv_topk_weights,
                      int32_t* recv_src_metadata, int32_t* recv_src_idx, const MessageLayout& msg, int num_chunks,
                      const Peers& peers, int rank, uint64_t recv_offset, const ErrorSink& sink, uint64_t timeout_ns,
-                     uint32_t epoch, int recv_block, int num_recv_blocks, int chunk_rows, int chunk_stride) {
+                     uint32_t epoch, int recv_block, int num_recv_blocks, int chunk_rows, int chunk_stride,
+                     const uint32_t* ready = nullptr, int ready_mod = 0) {
     const int num_local_experts = num_experts / kNumRanks;
     const RecvLayout layout{const_cast<int32_t*>(recv_layout), kNumRanks, num_local_experts};
     const int num_recv = min(layout.totals()[0], num_meta_rows);
@@ -151,6 +184,8 @@ dispatch_recv_blocks(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, co
         int64_t sf_step;                                  // in 4-byte words, between scale factor columns
         if (s == rank) {
             t = token_of_slot[static_cast<int64_t>(rank) * num_tokens + (i - own_begin)];
+            if (!wait_row_ready(ready, ready_mod, t, lane, timeout_ns, sink, rank))
+                return false;
             if (lane < num_topk) {
                 e = static_cast<int32_t>(topk_idx[static_cast<int64_t>(t) * num_topk + lane]);
                 w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.f;
@@ -269,7 +304,7 @@ dispatch_impl_with_dispatch_copy_epilogue_impl(
     int64_t recv_sf_stride_row, int64_t recv_sf_stride_col, int64_t* recv_topk_idx, float* recv_topk_weights,
     int32_t* recv_src_metadata, int32_t* recv_src_idx, int phases, int num_send_blocks, int chunk_rows,
     int chunk_stride, const uint64_t* peer_bases, int rank, uint64_t recv_offset, int32_t* error_record,
-    uint64_t timeout_ns) {
+    uint64_t timeout_ns, const uint32_t* ready, int ready_mod) {
     const Peers peers{peer_bases, rank};
     uint32_t* ctrl = peers.local_ctrl();
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
@@ -281,7 +316,8 @@ dispatch_impl_with_dispatch_copy_epilogue_impl(
         ok = dispatch_send_blocks<kNumRanks, kMaxTopk>(
             x, x_row_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_idx, topk_weights, send_expert_pos,
             token_of_slot, send_count, num_tokens, num_topk, num_max_tokens_per_rank, msg, num_chunks, peers, rank,
-            recv_offset, sink, timeout_ns, epoch, blockIdx.x, num_send_blocks, chunk_rows, chunk_stride);
+            recv_offset, sink, timeout_ns, epoch, blockIdx.x, num_send_blocks, chunk_rows, chunk_stride, ready,
+            ready_mod);
     } else {
         ok = dispatch_recv_blocks<kNumRanks, kMaxTopk>(
             x, x_row_bytes, hidden_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_idx, topk_weights,
@@ -289,7 +325,7 @@ dispatch_impl_with_dispatch_copy_epilogue_impl(
             do_expand, do_zero_padding, num_out_rows, num_meta_rows, recv_x, recv_sf, recv_sf_stride_row,
             recv_sf_stride_col, recv_topk_idx, recv_topk_weights, recv_src_metadata, recv_src_idx, msg, num_chunks,
             peers, rank, recv_offset, sink, timeout_ns, epoch, blockIdx.x - num_send_blocks,
-            gridDim.x - num_send_blocks, chunk_rows, chunk_stride);
+            gridDim.x - num_send_blocks, chunk_rows, chunk_stride, ready, ready_mod);
     }
     // A timed-out wait leaves the epoch unpublished (the buffer is unusable after a timeout anyway).
     if (__syncthreads_or(!ok))

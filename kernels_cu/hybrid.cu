@@ -15,6 +15,16 @@
 // hybrid_combine_final             bias, then each domain's partial in ascending key (its last top-k slot), FP32,
 //                                  one rounding: refs.combine(..., reduce_in_scaleup=True)
 // rail_epoch_begin / rail_signal / rail_wait: the loopback transport's stream-ordered epoch flags.
+//
+// P2 (pipelined dispatch, features/hybrid/feature.py `_pipelined_rails`): the region holds the rows SPLIT in two parts
+// so that the metadata crosses the rail first and the payload after it, in chunks of rows:
+//   [header | meta rows [M][meta_bytes] | payload rows [M][payload_bytes]]
+//   meta row (`SplitRows`): [src token int32, pad to 16 | top-k int64 x K | weights f32 x K], each part padded to 16;
+//   payload row: [scales 4 B x num_sf | x], each part padded to 16.
+// hybrid_pack_split       (block/token)  hybrid_pack in the split layout
+// hybrid_unpack_meta      (grid-stride)  union top-k / weights of the rail rows, fwd_src / fwd_count, ready = 0
+// hybrid_unpack_payload   (block/row)    scales and x of rail rows [row_begin, row_end) into their union rows
+// hybrid_ready            (1 thread)     release-store the rows-ready counter the intranode dispatch's guard polls
 #include "common/ep.cuh"
 #include "common/timeout.cuh"
 
@@ -352,6 +362,134 @@ hybrid_combine_final(const int64_t* topk_idx, int num_tokens, int num_topk, int 
             }
             out_weights[static_cast<int64_t>(t) * num_topk + k] = w;
         }
+    }
+}
+
+// ---- P2: the split rows ----------------------------------------------------------------------------------------
+struct SplitRows {
+    int64_t topk_off, w_off, meta_bytes, x_off, payload_bytes, payload_base;
+
+    __device__ __forceinline__ SplitRows(int num_topk, int num_sf, int hidden_bytes, int num_max_tokens) {
+        topk_off = 16;
+        w_off = topk_off + align16(8LL * num_topk);
+        meta_bytes = w_off + align16(4LL * num_topk);
+        x_off = align16(4LL * num_sf);
+        payload_bytes = x_off + align16(hidden_bytes);
+        payload_base = kHybridHeaderBytes + static_cast<int64_t>(num_max_tokens) * meta_bytes;
+    }
+    __device__ __forceinline__ int64_t meta(int p) const { return kHybridHeaderBytes + p * meta_bytes; }
+    __device__ __forceinline__ int64_t payload(int p) const { return payload_base + p * payload_bytes; }
+};
+
+// One block per token: its metadata and payload into the send region of every other domain it goes to.
+template <int kMaxTopk>
+__global__ void __launch_bounds__(kHybridThreads)
+hybrid_pack_split(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, const uint32_t* sf,
+                  int64_t sf_stride_token, int64_t sf_stride_col, int num_sf, const int64_t* topk_idx,
+                  const float* topk_weights, int num_tokens, int num_topk, const int32_t* domain_pos, int num_domains,
+                  int domain, int num_max_tokens, uint8_t* rail_base, uint64_t send_offset, uint64_t region_bytes) {
+    const int t = blockIdx.x;
+    if (t >= num_tokens)
+        return;
+    const SplitRows rows(num_topk, num_sf, hidden_bytes, num_max_tokens);
+    for (int m = 0; m < num_domains; ++m) {
+        const int pos = domain_pos[static_cast<int64_t>(t) * num_domains + m];
+        if (m == domain || pos < 0)
+            continue;
+        uint8_t* region = rail_base + send_offset + m * region_bytes;
+        uint8_t* meta = region + rows.meta(pos);
+        uint8_t* payload = region + rows.payload(pos);
+        if (threadIdx.x == 0)
+            *reinterpret_cast<int32_t*>(meta) = t;
+        for (int k = threadIdx.x; k < num_topk; k += blockDim.x) {
+            reinterpret_cast<int64_t*>(meta + rows.topk_off)[k] = topk_idx[static_cast<int64_t>(t) * num_topk + k];
+            reinterpret_cast<float*>(meta + rows.w_off)[k] =
+                topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * num_topk + k] : 0.0f;
+        }
+        for (int j = threadIdx.x; j < num_sf; j += blockDim.x)
+            reinterpret_cast<uint32_t*>(payload)[j] = sf[t * sf_stride_token + j * sf_stride_col];
+        copy16(payload + rows.x_off, x + t * x_row_bytes, hidden_bytes);
+    }
+}
+
+// The rail rows' metadata, after the metadata exchange (hybrid_unpack mode 0 ran before: own rows and empty rows):
+// thread per (source domain s, rail position p): union row s * M + t (t = its source token) gets the top-k ids
+// masked to this domain and the weights; fwd_src [s * M + p] = t, fwd_count [s] = count. Also resets the rows-ready
+// counter (this call's, a fresh allocation) to 0 before the payload stream starts.
+template <int kMaxTopk>
+__global__ void __launch_bounds__(kHybridThreads)
+hybrid_unpack_meta(int num_topk, int num_sf, int hidden_bytes, int experts_per_domain, int num_domains, int domain,
+                   int num_max_tokens, const uint8_t* rail_base, uint64_t recv_offset, uint64_t region_bytes,
+                   int64_t* union_topk, float* union_weights, int32_t* fwd_src, int32_t* fwd_count,
+                   uint32_t* ready) {
+    const int64_t M = num_max_tokens;
+    const SplitRows rows(num_topk, num_sf, hidden_bytes, num_max_tokens);
+    const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (tid == 0)
+        *ready = 0;
+    for (int64_t i = tid; i < num_domains * M; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int s = static_cast<int>(i / M), p = static_cast<int>(i % M);
+        if (s == domain)
+            continue;
+        const uint8_t* region = rail_base + recv_offset + s * region_bytes;
+        int count = *reinterpret_cast<const int32_t*>(region);
+        count = count < 0 ? 0 : (count > num_max_tokens ? num_max_tokens : count);
+        if (p == 0)
+            fwd_count[s] = count;
+        if (p >= count)
+            continue;
+        const uint8_t* meta = region + rows.meta(p);
+        const int t = *reinterpret_cast<const int32_t*>(meta);
+        if (t < 0 || t >= num_max_tokens)
+            continue;
+        fwd_src[i] = t;
+        const int64_t u = s * M + t;
+        const int64_t lo = static_cast<int64_t>(domain) * experts_per_domain;
+        const auto* topk = reinterpret_cast<const int64_t*>(meta + rows.topk_off);
+        const auto* w = reinterpret_cast<const float*>(meta + rows.w_off);
+        for (int k = 0; k < num_topk; ++k) {
+            const int64_t e = topk[k];
+            union_topk[u * num_topk + k] = (e >= lo && e < lo + experts_per_domain) ? e - lo : -1;
+            if (union_weights != nullptr)
+                union_weights[u * num_topk + k] = w[k];
+        }
+    }
+}
+
+// One block per (source domain s, rail position p in [row_begin, row_end)): scales and x of the rail row into union
+// row s * M + t, once the payload chunk holding the rows landed.
+__global__ void __launch_bounds__(kHybridThreads)
+hybrid_unpack_payload(int num_topk, int num_sf, int hidden_bytes, int num_domains, int domain, int num_max_tokens,
+                      int row_begin, int row_end, const uint8_t* rail_base, uint64_t recv_offset,
+                      uint64_t region_bytes, uint8_t* union_x, uint32_t* union_sf) {
+    const int span = row_end - row_begin;
+    if (span <= 0)
+        return;
+    const int s = static_cast<int>(blockIdx.x / span), p = row_begin + static_cast<int>(blockIdx.x % span);
+    if (s >= num_domains || s == domain)
+        return;
+    const int64_t M = num_max_tokens;
+    const SplitRows rows(num_topk, num_sf, hidden_bytes, num_max_tokens);
+    const uint8_t* region = rail_base + recv_offset + s * region_bytes;
+    int count = *reinterpret_cast<const int32_t*>(region);
+    count = count < 0 ? 0 : (count > num_max_tokens ? num_max_tokens : count);
+    if (p >= count)
+        return;
+    const int t = *reinterpret_cast<const int32_t*>(region + rows.meta(p));
+    if (t < 0 || t >= num_max_tokens)
+        return;
+    const int64_t u = s * M + t;
+    const uint8_t* payload = region + rows.payload(p);
+    for (int j = threadIdx.x; j < num_sf; j += blockDim.x)
+        union_sf[u * num_sf + j] = reinterpret_cast<const uint32_t*>(payload)[j];
+    copy16(union_x + u * hidden_bytes, payload + rows.x_off, hidden_bytes);
+}
+
+// Publish `value` rows ready (every earlier write of this stream, the unpacked rows included, before it).
+__global__ void hybrid_ready(uint32_t* ready, uint32_t value) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        __threadfence_system();
+        st_release_sys(ready, value);
     }
 }
 

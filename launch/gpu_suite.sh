@@ -13,7 +13,8 @@
 #   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure
 #   hybrid     EP across scale-up domains (hybrid mode), ranks sharing GPU 0, rails through the IPC loopback:
 #              2x1, 2x2, 2x4, 4x1 (domains x ranks, DEEPEP_CUPY_SCALEUP_SIZE), pressure, CUDA graph, timeout, errors
-#              (launch/scaleout_nccl.sh runs NCCL rails across two GPUs)
+#              (launch/scaleout_nccl.sh runs NCCL rails across two GPUs); the same with the pipelined dispatch (P2,
+#              DEEPEP_CUPY_HYBRID_PIPELINE=1) and perf/hybrid_pipeline.py (P2 against P1)
 #   ll         low-latency rank program at 2/4/8 ranks sharing the GPUs (and one rank per GPU)
 #   legacy     V1 Buffer (normal mode) rank program, 2/4/8 ranks and the dispatch knobs (legacy1: one rank, alone)
 #   v25        the V2.5 API rank program (EPBuffer + load balancing, BucketBuffer, PPBuffer, EngramBuffer), 1/2/4 ranks
@@ -198,6 +199,30 @@ hybrid_lane() {
     step "hybrid 2x2 np=4 argument errors (loopback)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-graph-test --skip-timeout-test \
         --num-create-destroy 0
+}
+hybrid_pipeline_lane() {
+    # P2: the pipelined hybrid dispatch (DEEPEP_CUPY_HYBRID_PIPELINE=1; metadata first, payload in chunks on a side
+    # stream, the intranode dispatch guarded per row). 32 rows per chunk: 8 chunks at 256 tokens (auto makes one
+    # chunk at this hidden size; the auto step below covers it). Same bit-exact checks as hybrid_lane.
+    local H="--num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test" shape su np
+    local P2="DEEPEP_CUPY_RAIL_TRANSPORT=loopback DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32"
+    for shape in 2x1:1:2 2x2:2:4 4x1:1:4; do
+        IFS=: read -r shape su np <<< "$shape"
+        step "hybrid P2 $shape np=$np + timeout (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$su $P2 $ONE $R $np \
+            $EP $H --skip-error-test --skip-graph-test --num-create-destroy 1
+    done
+    step "hybrid P2 2x1 np=2 auto chunk rows (loopback)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback DEEPEP_CUPY_HYBRID_PIPELINE=1 $ONE $R 2 $EP $H --skip-error-test \
+        --skip-graph-test --skip-timeout-test --num-create-destroy 0
+    step "hybrid P2 2x2 np=4 CUDA graph (M=128, loopback)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=2 $P2 $ONE $R 4 $EP $H \
+        --skip-check --skip-error-test --skip-timeout-test --num-create-destroy 0
+    step "hybrid P2 2x2 np=4 pressure 100 seeds (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=2 $P2 $ONE $R 4 $EP $H \
+        --skip-check --skip-error-test --skip-graph-test --skip-timeout-test --num-create-destroy 0 \
+        --do-pressure-test --num-pressure-seeds 100 --unbalanced-ratio 2 --num-topk 8
+    # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio): 2 domains x 1 rank
+    # sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: one GPU time-sliced).
+    step "hybrid P2 vs P1 perf/hybrid_pipeline.py 2x1 np=2 (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/hybrid_pipeline.py --out "$OUT"
 }
 ll_lane() {
     local n
@@ -395,6 +420,7 @@ if want ep; then
     lane ep_lane_shared
 fi
 want hybrid && lane hybrid_lane
+want hybrid && lane hybrid_pipeline_lane
 want fuse && lane fuse_lane
 want fuse && lane fuse_lane_shared
 want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll_lane

@@ -7,6 +7,10 @@
 #
 #   bash launch/scaleout_nccl.sh [SHAPE...]        SHAPE = NxR (domains x ranks per domain), default: 2x1 2x2 2x4
 #
+# Each shape also runs with the pipelined dispatch (P2: DEEPEP_CUPY_HYBRID_PIPELINE=1, 32 rows per payload chunk),
+# and at the end perf/hybrid_pipeline.py times P2 against P1 at 2x1 (512 and 4096 tokens, hidden 7168; bitwise check
+# of both first; skip with PIPELINE_PERF=0).
+#
 # Timings of the same 2x1 shape (hybrid dispatch / combine rows next to the one-domain path and refs' NCCL all-to-all,
 # DeepEP's SO / SU GB/s, a per-stage [timeline]; launch/gpu_suite.sh bench runs it):
 #   DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=nccl launch/run_local.sh 2 python perf/ep_bench.py --hybrid
@@ -24,15 +28,16 @@ ARGS="--num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 --num-tokens 256 --hi
 --skip-perf-test --num-create-destroy 1"
 fails=0
 
-# run NAME NUM_DOMAINS RANKS_PER_DOMAIN [VAR=VALUE...]: one rank program; each rank finds its domain from its MPI rank
-# (Open MPI or MPICH) and takes that domain's GPU and host name.
+# run NAME NUM_DOMAINS RANKS_PER_DOMAIN [VAR=VALUE...]: one rank program ($PROG, default the EP rank program); each
+# rank finds its domain from its MPI rank (Open MPI or MPICH) and takes that domain's GPU and host name.
 run() {
     local name=$1 n=$2 r=$3; shift 3
     local log="$OUT/${name//[^A-Za-z0-9_.-]/_}.log"
+    local prog=${PROG:-"-m deepep_cupy.tests.ep $ARGS"}
     echo "=== [$name] ($n domains x $r ranks, NCCL rails)" | tee "$log"
     env "$@" DEEPEP_CUPY_RAIL_TRANSPORT=nccl timeout --kill-after=10 900 launch/run_local.sh $((n * r)) bash -c \
         "g=\${OMPI_COMM_WORLD_RANK:-\${PMI_RANK:-0}}; d=\$((g / $r)); export DEEPEP_CUPY_HOST=node\$d \
-         DEEPEP_CUPY_DEVICE=\$((d % $NGPU)); exec $PY -m deepep_cupy.tests.ep $ARGS" >> "$log" 2>&1
+         DEEPEP_CUPY_DEVICE=\$((d % $NGPU)); exec $PY $prog" >> "$log" 2>&1
     local rc=$?
     tail -3 "$log"
     if [ $rc -ne 0 ]; then echo "FAIL(rc=$rc) $name"; fails=$((fails + 1)); else echo "PASS $name"; fi
@@ -50,6 +55,10 @@ for shape in "${shapes[@]}"; do
     run "hybrid $shape NCCL" "$n" "$r"
     run "hybrid $shape NCCL socket (P2P and SHM off)" "$n" "$r" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
         NCCL_SOCKET_IFNAME=lo
+    run "hybrid $shape NCCL P2 pipelined" "$n" "$r" DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32
 done
+if [ "${PIPELINE_PERF:-1}" != 0 ]; then
+    PROG="perf/hybrid_pipeline.py --out $OUT" run "hybrid 2x1 NCCL P2 vs P1 perf" 2 1
+fi
 echo "scaleout_nccl: $fails failed"
 [ $fails -eq 0 ]

@@ -8,6 +8,8 @@ PHASES = {1: 'barrier', 2: 'test ring', 3: 'notify', 4: 'dispatch', 5: 'combine'
           12: 'hybrid rail exchange'}
 PHASE_HYBRID_RAIL = 12     # kernels_cu/hybrid.cu: ranks in the record are global already
 RAIL_EXCHANGES = {1: 'notify', 2: 'dispatch', 3: 'combine', 4: 'barrier'}
+PHASE_DISPATCH = 4
+AUX_RAIL_READY = 224       # kernels_cu/ep_dispatch.cu kAuxRailReady: the hybrid pipeline's rows-ready guard
 
 
 def describe(record: np.ndarray, rank_base: int = 0) -> str:
@@ -17,6 +19,8 @@ def describe(record: np.ndarray, rank_base: int = 0) -> str:
     if code == PHASE_HYBRID_RAIL:
         phase += f' ({RAIL_EXCHANGES.get(int(record[6]), "?")})'
         rank_base = 0
+    elif code == PHASE_DISPATCH and int(record[6]) == AUX_RAIL_READY:
+        phase += ' (hybrid pipeline: rail rows not ready; its rail exchange stalled)'
     return (f'{phase}: rank {int(record[2]) + rank_base} waited for rank {int(record[3]) + rank_base} and gave up '
             f'(expected signal {int(record[4])}, last seen {int(record[5])}, aux {int(record[6])})')
 

@@ -402,6 +402,8 @@ class IpcLoopbackTransport(ScaleoutTransport):
         self.flags_offset = int(flags_offset)
         self.signals = signals
         self.memcpy = memcpy or _memcpy_async
+        # Called after each chunk's copies with (chunk, stream), as `NcclRailTransport.after_chunk` (P2 pipelining).
+        self.after_chunk: Optional[Callable[[int, Any], None]] = None
 
     @property
     def epoch_word(self) -> int:
@@ -433,5 +435,7 @@ class IpcLoopbackTransport(ScaleoutTransport):
                     waited.add(op.peer)
                 self.memcpy(self.base_ptr + op.offset, self.peer_bases[op.peer] + op.peer_offset, op.num_bytes,
                             stream)
+            if self.after_chunk is not None:
+                self.after_chunk(c, stream)
         self.signals.signal([self.consumed_flag(p, me) for p in peers], stream)
         self.signals.wait([self.consumed_flag(me, p) for p in peers], peers, phase, stream)

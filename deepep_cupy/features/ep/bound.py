@@ -157,6 +157,10 @@ class BoundDispatch:
         self.send_patch = _patcher(self.send, _INPUTS) if self.send is not None else None
         self.recv_in_patch, self.recv_out_patch = _patcher(self.recv, _INPUTS), _patcher(self.recv, _OUTPUTS)
         r = self.recv
+        # The readiness guard's words (`_patch_guard`): the default dispatch kernel's launches only.
+        guarded = not (self.fused or self.legacy_kernels)
+        self.send_guard_idx = _guard_idx(self.send) if guarded and self.send is not None else None
+        self.recv_guard_idx = _guard_idx(r) if guarded else None
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
         self.recv_extra = 0 if self.send is not None or self.legacy_kernels else self.num_send_blocks
@@ -166,6 +170,7 @@ class BoundDispatch:
         self.num_device_sms = s.num_device_sms
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
+        self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         self._torch_dtypes = None
         if self.kind == 'torch':
             import torch
@@ -205,12 +210,14 @@ class BoundDispatch:
             elif self.one_launch:
                 self.send = None
                 self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_SEND | PHASE_RECV,
-                                                  num_send_blocks=self.num_send_blocks, **common)
+                                                  num_send_blocks=self.num_send_blocks, ready=0, ready_mod=0,
+                                                  **common)
             else:
                 self.send = kernels.dispatch.bind(self.num_send_blocks, DISPATCH_THREADS, phases=PHASE_SEND,
-                                                  num_send_blocks=self.num_send_blocks, **common)
-                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
+                                                  num_send_blocks=self.num_send_blocks, ready=0, ready_mod=0,
                                                   **common)
+                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
+                                                  ready=0, ready_mod=0, **common)
         if not p.cached:
             self.notify_idx = tuple(self.notify.index(n) for n in (
                 'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
@@ -301,9 +308,17 @@ class BoundDispatch:
         # _INPUTS' pointers in order.
         ins = (xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[5], ws_ptr + 4 * o[6],
                ws_ptr + 4 * o[2])
+        # Hybrid P2's readiness guard (`EP.ready_guard`: (counter address, rows modulo, SMs to leave free) or None),
+        # patched on every call (bound launches are shared by calls with and without it).
+        guard = ep.ready_guard
+        if guard is not None and (self.fused or self.legacy_kernels):
+            raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
+                             'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
         snd = self.send
         if snd is not None:
             self.send_patch(snd.u64, ins)
+            if self.send_guard_idx is not None:
+                _patch_guard(snd, self.send_guard_idx, guard)
             snd(comm)
 
         if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
@@ -353,7 +368,17 @@ class BoundDispatch:
         r = self.recv
         self.recv_in_patch(r.u64, ins)
         self.recv_out_patch(r.u64, outs)
-        if out is not self._recv_sized:       # the words and grid of these sizes stay in the block until they change
+        free = 0
+        if not self.fused:
+            if self.recv_guard_idx is not None:
+                _patch_guard(r, self.recv_guard_idx, guard)
+            if guard is not None:
+                free = guard[2]
+                if self.recv_extra + free >= self.num_device_sms:
+                    raise ValueError(f'the hybrid pipeline leaves {free} SMs free beside {self.recv_extra} '
+                                     f'sending blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
+        # The words and grid of these sizes (and SMs left free) stay in the block until they change.
+        if out is not self._recv_sized or free != self._recv_free:
             r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
             r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
             # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
@@ -361,8 +386,8 @@ class BoundDispatch:
                 r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
                                               self.num_device_sms), 1, 1)
             else:
-                r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra), 1, 1)
-            self._recv_sized = out
+                r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
+            self._recv_sized, self._recv_free = out, free
         r(comm)
 
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
@@ -455,6 +480,16 @@ class BoundCombine:
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
         return combined_x, combined_w, event_out
+
+
+def _guard_idx(launch) -> Tuple[int, int]:
+    return launch.index('ready'), launch.index('ready_mod')
+
+
+def _patch_guard(launch, idx: Tuple[int, int], guard) -> None:
+    """The readiness guard's arguments of a dispatch launch (`ep_dispatch.cu`; guard None: off)."""
+    launch.u64[idx[0]] = guard[0] if guard is not None else 0
+    launch.i32[idx[1]] = guard[1] if guard is not None else 0
 
 
 def _psum_expert_from_layout(recv_layout, R: int, L: int, alignment: int, do_expand: bool, kind: str, stream):

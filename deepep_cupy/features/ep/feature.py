@@ -70,6 +70,9 @@ class EP:
         self.fused_notify = envs.ep_fused_notify() and not self.legacy_dispatch
         self.fused_cooperative = envs.ep_fused_cooperative()
         self.combine_cap_all_sms = envs.combine_cap_all_sms()      # num_sms caps a combine's reducers too
+        # Hybrid P2 (features/hybrid/feature.py) sets it around one dispatch: (counter address, rows modulo, SMs to
+        # leave free); the dispatch kernel then waits for each input row to be ready (kernels_cu/ep_dispatch.cu).
+        self.ready_guard = None
         self._carvers: Dict[str, interop.Carver] = {}
         if num_max_tokens_per_rank and hidden:
             buf.claim_data_region(DATA_REGION_OWNER)

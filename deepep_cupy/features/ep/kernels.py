@@ -60,7 +60,8 @@ def topk_range_spec() -> KernelSpec:
 
 
 def dispatch_spec(num_ranks: int, bucket: int) -> KernelSpec:
-    """The dispatch kernel: senders and receivers in one launch, or either role alone (`phases`)."""
+    """The dispatch kernel: senders and receivers in one launch, or either role alone (`phases`). `ready`,
+    `ready_mod`: the readiness guard of hybrid P2 (`EP.ready_guard`; 0: off)."""
     return KernelSpec('ep_dispatch', f'deepep::dispatch_impl_with_dispatch_copy_epilogue_impl<{num_ranks}, {bucket}>', (
         _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('sf', PTR),
         _P('sf_stride_token', np.int64), _P('sf_stride_col', np.int64), _P('num_sf', np.int32), _P('topk_idx', PTR),
@@ -71,7 +72,7 @@ def dispatch_spec(num_ranks: int, bucket: int) -> KernelSpec:
         _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64), _P('recv_topk_idx', PTR),
         _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), _P('recv_src_idx', PTR), _P('phases', np.int32),
         _P('num_send_blocks', np.int32), _P('chunk_rows', np.int32), _P('chunk_stride', np.int32), *_COMMON_TAIL,
-        _P('recv_offset', np.uint64), *_ERR))
+        _P('recv_offset', np.uint64), *_ERR, _P('ready', PTR), _P('ready_mod', np.int32)))
 
 
 def fused_dispatch_spec(num_ranks: int, bucket: int) -> KernelSpec:

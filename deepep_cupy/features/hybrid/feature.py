@@ -31,6 +31,7 @@ from ...runtime import interop, workspace
 from ...runtime.event import EventHandle, EventOverlap, as_event_handle
 from ...runtime.polling import wait_until
 from ...runtime.rails import IpcLoopbackTransport, NcclRailTransport, plan_exchange, rail_topology
+from ...runtime.sizes import ceil_div
 from . import plan as hplan
 from .checks import check_combine_args, check_dispatch_args
 from .handle import HybridHandle
@@ -112,6 +113,11 @@ def _ptr(a) -> int:
     return a.data_ptr() if interop.is_torch(a) else a.data.ptr
 
 
+def _stream_after(waiting, done) -> None:
+    """Make stream `waiting` wait for the work enqueued on `done` so far (an event; capturable)."""
+    EventHandle(done).stream_wait(waiting)
+
+
 def _capturing(like) -> bool:
     if interop.is_torch(like):
         import torch
@@ -150,6 +156,18 @@ class HybridEP:
         self.area = hplan.rail_area(self.N, self.M, hidden, self.num_topk)
         self.rails = rails if rails is not None else HybridRails(buf, self.area, self._kernels_of(self.num_topk))
         self._seq = 0
+        # P2 (DEEPEP_CUPY_HYBRID_PIPELINE): pipelined rails in dispatch; every rank must agree (the rail exchanges
+        # differ). `pipeline` may be switched per call (perf/hybrid_pipeline.py does, on every rank alike);
+        # `pipeline_rows` overrides the rows per payload chunk (0: hplan.pipeline_chunk_rows).
+        self.pipeline = bool(envs.hybrid_pipeline())
+        self.pipeline_rows = 0
+        if self.pipeline and (getattr(inner, 'fused_notify', False) or getattr(inner, 'legacy_dispatch', False)):
+            raise ValueError('DEEPEP_CUPY_HYBRID_PIPELINE needs the default intranode dispatch kernel: unset '
+                             'DEEPEP_CUPY_EP_FUSED_NOTIFY and DEEPEP_CUPY_EP_LEGACY_DISPATCH')
+        settings = buf.group.allgather_object(self.pipeline)
+        if len(set(settings)) != 1:
+            raise ValueError('DEEPEP_CUPY_HYBRID_PIPELINE must be set alike on every rank')
+        self._side = None
         if host is None:
             from ...runtime.symmetric import HostMappedMemory
             host = HostMappedMemory(HOST_BYTES)
@@ -210,40 +228,64 @@ class HybridEP:
         xargs = dict(x=xa, x_row_bytes=a.x_row_bytes, hidden_bytes=a.hidden_bytes, sf=sf if sf is not None else 0,
                      sf_stride_token=a.sf_strides[0], sf_stride_col=a.sf_strides[1], num_sf=a.num_sf, topk_idx=topk,
                      topk_weights=w if w is not None else 0, num_tokens=T, num_topk=K)
-        if T:
+        pipelined = self.pipeline
+        split = hplan.split_rows(area, Mc, K, a.num_sf, a.hidden_bytes) if pipelined else None
+        if T and pipelined:
+            k.pack_split.launch(T, THREADS, stream=stream, **xargs, domain_pos=domain_pos, num_domains=N, domain=n,
+                                num_max_tokens=Mc, rail_base=base, send_offset=area.send_offset,
+                                region_bytes=area.region_bytes)
+        elif T:
             k.pack.launch(T, THREADS, stream=stream, **xargs, domain_pos=domain_pos, num_domains=N, domain=n,
                           rail_base=base, send_offset=area.send_offset, region_bytes=area.region_bytes)
         send_counts = recv_counts = None
         if a.cpu_sync:
             send_counts, recv_counts = self._notify(k, counts, stream)
-            plan = plan_exchange(rails, area, 'dispatch', hplan.payloads(rails.peer_domains, send_counts, Mc, row),
-                                 hplan.payloads(rails.peer_domains, recv_counts, Mc, row))
-        else:
-            static = hplan.payloads(rails.peer_domains, None, Mc, row)
-            plan = plan_exchange(rails, area, 'dispatch', static, static)
+        # P1: whole rows in one exchange; P2: the metadata rows first (the payload follows on the side stream).
+        first = split.meta_bytes if pipelined else row
+        plan = plan_exchange(rails, area, 'dispatch', hplan.payloads(rails.peer_domains, send_counts, Mc, first),
+                             hplan.payloads(rails.peer_domains, recv_counts, Mc, first))
         self.rails.exchange(plan, stream)
         union_x = _empty(xa, (N * Mc, xa.shape[1]))
         union_sf = _empty(sf, (N * Mc, a.num_sf)) if sf is not None else None
         union_topk = _empty(topk, (N * Mc, K))
         union_w = _empty(topk, (N * Mc, K), 'float32') if w is not None else None
-        fwd = _empty(topk, (N * Mc + N,), 'int32')
-        fwd_src, fwd_count = fwd[:N * Mc], fwd[N * Mc:]
+        fwd = _empty(topk, (N * Mc + N + (1 if pipelined else 0),), 'int32')
+        fwd_src, fwd_count = fwd[:N * Mc], fwd[N * Mc:N * Mc + N]
         uargs = dict(experts_per_domain=a.num_experts // N, num_domains=N, domain=n, num_max_tokens=Mc,
                      rail_base=base, recv_offset=area.recv_offset, region_bytes=area.region_bytes, union_x=union_x,
                      union_sf=_ptr(union_sf), union_topk=union_topk, union_weights=_ptr(union_w), fwd_src=fwd_src,
                      fwd_count=fwd_count)
         k.unpack.launch(min(N * Mc, 8192), THREADS, stream=stream, mode=0, **xargs, **uargs)
-        k.unpack.launch(N * Mc, THREADS, stream=stream, mode=1, **xargs, **uargs)
+        guard = side = None
+        if pipelined:
+            ready = _ptr(fwd) + 4 * (N * Mc + N)
+            k.unpack_meta.launch(max(1, min(ceil_div(N * Mc, THREADS), 1024)), THREADS, stream=stream, num_topk=K,
+                                 num_sf=a.num_sf, hidden_bytes=a.hidden_bytes, experts_per_domain=a.num_experts // N,
+                                 num_domains=N, domain=n, num_max_tokens=Mc, rail_base=base,
+                                 recv_offset=area.recv_offset, region_bytes=area.region_bytes, union_topk=union_topk,
+                                 union_weights=_ptr(union_w), fwd_src=fwd_src, fwd_count=fwd_count, ready=ready)
+            side = self._payload_stream()
+            _stream_after(side, stream)
+            self._payload(k, split, send_counts, recv_counts, union_x, union_sf, a, ready, side)
+            guard = (ready, Mc, hplan.PIPELINE_FREE_SMS)
+        else:
+            k.unpack.launch(N * Mc, THREADS, stream=stream, mode=1, **xargs, **uargs)
         inner_x = (union_x, union_sf) if sf is not None else union_x
         inner_handle = handle.inner if handle is not None else None
         # With a previous event the intranode engine's stream waits for that event only, not for the current stream:
         # hand it an event recorded after the union was built (the current stream already waited for the caller's).
         inner_previous = EventHandle(stream) if previous_event is not None else None
-        recv_x, recv_topk, recv_w, inner_handle, event = self.inner.dispatch(
-            inner_x, None if handle is not None else union_topk, union_w, cumulative_local_expert_recv_stats,
-            a.num_experts // N, N * Mc, expert_alignment, num_sms, num_qps, inner_previous, None,
-            async_with_compute_stream, allocate_on_comm_stream, inner_handle, do_handle_copy, do_cpu_sync, do_expand,
-            do_zero_padding, use_tma_aligned_col_major_sf)
+        self.inner.ready_guard = guard
+        try:
+            recv_x, recv_topk, recv_w, inner_handle, event = self.inner.dispatch(
+                inner_x, None if handle is not None else union_topk, union_w, cumulative_local_expert_recv_stats,
+                a.num_experts // N, N * Mc, expert_alignment, num_sms, num_qps, inner_previous, None,
+                async_with_compute_stream, allocate_on_comm_stream, inner_handle, do_handle_copy, do_cpu_sync,
+                do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
+        finally:
+            self.inner.ready_guard = None
+            if side is not None:
+                _stream_after(stream, side)     # the payload stream joins the caller's (its reads of the rails too)
         if async_with_compute_stream and interop.is_torch(xa):
             # The intranode engine reads the union on its stream after this call returns: keep the caching
             # allocator from handing the memory to the current stream meanwhile.
@@ -260,6 +302,38 @@ class HybridEP:
                          send_counts, recv_counts, union_topk if handle is None else handle.union_topk,
                          (union_x, union_sf, union_topk, union_w, fwd, counts), id(self))
         return recv_x, recv_topk, recv_w, h, event
+
+    def _payload_stream(self):
+        """The side stream of the pipelined payload (made once; never destroyed, as the buffers' streams)."""
+        if self._side is None:
+            import cupy
+            self._side = cupy.cuda.Stream(non_blocking=True)
+        return self._side
+
+    def _payload(self, k, split: hplan.SplitRows, send_counts, recv_counts, union_x, union_sf, a, ready: int,
+                 side) -> None:
+        """P2: the payload exchange in chunks on `side`; after each chunk its rows go into the union and the
+        rows-ready counter advances (`hplan.rows_ready_after`), which the intranode dispatch's guard polls. Only
+        kernels and NCCL calls are enqueued between the chunks (no host work: capturable)."""
+        N, n, Mc = self.N, self.domain, split.num_max_tokens
+        rows = self.pipeline_rows or hplan.pipeline_chunk_rows(Mc, split.payload_bytes, envs.hybrid_pipeline_rows())
+        plan = hplan.payload_plan(self.rails.rails, self.area, split, send_counts, recv_counts, rows)
+        area, base = self.area, self.rails.base
+
+        def landed(c: int, stream) -> None:
+            begin, end = c * rows, hplan.rows_ready_after(c, rows, Mc)
+            k.unpack_payload.launch(N * (end - begin), THREADS, stream=stream, num_topk=a.num_topk, num_sf=a.num_sf,
+                                    hidden_bytes=a.hidden_bytes, num_domains=N, domain=n, num_max_tokens=Mc,
+                                    row_begin=begin, row_end=end, rail_base=base, recv_offset=area.recv_offset,
+                                    region_bytes=area.region_bytes, union_x=union_x, union_sf=_ptr(union_sf))
+            k.ready.launch(1, 1, stream=stream, ready=ready, value=end)
+
+        transport = self.rails.transport
+        transport.after_chunk = landed
+        try:
+            self.rails.exchange(plan, side)
+        finally:
+            transport.after_chunk = None
 
     def _notify(self, k, counts, stream):
         """CPU sync: the header-only rail exchange, then the send / receive counts on the host (bounded wait)."""

@@ -66,6 +66,33 @@ def combine_final_spec(bucket: int) -> KernelSpec:
         _P('bias0', PTR), _P('bias1', PTR), _P('num_bias', np.int32), _P('out_x', PTR), _P('out_weights', PTR)))
 
 
+# ---- P2: the split rows (pipelined dispatch) ---------------------------------------------------------------------
+def pack_split_spec(bucket: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::hybrid_pack_split<{bucket}>', (
+        *_X, _P('domain_pos', PTR), _P('num_domains', np.int32), _P('domain', np.int32),
+        _P('num_max_tokens', np.int32), *_RAIL, _P('send_offset', np.uint64), _P('region_bytes', np.uint64)))
+
+
+def unpack_meta_spec(bucket: int) -> KernelSpec:
+    return KernelSpec(FAMILY, f'deepep::hybrid_unpack_meta<{bucket}>', (
+        _P('num_topk', np.int32), _P('num_sf', np.int32), _P('hidden_bytes', np.int32),
+        _P('experts_per_domain', np.int32), _P('num_domains', np.int32), _P('domain', np.int32),
+        _P('num_max_tokens', np.int32), *_RAIL, _P('recv_offset', np.uint64), _P('region_bytes', np.uint64),
+        _P('union_topk', PTR), _P('union_weights', PTR), _P('fwd_src', PTR), _P('fwd_count', PTR), _P('ready', PTR)))
+
+
+def unpack_payload_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::hybrid_unpack_payload', (
+        _P('num_topk', np.int32), _P('num_sf', np.int32), _P('hidden_bytes', np.int32), _P('num_domains', np.int32),
+        _P('domain', np.int32), _P('num_max_tokens', np.int32), _P('row_begin', np.int32), _P('row_end', np.int32),
+        *_RAIL, _P('recv_offset', np.uint64), _P('region_bytes', np.uint64), _P('union_x', PTR),
+        _P('union_sf', PTR)))
+
+
+def ready_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::hybrid_ready', (_P('ready', PTR), _P('value', np.uint32)))
+
+
 _ADDRS = tuple(_P(f'a{i}', np.uint64) for i in range(MAX_SIGNALS))
 _PEERS = tuple(_P(f'p{i}', np.int32) for i in range(MAX_SIGNALS))
 
@@ -86,7 +113,8 @@ def wait_spec() -> KernelSpec:
 
 def specs_for(bucket: int) -> List[KernelSpec]:
     return [route_spec(bucket), pack_spec(bucket), report_spec(), unpack_spec(bucket), combine_pack_spec(),
-            combine_final_spec(bucket), epoch_begin_spec(), signal_spec(), wait_spec()]
+            combine_final_spec(bucket), epoch_begin_spec(), signal_spec(), wait_spec(), pack_split_spec(bucket),
+            unpack_meta_spec(bucket), unpack_payload_spec(), ready_spec()]
 
 
 def shipped_specs() -> Dict[str, List[KernelSpec]]:
@@ -112,6 +140,10 @@ class HybridKernels:
         self.epoch_begin = loaded[epoch_begin_spec().name]
         self.signal = loaded[signal_spec().name]
         self.wait = loaded[wait_spec().name]
+        self.pack_split = loaded[pack_split_spec(bucket).name]
+        self.unpack_meta = loaded[unpack_meta_spec(bucket).name]
+        self.unpack_payload = loaded[unpack_payload_spec().name]
+        self.ready = loaded[ready_spec().name]
 
 
 def _padded(values: Sequence[int], what: str) -> List[int]:

@@ -2,9 +2,9 @@
 transport choice, the metadata translation and the size of the intranode part. No CUDA here (CPU-tested)."""
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
-from ...runtime.rails import FLAGS_BYTES, HEADER_BYTES
+from ...runtime.rails import FLAGS_BYTES, HEADER_BYTES, RailOp, RailPlan, RailTopology
 from ...runtime.sizes import align, ceil_div
 
 SF_GROUP = 128              # features/ep/layout.py SF_GROUP: at most one 4-byte scale per 128 channels
@@ -105,3 +105,105 @@ def translate_src_index(inner, num_domains: int, num_scaleup_ranks: int, num_max
     r, rem = inner // nm, inner % nm
     out = ((rem // num_max_tokens) * num_scaleup_ranks + r) * num_max_tokens + rem % num_max_tokens
     return out * (inner >= 0) + inner * (inner < 0)
+
+
+# ---- P2: the pipelined dispatch's split rows and chunked payload exchange --------------------------------------------
+PIPELINE_MAX_CHUNKS = 8             # chunks per payload exchange at most (each costs an NCCL group + two kernels)
+PIPELINE_MIN_CHUNK_BYTES = 1 << 20  # per peer and chunk at least (NCCL p2p is near its rate from ~1 MB)
+PIPELINE_FREE_SMS = 16              # SMs the guarded intranode dispatch leaves to the payload stream's kernels
+
+
+def meta_row_bytes(num_topk: int) -> int:
+    """Bytes of one split metadata row (kernels_cu/hybrid.cu `SplitRows`): [src token int32 | top-k int64 x K |
+    weights f32 x K], each part padded to 16 bytes."""
+    return 16 + align(8 * num_topk, 16) + align(4 * num_topk, 16)
+
+
+def payload_row_bytes(num_sf: int, hidden_bytes: int) -> int:
+    """Bytes of one split payload row: [scales 4 B x num_sf | x], each part padded to 16 bytes."""
+    return align(4 * num_sf, 16) + align(hidden_bytes, 16)
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """A region in the split layout of the pipelined dispatch: `[header | meta rows [M] | payload rows [M]]`."""
+    num_max_tokens: int
+    meta_bytes: int
+    payload_bytes: int
+
+    @property
+    def payload_offset(self) -> int:
+        """Offset of payload row 0 from the region's start."""
+        return HEADER_BYTES + self.num_max_tokens * self.meta_bytes
+
+    @property
+    def region_bytes(self) -> int:
+        return self.payload_offset + self.num_max_tokens * self.payload_bytes
+
+
+def split_rows(area: RailArea, num_max_tokens: int, num_topk: int, num_sf: int, hidden_bytes: int) -> SplitRows:
+    """The split layout of a call, checked against the rail area (it fits whenever the unsplit rows do)."""
+    rows = SplitRows(num_max_tokens, meta_row_bytes(num_topk), payload_row_bytes(num_sf, hidden_bytes))
+    if rows.region_bytes > area.region_bytes:
+        raise ValueError(f'the split rows of {num_max_tokens} tokens need {rows.region_bytes} bytes per rail region, '
+                         f'the area has {area.region_bytes}')
+    return rows
+
+
+def pipeline_chunk_rows(num_max_tokens: int, payload_bytes: int, setting: int = 0) -> int:
+    """Rail rows per payload chunk: `setting` when > 0 (`DEEPEP_CUPY_HYBRID_PIPELINE_ROWS`), else at most
+    PIPELINE_MAX_CHUNKS chunks of at least PIPELINE_MIN_CHUNK_BYTES each (bounded by M). A function of values every
+    rank shares: rail peers must cut the exchange alike."""
+    if setting < 0:
+        raise ValueError(f'DEEPEP_CUPY_HYBRID_PIPELINE_ROWS must be >= 0, got {setting}')
+    if num_max_tokens < 1 or payload_bytes < 1:
+        raise ValueError(f'num_max_tokens ({num_max_tokens}) and payload_bytes ({payload_bytes}) must be positive')
+    if setting:
+        return min(setting, num_max_tokens)
+    rows = max(ceil_div(num_max_tokens, PIPELINE_MAX_CHUNKS), ceil_div(PIPELINE_MIN_CHUNK_BYTES, payload_bytes))
+    return min(rows, num_max_tokens)
+
+
+def rows_ready_after(chunk: int, chunk_rows: int, num_max_tokens: int) -> int:
+    """The rows-ready counter after payload chunk `chunk` landed and was unpacked: every union row whose source token
+    t is below it is complete, since a token's rail position never exceeds t (positions count a source's earlier
+    tokens to the same domain) and chunk c holds rail positions [c * rows, (c + 1) * rows) of every peer."""
+    return min((chunk + 1) * chunk_rows, num_max_tokens)
+
+
+def payload_plan(rails: RailTopology, area: RailArea, rows: SplitRows, send_rows: Optional[Dict[int, int]],
+                 recv_rows: Optional[Dict[int, int]], chunk_rows: int) -> RailPlan:
+    """The payload exchange of a pipelined dispatch: `ceil(M / chunk_rows)` chunks (NCCL groups, every rank the same
+    number), chunk c moving payload rows [c * chunk_rows, ...) of each peer below its row count (`None`: M rows, the
+    static exchange of no-sync, cached and captured calls). Both ends know every count between them (the notify), so
+    chunk c of a pair exists at both ends or neither. Ops: peers ascending, send before recv (`plan_exchange`'s order).
+    """
+    peers = rails.peer_domains
+    M = rows.num_max_tokens
+    if chunk_rows < 1:
+        raise ValueError(f'chunk_rows must be >= 1, got {chunk_rows}')
+    counts = {}
+    for name, given in (('send_rows', send_rows), ('recv_rows', recv_rows)):
+        if given is None:
+            counts[name] = {m: M for m in peers}
+            continue
+        if sorted(given) != peers:
+            raise ValueError(f'{name} must name every peer domain {peers}, got {sorted(given)}')
+        for m, c in given.items():
+            if not 0 <= int(c) <= M:
+                raise ValueError(f'{name}[{m}] = {c} is out of range [0, {M}]')
+        counts[name] = {m: int(c) for m, c in given.items()}
+    n = rails.domain_idx
+    num_chunks = ceil_div(M, chunk_rows)
+    ops: List[RailOp] = []
+    for c in range(num_chunks):
+        begin = c * chunk_rows
+        for m in peers:
+            for kind, total, offset, peer_offset in (
+                    ('send', counts['send_rows'][m], area.send_region(n, m), area.recv_region(m, n)),
+                    ('recv', counts['recv_rows'][m], area.recv_region(n, m), area.send_region(m, n))):
+                end = min(begin + chunk_rows, total)
+                if begin < end:
+                    at = rows.payload_offset + begin * rows.payload_bytes
+                    ops.append(RailOp(c, m, kind, offset + at, peer_offset + at, (end - begin) * rows.payload_bytes))
+    return RailPlan('dispatch', num_chunks, tuple(ops))
