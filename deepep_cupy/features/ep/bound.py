@@ -159,8 +159,8 @@ class BoundDispatch:
         r = self.recv
         # The readiness guard's words (`_patch_guard`): the default dispatch kernel's launches only.
         guarded = not (self.fused or self.legacy_kernels)
-        self.send_guard_idx = _guard_idx(self.send) if guarded and self.send is not None else None
-        self.recv_guard_idx = _guard_idx(r) if guarded else None
+        guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
+        self.send_guard_idx, self.recv_guard_idx = guard_idx(self.send), guard_idx(r)
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
         self.recv_extra = 0 if self.send is not None or self.legacy_kernels else self.num_send_blocks
@@ -314,6 +314,9 @@ class BoundDispatch:
         if guard is not None and (self.fused or self.legacy_kernels):
             raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
                              'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
+        if guard is not None and self.recv_extra + guard[2] >= self.num_device_sms:
+            raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {self.recv_extra} sending '
+                             f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
         snd = self.send
         if snd is not None:
             self.send_patch(snd.u64, ins)
@@ -368,17 +371,10 @@ class BoundDispatch:
         r = self.recv
         self.recv_in_patch(r.u64, ins)
         self.recv_out_patch(r.u64, outs)
-        free = 0
-        if not self.fused:
-            if self.recv_guard_idx is not None:
-                _patch_guard(r, self.recv_guard_idx, guard)
-            if guard is not None:
-                free = guard[2]
-                if self.recv_extra + free >= self.num_device_sms:
-                    raise ValueError(f'the hybrid pipeline leaves {free} SMs free beside {self.recv_extra} '
-                                     f'sending blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
-        # The words and grid of these sizes (and SMs left free) stay in the block until they change.
-        if out is not self._recv_sized or free != self._recv_free:
+        if self.recv_guard_idx is not None:
+            _patch_guard(r, self.recv_guard_idx, guard)
+        free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
+        if out is not self._recv_sized or free != self._recv_free:     # these sizes' words and grid stay in the block
             r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
             r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
             # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
@@ -480,10 +476,6 @@ class BoundCombine:
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
         return combined_x, combined_w, event_out
-
-
-def _guard_idx(launch) -> Tuple[int, int]:
-    return launch.index('ready'), launch.index('ready_mod')
 
 
 def _patch_guard(launch, idx: Tuple[int, int], guard) -> None:
