@@ -176,9 +176,10 @@ hybrid_lane() {
         --num-create-destroy 0
 }
 hybrid_pipeline_lane() {
-    # P2: the pipelined hybrid dispatch (DEEPEP_CUPY_HYBRID_PIPELINE=1; metadata first, payload in chunks on a side
-    # stream, the intranode dispatch guarded per row). 32 rows per chunk: 8 chunks at 256 tokens (auto makes one
-    # chunk at this hidden size; the auto step below covers it). Same bit-exact checks as hybrid_lane.
+    # P2: the pipelined hybrid dispatch and combine (DEEPEP_CUPY_HYBRID_PIPELINE=1; dispatch: metadata first, payload
+    # in chunks on a side stream, the intranode dispatch guarded per row; combine: chunked rail exchange, the final
+    # reduction per landed chunk on the side stream). 32 rows per chunk: 8 chunks at 256 tokens (auto makes one chunk
+    # at this hidden size; the auto step below covers it). Same bit-exact checks as hybrid_lane.
     local H="--num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test" shape su np
     local P2="DEEPEP_CUPY_RAIL_TRANSPORT=loopback DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32"
     for shape in 2x1:1:2 2x2:2:4 4x1:1:4; do

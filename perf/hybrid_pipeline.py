@@ -11,8 +11,9 @@ modes run the same inputs on the same buffer. Per (tokens, dtype): first a check
 dispatch outputs (recv_x, scales, top-k, weights, source metadata; CPU sync and not) and the same combine, then the GPU
 span per call of each op (`utils.bench`: CUDA events on the caller's stream around the call, L2 flushed, mean over
 calls, max over ranks; the pipelined dispatch's side stream is joined into the caller's stream before the call
-returns, so the span covers it) and the ratio P2 / P1 (below 1: the pipeline is faster). Combine is P1 in both modes
-(the handle differs only in who made it): its rows show the noise level. Exit status 1 if any output differs.
+returns, so the span covers it) and the ratio P2 / P1 (below 1: the pipeline is faster). P2's combine cuts its rail
+exchange in chunks and reduces the tokens whose partials landed on the side stream meanwhile. Exit status 1 if any
+output differs.
 """
 
 import argparse
