@@ -444,3 +444,19 @@ def test_pipelined_combine_finishes_tokens_per_chunk(monkeypatch):
     assert cx.shape == (T, hf.H) and cw.shape == (T, hf.K)
     moved = sum(op.num_bytes for op in plan.ops if op.kind == 'recv')
     assert moved == 2 * 16 + (2 + 4) * crow                 # what this rank sent out comes back
+
+
+def test_pipelined_combine_of_a_rank_without_tokens_issues_the_same_groups(monkeypatch):
+    """Rail peers must issue the same NCCL groups: a rank with no tokens cuts its combine exchange like the others."""
+    send, recv = [0, 0, 0], [3, 0, 1]
+    feat, inner, rails_, log, joins = make_pipelined(monkeypatch, rank=3, counts=(send, recv), rows=2)
+    x, topk, w = hf.inputs()
+    h = feat.dispatch(x[:0], topk[:0], w[:0], num_experts=hf.E)[3]
+    h.inner.m = hf.M
+    log.clear()
+    rails_.plans.clear()
+    cx, _, _ = feat.combine(torch.zeros((5, hf.H), dtype=torch.bfloat16), h)
+    (plan, _), = rails_.plans
+    crow = hplan.combine_row_bytes(hf.H, hf.K)
+    assert plan.num_chunks == -(-feat.area.region_bytes // (2 * crow)) and cx.shape == (0, hf.H)
+    assert not [c for c in log if not isinstance(c, tuple) and c.name.startswith('deepep::hybrid_combine_final')]

@@ -399,8 +399,9 @@ class HybridEP:
         row = hplan.combine_row_bytes(hidden, K)
         peers = rails.peer_domains
         # P2: the exchange in chunks of rows; the final reduction of the tokens whose partials landed runs per chunk
-        # on the side stream (after an event on this one), overlapping the next chunks.
-        pipelined = self.pipeline and T > 0
+        # on the side stream (after an event on this one), overlapping the next chunks. The chunks depend on values
+        # every rail peer shares only (not on this rank's token count): the peers must issue the same groups.
+        pipelined = self.pipeline
         chunk_bytes = 0
         if pipelined:
             chunk_bytes = row * (self.pipeline_rows or hplan.pipeline_chunk_rows(Mc, row, envs.hybrid_pipeline_rows()))
