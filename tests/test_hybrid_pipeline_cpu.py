@@ -354,8 +354,10 @@ def test_intranode_dispatch_takes_the_guard(monkeypatch, cpu_sync):
     extra = 0 if cpu_sync else 4
     assert guarded[-1].grid == extra + min(plain[-1].grid - extra, 132 - extra - 127) < plain[-1].grid
     ep.ready_guard = (0xABC0, 37, 132 - extra)
+    buf.launches.clear()
     with pytest.raises(ValueError, match='SMs free'):
         buf.dispatch(x, idx, None, **kw)
+    assert buf.launches == []                           # refused before any launch
     ep.ready_guard = None
     buf.launches.clear()
     buf.dispatch(x, idx, None, **kw)                    # the bound call forgets the guard

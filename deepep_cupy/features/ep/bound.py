@@ -253,6 +253,17 @@ class BoundDispatch:
         address (0: none)."""
         if xp & 15:
             raise ValueError('x rows must start at 16-byte aligned addresses')
+        # Hybrid P2's readiness guard (`EP.ready_guard`: (counter address, rows modulo, SMs to leave free) or None),
+        # checked before any launch, patched into the launches below on every call (bound launches are shared by
+        # calls with and without it).
+        guard = ep.ready_guard
+        if guard is not None:
+            if self.fused or self.legacy_kernels:
+                raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
+                                 'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
+            if self.recv_extra + guard[2] >= self.num_device_sms:
+                raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {self.recv_extra} sending '
+                                 f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
         carver = self.carver
         current = self.stream()
         if self.cpu_sync:
@@ -296,12 +307,6 @@ class BoundDispatch:
         # _INPUTS' pointers in order.
         ins = (xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[5], ws_ptr + 4 * o[6],
                ws_ptr + 4 * o[2])
-        # Hybrid P2's readiness guard (`EP.ready_guard`: (counter address, rows modulo, SMs to leave free) or None),
-        # patched on every call (bound launches are shared by calls with and without it).
-        guard = ep.ready_guard
-        if guard is not None and (self.fused or self.legacy_kernels):
-            raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
-                             'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
         snd = self.send
         if snd is not None:
             self.send_patch(snd.u64, ins)
@@ -354,14 +359,9 @@ class BoundDispatch:
             r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
                                           self.num_device_sms), 1, 1)
         else:
-            free = 0
             if self.recv_guard_idx is not None:
                 _patch_guard(r, self.recv_guard_idx, guard)
-            if guard is not None:
-                free = guard[2]
-                if self.recv_extra + free >= self.num_device_sms:
-                    raise ValueError(f'the hybrid pipeline leaves {free} SMs free beside {self.recv_extra} '
-                                     f'sending blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
+            free = guard[2] if guard is not None else 0
             r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
         r(comm)
 
