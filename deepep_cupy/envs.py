@@ -67,14 +67,15 @@ def rail_transport() -> str:
 
 def hybrid_pipeline() -> bool:
     """`DEEPEP_CUPY_HYBRID_PIPELINE` (bool, default off): hybrid dispatches send the rail payload in chunks on a side
-    stream while the intranode dispatch forwards the rows already landed (P2, features/hybrid/feature.py); every rank
-    must set the same value."""
+    stream while the intranode dispatch forwards the rows already landed, and hybrid combines reduce the tokens of
+    each landed rail chunk while the next ones travel (P2, features/hybrid/feature.py); every rank must set the same
+    value."""
     return _get_bool('DEEPEP_CUPY_HYBRID_PIPELINE')
 
 
 def hybrid_pipeline_rows() -> int:
-    """`DEEPEP_CUPY_HYBRID_PIPELINE_ROWS` (int, default 0 = automatic): rail rows per payload chunk of a pipelined
-    hybrid dispatch (the same on every rank)."""
+    """`DEEPEP_CUPY_HYBRID_PIPELINE_ROWS` (int, default 0 = automatic): rail rows per chunk of a pipelined hybrid
+    dispatch's payload and combine's exchange (the same on every rank)."""
     return _get_int('DEEPEP_CUPY_HYBRID_PIPELINE_ROWS', 0)
 
 

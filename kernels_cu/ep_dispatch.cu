@@ -33,15 +33,22 @@ constexpr int kDispatchThreads = 512;
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 constexpr int kAuxRailReady = 224;          // runtime/errors.py AUX_RAIL_READY
 
-// The readiness guard (see the top): lane 0 waits, the warp learns the outcome.
-__device__ __forceinline__ bool wait_row_ready(const uint32_t* ready, int ready_mod, int t, int lane,
+// The readiness guard (see the top): lane 0 waits, the warp learns the outcome. `seen` (warp-uniform, 0 at first)
+// keeps the last counter value the warp acquired: rows below it need no new wait (that acquire covers them).
+__device__ __forceinline__ bool wait_row_ready(const uint32_t* ready, int ready_mod, int t, int lane, uint32_t& seen,
                                                uint64_t timeout_ns, const ErrorSink& sink, int rank) {
     if (ready_mod <= 0)
         return true;
+    const uint32_t target = static_cast<uint32_t>(t % ready_mod + 1);
+    if (seen >= target)
+        return true;
     bool ok = true;
-    if (lane == 0)
-        ok = wait_epoch(ready, static_cast<uint32_t>(t % ready_mod + 1), timeout_ns, sink, kPhaseDispatch, rank, rank,
-                        kAuxRailReady);
+    uint32_t now = seen;
+    if (lane == 0) {
+        ok = wait_epoch(ready, target, timeout_ns, sink, kPhaseDispatch, rank, rank, kAuxRailReady);
+        now = ok ? ld_acquire_sys(ready) : now;
+    }
+    seen = __shfl_sync(0xffffffffu, now, 0);
     return __shfl_sync(0xffffffffu, ok, 0);
 }
 
@@ -84,10 +91,11 @@ dispatch_send_blocks(const uint8_t* x, int64_t x_row_bytes, const uint8_t* sf, i
                           static_cast<int64_t>(rank) * num_max_tokens_per_rank * msg.bytes;
         const RowSegments segs(rows, num_chunks, num_warps);
         bool not_ready = false;         // the readiness guard gave up (warp-uniform)
+        uint32_t seen = 0;              // the guard's last acquired counter (warp-uniform)
         for (int item = warp; item < rows * segs.num; item += num_warps) {
             const int p = slot0 + item / segs.num, seg = item % segs.num;
             const int t = token_of_slot[static_cast<int64_t>(d) * num_tokens + p];
-            if (!wait_row_ready(ready, ready_mod, t, lane, timeout_ns, sink, rank)) {
+            if (!wait_row_ready(ready, ready_mod, t, lane, seen, timeout_ns, sink, rank)) {
                 not_ready = true;
                 break;
             }
@@ -165,6 +173,7 @@ dispatch_recv_blocks(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, co
     const int meta_cols = num_topk + 2;
     const RowSegments segs(num_recv, num_chunks, total_warps);
     const int own_begin = rank > 0 ? layout.psum_src()[rank - 1] : 0;
+    uint32_t seen = 0;                  // the readiness guard's last acquired counter (warp-uniform)
 
     for (int item = global_warp; item < num_recv * segs.num; item += total_warps) {
         const int i = item / segs.num, seg = item - i * segs.num;
@@ -184,7 +193,7 @@ dispatch_recv_blocks(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, co
         int64_t sf_step;                                  // in 4-byte words, between scale factor columns
         if (s == rank) {
             t = token_of_slot[static_cast<int64_t>(rank) * num_tokens + (i - own_begin)];
-            if (!wait_row_ready(ready, ready_mod, t, lane, timeout_ns, sink, rank))
+            if (!wait_row_ready(ready, ready_mod, t, lane, seen, timeout_ns, sink, rank))
                 return false;
             if (lane < num_topk) {
                 e = static_cast<int32_t>(topk_idx[static_cast<int64_t>(t) * num_topk + lane]);

@@ -284,19 +284,20 @@ hybrid_combine_pack(const uint8_t* combined_x, const float* combined_weights, in
         w[k] = combined_weights != nullptr ? combined_weights[u * num_topk + k] : 0.0f;
 }
 
-// One block per origin token: FP32 accumulator = bias_0 (+ bias_1) or +0.0, then every domain's partial (this
-// domain's from the intranode combine's union row, the others' from their rail rows) in ascending key (the domain's
-// last top-k slot), one rounding to bf16. Weights: slot k's from the domain owning its expert (0 for -1).
+// One block per origin token t = token_begin + block: FP32 accumulator = bias_0 (+ bias_1) or +0.0, then every
+// domain's partial (this domain's from the intranode combine's union row, the others' from their rail rows) in
+// ascending key (the domain's last top-k slot), one rounding to bf16. Weights: slot k's from the domain owning its
+// expert (0 for -1). P2 launches it per landed chunk of the rail exchange (tokens [token_begin, ...)), P1 once.
 template <int kMaxTopk>
 __global__ void __launch_bounds__(kHybridThreads)
 hybrid_combine_final(const int64_t* topk_idx, int num_tokens, int num_topk, int experts_per_domain, int num_domains,
                      int domain, int num_max_tokens, const int32_t* domain_pos, const uint8_t* combined_x,
                      const float* combined_weights, int hidden, const uint8_t* rail_base, uint64_t recv_offset,
                      uint64_t region_bytes, const uint16_t* bias0, const uint16_t* bias1, int num_bias,
-                     uint16_t* out_x, float* out_weights) {
+                     uint16_t* out_x, float* out_weights, int token_begin) {
     __shared__ const uint8_t* s_src[kHybridMaxDomains];
     __shared__ int s_num;
-    const int t = blockIdx.x;
+    const int t = token_begin + static_cast<int>(blockIdx.x);
     if (t >= num_tokens)
         return;
     const int64_t M = num_max_tokens;

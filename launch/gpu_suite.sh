@@ -201,9 +201,10 @@ hybrid_lane() {
         --num-create-destroy 0
 }
 hybrid_pipeline_lane() {
-    # P2: the pipelined hybrid dispatch (DEEPEP_CUPY_HYBRID_PIPELINE=1; metadata first, payload in chunks on a side
-    # stream, the intranode dispatch guarded per row). 32 rows per chunk: 8 chunks at 256 tokens (auto makes one
-    # chunk at this hidden size; the auto step below covers it). Same bit-exact checks as hybrid_lane.
+    # P2: the pipelined hybrid dispatch and combine (DEEPEP_CUPY_HYBRID_PIPELINE=1; dispatch: metadata first, payload
+    # in chunks on a side stream, the intranode dispatch guarded per row; combine: chunked rail exchange, the final
+    # reduction per landed chunk on the side stream). 32 rows per chunk: 8 chunks at 256 tokens (auto makes one chunk
+    # at this hidden size; the auto step below covers it). Same bit-exact checks as hybrid_lane.
     local H="--num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test" shape su np
     local P2="DEEPEP_CUPY_RAIL_TRANSPORT=loopback DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32"
     for shape in 2x1:1:2 2x2:2:4 4x1:1:4; do
@@ -219,10 +220,6 @@ hybrid_pipeline_lane() {
     step "hybrid P2 2x2 np=4 pressure 100 seeds (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=2 $P2 $ONE $R 4 $EP $H \
         --skip-check --skip-error-test --skip-graph-test --skip-timeout-test --num-create-destroy 0 \
         --do-pressure-test --num-pressure-seeds 100 --unbalanced-ratio 2 --num-topk 8
-    # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio): 2 domains x 1 rank
-    # sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: one GPU time-sliced).
-    step "hybrid P2 vs P1 perf/hybrid_pipeline.py 2x1 np=2 (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
-        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/hybrid_pipeline.py --out "$OUT"
 }
 ll_lane() {
     local n
@@ -441,6 +438,11 @@ want gate && [ -d .upstream ] && lane step "DeepEP utils/test_gate.py" ${GATE_TI
     -m deepep_cupy.as_deep_ep .upstream/head/tests/utils/test_gate.py
 want firsthour && lane firsthour_lane
 join
+# P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
+# domains x 1 rank sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: the two
+# ranks time-slice one GPU; launch/scaleout_nccl.sh runs it with NCCL rails on two GPUs).
+want hybrid && step "hybrid P2 vs P1 perf/hybrid_pipeline.py 2x1 np=2 (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+    DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/hybrid_pipeline.py --out "$OUT"
 # The GPU pytest tests alone: their memory checks read the device's free memory, which other lanes' ranks change.
 want pytest && step "pytest GPU tests" 400 $PY -m pytest -q -x tests/gpu tests/test_runtime_cpu.py
 if want ep && [ "$NGPU" -ge 2 ]; then

@@ -11,8 +11,9 @@ modes run the same inputs on the same buffer. Per (tokens, dtype): first a check
 dispatch outputs (recv_x, scales, top-k, weights, source metadata; CPU sync and not) and the same combine, then the GPU
 span per call of each op (`utils.bench`: CUDA events on the caller's stream around the call, L2 flushed, mean over
 calls, max over ranks; the pipelined dispatch's side stream is joined into the caller's stream before the call
-returns, so the span covers it) and the ratio P2 / P1 (below 1: the pipeline is faster). Combine is P1 in both modes
-(the handle differs only in who made it): its rows show the noise level. Exit status 1 if any output differs.
+returns, so the span covers it) and the ratio P2 / P1 (below 1: the pipeline is faster). P2's combine cuts its rail
+exchange in chunks and reduces the tokens whose partials landed on the side stream meanwhile. Exit status 1 if any
+output differs.
 """
 
 import argparse
@@ -81,7 +82,8 @@ def check_modes(buf, hybrid, x_in, topk, w, num_experts: int) -> List[str]:
         for sync in (True, False):
             rx, rt, rw, h, _ = buf.dispatch(x_in, topk, w, num_experts=num_experts, do_cpu_sync=sync)
             got[sync] = (rx, rt, rw, h.recv_src_metadata if hasattr(h, 'recv_src_metadata') else None)
-            handle = h
+            if sync:
+                handle = h          # the combine below takes the CPU-sync dispatch's rows: its handle
         rx = got[True][0][0] if isinstance(got[True][0], tuple) else got[True][0]
         cx, cw, _ = buf.combine(rx.to(torch.bfloat16), handle, topk_weights=got[True][2])
         outs[mode] = (got, cx, cw)

@@ -354,8 +354,10 @@ def test_intranode_dispatch_takes_the_guard(monkeypatch, cpu_sync):
     extra = 0 if cpu_sync else 4
     assert guarded[-1].grid == extra + min(plain[-1].grid - extra, 132 - extra - 127) < plain[-1].grid
     ep.ready_guard = (0xABC0, 37, 132 - extra)
+    buf.launches.clear()
     with pytest.raises(ValueError, match='SMs free'):
         buf.dispatch(x, idx, None, **kw)
+    assert buf.launches == []                           # refused before any launch
     ep.ready_guard = None
     buf.launches.clear()
     buf.dispatch(x, idx, None, **kw)                    # the bound call forgets the guard
@@ -396,3 +398,67 @@ def test_perf_script_text_and_arguments():
     assert mod.ratio_text(2e-3, 1e-3) == '0.500' and mod.ratio_text(0.0, 1.0) == 'n/a'
     line = mod.row_text(4096, 'bf16', 'dispatch_sync', {'P1': 1e-3, 'P2': 8e-4})
     assert '1000.0 us' in line and '800.0 us' in line and 'P2/P1 0.800' in line
+
+
+def test_combine_tokens_ready():
+    row = hplan.combine_row_bytes(64, 4)                 # 144 bytes
+    step = 3 * row
+    # chunk 0 holds the header and rows 0, 1 whole (row 2 ends 16 bytes into chunk 1)
+    assert [hplan.combine_tokens_ready(c, step, row, 4, 10) for c in range(4)] == [2, 5, 8, 10]
+    assert hplan.combine_tokens_ready(0, step, row, 1, 10) == 10      # one chunk: everything
+    assert hplan.combine_tokens_ready(1, step, row, 9, 4) == 4
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        T = int(rng.integers(1, 30))
+        rows = int(rng.integers(1, T + 1))
+        n = -(-(16 + T * row) // (rows * row))
+        prev = 0
+        for c in range(n):
+            got = hplan.combine_tokens_ready(c, rows * row, row, n, T)
+            assert prev <= got and (c < n - 1 or got == T)
+            # every row p < got ends within the bytes of chunks 0..c
+            assert got == T and c == n - 1 or 16 + got * row <= (c + 1) * rows * row
+            prev = got
+
+
+def test_pipelined_combine_finishes_tokens_per_chunk(monkeypatch):
+    send, recv = [2, 0, 4], [3, 0, 1]
+    feat, inner, rails_, log, joins = make_pipelined(monkeypatch, rank=3, counts=(send, recv), rows=2)
+    x, topk, w = hf.inputs()
+    h = feat.dispatch(x, topk, w, num_experts=hf.E)[3]
+    h.inner.m = hf.M
+    log.clear()
+    joins.clear()
+    rails_.plans.clear()
+    cx, cw, _ = feat.combine(torch.zeros((5, hf.H), dtype=torch.bfloat16), h, topk_weights=torch.zeros((5, hf.K)))
+    (plan, stream), = rails_.plans
+    crow = hplan.combine_row_bytes(hf.H, hf.K)
+    assert plan.phase == 'combine' and plan.num_chunks == -(-feat.area.region_bytes // (2 * crow))
+    finals = [c for c in log if not isinstance(c, tuple) and c.name.startswith('deepep::hybrid_combine_final')]
+    spans = [(f.args['token_begin'], f.args['token_begin'] + f.grid) for f in finals]
+    T = 6
+    assert spans[0][0] == 0 and spans[-1][1] == T and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans == [(0, 1), (1, 3), (3, 5), (5, 6)]
+    assert all(f.args['num_tokens'] == T for f in finals)
+    # each final after an event of the exchange stream, on the side stream; the caller's stream joins at the end
+    assert joins == [('side', 'current')] * len(finals) + [('current', 'side')]
+    assert [c.name.split('<')[0] for c in log if not isinstance(c, tuple)][0] == 'deepep::hybrid_combine_pack'
+    assert cx.shape == (T, hf.H) and cw.shape == (T, hf.K)
+    moved = sum(op.num_bytes for op in plan.ops if op.kind == 'recv')
+    assert moved == 2 * 16 + (2 + 4) * crow                 # what this rank sent out comes back
+
+
+def test_pipelined_combine_of_a_rank_without_tokens_issues_the_same_groups(monkeypatch):
+    """Rail peers must issue the same NCCL groups: a rank with no tokens cuts its combine exchange like the others."""
+    send, recv = [0, 0, 0], [3, 0, 1]
+    feat, inner, rails_, log, joins = make_pipelined(monkeypatch, rank=3, counts=(send, recv), rows=2)
+    x, topk, w = hf.inputs()
+    h = feat.dispatch(x[:0], topk[:0], w[:0], num_experts=hf.E)[3]
+    h.inner.m = hf.M
+    log.clear()
+    rails_.plans.clear()
+    cx, _, _ = feat.combine(torch.zeros((5, hf.H), dtype=torch.bfloat16), h)
+    (plan, _), = rails_.plans
+    crow = hplan.combine_row_bytes(hf.H, hf.K)
+    assert plan.num_chunks == -(-feat.area.region_bytes // (2 * crow)) and cx.shape == (0, hf.H)
+    assert not [c for c in log if not isinstance(c, tuple) and c.name.startswith('deepep::hybrid_combine_final')]

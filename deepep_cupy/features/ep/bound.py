@@ -157,7 +157,6 @@ class BoundDispatch:
         self.send_patch = _patcher(self.send, _INPUTS) if self.send is not None else None
         self.recv_in_patch, self.recv_out_patch = _patcher(self.recv, _INPUTS), _patcher(self.recv, _OUTPUTS)
         r = self.recv
-        # The readiness guard's words (`_patch_guard`): the default dispatch kernel's launches only.
         guarded = not (self.fused or self.legacy_kernels)
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
         self.send_guard_idx, self.recv_guard_idx = guard_idx(self.send), guard_idx(r)
@@ -265,6 +264,16 @@ class BoundDispatch:
         address (0: none)."""
         if xp & 15:
             raise ValueError('x rows must start at 16-byte aligned addresses')
+        # Hybrid P2's readiness guard (`EP.ready_guard`: (counter address, rows modulo, SMs left free) or None): checked
+        # before any launch, patched into the launches on every call (they are shared by calls with and without it).
+        guard = ep.ready_guard
+        if guard is not None:
+            if self.fused or self.legacy_kernels:
+                raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
+                                 'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
+            if self.recv_extra + guard[2] >= self.num_device_sms:
+                raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {self.recv_extra} sending '
+                                 f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
         carver = self.carver
         current = self.stream()
         if self.cpu_sync:
@@ -308,15 +317,6 @@ class BoundDispatch:
         # _INPUTS' pointers in order.
         ins = (xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[5], ws_ptr + 4 * o[6],
                ws_ptr + 4 * o[2])
-        # Hybrid P2's readiness guard (`EP.ready_guard`: (counter address, rows modulo, SMs to leave free) or None),
-        # patched on every call (bound launches are shared by calls with and without it).
-        guard = ep.ready_guard
-        if guard is not None and (self.fused or self.legacy_kernels):
-            raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
-                             'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
-        if guard is not None and self.recv_extra + guard[2] >= self.num_device_sms:
-            raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {self.recv_extra} sending '
-                             f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
         snd = self.send
         if snd is not None:
             self.send_patch(snd.u64, ins)

@@ -65,9 +65,12 @@ Stream ordering (P1: sequential stages; CPU sync = exact NCCL sizes, no sync = s
 Every rail peer enqueues the same rail exchanges in the same order (`runtime.rails.plan_exchange` makes matching
 groups; every transfer carries a 16-byte header with its count, so the forward kernel needs no host). Without CPU sync
 and in CUDA graphs every exchange is static (whole regions), so the whole call, NCCL included, is capturable; the
-loopback transport keeps its epochs on the device for the same reason. P2: `plan_exchange(chunk_bytes=...)` cuts each
-exchange into groups; `NcclRailTransport.after_chunk` bumps a chunk counter (stream memop) that a persistent forward
-kernel on another stream polls with bounded waits, NCCL's CTAs capped with `NcclConfig`.
+loopback transport keeps its epochs on the device for the same reason. P2 (composed path, written: feature.py's
+docstring, `DEEPEP_CUPY_HYBRID_PIPELINE`): split rail rows, metadata exchange first, the payload in chunks on a side
+stream, each chunk unpacked and published through a rows-ready counter (a 1-thread kernel in the transports'
+`after_chunk`) that the intranode dispatch kernel polls per row with bounded waits (its readiness guard), SMs left
+free for the side stream; combine reduces the tokens of each landed chunk on the side stream. NCCL's CTAs are not
+capped yet (`NcclConfig`).
 Timeouts: every GPU wait is bounded (error record names phase and peer); the host then calls
 `transport.timeout_error(phase, peer_domain, secs)`, which aborts the rail communicators and returns the
 `TimeoutError` to raise.

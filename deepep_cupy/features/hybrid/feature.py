@@ -17,6 +17,18 @@ reduce_in_scaleup=True), hybrid_combine_pack of the rows of other domains' token
 order), the reverse rail exchange, then hybrid_combine_final at the origin: bias, then each domain's partial in
 ascending key (the domain's last top-k slot), FP32, one rounding: bitwise `refs.combine(..., reduce_in_scaleup=True)`.
 
+P2 (`DEEPEP_CUPY_HYBRID_PIPELINE`, opt-in; bitwise the same results): the rail rows are split (hybrid_pack_split:
+metadata rows, then payload rows, in each region), the metadata crosses first, hybrid_unpack_meta fills the union's
+top-k and weights (the intranode notify needs nothing else) and resets a rows-ready counter (a word of this call's fwd
+allocation); then, on a side stream forked by an event, the payload exchange runs in chunks of rail rows
+(`plan.payload_plan`), each followed (`after_chunk` of either transport) by hybrid_unpack_payload of its rows and
+hybrid_ready, which release-stores `plan.rows_ready_after(c)`. Meanwhile the intranode dispatch runs with its
+readiness guard (`EP.ready_guard` = (counter, M, SMs left free)): a union row of source token t is read once the
+counter passed t (a token's rail position never exceeds t). The caller's stream joins the side stream before the call
+returns. Combine: the reverse exchange cut by `plan_exchange(chunk_bytes=...)`; after each chunk, on the side stream
+(after an event), hybrid_combine_final of the tokens whose partials all landed (`plan.combine_tokens_ready`). Only
+kernels, events and NCCL calls between the chunks: CPU sync, no sync, cached and captured calls all take it.
+
 The fully fused design (features/hybrid/__init__.py) would add: a hierarchical notify instead of the union's padded
 N * M rows (the intranode layout pass scans empty rows; worst-case buffers grow with N), forwarding straight into
 the receivers' slots (no union copy and no second NVLink pass of the own-domain tokens), chunked rails overlapping
@@ -168,6 +180,8 @@ class HybridEP:
         if len(set(settings)) != 1:
             raise ValueError('DEEPEP_CUPY_HYBRID_PIPELINE must be set alike on every rank')
         self._side = None
+        if self.pipeline and rails is None:
+            self._payload_stream()      # made now, not inside a first call that a CUDA graph may be capturing
         if host is None:
             from ...runtime.symmetric import HostMappedMemory
             host = HostMappedMemory(HOST_BYTES)
@@ -385,20 +399,45 @@ class HybridEP:
                               region_bytes=area.region_bytes)
         row = hplan.combine_row_bytes(hidden, K)
         peers = rails.peer_domains
+        # P2: the exchange in chunks of rows; the final reduction of the tokens whose partials landed runs per chunk
+        # on the side stream (after an event on this one), overlapping the next chunks. The chunks depend on values
+        # every rail peer shares only (not on this rank's token count): the peers must issue the same groups.
+        pipelined = self.pipeline
+        chunk_bytes = 0
+        if pipelined:
+            chunk_bytes = row * (self.pipeline_rows or hplan.pipeline_chunk_rows(Mc, row, envs.hybrid_pipeline_rows()))
         plan = plan_exchange(rails, area, 'combine', hplan.payloads(peers, handle.recv_counts, Mc, row),
-                             hplan.payloads(peers, handle.send_counts, Mc, row))
-        self.rails.exchange(plan, stream)
+                             hplan.payloads(peers, handle.send_counts, Mc, row), chunk_bytes=chunk_bytes)
         out_x = _empty(x, (T, hidden))
         out_w = _empty(cw, (T, K)) if cw is not None else None
-        if T:
-            k.combine_final.launch(T, THREADS, stream=stream, topk_idx=handle.topk_idx, num_tokens=T, num_topk=K,
-                                   experts_per_domain=handle.num_experts // N, num_domains=N, domain=n,
-                                   num_max_tokens=Mc, domain_pos=handle.domain_pos, combined_x=cx,
-                                   combined_weights=_ptr(cw), hidden=hidden, rail_base=base,
-                                   recv_offset=area.recv_offset, region_bytes=area.region_bytes,
-                                   bias0=_ptr(biases[0]) if biases else 0,
-                                   bias1=_ptr(biases[1]) if len(biases) > 1 else 0, num_bias=len(biases),
-                                   out_x=out_x, out_weights=_ptr(out_w))
+        fargs = dict(topk_idx=handle.topk_idx, num_tokens=T, num_topk=K, experts_per_domain=handle.num_experts // N,
+                     num_domains=N, domain=n, num_max_tokens=Mc, domain_pos=handle.domain_pos, combined_x=cx,
+                     combined_weights=_ptr(cw), hidden=hidden, rail_base=base, recv_offset=area.recv_offset,
+                     region_bytes=area.region_bytes, bias0=_ptr(biases[0]) if biases else 0,
+                     bias1=_ptr(biases[1]) if len(biases) > 1 else 0, num_bias=len(biases), out_x=out_x,
+                     out_weights=_ptr(out_w))
+        if pipelined:
+            side = self._payload_stream()
+            done = [0]
+
+            def landed(c: int, exchange_stream) -> None:
+                end = hplan.combine_tokens_ready(c, chunk_bytes, row, plan.num_chunks, T)
+                if end > done[0]:
+                    _stream_after(side, exchange_stream)
+                    k.combine_final.launch(end - done[0], THREADS, stream=side, token_begin=done[0], **fargs)
+                    done[0] = end
+
+            transport = self.rails.transport
+            transport.after_chunk = landed
+            try:
+                self.rails.exchange(plan, stream)
+            finally:
+                transport.after_chunk = None
+                _stream_after(stream, side)
+        else:
+            self.rails.exchange(plan, stream)
+            if T:
+                k.combine_final.launch(T, THREADS, stream=stream, token_begin=0, **fargs)
         handle.keep_combine = (cx, cw)
         event = EventOverlap(EventHandle(stream) if async_with_compute_stream else None)
         return out_x, out_w, event

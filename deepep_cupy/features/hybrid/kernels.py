@@ -63,7 +63,8 @@ def combine_final_spec(bucket: int) -> KernelSpec:
         _P('experts_per_domain', np.int32), _P('num_domains', np.int32), _P('domain', np.int32),
         _P('num_max_tokens', np.int32), _P('domain_pos', PTR), _P('combined_x', PTR), _P('combined_weights', PTR),
         _P('hidden', np.int32), *_RAIL, _P('recv_offset', np.uint64), _P('region_bytes', np.uint64),
-        _P('bias0', PTR), _P('bias1', PTR), _P('num_bias', np.int32), _P('out_x', PTR), _P('out_weights', PTR)))
+        _P('bias0', PTR), _P('bias1', PTR), _P('num_bias', np.int32), _P('out_x', PTR), _P('out_weights', PTR),
+        _P('token_begin', np.int32)))
 
 
 # ---- P2: the split rows (pipelined dispatch) ---------------------------------------------------------------------

@@ -207,3 +207,13 @@ def payload_plan(rails: RailTopology, area: RailArea, rows: SplitRows, send_rows
                     at = rows.payload_offset + begin * rows.payload_bytes
                     ops.append(RailOp(c, m, kind, offset + at, peer_offset + at, (end - begin) * rows.payload_bytes))
     return RailPlan('dispatch', num_chunks, tuple(ops))
+
+
+def combine_tokens_ready(chunk: int, chunk_bytes: int, row_bytes: int, num_chunks: int, num_tokens: int) -> int:
+    """Tokens whose rail partials all landed after chunk `chunk` of a combine exchange cut by `plan_exchange(...,
+    chunk_bytes)` (transfers: a 16-byte header, then rows at their rail positions): rows ending within the first
+    (chunk + 1) * chunk_bytes bytes; a token's rail position in every domain is at most its index. After the last
+    chunk: every token."""
+    if chunk >= num_chunks - 1:
+        return num_tokens
+    return max(0, min(num_tokens, ((chunk + 1) * chunk_bytes - HEADER_BYTES) // row_bytes))
