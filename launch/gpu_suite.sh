@@ -174,6 +174,21 @@ hybrid_lane() {
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-graph-test --skip-timeout-test \
         --num-create-destroy 0
 }
+pp_hybrid_lane() {
+    # PP send/recv with the ring crossing scale-up domains (features/pp/links.py): ranks on GPU 0 cut into domains by
+    # DEEPEP_CUPY_SCALEUP_SIZE, the cross-domain pairs over the IPC loopback link (NCCL refuses ranks sharing a GPU).
+    local shape su np
+    for shape in 2x1:1:2 2x2:2:4 4x1:1:4; do
+        IFS=: read -r shape su np <<< "$shape"
+        step "pp hybrid $shape np=$np + timeout (loopback, sharing 1 GPU)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=$su \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.pp --skip-perf-test
+    done
+    # DeepEP V2.5's pp/test_pp.py builds a PPBuffer (hybrid mode allowed): 2 domains x 1 rank. (head's
+    # elastic/test_pp.py asks for allow_hybrid_mode=False, i.e. one domain: it cannot run across domains.)
+    [ -d .upstream ] && step "DeepEP v25 pp/test_pp.py np=2 hybrid 2x1 (loopback)" 400 env MASTER_PORT=18961 \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $PY -m deepep_cupy.as_deep_ep \
+        .upstream/v25/tests/pp/test_pp.py --num-processes 2 --num-stress-iterations 2
+}
 ll_lane() {
     local n
     for n in 2 8; do
@@ -363,6 +378,7 @@ if want ep; then
     lane ep_lane_shared
 fi
 want hybrid && lane hybrid_lane
+want hybrid && lane pp_hybrid_lane
 want fuse && lane fuse_lane
 want fuse && lane fuse_lane_shared
 want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll_lane
