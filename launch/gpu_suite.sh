@@ -188,6 +188,15 @@ pp_hybrid_lane() {
     [ -d .upstream ] && step "DeepEP v25 pp/test_pp.py np=2 hybrid 2x1 (loopback)" 400 env MASTER_PORT=18961 \
         DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $PY -m deepep_cupy.as_deep_ep \
         .upstream/v25/tests/pp/test_pp.py --num-processes 2 --num-stress-iterations 2
+    # Two GPUs or more: 2 domains x 1 rank, one GPU each, the cross-domain pairs over NCCL (a communicator per
+    # direction), then through NCCL's socket transport.
+    if [ "$NGPU" -ge 2 ]; then
+        step "pp hybrid 2x1 np=2 NCCL links (1 rank/GPU)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+            DEEPEP_CUPY_RAIL_TRANSPORT=nccl $R 2 $PY -m deepep_cupy.tests.pp --skip-perf-test
+        step "pp hybrid 2x1 np=2 NCCL links over sockets" 400 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+            DEEPEP_CUPY_RAIL_TRANSPORT=nccl NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket \
+            NCCL_SOCKET_IFNAME=lo $R 2 $PY -m deepep_cupy.tests.pp --skip-perf-test --num-tokens 1024 --hidden 2048
+    fi
 }
 ll_lane() {
     local n
