@@ -376,7 +376,7 @@ def test_rank_program_stress_and_back_pressure_across_domains(monkeypatch, num_d
     monkeypatch.setattr(program, 'sleep_gpu', lambda cycles, stream=None: None)
     W = num_domains * num_scaleup
     shape = (8, 64)
-    args = argparse.Namespace(num_stress_iterations=2, num_sends=48, num_max_inflight_tensors=2, num_sleep_cycles=0,
+    args = argparse.Namespace(num_stress_iterations=3, num_sends=96, num_max_inflight_tensors=2, num_sleep_cycles=0,
                               num_sms=0, seed=3)
     gpus = [f'gpu{g // num_scaleup}' for g in range(W)] if setting == 'nccl' else ['gpu0'] * W
 
@@ -421,6 +421,7 @@ def test_mismatch_reconfiguration_and_timeout_across_domains(monkeypatch, settin
         buf.group.barrier()
         if rank == 1:                   # nobody sends to rank 1: a bounded wait naming rank 0, then the abort
             buf.num_gpu_timeout_secs = 0.2
+            buf._pp._bound.clear()      # the kernels bind the timeout once: rebind with the short one
             buf.pp_recv(out, peer)
             with pytest.raises(TimeoutError, match=r'pp send/recv: rank 1 waited for rank 0 .*aux 2\)'):
                 buf.synchronize()
