@@ -1,4 +1,16 @@
-// Pipeline-parallel send/recv between ring neighbours (rank ± 1 modulo R) of one scale-up domain.
+// Pipeline-parallel send/recv between ring neighbours (rank ± 1 modulo W). Inside a scale-up domain, and between
+// domains over a CUDA-IPC mapping (the loopback), the protocol below runs as is; `peer_bases` is then the PP feature's
+// own table (indices = global rank - the domain's first rank, so records name global ranks). A pair of domains joined
+// by NCCL (deepep_cupy/features/pp/links.py) reuses both kernels around NCCL point-to-point on side streams:
+//   send: pp_wait_impl (1 thread, bounded: consumed_by[k_d] >= num_sent[k_d] + 1 - num_inflight), then pp_send_impl
+//         into the sender's local OUTBOX (its table entry for the peer), then on the pair's send stream
+//         ncclSend(header, slot) and pp_bump_impl(consumed_by[k_d]): a send "is consumed" once NCCL delivered it,
+//         which needs the receiver's ncclRecv, posted by its pp_recv, so the slot semantics are the NVLink ones.
+//   recv: on the pair's receive stream ncclRecv(header, slot) into this rank's slot [k_s][0], pp_bump_impl
+//         (sent_from[k_s]); on the communication stream pp_wait_impl (sent_from[k_s] >= num_recv[k_s] + 1), then
+//         pp_recv_impl with num_inflight = 1 (it writes its consumed signal into the outbox's unused control words).
+// The waits run as one-thread kernels before the wide copy kernels, so a spinning grid never keeps the NCCL kernels
+// of the side streams off the SMs.
 //
 // Data (the buffer's data region, offsets relative to every rank's symmetric base; deepep_cupy/pp.py `PPLayout`):
 //   headers [2 sources][num_inflight] of kPPHeaderBytes at headers_offset; slots [2 sources][num_inflight] of
@@ -167,6 +179,25 @@ pp_recv_impl(uint8_t* x, uint64_t num_bytes, const uint64_t* peer_bases, int ran
         ctrl[kPPRecvCursor + src_slot_idx] = (cursor + 1) % static_cast<uint32_t>(num_inflight);
         st_release_sys(pp_ctrl(peer_bases, src) + kPPConsumedBy + dst_slot_idx_at_src, seq + 1);
     }
+}
+
+// Bounded wait on this rank's own control words: until ctrl[wait_word] >= ctrl[count_word] + delta (epoch order).
+// One thread. The timeout record is (kPhasePP, rank, peer, target, last seen, aux) as in the kernels above.
+__global__ void pp_wait_impl(const uint64_t* peer_bases, int rank, int peer, int wait_word, int count_word, int delta,
+                             int aux, int32_t* error_record, uint64_t timeout_ns) {
+    if (blockIdx.x != 0 || threadIdx.x != 0)
+        return;
+    uint32_t* ctrl = pp_ctrl(peer_bases, rank);
+    const uint32_t target = read_local(ctrl + count_word) + static_cast<uint32_t>(delta);
+    wait_epoch(ctrl + wait_word, target, timeout_ns, make_error_sink(peer_bases, rank, error_record), kPhasePP, rank,
+               peer, aux);
+}
+
+// One more message of a pair crossed NCCL: *word += 1 (release, system scope), stream-ordered after the NCCL group.
+// Only this kernel writes the word (on the pair's side stream), so read-increment-store is race-free.
+__global__ void pp_bump_impl(uint32_t* word) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        st_release_sys(word, read_local(word) + 1u);
 }
 
 }  // namespace deepep

@@ -221,6 +221,30 @@ hybrid_pipeline_lane() {
         --skip-check --skip-error-test --skip-graph-test --skip-timeout-test --num-create-destroy 0 \
         --do-pressure-test --num-pressure-seeds 100 --unbalanced-ratio 2 --num-topk 8
 }
+pp_hybrid_lane() {
+    # PP send/recv with the ring crossing scale-up domains (features/pp/links.py): ranks on GPU 0 cut into domains by
+    # DEEPEP_CUPY_SCALEUP_SIZE, the cross-domain pairs over the IPC loopback link (NCCL refuses ranks sharing a GPU).
+    local shape su np
+    for shape in 2x1:1:2 2x2:2:4 4x1:1:4; do
+        IFS=: read -r shape su np <<< "$shape"
+        step "pp hybrid $shape np=$np + timeout (loopback, sharing 1 GPU)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=$su \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.pp --skip-perf-test
+    done
+    # DeepEP V2.5's pp/test_pp.py builds a PPBuffer (hybrid mode allowed): 2 domains x 1 rank. (head's
+    # elastic/test_pp.py asks for allow_hybrid_mode=False, i.e. one domain: it cannot run across domains.)
+    [ -d .upstream ] && step "DeepEP v25 pp/test_pp.py np=2 hybrid 2x1 (loopback)" 400 env MASTER_PORT=18961 \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $PY -m deepep_cupy.as_deep_ep \
+        .upstream/v25/tests/pp/test_pp.py --num-processes 2 --num-stress-iterations 2
+    # Two GPUs or more: 2 domains x 1 rank, one GPU each, the cross-domain pairs over NCCL (a communicator per
+    # direction), then through NCCL's socket transport.
+    if [ "$NGPU" -ge 2 ]; then
+        step "pp hybrid 2x1 np=2 NCCL links (1 rank/GPU)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+            DEEPEP_CUPY_RAIL_TRANSPORT=nccl $R 2 $PY -m deepep_cupy.tests.pp --skip-perf-test
+        step "pp hybrid 2x1 np=2 NCCL links over sockets" 400 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+            DEEPEP_CUPY_RAIL_TRANSPORT=nccl NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket \
+            NCCL_SOCKET_IFNAME=lo $R 2 $PY -m deepep_cupy.tests.pp --skip-perf-test --num-tokens 1024 --hidden 2048
+    fi
+}
 ll_lane() {
     local n
     for n in 2 8; do
@@ -418,6 +442,7 @@ if want ep; then
 fi
 want hybrid && lane hybrid_lane
 want hybrid && lane hybrid_pipeline_lane
+want hybrid && lane pp_hybrid_lane
 want fuse && lane fuse_lane
 want fuse && lane fuse_lane_shared
 want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll_lane

@@ -33,7 +33,8 @@ def _probe_helpers():
 # ---- kernels ---------------------------------------------------------------------------------------------------------
 def test_pp_family_compiles_for_sm90():
     specs = pp.shipped_specs()['pp']
-    assert [s.name for s in specs] == ['deepep::pp_send_impl', 'deepep::pp_recv_impl']
+    assert [s.name for s in specs] == ['deepep::pp_send_impl', 'deepep::pp_recv_impl', 'deepep::pp_wait_impl',
+                                       'deepep::pp_bump_impl']
     module = compiler.compile_cubin('pp', [s.name for s in specs], arch='90', use_cache=False)
     assert module.cubin[:4] == b'\x7fELF' and set(module.lowered) == {s.name for s in specs}
 
@@ -202,10 +203,6 @@ def test_set_config_checks_before_anything_else(monkeypatch):
     one = make_buffer(monkeypatch, num_ranks=1, rank=0)
     with pytest.raises(ValueError, match='at least 2 ranks'):
         one.pp_set_config(1024, 2)
-    hybrid = make_buffer(monkeypatch)
-    hybrid.num_scaleout_ranks = 2
-    with pytest.raises(NotImplementedError):
-        hybrid.pp_set_config(1024, 2)
     unconfigured = make_buffer(monkeypatch)
     with pytest.raises(RuntimeError, match='pp_set_config'):
         unconfigured.pp_send(np.zeros(4), 2)
@@ -435,7 +432,7 @@ def test_make_buffer_builds_an_elastic_buffer(monkeypatch):
     monkeypatch.setattr(program, 'ElasticBuffer', type('ElasticBuffer', (Recorder,), {}))
     program.make_buffer('group', 2 * MiB, num_gpu_timeout_secs=3)
     program.make_buffer('group', 2 * MiB)
-    common = {'num_bytes': 2 * MiB, 'allow_hybrid_mode': False, 'explicitly_destroy': True}
+    common = {'num_bytes': 2 * MiB, 'allow_hybrid_mode': True, 'explicitly_destroy': True}
     assert calls == [('ElasticBuffer', ('group',), {**common, 'num_gpu_timeout_secs': 3}),
                      ('ElasticBuffer', ('group',), common)]
 

@@ -109,15 +109,13 @@ class ElasticBuffer(BufferBase):
                          explicitly_destroy=explicitly_destroy, device=device,
                          config={'num_max_tokens_per_rank': num_max_tokens_per_rank, 'hidden': hidden,
                                  'num_topk': num_topk, 'allow_multiple_reduction': self.allow_multiple_reduction})
-        if self.num_scaleout_ranks > 1 and not (num_max_tokens_per_rank and hidden):
-            self.destroy()
-            raise ValueError(f'{self.num_scaleout_ranks} scale-up domains (hybrid mode): give num_max_tokens_per_rank '
-                             f'and hidden at construction (they size the rail buffers)')
         self.num_rdma_ranks, self.num_nvlink_ranks = self.num_scaleout_ranks, self.num_scaleup_ranks
         self.num_allocated_qps = ep_plan.resolve_num_allocated_qps(num_allocated_qps, self.num_scaleout_ranks > 1)
         # Read the NVLink bandwidth now (it runs nvidia-smi once per process), never inside a timed or captured call.
         self._nvlink_gbs = get_nvlink_gbs() or DEFAULT_NVLINK_GBS
-        if (num_max_tokens_per_rank and hidden) or num_topk or self.num_scaleout_ranks > 1:
+        # Several domains without the MoE sizes: a buffer for the other features (PP, ...); its first EP call raises
+        # (hybrid.make_hybrid_ep: the sizes are needed for the rail buffers).
+        if (num_max_tokens_per_rank and hidden) or (num_topk and self.num_scaleout_ranks == 1):
             try:
                 self._ep_feature()      # lays out the EP regions and compiles the kernels now (hybrid: the rails)
             except BaseException:

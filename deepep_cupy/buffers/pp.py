@@ -1,7 +1,8 @@
 """`PPBuffer`: DeepEP V2.5's pipeline-parallel buffer (`deep_ep.buffers.pp`), the PP feature on a buffer of its own.
 
-Sends and receives go between ring neighbours inside one NVLink domain (upstream: RDMA between scale-out peers); the
-PP feature (`features/pp`) lays out the receive slots and launches the `send_impl` / `recv_impl` kernels.
+Sends and receives go between ring neighbours over NVLink inside a scale-up domain and, when the group forms several
+domains (hybrid mode), over a link per cross-domain pair (NCCL, or the CUDA-IPC loopback on one host; upstream: RDMA);
+the PP feature (`features/pp`, links.py) lays out the receive slots and launches the `send_impl` / `recv_impl` kernels.
 """
 
 import weakref
@@ -25,7 +26,7 @@ class PPBuffer(V25Methods, BufferBase):
         num_max_tensor_bytes: most bytes one sent or received tensor may have.
         num_max_inflight_tensors: tensors a sender may be ahead of its receiver per directed pair (more `send`s wait
             on the GPU until the receiver takes the oldest).
-        sl_idx: DeepEP's RDMA service level; accepted (no RDMA traffic inside one NVLink domain).
+        sl_idx: DeepEP's RDMA service level; accepted (between domains NCCL picks its own).
         num_gpu_timeout_secs: bound on GPU waits.
         explicitly_destroy: memory is released by `destroy()` (collective); else when garbage-collected.
 

@@ -12,6 +12,10 @@ a schedule that cannot complete under the documented semantics (a send waits whi
 messages of its pair are unreceived, one stream per rank) is re-drawn: about 0.5% of 2-rank schedules are such.
 Message contents are regenerated on the receiver from a per-message seed, so no reference needs NCCL or the code
 under test. `--num-processes` is accepted for DeepEP compatibility and ignored (start the ranks with mpirun).
+
+Hybrid mode (several scale-up domains, e.g. `DEEPEP_CUPY_SCALEUP_SIZE=1` with ranks sharing a GPU): the same checks,
+the ring crossing domains through the links of features/pp/links.py (`DEEPEP_CUPY_RAIL_TRANSPORT=loopback` on one
+GPU, NCCL between GPUs); the timeout checks then wait on a cross-domain neighbour when rank 1 is in another domain.
 """
 
 import random
@@ -43,8 +47,9 @@ RECV_DELAY_RANGE = 3 * 10 ** 6
 
 
 def make_buffer(group, num_bytes: int, **kwargs):
-    """The buffer under test: an `ElasticBuffer` over one NVLink domain."""
-    return ElasticBuffer(group, num_bytes=num_bytes, allow_hybrid_mode=False, explicitly_destroy=True, **kwargs)
+    """The buffer under test: an `ElasticBuffer` (hybrid mode allowed: several domains when
+    `DEEPEP_CUPY_SCALEUP_SIZE` cuts the ranks into domains; one NVLink domain otherwise)."""
+    return ElasticBuffer(group, num_bytes=num_bytes, allow_hybrid_mode=True, explicitly_destroy=True, **kwargs)
 
 
 # ---- schedules (pure Python, unit-tested in tests/test_pp_cpu.py) ----------------------------------------------------
@@ -373,7 +378,9 @@ def perf(buf, args, group, shape) -> List[str]:
     # Floor: the same bytes to the next rank with the plain peer-copy kernel (writes into the idle PP region).
     num_sms = min(args.num_sms or buf.num_device_sms, buf.num_device_sms)
     floor_t = None
-    if num_bytes % 16 == 0 and buf.data_offset + num_ranks * num_bytes <= buf.sym.num_bytes:
+    if buf.num_scaleout_ranks > 1:
+        lines.append(f'[perf] rank {rank} | peer-copy floor skipped: the next rank may be in another domain')
+    elif num_bytes % 16 == 0 and buf.data_offset + num_ranks * num_bytes <= buf.sym.num_bytes:
         send_bytes = [num_bytes if p == next_idx else 0 for p in range(num_ranks)]
         copy = PeerCopy.from_buffer(buf).prepare(sends[0], send_bytes, buf.data_offset, num_bytes, num_sms)
         floor_t = bench_kineto(lambda: copy(interop.current_stream()), 'peer_copy', **kineto)
@@ -435,6 +442,11 @@ def main(argv=None) -> int:
         return 0 if ok else 1
 
     buf.pp_set_config(num_max_tensor_bytes, args.num_max_inflight_tensors)
+    if buf.num_scaleout_ranks > 1:
+        kinds = [f'{rank}->{nb.peer}: {nb.kind}' for nb in buf._pp.hybrid.neighbours.values()]
+        for rank_kinds in group.allgather_object(kinds):
+            log(f'[init] hybrid {buf.num_scaleout_ranks} domains x {buf.num_scaleup_ranks} ranks, links '
+                f'{", ".join(rank_kinds)}')
     log(f'[init] {num_ranks} ranks, {buf.topology.num_ranks_per_gpu()} per GPU, {type(buf).__name__} of '
         f'{buf.num_bytes / 2 ** 20:.0f} MiB (PP uses {buf._pp.layout.num_bytes / 2 ** 20:.0f}), ready in '
         f'{time.perf_counter() - t0:.2f} s; tensors {list(shape)} bfloat16, {args.num_max_inflight_tensors} in flight')

@@ -9,6 +9,11 @@ waits for the message and copies it into the tensor. Both run on the buffer's co
 current stream. Per-pair counters live on the GPU, so the host launches carry no sequence numbers. A size mismatch
 can only be seen on the GPU: nothing is copied, the message is consumed, and the next PP call on the receiving rank
 raises `RuntimeError` describing the pair and both sizes.
+
+Several scale-up domains (hybrid mode): ring pairs inside a domain keep this NVLink path; a pair that crosses domains
+gets its own link (links.py): the neighbour's buffer mapped over CUDA IPC (the loopback, one host) running the same
+protocol, or NCCL point-to-point on a 2-rank communicator per directed pair, with the bounded waits on the
+communication stream and the transfers on side streams (kernels_cu/pp.cu). Same API, FIFO and slot semantics.
 """
 
 import dataclasses
@@ -17,15 +22,19 @@ from typing import Any, Dict, NamedTuple, Optional
 
 import numpy as np
 
+from ... import envs
 from ...jit.launch import load_kernels
 from ...runtime import interop
 from ...runtime.checks import check_int
 from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.sizes import ceil_div
+from .links import LINK_NCCL, HybridPeers, Neighbour, nccl_recv_offsets, next_cursor
 from .plan import (
+    BUMP_SPEC,
     DATA_REGION_OWNER,
     ERROR_RECORD_OFFSET,
     ERROR_WORDS,
+    HEADER_BYTES,
     NUM_MAX_INFLIGHT_TENSORS,
     PHASE_PP,
     RECV_SPEC,
@@ -33,6 +42,13 @@ from .plan import (
     THREADS,
     TIMEOUT_HINT,
     UNROLL,
+    WAIT_DATA,
+    WAIT_SLOT,
+    WAIT_SPEC,
+    WORD_CONSUMED_BY,
+    WORD_NUM_RECV,
+    WORD_NUM_SENT,
+    WORD_SENT_FROM,
     PPLayout,
     all_specs,
     describe_mismatch,
@@ -59,6 +75,8 @@ class PPKernels:
         loaded = load_kernels(all_specs())
         self.send = loaded[SEND_SPEC.name]
         self.recv = loaded[RECV_SPEC.name]
+        self.wait = loaded[WAIT_SPEC.name]
+        self.bump = loaded[BUMP_SPEC.name]
 
 
 class PP:
@@ -78,10 +96,16 @@ class PP:
         self.error_ptr = buf.host_mapped.ptr + ERROR_RECORD_OFFSET
         self.error = buf.host_mapped.view('int32', ERROR_WORDS, ERROR_RECORD_OFFSET)
         self._bound: Dict[Any, Any] = {}     # (send?, peer) -> bound launch, its patched words, its layout
+        self.hybrid: Optional[HybridPeers] = None     # several domains: links, peer table (links.py)
+        self._send_cursor: Dict[int, int] = {}       # NCCL neighbours: the host's mirror of the device send cursor
 
     def destroy(self) -> None:
         self.layout = None
         self._bound = {}
+        hybrid, self.hybrid = self.hybrid, None
+        if hybrid is not None:
+            buf = self._buf
+            hybrid.release(getattr(buf, '_failed', None) is not None, buf.num_gpu_timeout_secs)
 
     # ---- configuration -------------------------------------------------------------------------------------------
     def set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
@@ -103,11 +127,10 @@ class PP:
         self.check_usable()
         if buf.num_ranks < 2:
             raise ValueError(f'PP send/recv needs at least 2 ranks (a ring neighbour), the group has {buf.num_ranks}')
-        if buf.num_scaleout_ranks > 1:
-            raise NotImplementedError(f'{buf.num_scaleout_ranks} scale-up domains: PP between domains is not '
-                                      f'implemented yet; build the buffer with allow_hybrid_mode=False on one '
-                                      f'NVLink domain')
-        assert buf.scaleup_rank_idx == buf.rank_idx, 'one scale-up domain: scale-up index == rank'
+        hybrid = buf.num_scaleout_ranks > 1
+        if not hybrid:
+            assert buf.scaleup_rank_idx == buf.rank_idx, 'one scale-up domain: scale-up index == rank'
+        setting = envs.rail_transport() if hybrid else None
         layout = PPLayout(num_max_tensor_bytes, num_max_inflight_tensors, buf.data_offset)
         if layout.num_bytes > buf.num_bytes:
             raise ValueError(
@@ -128,8 +151,17 @@ class PP:
             if pending:
                 pairs = ', '.join(f'{s}->{d}: {n} sent, {m} received' for s, d, n, m in pending)
                 raise RuntimeError(f'pp_set_config: messages are still in flight ({pairs}); receive them first')
+            if self.hybrid is not None and not self.hybrid.wait_idle(buf.num_gpu_timeout_secs + 30):
+                self.hybrid.abort()
+                buf.fail('pp_set_config: the NCCL transfers of PP did not finish')
+                raise TimeoutError(f'deepep_cupy rank {buf.rank_idx}: pp_set_config: the NCCL transfers to the '
+                                   f'neighbours did not finish; the PP links were aborted')
         else:
             self.kernels = kernels
+            if hybrid:
+                self.hybrid = HybridPeers(buf, setting)     # collective: IPC handles, NCCL ids and communicators
+        if self.hybrid is not None:
+            self.hybrid.set_layout(layout)
         self.layout = layout
 
     # ---- send / recv ---------------------------------------------------------------------------------------------
@@ -174,15 +206,17 @@ class PP:
         buf = self._buf
         try:
             buf.check_usable()
-        except TimeoutError as e:
-            if int(buf.error_record[1]) == PHASE_PP:
+        except (TimeoutError, RuntimeError) as e:
+            if self.hybrid is not None:         # a neighbour is missing: NCCL work pending on it must not hang
+                self.hybrid.abort()
+            if isinstance(e, TimeoutError) and int(buf.error_record[1]) == PHASE_PP:
                 raise TimeoutError(f'{e} {TIMEOUT_HINT}') from None
             raise
         record = self.error
         if int(record[0]) != 0:
             if int(record[0]) == -1:        # the kernel is still filling it in (microseconds)
                 time.sleep(1e-3)
-            message = describe_mismatch(record, buf.rank_idx)
+            message = describe_mismatch(record, buf.rank_idx, getattr(buf, 'error_rank_base', 0))
             record[:] = 0
             raise RuntimeError(message)
 
@@ -258,25 +292,78 @@ class PP:
         bound = self._bound.get(key)
         if bound is None or bound[3] is not lay:    # bound by name once per (direction, peer) and layout; per call
             # x, its size and the grid change
-            if is_send:
-                b = self.kernels.send.bind(
-                    1, THREADS, x=0, num_bytes=0, peer_bases=buf.sym.peer_bases_ptr, rank=buf.rank_idx, dst=c.peer,
-                    dst_slot_idx=c.my_slot_for_peer, src_slot_idx_at_dst=c.peer_slot_for_me,
-                    num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
-                    slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
-                    timeout_ns=buf.timeout_ns)
-            else:
-                b = self.kernels.recv.bind(
-                    1, THREADS, x=0, num_bytes=0, peer_bases=buf.sym.peer_bases_ptr, rank=buf.rank_idx, src=c.peer,
-                    src_slot_idx=c.my_slot_for_peer, dst_slot_idx_at_src=c.peer_slot_for_me,
-                    num_inflight=lay.num_max_inflight_tensors, headers_offset=lay.headers_offset,
-                    slots_offset=lay.slots_offset, slot_bytes=lay.slot_bytes, error_record=buf.host_mapped.ptr,
-                    pp_error=self.error_ptr, timeout_ns=buf.timeout_ns)
+            b = self._bind(is_send, c, lay)
             bound = self._bound[key] = (b, b.index('x'), b.index('num_bytes'), lay)
         b, i_x, i_bytes, _ = bound
+        nb = self.hybrid.neighbours[c.peer] if self.hybrid is not None else None
+        over_nccl = nb is not None and nb.kind == LINK_NCCL
+        if over_nccl and not is_send:
+            # The receive goes into slot [k_s][0] once the previous message of the pair was copied out of it.
+            self._post_nccl_recv(nb, lay, comm.record())
+        if over_nccl:
+            self._wait(comm, nb, is_send, lay)
         b.u64[i_x], b.u64[i_bytes] = ptr, info.nbytes
         b.grid = (c.grid, 1, 1)
         b(comm)
+        if over_nccl and is_send:
+            self._post_nccl_send(nb, lay, comm.record())
         counts = self.num_sent if is_send else self.num_recv
         counts[c.peer] = counts.get(c.peer, 0) + 1
         return order.leave(info.kind, current, comm, async_with_compute_stream, (x,))
+
+    def _bind(self, is_send: bool, c: PPCall, lay: PPLayout):
+        """The bound send or receive kernel of one neighbour: over NVLink or a loopback mapping, the protocol of
+        kernels_cu/pp.cu with the receiver's slots; over NCCL, a send packs into the outbox (slot index 0 there) and a
+        receive reads slot [k_s][0] of this rank, where NCCL delivered the message."""
+        buf = self._buf
+        peer_bases, rank, peer_idx = buf.sym.peer_bases_ptr, buf.rank_idx, c.peer
+        n, headers, slots, slot_bytes = lay.num_max_inflight_tensors, lay.headers_offset, lay.slots_offset, \
+            lay.slot_bytes
+        at_peer = c.peer_slot_for_me
+        if self.hybrid is not None:
+            nb = self.hybrid.neighbours[c.peer]
+            peer_bases, rank, peer_idx = self.hybrid.table_ptr, buf.scaleup_rank_idx, nb.table_idx
+            if nb.kind == LINK_NCCL:
+                if is_send:
+                    box = self.hybrid.outboxes[c.peer][0]
+                    headers, slots, at_peer = box.headers_offset, box.slots_offset, 0
+                else:
+                    (headers, slots), n, at_peer = nccl_recv_offsets(lay, c.my_slot_for_peer), 1, 1
+        common = dict(x=0, num_bytes=0, peer_bases=peer_bases, rank=rank, num_inflight=n, headers_offset=headers,
+                      slots_offset=slots, slot_bytes=slot_bytes, error_record=buf.host_mapped.ptr,
+                      timeout_ns=buf.timeout_ns)
+        if is_send:
+            return self.kernels.send.bind(1, THREADS, dst=peer_idx, dst_slot_idx=c.my_slot_for_peer,
+                                          src_slot_idx_at_dst=at_peer, **common)
+        return self.kernels.recv.bind(1, THREADS, src=peer_idx, src_slot_idx=c.my_slot_for_peer,
+                                      dst_slot_idx_at_src=at_peer, pp_error=self.error_ptr, **common)
+
+    def _wait(self, stream, nb: Neighbour, is_send: bool, lay: PPLayout) -> None:
+        """The bounded one-thread wait before an NCCL neighbour's send (a free slot: the message num_inflight back
+        was delivered) or receive (the message arrived), so the wide kernel never spins next to NCCL's."""
+        buf, k = self._buf, nb.slot_idx
+        if is_send:
+            words = (WORD_CONSUMED_BY + k, WORD_NUM_SENT + k, 1 - lay.num_max_inflight_tensors, WAIT_SLOT)
+        else:
+            words = (WORD_SENT_FROM + k, WORD_NUM_RECV + k, 1, WAIT_DATA)
+        self.kernels.wait.launch(1, 32, stream=stream, peer_bases=self.hybrid.table_ptr, rank=buf.scaleup_rank_idx,
+                                 peer=nb.table_idx, wait_word=words[0], count_word=words[1], delta=words[2],
+                                 aux=words[3], error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
+
+    def _bump(self, word: int):
+        return lambda stream: self.kernels.bump.launch(1, 32, stream=stream, word=word)
+
+    def _post_nccl_send(self, nb: Neighbour, lay: PPLayout, after) -> None:
+        """Ship the outbox slot the send kernel just filled (header + whole slot), then count it delivered."""
+        h = self.hybrid
+        box, ptr, _ = h.outboxes[nb.peer]
+        slot, self._send_cursor[nb.peer] = next_cursor(self._send_cursor.get(nb.peer, 0), lay.num_max_inflight_tensors)
+        h.links.send(nb.peer, [(ptr + box.header(slot), HEADER_BYTES), (ptr + box.slot(slot), box.slot_bytes)], after,
+                     self._bump(h.ctrl_word(WORD_CONSUMED_BY + nb.slot_idx)))
+
+    def _post_nccl_recv(self, nb: Neighbour, lay: PPLayout, after) -> None:
+        """Receive the next message of the pair into slot [k_s][0] (header + whole slot), then count it arrived."""
+        h, k = self.hybrid, nb.slot_idx
+        h.links.recv(nb.peer, [(h.own_base + lay.header_offset(k, 0), HEADER_BYTES),
+                               (h.own_base + lay.slot_offset(k, 0), lay.slot_bytes)], after,
+                     self._bump(h.ctrl_word(WORD_SENT_FROM + k)))

@@ -38,6 +38,8 @@ NUM_MAX_INFLIGHT_TENSORS = 1 << 16
 PHASE_PP = 7                 # kPhasePP
 WAIT_SLOT, WAIT_DATA = 1, 2  # aux codes of a PP timeout record (kPPWaitSlot, kPPWaitData)
 ERROR_WORDS = 8              # kPPErrorWords
+# Control word indices (uint32, kernels_cu/pp.cu): per neighbour index k, word + k.
+WORD_NUM_SENT, WORD_NUM_RECV, WORD_SENT_FROM, WORD_CONSUMED_BY = 4, 8, 32, 64
 ERROR_RECORD_OFFSET = workspace.HOST_PP_ERROR.offset    # of the PP error record in the buffer's host-mapped memory
 DATA_REGION_OWNER = 'PP send/recv'
 
@@ -53,10 +55,18 @@ RECV_SPEC = KernelSpec('pp', 'deepep::pp_recv_impl', (
     _P('headers_offset', np.uint64), _P('slots_offset', np.uint64), _P('slot_bytes', np.uint64),
     _P('error_record', PTR), _P('pp_error', PTR), _P('timeout_ns', np.uint64)))
 
+# The NCCL link's helpers (kernels_cu/pp.cu; features/pp/links.py): a bounded one-thread wait on own control words,
+# and the counter bump after each NCCL transfer.
+WAIT_SPEC = KernelSpec('pp', 'deepep::pp_wait_impl', (
+    _P('peer_bases', PTR), _P('rank', np.int32), _P('peer', np.int32), _P('wait_word', np.int32),
+    _P('count_word', np.int32), _P('delta', np.int32), _P('aux', np.int32), _P('error_record', PTR),
+    _P('timeout_ns', np.uint64)))
+BUMP_SPEC = KernelSpec('pp', 'deepep::pp_bump_impl', (_P('word', PTR),))
+
 
 def all_specs() -> List[KernelSpec]:
     """Every specialisation of the family (the kernels are not templated on the number of ranks)."""
-    return [SEND_SPEC, RECV_SPEC]
+    return [SEND_SPEC, RECV_SPEC, WAIT_SPEC, BUMP_SPEC]
 
 
 def shipped_specs() -> Dict[str, List[KernelSpec]]:
@@ -145,9 +155,10 @@ def unmatched_messages(counts: Sequence[Tuple[Dict[int, int], Dict[int, int]]]) 
     return out
 
 
-def describe_mismatch(record: Sequence[int], rank_idx: int) -> str:
-    """The message for a PP error record (layout in kernels_cu/pp.cu, `kPPErrorWords`)."""
-    src, seq = int(record[1]), int(record[2]) & 0xFFFFFFFF
+def describe_mismatch(record: Sequence[int], rank_idx: int, rank_base: int = 0) -> str:
+    """The message for a PP error record (layout in kernels_cu/pp.cu, `kPPErrorWords`); `rank_base` turns the
+    recorded source (a peer-table index: global rank - the domain's first rank) into a global rank."""
+    src, seq = int(record[1]) + rank_base, int(record[2]) & 0xFFFFFFFF
     expected = (int(record[3]) & 0xFFFFFFFF) | ((int(record[4]) & 0xFFFFFFFF) << 32)
     sent = (int(record[5]) & 0xFFFFFFFF) | ((int(record[6]) & 0xFFFFFFFF) << 32)
     sent_seq = int(record[7]) & 0xFFFFFFFF
