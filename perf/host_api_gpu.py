@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     ev = cupy.cuda.Event(disable_timing=True)
     mod = cupy.RawModule(code='extern "C" __global__ void k(int* p) { if (p && threadIdx.x == 0) *p = 1; }')
     fn = mod.get_function('k')
+    fn = getattr(fn, 'kernel', fn)          # a RawKernel's loaded function (`.ptr`: the CUfunction)
     arg = ctypes.c_uint64(0)
     params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
     params_addr = ctypes.addressof(params)
