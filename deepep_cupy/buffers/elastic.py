@@ -11,7 +11,13 @@ import weakref
 from typing import Optional
 
 from ..features.agrs.feature import AGRS
-from ..features.agrs.plan import num_max_session_bytes, reduce_area_offset, reduce_num_bytes
+from ..features.agrs.plan import (
+    area_start,
+    hybrid_domains,
+    hybrid_reduce_num_bytes,
+    num_max_session_bytes,
+    reduce_area_offset,
+)
 from ..features.engram.feature import Engram
 from ..features.engram.plan import storage_size_hint
 from ..features.ep import layout as ep_layout
@@ -109,15 +115,13 @@ class ElasticBuffer(BufferBase):
                          explicitly_destroy=explicitly_destroy, device=device,
                          config={'num_max_tokens_per_rank': num_max_tokens_per_rank, 'hidden': hidden,
                                  'num_topk': num_topk, 'allow_multiple_reduction': self.allow_multiple_reduction})
-        if self.num_scaleout_ranks > 1 and not (num_max_tokens_per_rank and hidden):
-            self.destroy()
-            raise ValueError(f'{self.num_scaleout_ranks} scale-up domains (hybrid mode): give num_max_tokens_per_rank '
-                             f'and hidden at construction (they size the rail buffers)')
         self.num_rdma_ranks, self.num_nvlink_ranks = self.num_scaleout_ranks, self.num_scaleup_ranks
         self.num_allocated_qps = ep_plan.resolve_num_allocated_qps(num_allocated_qps, self.num_scaleout_ranks > 1)
         # Read the NVLink bandwidth now (it runs nvidia-smi once per process), never inside a timed or captured call.
         self._nvlink_gbs = get_nvlink_gbs() or DEFAULT_NVLINK_GBS
-        if (num_max_tokens_per_rank and hidden) or num_topk or self.num_scaleout_ranks > 1:
+        # Several domains without the MoE sizes: no EP (dispatch raises, naming them); the buffer may still serve
+        # all-gather / reduce-scatter (DeepEP's test_agrs.py builds it from num_bytes alone).
+        if (num_max_tokens_per_rank and hidden) or (num_topk and self.num_scaleout_ranks == 1):
             try:
                 self._ep_feature()      # lays out the EP regions and compiles the kernels now (hybrid: the rails)
             except BaseException:
@@ -295,20 +299,23 @@ class ElasticBuffer(BufferBase):
     @staticmethod
     def get_agrs_buffer_size_hint(group, num_max_session_bytes: int, num_max_reduce_bytes: int = 0) -> int:
         """Buffer `num_bytes` for a session area of `num_max_session_bytes` (2 MiB aligned), plus a reduction area of
-        `num_max_reduce_bytes` (see `get_agrs_reduce_num_bytes`) after it when given."""
+        `num_max_reduce_bytes` (see `get_agrs_reduce_num_bytes`) after it when given; in hybrid mode (several
+        scale-up domains, as `agrs.plan.hybrid_domains` guesses from the group) also the 4 KiB rail area before them."""
         check_int('num_max_session_bytes', num_max_session_bytes)
         check_int('num_max_reduce_bytes', num_max_reduce_bytes)
+        start = area_start(hybrid_domains(group)[0])
         if not num_max_reduce_bytes:
-            return align(num_max_session_bytes, BUFFER_ALIGNMENT)
-        return align(reduce_area_offset(num_max_session_bytes) + num_max_reduce_bytes, BUFFER_ALIGNMENT)
+            return align(start + num_max_session_bytes, BUFFER_ALIGNMENT)
+        return align(start + reduce_area_offset(num_max_session_bytes) + num_max_reduce_bytes, BUFFER_ALIGNMENT)
 
     @staticmethod
     def get_agrs_reduce_num_bytes(group, num_max_elems: int, op: str = 'all_reduce',
                                   comm_precision: str = 'fp32') -> int:
         """Reduction-area bytes for `reduce_scatter` (input of `num_max_elems` elements per rank) or `all_reduce`
-        (`num_max_elems` FP32 elements)."""
+        (`num_max_elems` FP32 elements); in hybrid mode the in-domain step plus the rail slots."""
         check_int('num_max_elems', num_max_elems)
-        return reduce_num_bytes(group_size(group), num_max_elems, op, comm_precision)
+        num_domains, num_scaleup = hybrid_domains(group)
+        return hybrid_reduce_num_bytes(num_domains, num_scaleup, num_max_elems, op, comm_precision)
 
     @_doc(AGRS.set_config)
     def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int = 32,
