@@ -551,8 +551,8 @@ def _EmuKernel(spec, fn):
 
 
 class _HostAGRS(agrs_feature.AGRS):
-    def __init__(self, buf):
-        super().__init__(buf)
+    def __init__(self, buf, **kwargs):
+        super().__init__(buf, **kwargs)
         import torch
         self._bytes['torch'] = torch.from_numpy(buf.mem[buf.data_offset:])
         self.signal, self.meta, self.shards, self.rank = {}, {}, {}, buf.sym.local_idx

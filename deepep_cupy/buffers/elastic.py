@@ -34,7 +34,7 @@ from ..runtime.group import get_group
 from ..runtime.group_size import group_size
 from ..runtime.nvlink import get_nvlink_gbs
 from ..runtime.sizes import align
-from . import hybrid
+from . import agrs_rails, hybrid
 from .allocator import BufferAllocator, Placeholder
 from .base import BUFFER_ALIGNMENT, BufferBase
 
@@ -146,7 +146,7 @@ class ElasticBuffer(BufferBase):
 
     def _agrs_feature(self) -> AGRS:
         if self._agrs is None:
-            self._agrs = AGRS(weakref.proxy(self))
+            self._agrs = AGRS(weakref.proxy(self), make_rails=agrs_rails.make)
         return self._agrs
 
     def _engram_feature(self) -> Engram:

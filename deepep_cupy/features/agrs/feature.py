@@ -12,60 +12,32 @@ reduction area. Sessions are sequential (one open at a time); a session holds at
 while a session is open. Every rank must make the same calls in the same order with the same sizes; not CUDA-graph
 capturable (epochs are counted on the host).
 
-Hybrid mode (N scale-up domains x R ranks, rank g = n * R + r; rails as in runtime/rails.py): the data region starts
-with a 4 KiB rail area (the loopback transport's flags, the all-gather's rail headers), then the session and reduction
-areas as above. Rail exchanges are host-issued on the communication stream, in program order (every rail peer issues
-the same ones), through `AGRSRails` (the buffer's one transport: a buffer's data region belongs to one feature, so a
-hybrid EP buffer never runs these); nothing is staged outside the symmetric buffer.
-- all_gather: gather regions hold W = N * R slots in global rank order. Rank g stores its tensor in slot g of its
-  domain (the intranode gather kernel), sends slot g to its N - 1 rail peers and receives theirs into slots (m, r)
-  (one rail exchange per call; a 16-byte header carries the call's meta, so ranks that gathered different sizes are
-  reported across domains too), then stores the N - 1 received shards into the slots (m, r) of its domain peers; the
-  last launch signals (the wait handle waits for the R domain peers, as in one domain).
-- reduce_scatter: the input reordered to `[R][N][n]` FP32 (exact), the in-domain reduce-scatter of it (scale 1, FP32
-  result: rank (n, r) holds domain n's partial of the shards (m, r) for every m), the rail exchange of the partials
-  (FP32, so one rounding in all), then the sum over domains in order 0..N-1, times scale, one rounding
-  (`reference.hybrid_reduce_scatter_reference`).
-- all_reduce: the in-domain all-reduce (scale 1), the rail exchange of the whole domain partial (each rank with its N
-  - 1 rail peers: (N - 1) * size bytes per rank, R times what a reduce-scatter-based scheme would send), then the sum
-  over domains in order, times scale (`reference.hybrid_all_reduce_reference`).
-A rail wait that times out records the phase and the rail peer; the next call (or the wait handle) raises
-`TimeoutError` naming them and aborts the transport.
+Hybrid mode (several scale-up domains): hybrid.py.
 """
 
 import contextlib
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ... import envs
 from ...jit.launch import load_kernels
-from ...runtime import checks, dtypes, interop, workspace
+from ...runtime import checks, dtypes, interop
 from ...runtime.event import EventOverlap, as_event_handle
-from ...runtime.rails import IpcLoopbackTransport, NcclRailTransport, RailGroup, plan_ranges, rail_topology
 from ...runtime.sizes import ceil_div
+from .hybrid import HybridSteps
 from .kernels import (
     COMM_PRECISIONS,
     DEFAULT_GATHER_SMS,
     DEFAULT_REDUCE_SMS,
     GATHER_UNROLL,
     GROUP_ELEMS,
-    MAX_DOMAINS,
     MAX_GATHERS_PER_SESSION,
-    RAIL_BYTES,
-    RAIL_META_WORD,
-    RAIL_RECV_HEADER,
-    RAIL_SEND_HEADER,
     REDUCE_VARIANTS,
     THREADS,
     all_specs,
     gather_spec,
-    hybrid_specs,
-    permute_spec,
-    rail_meta_spec,
     reduce_spec,
-    sum_spec,
     unpack_spec,
     wait_spec,
 )
@@ -74,93 +46,11 @@ from .plan import (
     all_reduce_shard_elems,
     gather_grid,
     gather_meta,
-    hybrid_all_reduce_layout,
-    hybrid_reduce_scatter_layout,
     normalize_shapes,
     reduce_area_offset,
-    reduce_layout,
 )
 
 DATA_REGION_OWNER = 'all-gather / reduce-scatter'
-RAIL_PHASES = ('all-gather', 'reduce-scatter', 'all-reduce')     # runtime/errors.py RAIL_EXCHANGES 5..7
-
-
-class AGRSRails:
-    """The rails of a hybrid buffer's all-gather / reduction feature: this rank's `RailTopology` and transport over its
-    symmetric buffer (made collectively with the feature; `release` after the streams finished).
-
-    Loopback (ranks sharing GPUs): the rail peers map each other's symmetric buffer (`PeerMapping` over the rail), the
-    flags live at `rail_offset` (the rail area). NCCL: one communicator per rail over the same buffer.
-
-    Args:
-        buf: the buffer; rail_offset: byte offset of the rail area in the symmetric buffer.
-        transport: 'nccl', 'loopback' or 'auto' (default: `DEEPEP_CUPY_RAIL_TRANSPORT`).
-    """
-
-    def __init__(self, buf, rail_offset: int, transport: Optional[str] = None):
-        from ..hybrid.kernels import MAX_SIGNALS, KernelSignals, epoch_begin_spec, signal_spec, wait_spec
-        from ..hybrid.plan import choose_transport
-        self.rails = rail_topology(buf.num_ranks, buf.num_scaleup_ranks, buf.rank_idx)
-        self.rail_offset = rail_offset
-        self.mapping = None
-        self.transport = None
-        n_dom = self.rails.num_domains
-        if n_dom > MAX_DOMAINS:
-            raise ValueError(f'all-gather / reduce-scatter support at most {MAX_DOMAINS} scale-up domains, got {n_dom}')
-        gpus = [buf.topology.pci_bus_ids[g] for g in self.rails.rail_ranks]
-        self.kind = choose_transport(transport or envs.rail_transport(), gpus)
-        kinds = buf.group.allgather_object(self.kind)
-        if len(set(kinds)) != 1:
-            raise ValueError(f'hybrid all-gather / reduce-scatter: the rails chose different transports '
-                             f'{sorted(set(kinds))}; set DEEPEP_CUPY_RAIL_TRANSPORT to one value on every rank')
-        base = buf.sym.base
-        if self.kind == 'loopback':
-            if n_dom - 1 > MAX_SIGNALS:
-                raise ValueError(f'the loopback rail transport signals at most {MAX_SIGNALS} rail peers, got '
-                                 f'{n_dom - 1}; use fewer domains or NCCL rails')
-            from types import SimpleNamespace
-
-            from ...runtime.symmetric import PeerMapping, process_key
-            specs = (epoch_begin_spec(), signal_spec(), wait_spec())
-            loaded = load_kernels(list(specs))
-            kernels = SimpleNamespace(epoch_begin=loaded[specs[0].name], signal=loaded[specs[1].name],
-                                      wait=loaded[specs[2].name])
-            self.mapping = PeerMapping(RailGroup(buf.group, self.rails.rail_ranks), base, buf.sym.num_bytes,
-                                       {process_key(): base})
-            signals = KernelSignals(kernels, base + rail_offset, buf.rank_idx, self.rails.rail_ranks,
-                                    base + workspace.ERROR_CLAIM.offset,
-                                    buf.host_mapped.ptr + workspace.HOST_ERROR_RECORD.offset, buf.timeout_ns)
-            self.transport = IpcLoopbackTransport(self.rails, self.mapping.peer_bases, rail_offset, signals)
-        else:
-            self.transport = NcclRailTransport.create(buf.group, self.rails, base)
-        self.barrier_plan = self.header_plan('barrier')
-
-    def header_plan(self, phase: str, extra_sends=None, extra_recvs=None):
-        """A plan whose first transfer per peer is the 16-byte rail header (send header -> the peer's receive header
-        [this domain]), followed by `extra_sends[m]` / `extra_recvs[m]` ranges."""
-        n, off = self.rails.domain_idx, self.rail_offset
-        sends, recvs = {}, {}
-        for m in self.rails.peer_domains:
-            sends[m] = [(off + RAIL_SEND_HEADER, off + RAIL_RECV_HEADER + 16 * n, 16)] + list(
-                (extra_sends or {}).get(m, ()))
-            recvs[m] = [(off + RAIL_RECV_HEADER + 16 * m, off + RAIL_SEND_HEADER, 16)] + list(
-                (extra_recvs or {}).get(m, ()))
-        return plan_ranges(self.rails, phase, sends, recvs)
-
-    def exchange(self, plan, stream) -> None:
-        self.transport.exchange(plan, stream)
-
-    def barrier(self, stream) -> None:
-        self.transport.exchange(self.barrier_plan, stream)
-
-    def release(self, collective: bool = True) -> None:
-        del collective      # the mapping and the communicator are released locally
-        if self.transport is not None:
-            self.transport.destroy()
-            self.transport = None
-        if self.mapping is not None:
-            self.mapping.release()
-            self.mapping = None
 
 
 class AGRSWaitHandle:
@@ -191,36 +81,21 @@ class AGRSWaitHandle:
         self._keep_alive = ()
 
 
-class AGRS:
+class AGRS(HybridSteps):
     """The all-gather / reduction feature of one buffer: kernels, the session plan, epochs and views of the data
     region. Creating it claims the data region.
 
     Args:
         buf: the buffer (a `BufferBase`); N scale-up domains of 1 to 8 ranks (hybrid mode when N > 1).
-        rails: hybrid mode: an `AGRSRails` (tests inject one); default: made here (collective).
+        rails: hybrid mode: the rails (buffers/agrs_rails.py `AGRSRails`; tests inject one), or
+        make_rails: `(buf, rail_offset) -> rails`, called here in hybrid mode (collective).
     """
 
-    def __init__(self, buf, rails: Optional[AGRSRails] = None):
+    def __init__(self, buf, rails: Any = None, make_rails: Optional[Callable[[Any, int], Any]] = None):
         buf.check_usable()
         buf.claim_data_region(DATA_REGION_OWNER)
         self._buf = buf
-        self.hybrid = buf.num_scaleout_ranks > 1
-        self.num_domains, self.domain = buf.num_scaleout_ranks, buf.scaleout_rank_idx
-        # The session area's offset in the symmetric buffer and its bytes with the reduction area (hybrid: after the
-        # rail area at the start of the data region).
-        self.area_offset = buf.data_offset + (RAIL_BYTES if self.hybrid else 0)
-        self.area_bytes = max(0, buf.num_bytes - (RAIL_BYTES if self.hybrid else 0))
-        self.rails: Optional[AGRSRails] = None
-        if self.hybrid:
-            if buf.num_bytes < RAIL_BYTES:
-                raise ValueError(f'hybrid mode: all-gather / reduce-scatter need num_bytes >= {RAIL_BYTES} for the '
-                                 f'rail area, got {buf.num_bytes}; see get_agrs_buffer_size_hint')
-            self.hybrid_kernels = self.load_hybrid_kernels()
-            self.rails = rails if rails is not None else AGRSRails(buf, buf.data_offset)
-            if getattr(buf, '_rail_barrier', None) is None:
-                import weakref
-                ref = weakref.ref(self)
-                buf._rail_barrier = lambda stream: ref() is not None and ref().rails.barrier(stream)
+        self._init_domains(buf, rails, make_rails)      # area_offset, area_bytes; rails in hybrid mode (hybrid.py)
         self.kernels = self.load_kernels(buf.num_scaleup_ranks)
         self.plan: Optional[SessionPlan] = None
         self.session_capacity = 0
@@ -236,26 +111,6 @@ class AGRS:
         self._wait_launch, self._wait_idx = None, (0, 0)     # the wait kernel's (epoch and meta patched)
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
-
-    @staticmethod
-    def load_hybrid_kernels() -> Dict[Any, Any]:
-        loaded = load_kernels(hybrid_specs())
-        kernels = {'rail_meta': loaded[rail_meta_spec().name]}
-        for flag in (False, True):
-            kernels[('permute', flag)] = loaded[permute_spec(flag).name]
-            kernels[('sum', flag)] = loaded[sum_spec(flag).name]
-        return kernels
-
-    def _check_usable(self) -> None:
-        """The buffer's check; a recorded GPU timeout in hybrid mode also aborts the rail transport (NCCL work still
-        queued returns instead of hanging)."""
-        try:
-            self._buf.check_usable()
-        except TimeoutError as e:
-            if self.rails is not None and self.rails.transport is not None and not self.rails.transport.aborted:
-                self.rails.transport.abort()
-                raise TimeoutError(f'{e} The {self.rails.transport.name} rail transport was aborted.') from None
-            raise
 
     @staticmethod
     def load_kernels(num_ranks: int) -> Dict[Any, Any]:
@@ -291,9 +146,7 @@ class AGRS:
         self._bytes, self._typed = {}, {}
         if self.plan is not None:
             self.plan.is_open = False
-        if self.rails is not None:
-            # Released by the buffer once no kernel runs (buffers/hybrid.py `release`).
-            self._buf._agrs_rails, self.rails = self.rails, None
+        self._hand_over_rails()
 
     # ---- configuration and sessions ------------------------------------------------------------------------------
     def set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int = 32,
@@ -310,10 +163,7 @@ class AGRS:
             raise RuntimeError('agrs_set_config: destroy the open all-gather session first')
         buf.group.check_same('agrs_set_config arguments', (num_max_session_bytes, num_max_all_gathers_per_session,
                                                           num_sms), timeout=buf.num_cpu_timeout_secs)
-        if self.hybrid and num_max_session_bytes > self.area_bytes:
-            raise ValueError(f'num_max_session_bytes={num_max_session_bytes} exceeds the {self.area_bytes} bytes the '
-                             f'buffer has after its {RAIL_BYTES}-byte rail area (hybrid mode); build it with '
-                             f'num_bytes >= {num_max_session_bytes + RAIL_BYTES} (get_agrs_buffer_size_hint)')
+        self._check_session_bytes(num_max_session_bytes)
         self.plan = SessionPlan(buf.num_ranks, num_max_session_bytes, num_max_all_gathers_per_session)
         self.session_capacity = num_max_session_bytes
         self.num_sms = min(num_sms or DEFAULT_GATHER_SMS, buf.num_device_sms)
@@ -476,54 +326,15 @@ class AGRS:
         handle = AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep)
         return (*outputs, handle)
 
-    def _hybrid_gather(self, g, comm, ptrs, sizes, regions, inplace, meta) -> None:
-        """The launches and the rail exchange of one hybrid all-gather call (see the module docstring)."""
-        buf, rails = self._buf, self.rails
-        i_src, i_bytes, i_region, i_local, i_signal, _, _ = self._gather_launch_idx
-        i_word = g.index('meta_word')
-        R, r, n = buf.num_scaleup_ranks, buf.sym.local_idx, self.domain
-        gr = buf.rank_idx
-        area, base, num_sms = self.area_offset, self.data_base, self.num_sms
-        rail_ptr = buf.sym.base + rails.rail_offset
-
-        def go(src, nbytes, region_offset, write_local, signal):
-            g.u64[i_src], g.i64[i_bytes], g.u64[i_region] = src, nbytes, region_offset
-            g.i32[i_local], g.i32[i_signal] = write_local, signal
-            g.u64[i_word] = rail_ptr + RAIL_META_WORD if signal else 0
-            g.grid = (gather_grid(nbytes, nbytes % 16 == 0 and src % 16 == 0, num_sms), 1, 1)
-            g(comm)
-
-        # 1. This rank's tensors into slot g of every rank of its domain (its own slot only when not in place).
-        for ptr, nbytes, region, exact in zip(ptrs, sizes, regions, inplace):
-            go(ptr, nbytes, area + region.offset + n * R * nbytes, 0 if exact else 1, 0)
-        # 2. The rail: slot g to every rail peer, their slots (m, r) from them; the header carries the call's meta.
-        meta_args = dict(rail=rail_ptr, num_domains=self.num_domains, domain=n, meta=meta,
-                         peer_bases=buf.sym.peer_bases_ptr, rank=r)
-        self.hybrid_kernels['rail_meta'].launch(1, 32, stream=comm, mode=0, **meta_args)
-        sends, recvs = {}, {}
-        for m in rails.rails.peer_domains:
-            sends[m] = [(area + reg.offset + gr * nb, area + reg.offset + gr * nb, nb)
-                        for reg, nb in zip(regions, sizes)]
-            recvs[m] = [(area + reg.offset + (m * R + r) * nb, area + reg.offset + (m * R + r) * nb, nb)
-                        for reg, nb in zip(regions, sizes)]
-        rails.exchange(rails.header_plan('all-gather', sends, recvs), comm)
-        self.hybrid_kernels['rail_meta'].launch(1, 32, stream=comm, mode=1, **meta_args)
-        # 3. The received shards into slots (m, r) of every domain peer; the last launch signals with the checked meta.
-        todo = [(m, i) for m in rails.rails.peer_domains for i in range(len(sizes))]
-        for j, (m, i) in enumerate(todo):
-            nb, reg = sizes[i], regions[i]
-            go(base + reg.offset + (m * R + r) * nb, nb, area + reg.offset + m * R * nb, 0, int(j == len(todo) - 1))
-
     # ---- reductions ----------------------------------------------------------------------------------------------
     def _reduce_area(self, layout) -> int:
         """Offset (in the symmetric buffer) of the reduction area for `layout` (anything with `num_bytes`)."""
         start = reduce_area_offset(self.session_capacity)
         if start + layout.num_bytes > self.area_bytes:
-            rail = RAIL_BYTES if self.hybrid else 0
+            need = self._buf.num_bytes - self.area_bytes + start + layout.num_bytes
             raise ValueError(f'this reduction needs {layout.num_bytes} bytes of the reduction area but the buffer has '
                              f'{max(0, self.area_bytes - start)} after the session area ({self.session_capacity} '
-                             f'bytes){" and the rail area" if rail else ""}: it needs num_bytes >= '
-                             f'{rail + start + layout.num_bytes}; build it with get_agrs_buffer_size_hint(group, '
+                             f'bytes): it needs num_bytes >= {need}; build it with get_agrs_buffer_size_hint(group, '
                              f'session_bytes, get_agrs_reduce_num_bytes(...))')
         return self.area_offset + start
 
@@ -601,14 +412,8 @@ class AGRS:
                                  f'aligned, got {shard} elements per shard at address {info.ptr:#x}')
             in_bf16 = info.dtype != 'float32'
             stage_bf16 = in_bf16 or comm_precision == 'bf16'
-            sms = min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms)
-            if self.hybrid:     # the in-domain step reduces the reordered FP32 input
-                layout = hybrid_reduce_scatter_layout(self.num_domains, buf.num_scaleup_ranks, shard,
-                                                      2 if stage_bf16 else 4, sms)
-                kernel_key = ('reduce', False, stage_bf16)
-            else:
-                layout = reduce_layout(num_ranks, info.numel, shard, 2 if stage_bf16 else 4, False, sms)
-                kernel_key = ('reduce', in_bf16, stage_bf16)
+            layout, kernel_key = self._rs_layout(info.numel, shard, in_bf16, stage_bf16,
+                                                 min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
             area = self._reduce_area(layout)
             checked = (info.kind, out_shape, 'bfloat16' if in_bf16 else 'float32', kernel_key, layout, area, shard)
             if type(sig) is not object:
@@ -638,37 +443,6 @@ class AGRS:
             self._launch_reduce(kernel_key, ptr, out_ptr, layout, scale, area, False, comm)
         return self._result(kind, (x, out), out)
 
-    def _grid(self, num_elems: int) -> int:
-        return max(1, min(4 * self._buf.num_device_sms, ceil_div(num_elems, THREADS)))
-
-    def _hybrid_reduce_scatter(self, kernel_key, x_ptr, out_ptr, bf16: bool, layout, scale, area, comm) -> None:
-        """Reorder, in-domain reduce-scatter (FP32 partials, scale 1), rail exchange of the partials, final sum."""
-        buf, rails = self._buf, self.rails
-        N, R, n_dom = self.num_domains, buf.num_scaleup_ranks, self.domain
-        n, sym = layout.shard_elems, buf.sym.base
-        xp, send, recv = sym + area + layout.xp_offset, area + layout.send_offset, area + layout.recv_offset
-        self.hybrid_kernels[('permute', bf16)].launch(self._grid(N * R * n), THREADS, stream=comm, x=x_ptr, xp=xp,
-                                                      shard_elems=n, num_domains=N, num_scaleup=R)
-        # Mode 2: done[me] is published after the rail step below (which reuses the reduction area).
-        epoch = self._launch_reduce(kernel_key, xp, sym + send, layout.inner, 1.0, area, 2, comm)
-        sends = {m: [(send + m * n * 4, recv + n_dom * n * 4, n * 4)] for m in rails.rails.peer_domains}
-        recvs = {m: [(recv + m * n * 4, send + n_dom * n * 4, n * 4)] for m in rails.rails.peer_domains}
-        rails.exchange(plan_ranges(rails.rails, 'reduce-scatter', sends, recvs), comm)
-        self.hybrid_kernels[('sum', bf16)].launch(
-            self._grid(n), THREADS, stream=comm, out=out_ptr, own=sym + send + n_dom * n * 4, slots=sym + recv,
-            slot_bytes=n * 4, num_domains=N, domain=n_dom, num_elems=n, scale=float(scale))
-        self._publish_done(epoch, comm)
-
-    def _publish_done(self, epoch: int, comm) -> None:
-        """Hybrid mode, after the rail step of reduction `epoch`: done[me] at every domain peer (an unpack launch with
-        nothing to copy), so that no peer's next reduction writes into the area before this rank is through with it."""
-        buf = self._buf
-        if buf.num_scaleup_ranks > 1:
-            self.kernels['unpack'].launch(1, THREADS, stream=comm, x=0, num_elems=0, shard_elems=GROUP_ELEMS,
-                                          peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx, gather_offset=0,
-                                          gather_slot_bytes=0, epoch=epoch, publish_done=1,
-                                          error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
-
     def all_reduce(self, x, scale: float = 1.0, num_sms: int = 0, previous_event=None):
         """Sum every rank's `x` in place (FP32, rank order 0..R-1 per element, deterministic), times `scale`.
 
@@ -690,11 +464,7 @@ class AGRS:
             checks.check_contiguous(info, 'x')
             checks.check_int('num_sms', num_sms)
             shard = all_reduce_shard_elems(buf.num_scaleup_ranks, info.numel)
-            sms = min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms)
-            if self.hybrid:
-                layout = hybrid_all_reduce_layout(self.num_domains, buf.num_scaleup_ranks, info.numel, sms)
-            else:
-                layout = reduce_layout(buf.num_scaleup_ranks, info.numel, shard, 4, True, sms)
+            layout = self._ar_layout(info.numel, shard, min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
             checked = (info.kind, info.numel, shard, layout, self._reduce_area(layout))
             if type(sig) is not object:
                 if len(self._reduce_checked) >= 64:
@@ -724,21 +494,3 @@ class AGRS:
             self._hybrid_all_reduce_rails(ptr, numel, outer, scale, area, comm)
             self._publish_done(epoch, comm)
         return self._result(kind, (x,), x)
-
-    def _hybrid_all_reduce_rails(self, x_ptr, numel, layout, scale, area, comm) -> None:
-        """After the in-domain all-reduce: this domain's partial (x) to every rail peer, theirs into slots, the sum."""
-        import cupy
-        buf, rails = self._buf, self.rails
-        n_dom, sym = self.domain, buf.sym.base
-        slots, nbytes = area + layout.slots_offset, numel * 4
-        own = slots + n_dom * layout.slot_bytes
-        rt = cupy.cuda.runtime
-        rt.memcpyAsync(sym + own, x_ptr, nbytes, rt.memcpyDeviceToDevice, comm.ptr)
-        sends = {m: [(own, own, nbytes)] for m in rails.rails.peer_domains}
-        recvs = {m: [(slots + m * layout.slot_bytes, slots + m * layout.slot_bytes, nbytes)]
-                 for m in rails.rails.peer_domains}
-        rails.exchange(plan_ranges(rails.rails, 'all-reduce', sends, recvs), comm)
-        self.hybrid_kernels[('sum', False)].launch(
-            self._grid(numel), THREADS, stream=comm, out=x_ptr, own=x_ptr, slots=sym + slots,
-            slot_bytes=layout.slot_bytes, num_domains=self.num_domains, domain=n_dom, num_elems=numel,
-            scale=float(scale))
