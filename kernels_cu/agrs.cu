@@ -498,10 +498,11 @@ agrs_unpack_kernel(uint8_t* x, int64_t num_elems, int64_t shard_elems, const uin
 
 // ---- hybrid mode (several scale-up domains joined by rails) -------------------------------------------------------
 // The rail exchanges themselves are host-issued (runtime/rails.py transports); these kernels prepare and finish them.
-// `rail` is this rank's rail area (the first kAgrsRailBytes of the data region in hybrid mode): the send header at
+// `rail` is this rank's rail area (workspace region kWsAgrsRailOffset, common/workspace.cuh): the send header at
 // byte kAgrsRailSendHeader, the receive header of domain m at kAgrsRailRecvHeader + 16 * m, the effective meta word
 // at kAgrsRailMetaWord.
 constexpr int kAgrsRailSendHeader = 2304, kAgrsRailRecvHeader = 2560, kAgrsRailMetaWord = 2432;
+static_assert(kAgrsRailRecvHeader + 16 * 16 <= kWsAgrsRailBytes, "the rail headers of 16 domains overflow the area");
 
 // mode 0 (before the all-gather's rail exchange): write `meta` into the send header. mode 1 (after it): compare every
 // rail peer's header with `meta` and publish the effective meta (see kAgrsMetaMismatch / kAgrsMetaSkip).

@@ -17,7 +17,7 @@ from deepep_cupy.features.agrs import feature as agrs_feature
 from deepep_cupy.features.agrs import kernels as agrs_kernels
 from deepep_cupy.features.agrs import plan as agrs_plan
 from deepep_cupy.features.agrs import reference as ref
-from deepep_cupy.runtime import interop, rails, streams
+from deepep_cupy.runtime import interop, rails, streams, workspace
 from deepep_cupy.runtime.group import ProcessGroup
 
 MiB = 1 << 20
@@ -111,10 +111,11 @@ def test_hybrid_domains_and_buffer_hint(monkeypatch):
     assert agrs_plan.hybrid_domains(g) == (2, 2)
     monkeypatch.setenv('DEEPEP_CUPY_SCALEUP_SIZE', '1')
     assert agrs_plan.hybrid_domains(4) == (4, 1) and agrs_plan.hybrid_domains(g) == (4, 1)
-    # The rail area comes first: a 2 MiB session no longer fits 2 MiB.
-    assert ElasticBuffer.get_agrs_buffer_size_hint(4, 2 * MiB) == 4 * MiB
-    monkeypatch.delenv('DEEPEP_CUPY_SCALEUP_SIZE')
+    # The rail area lives in the workspace: a session may fill num_bytes (DeepEP's test_agrs.py does).
     assert ElasticBuffer.get_agrs_buffer_size_hint(4, 2 * MiB) == 2 * MiB
+    # The reductions' hint follows the domains: rail slots of N domains.
+    assert (ElasticBuffer.get_agrs_reduce_num_bytes(4, 1000) ==
+            agrs_plan.hybrid_all_reduce_layout(4, 1, 1000, 2).num_bytes > agrs_plan.reduce_num_bytes(4, 1000))
 
 
 def test_plan_ranges():
@@ -253,7 +254,7 @@ class _EmuAGRS(agrs_feature.AGRS):
         self.signal, self.meta, self.shards = {}, {}, {}
         top = rails.rail_topology(buf.num_ranks, buf.num_scaleup_ranks, buf.rank_idx)
         fake = agrs_rails.AGRSRails.__new__(agrs_rails.AGRSRails)
-        fake.rails, fake.rail_offset, fake.mapping, fake.kind = top, buf.data_offset, None, 'nccl'
+        fake.rails, fake.rail_offset, fake.mapping, fake.kind = top, workspace.AGRS_RAIL.offset, None, 'nccl'
         fake.transport = _EmuNcclTransport(top, buf.sym.base, buf.group)
         fake.barrier_plan = fake.header_plan('barrier')
         super().__init__(buf, rails=fake)
@@ -464,7 +465,7 @@ def test_hybrid_argument_errors_before_any_exchange(emulated, monkeypatch):
         buf = _hybrid_host_buffer(group, 2, 2, 4 * MiB)
         out = []
         for what, fn in (
-                ('session over the area', lambda: buf.agrs_set_config(4 * MiB)),
+                ('session over num_bytes', lambda: buf.agrs_set_config(4 * MiB + 32)),
                 ('first dim', lambda: buf.reduce_scatter(torch.zeros(4 * 8 + 2))),
                 ('shard', lambda: buf.reduce_scatter(torch.zeros(4 * 4))),
                 ('reduction area', lambda: buf.all_reduce(torch.zeros(MiB)))):
@@ -478,6 +479,6 @@ def test_hybrid_argument_errors_before_any_exchange(emulated, monkeypatch):
     for out, num_exchanges in _run_ranks(2, 2, rank_main):
         assert num_exchanges == 0
         d = dict(out)
-        assert 'rail area' in d['session over the area'] and 'num_bytes >= 4198400' in d['session over the area']
+        assert 'exceeds' in d['session over num_bytes']
         assert 'divisible by R=4' in d['first dim'] and 'multiple of 8' in d['shard']
         assert 'num_bytes >=' in d['reduction area']

@@ -12,7 +12,6 @@ from typing import Optional
 
 from ..features.agrs.feature import AGRS
 from ..features.agrs.plan import (
-    area_start,
     hybrid_domains,
     hybrid_reduce_num_bytes,
     num_max_session_bytes,
@@ -299,14 +298,12 @@ class ElasticBuffer(BufferBase):
     @staticmethod
     def get_agrs_buffer_size_hint(group, num_max_session_bytes: int, num_max_reduce_bytes: int = 0) -> int:
         """Buffer `num_bytes` for a session area of `num_max_session_bytes` (2 MiB aligned), plus a reduction area of
-        `num_max_reduce_bytes` (see `get_agrs_reduce_num_bytes`) after it when given; in hybrid mode (several
-        scale-up domains, as `agrs.plan.hybrid_domains` guesses from the group) also the 4 KiB rail area before them."""
+        `num_max_reduce_bytes` (see `get_agrs_reduce_num_bytes`) after it when given."""
         check_int('num_max_session_bytes', num_max_session_bytes)
         check_int('num_max_reduce_bytes', num_max_reduce_bytes)
-        start = area_start(hybrid_domains(group)[0])
         if not num_max_reduce_bytes:
-            return align(start + num_max_session_bytes, BUFFER_ALIGNMENT)
-        return align(start + reduce_area_offset(num_max_session_bytes) + num_max_reduce_bytes, BUFFER_ALIGNMENT)
+            return align(num_max_session_bytes, BUFFER_ALIGNMENT)
+        return align(reduce_area_offset(num_max_session_bytes) + num_max_reduce_bytes, BUFFER_ALIGNMENT)
 
     @staticmethod
     def get_agrs_reduce_num_bytes(group, num_max_elems: int, op: str = 'all_reduce',

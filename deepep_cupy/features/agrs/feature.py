@@ -163,7 +163,6 @@ class AGRS(HybridSteps):
             raise RuntimeError('agrs_set_config: destroy the open all-gather session first')
         buf.group.check_same('agrs_set_config arguments', (num_max_session_bytes, num_max_all_gathers_per_session,
                                                           num_sms), timeout=buf.num_cpu_timeout_secs)
-        self._check_session_bytes(num_max_session_bytes)
         self.plan = SessionPlan(buf.num_ranks, num_max_session_bytes, num_max_all_gathers_per_session)
         self.session_capacity = num_max_session_bytes
         self.num_sms = min(num_sms or DEFAULT_GATHER_SMS, buf.num_device_sms)

@@ -1,11 +1,11 @@
 """All-gather / reduce-scatter / all-reduce across scale-up domains: the hybrid steps of the feature (feature.py `AGRS`
 inherits them).
 
-Hybrid mode (N scale-up domains x R ranks, rank g = n * R + r; rails as in runtime/rails.py): the data region starts
-with a 4 KiB rail area (the loopback transport's flags, the all-gather's rail headers), then the session and reduction
-areas as above. Rail exchanges are host-issued on the communication stream, in program order (every rail peer issues
-the same ones), through the rails buffers/agrs_rails.py makes (the buffer's one transport: a buffer's data region
-belongs to one feature, so a hybrid EP buffer never runs these); nothing is staged outside the symmetric buffer.
+Hybrid mode (N scale-up domains x R ranks, rank g = n * R + r; rails as in runtime/rails.py): the data region as in
+feature.py; a 4 KiB rail area in the workspace (AGRS_RAIL: the loopback transport's flags, the rail headers). Rail
+exchanges are host-issued on the communication stream, in program order (every rail peer issues the same ones),
+through the rails buffers/agrs_rails.py makes (the buffer's one transport: a buffer's data region belongs to one
+feature, so a hybrid EP buffer never runs these); nothing is staged outside the symmetric buffer.
 - all_gather: gather regions hold W = N * R slots in global rank order. Rank g stores its tensor in slot g of its
   domain (the intranode gather kernel), sends slot g to its N - 1 rail peers and receives theirs into slots (m, r)
   (one rail exchange per call; a 16-byte header carries the call's meta, so ranks that gathered different sizes are
@@ -30,8 +30,8 @@ from ...runtime.rails import plan_ranges
 from ...runtime.sizes import ceil_div
 from .kernels import (
     GROUP_ELEMS,
-    RAIL_BYTES,
     RAIL_META_WORD,
+    RAIL_OFFSET,
     THREADS,
     hybrid_specs,
     permute_spec,
@@ -46,24 +46,20 @@ class HybridSteps:
     `data_base`, `num_domains`, `domain`, `num_sms`, `_gather_launch_idx`, `_launch_reduce`)."""
 
     def _init_domains(self, buf, rails: Any, make_rails: Optional[Callable[[Any, int], Any]]) -> None:
-        """The session area's offset in the symmetric buffer and its bytes with the reduction area (hybrid: after the
-        rail area at the start of the data region); in hybrid mode the kernels, the rails (`rails`, or
-        `make_rails(buf, rail_offset)`: collective) and the buffer's rail barrier (unless the EP feature set one)."""
+        """The session area's offset in the symmetric buffer and its bytes with the reduction area (the data region);
+        in hybrid mode the kernels, the rails (`rails`, or `make_rails(buf, rail_offset)`: collective; the rail area
+        is workspace region AGRS_RAIL) and the buffer's rail barrier (unless the EP feature set one)."""
         self.hybrid = buf.num_scaleout_ranks > 1
         self.num_domains, self.domain = buf.num_scaleout_ranks, buf.scaleout_rank_idx
-        self.area_offset = buf.data_offset + (RAIL_BYTES if self.hybrid else 0)
-        self.area_bytes = max(0, buf.num_bytes - (RAIL_BYTES if self.hybrid else 0))
+        self.area_offset, self.area_bytes = buf.data_offset, buf.num_bytes
         self.rails = None
         if not self.hybrid:
             return
-        if buf.num_bytes < RAIL_BYTES:
-            raise ValueError(f'hybrid mode: all-gather / reduce-scatter need num_bytes >= {RAIL_BYTES} for the rail '
-                             f'area, got {buf.num_bytes}; see get_agrs_buffer_size_hint')
         self.hybrid_kernels = self.load_hybrid_kernels()
         if rails is None:
             if make_rails is None:
                 raise ValueError('hybrid mode: the all-gather / reduction feature needs its rails (make_rails)')
-            rails = make_rails(buf, buf.data_offset)
+            rails = make_rails(buf, RAIL_OFFSET)
         self.rails = rails
         if getattr(buf, '_rail_barrier', None) is None:
             ref = weakref.ref(self)
@@ -84,12 +80,6 @@ class HybridSteps:
         """`destroy`: the buffer releases the rails once no kernel runs (buffers/hybrid.py `release`)."""
         if self.rails is not None:
             self._buf._agrs_rails, self.rails = self.rails, None
-
-    def _check_session_bytes(self, num_max_session_bytes: int) -> None:
-        if self.hybrid and num_max_session_bytes > self.area_bytes:
-            raise ValueError(f'num_max_session_bytes={num_max_session_bytes} exceeds the {self.area_bytes} bytes the '
-                             f'buffer has after its {RAIL_BYTES}-byte rail area (hybrid mode); build it with '
-                             f'num_bytes >= {num_max_session_bytes + RAIL_BYTES} (get_agrs_buffer_size_hint)')
 
     def _rs_layout(self, num_elems: int, shard: int, in_bf16: bool, stage_bf16: bool, num_sms: int):
         """`(layout, reduce kernel key)` of a reduce-scatter; hybrid: the in-domain step reduces the reordered FP32

@@ -26,9 +26,9 @@ SENDER_SHARE = (1, 2)           # share of a reduction's blocks that send (at mo
 AUX_NAMES = {1: 'all-gather signal', 2: 'all-gather size mismatch (ranks gathered different sizes)',
              3: 'reduction slots free (previous reduction done)', 4: 'reduce-scatter chunk', 5: 'all-reduce shard'}
 COMM_PRECISIONS = ('fp32', 'bf16')
-# Hybrid mode: the rail area, the first RAIL_BYTES of the data region (kernels_cu/agrs.cu kAgrsRail*): the loopback
-# transport's flags from 0, the send header, the effective meta word, the receive headers (16 bytes per domain).
-RAIL_BYTES = 4096
+# Hybrid mode: the rail area, workspace region AGRS_RAIL (kernels_cu/agrs.cu kAgrsRail*): the loopback transport's
+# flags from 0, the send header, the effective meta word, the receive headers (16 bytes per domain).
+RAIL_OFFSET, RAIL_BYTES = workspace.AGRS_RAIL
 RAIL_SEND_HEADER, RAIL_META_WORD, RAIL_RECV_HEADER = 2304, 2432, 2560
 MAX_DOMAINS = 16                # receive headers that fit the rail area
 META_MISMATCH, META_SKIP = 0xFFFFFFFE, 0xFFFFFFFF

@@ -18,7 +18,6 @@ from .kernels import (
     GROUP_ELEMS,
     MAX_ROUNDS,
     MAX_SENDERS,
-    RAIL_BYTES,
     REDUCE_AREA_ALIGNMENT,
     REGION_ALIGNMENT,
     SENDER_SHARE,
@@ -216,11 +215,6 @@ def hybrid_domains(group) -> Tuple[int, int]:
     if num_ranks % scaleup:
         scaleup = num_ranks
     return num_ranks // scaleup, scaleup
-
-
-def area_start(num_domains: int) -> int:
-    """Where the session area starts in the data region: after the rail area in hybrid mode."""
-    return RAIL_BYTES if num_domains > 1 else 0
 
 
 @dataclass(frozen=True)
