@@ -12,7 +12,8 @@
 #              and the same for the pre-refactor snapshot in .baseline/ when it exists (side by side, same run)
 #   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure
 #   hybrid     EP across scale-up domains (hybrid mode), ranks sharing GPU 0, rails through the IPC loopback:
-#              2x1, 2x2, 2x4, 4x1 (domains x ranks, DEEPEP_CUPY_SCALEUP_SIZE), pressure, CUDA graph, timeout, errors
+#              2x1, 2x2, 2x4, 4x1 (domains x ranks, DEEPEP_CUPY_SCALEUP_SIZE), pressure, CUDA graph, timeout, errors;
+#              all-gather / reduce-scatter / all-reduce 2x1, 2x2, 4x1 and DeepEP's test_agrs.py 2x1 (parallel lane)
 #              (launch/scaleout_nccl.sh runs NCCL rails across two GPUs)
 #   ll         low-latency rank program at 2/4/8 ranks sharing the GPUs (and one rank per GPU)
 #   legacy     V1 Buffer (normal mode) rank program, 2/4/8 ranks and the dispatch knobs (legacy1: one rank, alone)
@@ -173,6 +174,22 @@ hybrid_lane() {
     step "hybrid 2x2 np=4 argument errors (loopback)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-graph-test --skip-timeout-test \
         --num-create-destroy 0
+}
+agrs_hybrid_lane() {
+    # All-gather / reduce-scatter / all-reduce across scale-up domains (features/agrs hybrid mode) on GPU 0: the rank
+    # program's checks are bitwise against the hybrid references, then its size-mismatch and missing-rank cases
+    # (TimeoutError on every other rank, rails included).
+    local shape su np
+    for shape in 2x1:1:2 2x2:2:4 4x1:1:4; do
+        IFS=: read -r shape su np <<< "$shape"
+        step "agrs hybrid $shape np=$np + failures (loopback rails, sharing 1 GPU)" 600 env \
+            DEEPEP_CUPY_SCALEUP_SIZE=$su DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.agrs \
+            --skip-perf-test
+    done
+    # DeepEP's own test_agrs.py (all-gather stress + its timing loop) with 2 domains x 1 rank.
+    [ -d .upstream ] && step "DeepEP elastic/test_agrs.py np=2 hybrid 2x1 (loopback)" 900 env MASTER_PORT=18861 \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $PY -m deepep_cupy.as_deep_ep \
+        .upstream/head/tests/elastic/test_agrs.py --num-processes 2
 }
 ll_lane() {
     local n
@@ -363,6 +380,7 @@ if want ep; then
     lane ep_lane_shared
 fi
 want hybrid && lane hybrid_lane
+want hybrid && lane agrs_hybrid_lane
 want fuse && lane fuse_lane
 want fuse && lane fuse_lane_shared
 want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll_lane
