@@ -482,3 +482,92 @@ def test_hybrid_argument_errors_before_any_exchange(emulated, monkeypatch):
         assert 'exceeds' in d['session over num_bytes']
         assert 'divisible by R=4' in d['first dim'] and 'multiple of 8' in d['shard']
         assert 'num_bytes >=' in d['reduction area']
+
+
+# ---- the rails a hybrid buffer makes (buffers/agrs_rails.py) and the timeout path ------------------------------------
+class _FakeNcclModule:
+    """One rank's `cupy.cuda.nccl` stand-in: a shared unique id, a communicator that records its construction."""
+    NCCL_UINT8 = 7
+
+    def __init__(self):
+        self.made = []
+
+    @staticmethod
+    def get_unique_id():
+        return b'u' * 128
+
+    def NcclCommunicator(self, size, uid, rank):
+        self.made.append((size, uid, rank))
+        return _RecordingNccl()
+
+
+def _rails_buffer(group, N, R, pci=None):
+    buf = _hybrid_host_buffer(group, N, R, 2 * MiB)
+    buf.topology = SimpleNamespace(pci_bus_ids=pci or [f'gpu{g}' for g in range(N * R)])
+    return buf
+
+
+def test_agrs_rails_over_nccl(monkeypatch):
+    monkeypatch.delenv('DEEPEP_CUPY_RAIL_TRANSPORT', raising=False)
+
+    def rank_main(group):
+        nccl = _FakeNcclModule()
+        r = agrs_rails.AGRSRails(_rails_buffer(group, 3, 2), workspace.AGRS_RAIL.offset, nccl=nccl)
+        ops = [(o.peer, o.kind, o.offset - workspace.AGRS_RAIL.offset, o.peer_offset - workspace.AGRS_RAIL.offset,
+                o.num_bytes) for o in r.barrier_plan.ops]
+        return r.kind, nccl.made, r.rails.rail_ranks, ops
+
+    for g, (kind, made, rail, ops) in enumerate(_run_ranks(3, 2, rank_main)):
+        n = g // 2
+        assert kind == 'nccl' and made == [(3, b'u' * 128, n)] and rail == (g % 2, 2 + g % 2, 4 + g % 2)
+        # The barrier: the 16-byte send header to every rail peer's receive header [n], theirs into [m].
+        S, H = agrs_kernels.RAIL_SEND_HEADER, agrs_kernels.RAIL_RECV_HEADER
+        assert ops == [x for m in range(3) if m != n for x in ((m, 'send', S, H + 16 * n, 16),
+                                                                  (m, 'recv', H + 16 * m, S, 16))]
+
+
+def test_agrs_rails_refuse_bad_setups(monkeypatch):
+    # Ranks that share a GPU cannot be NCCL rail peers; too many loopback peers; transports that disagree.
+    monkeypatch.setenv('DEEPEP_CUPY_RAIL_TRANSPORT', 'nccl')
+    with pytest.raises(ValueError, match='share a GPU'):
+        agrs_rails.AGRSRails(_rails_buffer(buffer_fakes.AgreeingGroup(0, 2), 2, 1, ['gpu0', 'gpu0']), 0,
+                             nccl=_FakeNcclModule())
+    monkeypatch.setenv('DEEPEP_CUPY_RAIL_TRANSPORT', 'loopback')
+    with pytest.raises(ValueError, match='at most 8 rail peers'):
+        agrs_rails.AGRSRails(_rails_buffer(buffer_fakes.AgreeingGroup(0, 10), 10, 1), 0)
+    monkeypatch.setenv('DEEPEP_CUPY_RAIL_TRANSPORT', 'auto')
+
+    def rank_main(group):
+        pci = ['gpu0', 'gpu1', 'gpu0', 'gpu1']      # rail 0: ranks 0, 2 share gpu0 (loopback); rail 1 likewise
+        if group.rank == 3:
+            pci = ['gpu0', 'gpu1', 'gpu2', 'gpu3']  # a rank that sees other GPUs picks NCCL
+        try:
+            agrs_rails.AGRSRails(_rails_buffer(group, 2, 2, pci), 0, nccl=_FakeNcclModule())
+        except ValueError as e:
+            return str(e)
+    assert all('different transports' in m for m in _run_ranks(2, 2, rank_main))
+
+
+def test_a_gpu_timeout_aborts_the_rails(emulated, monkeypatch):
+    import torch
+    monkeypatch.setenv('DEEPEP_CUPY_SCALEUP_SIZE', '1')
+
+    def rank_main(group):
+        buf = _hybrid_host_buffer(group, 2, 1, 4 * MiB)
+        buf.agrs_set_config(2 * MiB, 4)
+
+        def timed_out():
+            raise TimeoutError('deepep_cupy rank 0: GPU wait timed out after 1 s in hybrid rail exchange (all-gather)')
+        buf.check_usable = timed_out
+        transport = buf._agrs.rails.transport
+        out = []
+        for _ in range(2):
+            try:
+                buf.reduce_scatter(torch.zeros(16))
+            except TimeoutError as e:
+                out.append(str(e))
+        return out, transport.aborted, transport.rec.calls[-1:]
+
+    for (first, second), aborted, last in _run_ranks(2, 1, rank_main):
+        assert 'all-gather' in first and 'rail transport was aborted' in first and aborted and last == [('abort',)]
+        assert 'aborted' not in second         # aborted once; later calls raise the plain error

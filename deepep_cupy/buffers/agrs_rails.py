@@ -3,7 +3,7 @@
 features: the agrs feature's rail area (features/agrs/kernels.py RAIL_*) and the loopback's stream signals of the
 hybrid feature (features/hybrid/kernels.py)."""
 
-from typing import Optional
+from typing import Any, Optional
 
 from .. import envs
 from ..features.agrs.kernels import MAX_DOMAINS, RAIL_RECV_HEADER, RAIL_SEND_HEADER
@@ -24,9 +24,10 @@ class AGRSRails:
     Args:
         buf: the buffer; rail_offset: byte offset of the rail area in the symmetric buffer.
         transport: 'nccl', 'loopback' or 'auto' (default: `DEEPEP_CUPY_RAIL_TRANSPORT`).
+        nccl: the NCCL module for the NCCL transport (default `cupy.cuda.nccl`; tests pass fakes).
     """
 
-    def __init__(self, buf, rail_offset: int, transport: Optional[str] = None):
+    def __init__(self, buf, rail_offset: int, transport: Optional[str] = None, nccl: Any = None):
         self.rails = rail_topology(buf.num_ranks, buf.num_scaleup_ranks, buf.rank_idx)
         self.rail_offset = rail_offset
         self.mapping = None
@@ -59,7 +60,7 @@ class AGRSRails:
                                     buf.host_mapped.ptr + workspace.HOST_ERROR_RECORD.offset, buf.timeout_ns)
             self.transport = IpcLoopbackTransport(self.rails, self.mapping.peer_bases, rail_offset, signals)
         else:
-            self.transport = NcclRailTransport.create(buf.group, self.rails, base)
+            self.transport = NcclRailTransport.create(buf.group, self.rails, base, nccl)
         self.barrier_plan = self.header_plan('barrier')
 
     def header_plan(self, phase: str, extra_sends=None, extra_recvs=None):
