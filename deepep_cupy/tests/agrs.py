@@ -1,6 +1,9 @@
 """All-gather sessions / reduce-scatter / all-reduce rank program (DeepEP's `tests/elastic/test_agrs.py` flags).
 
     mpirun -np N python -m deepep_cupy.tests.agrs [--num-max-inflight-agrs 4 --num-stress-iterations 4]
+    # hybrid mode, 2 domains x 2 ranks on one GPU (rails through the IPC loopback):
+    DEEPEP_CUPY_SCALEUP_SIZE=2 DEEPEP_CUPY_RAIL_TRANSPORT=loopback launch/run_local.sh 4 python -m \
+        deepep_cupy.tests.agrs --skip-perf-test
 
 Stress: per iteration, a random interleaving (the same on every rank) of batched and single, in-place and copied
 gathers of BF16 tensors of shape (32, 64, 2048), fetches (wait handle + clone) in random order, session
