@@ -437,3 +437,100 @@ def test_loopback_order_and_addresses():
     with pytest.raises(ValueError, match='at most 15 domains'):
         big = rails.rail_topology(16, 1, 0)
         rails.IpcLoopbackTransport(big, [0] * 16, flags, Signals())
+
+
+# ---- the host watchdog over NCCL exchanges (runtime/rail_watchdog.py) -----------------------------------------------
+class FakeEvents:
+    """Events that complete when the test says so; `capturing` streams are not watched."""
+
+    def __init__(self):
+        self.next, self.done, self.recorded, self.destroyed = 1, set(), [], []
+        self.capturing_streams = set()
+
+    def create(self):
+        self.next += 1
+        return self.next
+
+    def record(self, event, stream_ptr):
+        self.done.discard(event)
+        self.recorded.append((event, stream_ptr))
+
+    def query(self, event):
+        return event in self.done
+
+    def destroy(self, event):
+        self.destroyed.append(event)
+
+    def capturing(self, stream_ptr):
+        return stream_ptr in self.capturing_streams
+
+
+def _watched_transport(N=3, R=2, g=2):
+    from deepep_cupy.runtime.rail_watchdog import RailWatchdog
+    top = rails.rail_topology(N * R, R, g)
+    fake = FakeRailNccl(N)
+    module, comm = fake.member(top.domain_idx)
+    t = rails.NcclRailTransport(top, 0x1000, comm, nccl=module)
+    events = FakeEvents()
+    t.watch_timeouts(5.0, events)
+    assert isinstance(t.watchdog, RailWatchdog)
+    t.watchdog._thread = SimpleNamespace(join=lambda timeout: None)     # drive poll() by hand: no thread
+    return t, fake, events
+
+
+def test_watchdog_retires_completed_exchanges_and_skips_captures():
+    t, fake, events = _watched_transport()
+    plan = rails.RailPlan('combine', 1, (rails.RailOp(0, 0, 'send', 0, 0, 16), rails.RailOp(0, 0, 'recv', 16, 16, 16)))
+    t.exchange(plan, SimpleNamespace(ptr=0x7))
+    assert [p for _, p in events.recorded] == [0x7] and t.watchdog.num_pending == 1
+    events.done.add(events.recorded[0][0])
+    t.watchdog.poll(now=1e18)                   # completed: never times out, however late the poll
+    assert t.watchdog.num_pending == 0 and t.watchdog.error is None and fake.aborted == []
+    t.exchange(plan, SimpleNamespace(ptr=0x7))  # the event is reused from the pool
+    assert events.recorded[1][0] == events.recorded[0][0]
+    events.done.add(events.recorded[1][0])
+    t.watchdog.poll()
+    events.capturing_streams.add(0x9)
+    t.exchange(plan, SimpleNamespace(ptr=0x9))  # inside a capture: not watched
+    assert len(events.recorded) == 2 and t.watchdog.num_pending == 0
+    t.destroy()
+    assert fake.destroyed == [1] and events.destroyed == [events.recorded[0][0]]
+
+
+def test_watchdog_aborts_a_hung_exchange_and_names_phase_and_peers():
+    import time
+    t, fake, events = _watched_transport(N=3, R=2, g=2)       # domain 1, scale-up index 0: peers ranks 0 and 4
+    plan = rails.plan_exchange(t.rails, _layout(3, 2).rail_areas('data'), 'dispatch', {0: 0, 2: 0}, {0: 0, 2: 0})
+    t.exchange(plan, SimpleNamespace(ptr=0x7))
+    t.watchdog.poll(now=time.monotonic() + 1.0)                # pending, within the bound
+    assert t.watchdog.error is None and fake.aborted == []
+    t.watchdog.poll(now=time.monotonic() + 10.0)               # past it: abort once, store the error
+    assert fake.aborted == [1]
+    err = t.watchdog.error
+    assert isinstance(err, TimeoutError)
+    assert 'hybrid rail dispatch' in str(err) and 'rail peer ranks [0, 4]' in str(err) and '5.0 s' in str(err)
+    t.watchdog.poll(now=time.monotonic() + 20.0)
+    assert fake.aborted == [1]
+    with pytest.raises(TimeoutError, match='rail peer ranks'):
+        t.exchange(plan, SimpleNamespace(ptr=0x7))
+    t.destroy()                                                # aborted: the communicator is not destroyed again
+    assert fake.destroyed == []
+
+
+def test_watchdog_thread_fires_on_its_own():
+    """The real thread (short timeout): a hung exchange is aborted without any call from the caller."""
+    import time
+
+    from deepep_cupy.runtime.rail_watchdog import RailWatchdog
+    fired = []
+    events = FakeEvents()
+    w = RailWatchdog(0.05, lambda phase, peers: fired.append((phase, peers)) or TimeoutError(phase), events,
+                     poll_s=0.005)
+    w.watch(0x3, 'barrier', [1])
+    deadline = time.monotonic() + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired == [('barrier', (1,))] and isinstance(w.error, TimeoutError)
+    w.close()
+    with pytest.raises(ValueError, match='timeout_s'):
+        RailWatchdog(0, lambda *a: None, events)

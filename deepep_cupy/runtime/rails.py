@@ -311,6 +311,31 @@ class NcclRailTransport(ScaleoutTransport):
         self.comm, self.nccl = comm, nccl
         # Called after each chunk's group with (chunk, stream): pipelining bumps a chunk counter there (P2).
         self.after_chunk: Optional[Callable[[int, Any], None]] = None
+        # Bounds exchanges no host wait covers (runtime/rail_watchdog.py); `watch_timeouts` sets it.
+        self.watchdog: Any = None
+
+    def watch_timeouts(self, timeout_s: float, events: Any = None) -> None:
+        """Bound every exchange enqueued outside a CUDA-graph capture by `timeout_s` from the host: a rail peer
+        that never arrives aborts the communicator (no hang) and the next call raises `TimeoutError` naming the
+        phase and the peers. `events`: the watchdog's event operations (default: CUDA events on this device)."""
+        from .rail_watchdog import CudaEvents, RailWatchdog
+        if events is None:
+            import cupy
+            events = CudaEvents(cupy.cuda.runtime.getDevice())
+        self.watchdog = RailWatchdog(timeout_s, self._watchdog_fired, events)
+
+    def _watchdog_fired(self, phase: str, peer_domains) -> BaseException:
+        ranks = [self.rails.rail_rank_of(m) for m in peer_domains]
+        self.abort()
+        return TimeoutError(f'rank {self.rails.rank}: hybrid rail {phase}: the NCCL exchange with rail peer ranks '
+                            f'{ranks} (domains {list(peer_domains)}, scale-up index {self.rails.scaleup_idx}) did '
+                            f'not complete within {self.watchdog.timeout_s:.1f} s; a peer never arrived, the NCCL '
+                            f'rail transport was aborted (build a new buffer)')
+
+    def _check_usable(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.raise_if_failed()
+        super()._check_usable()
 
     @classmethod
     def create(cls, world: ProcessGroup, rails: RailTopology, base_ptr: int, nccl: Any = None) -> 'NcclRailTransport':
@@ -336,6 +361,8 @@ class NcclRailTransport(ScaleoutTransport):
                 nccl.groupEnd()
             if self.after_chunk is not None:
                 self.after_chunk(c, stream)
+        if self.watchdog is not None and plan.num_chunks:
+            self.watchdog.watch(stream.ptr, plan.phase, plan.peers)
 
     def check(self) -> None:
         """Raise NCCL's asynchronous error, if any (host polling loops call it while they wait)."""
@@ -349,6 +376,8 @@ class NcclRailTransport(ScaleoutTransport):
         super().abort()
 
     def destroy(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.comm is not None:
             comm, self.comm = self.comm, None
             if not self.aborted:

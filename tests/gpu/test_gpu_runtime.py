@@ -106,3 +106,58 @@ def test_bad_buffer_arguments():
         BufferBase(num_bytes=1000)
     with pytest.raises(TypeError, match='num_bytes must be an int'):
         BufferBase(num_bytes=2.0)
+
+
+def test_rail_watchdog_cuda_events_fire_on_a_hung_stream():
+    """runtime/rail_watchdog.py with real CUDA events: a stream held by a kernel spinning on a host-mapped flag (a
+    stand-in for an NCCL exchange whose peer never arrives) fires the watchdog from its thread; `on_timeout` (the
+    transport's abort there) releases the kernel; a completed exchange is retired; a captured one is not watched."""
+    import time
+
+    import cupy
+
+    from deepep_cupy.runtime.rail_watchdog import CudaEvents, RailWatchdog
+    flag = cupy.cuda.alloc_pinned_memory(4)
+    host = np.frombuffer(flag, dtype=np.int32, count=1)
+    host[0] = 0
+    spin = cupy.RawKernel(r'''
+    extern "C" __global__ void spin(volatile int* flag) {
+        long long t0 = clock64();
+        while (*flag == 0 && clock64() - t0 < 20000000000LL) {}
+    }''', 'spin')
+    stream = cupy.cuda.Stream(non_blocking=True)
+    fired = []
+
+    def on_timeout(phase, peers):
+        fired.append((phase, tuple(peers)))
+        host[0] = 1                        # the abort: the spinning work returns
+        return TimeoutError(f'{phase} {list(peers)}')
+
+    events = CudaEvents(cupy.cuda.runtime.getDevice())
+    w = RailWatchdog(0.2, on_timeout, events, poll_s=0.002)
+    ptr = cupy.cuda.runtime.hostGetDevicePointer(flag.ptr, 0)
+    spin((1,), (1,), (cupy.uint64(ptr),), stream=stream)
+    w.watch(stream.ptr, 'combine', [1])
+    t0 = time.monotonic()
+    while not fired and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert fired == [('combine', (1,))] and isinstance(w.error, TimeoutError)
+    stream.synchronize()
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(TimeoutError, match='combine'):
+        w.raise_if_failed()
+    w.close()
+
+    # A completed exchange never fires; one enqueued during a capture is not watched.
+    w = RailWatchdog(0.2, on_timeout, events, poll_s=0.002)
+    w.watch(stream.ptr, 'dispatch', [1])
+    stream.synchronize()
+    time.sleep(0.4)
+    assert w.num_pending == 0 and w.error is None and len(fired) == 1
+    graph_stream = cupy.cuda.Stream(non_blocking=True)
+    with graph_stream:
+        graph_stream.begin_capture()
+        w.watch(graph_stream.ptr, 'dispatch', [1])
+        graph_stream.end_capture()
+    assert w.num_pending == 0
+    w.close()

@@ -70,6 +70,7 @@ class HybridRails:
             cupy.cuda.runtime.memset(self.base, 0, area.total_bytes)
             cupy.cuda.runtime.deviceSynchronize()
             self.transport = NcclRailTransport.create(buf.group, self.rails, self.base)
+            self.transport.watch_timeouts(buf.num_gpu_timeout_secs)
         peers = self.rails.peer_domains
         self.barrier_plan = plan_exchange(self.rails, area, 'barrier', {m: 0 for m in peers}, {m: 0 for m in peers})
 

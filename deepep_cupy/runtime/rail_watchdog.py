@@ -1,0 +1,156 @@
+"""A host watchdog over NCCL rail exchanges that no host wait covers.
+
+With CPU sync the host polls the notify's counts, bounded, and aborts the rail communicators on timeout. Without it
+(no-sync and cached dispatches, combines, barriers) nothing on the host waits for an exchange: a rail peer that never
+arrives leaves NCCL's kernels spinning, and the caller's next synchronisation hangs. The watchdog closes that hole as
+torch's NCCL watchdog does: every exchange enqueued outside a CUDA-graph capture records an event after its last
+group; a daemon thread queries the pending events, and one still pending after the timeout aborts the transport
+(`ncclCommAbort`, which NCCL allows from another thread: the spinning kernels return, so the synchronisation that
+hung returns too) and stores a `TimeoutError` naming the phase and the rail peers, raised by the transport's next
+call. Exchanges captured into a CUDA graph are not watched (a replay does not pass through Python).
+
+CUDA is reached through an injectable `events` object (create / record / query / destroy), so the logic is tested on
+the CPU (tests/test_rails_cpu.py).
+"""
+
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+
+class CudaEvents:
+    """The watchdog's events through the CUDA runtime (CuPy), made on `device`."""
+
+    def __init__(self, device: int):
+        self.device = device
+
+    def create(self) -> int:
+        import cupy
+        rt = cupy.cuda.runtime
+        return rt.eventCreateWithFlags(rt.eventDisableTiming)
+
+    def record(self, event: int, stream_ptr: int) -> None:
+        import cupy
+        cupy.cuda.runtime.eventRecord(event, stream_ptr)
+
+    def query(self, event: int) -> bool:
+        import cupy
+        rt = cupy.cuda.runtime
+        return rt.eventQuery(event) == 0          # cudaSuccess; cudaErrorNotReady otherwise
+
+    def destroy(self, event: int) -> None:
+        import cupy
+        cupy.cuda.runtime.eventDestroy(event)
+
+    def bind_thread(self) -> None:
+        """Make the watchdog thread's current device the transport's (event queries need its context)."""
+        import cupy
+        cupy.cuda.runtime.setDevice(self.device)
+
+    def capturing(self, stream_ptr: int) -> bool:
+        import cupy
+        rt = cupy.cuda.runtime
+        return rt.streamIsCapturing(stream_ptr) != rt.streamCaptureStatusNone
+
+
+class RailWatchdog:
+    """Bounds stream-ordered exchanges from the host.
+
+    Args:
+        timeout_s: how long an exchange may stay pending after it was enqueued.
+        on_timeout: `(phase, peers) -> BaseException`, called once from the watchdog thread for the first exchange
+            that times out: aborts the transport and returns the error to store.
+        events: the event operations (`CudaEvents` or a fake).
+        poll_s: the thread's polling interval.
+    """
+
+    def __init__(self, timeout_s: float, on_timeout: Callable[[str, Sequence[int]], BaseException], events: Any,
+                 poll_s: float = 0.005):
+        if not timeout_s > 0:
+            raise ValueError(f'timeout_s must be positive, got {timeout_s}')
+        self.timeout_s, self.on_timeout, self.events, self.poll_s = float(timeout_s), on_timeout, events, poll_s
+        self.error: Optional[BaseException] = None
+        self._pending: List[Tuple[int, float, str, Tuple[int, ...]]] = []
+        self._pool: List[int] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def watch(self, stream_ptr: int, phase: str, peers: Sequence[int]) -> None:
+        """Record an event on `stream_ptr` after an exchange with `peers` (rail peer domains) and bound it."""
+        self.raise_if_failed()
+        capturing = getattr(self.events, 'capturing', None)
+        if capturing is not None and capturing(stream_ptr):
+            return
+        with self._lock:
+            event = self._pool.pop() if self._pool else self.events.create()
+        self.events.record(event, stream_ptr)
+        with self._lock:
+            self._pending.append((event, time.monotonic() + self.timeout_s, phase, tuple(peers)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name='deepep_cupy-rail-watchdog', daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def poll(self, now: Optional[float] = None) -> None:
+        """One pass (the thread's loop body; tests call it directly): retire completed exchanges, fire on the first
+        one past its deadline."""
+        now = time.monotonic() if now is None else now
+        expired = None
+        with self._lock:
+            keep = []
+            for item in self._pending:
+                event, deadline, phase, peers = item
+                if self.events.query(event):
+                    self._pool.append(event)
+                elif deadline <= now and expired is None and self.error is None:
+                    expired = item
+                else:
+                    keep.append(item)
+            if expired is not None:
+                keep.append(expired)        # the aborted exchange's event stays pending until the abort lands
+            self._pending = keep
+        if expired is not None:
+            self.error = self.on_timeout(expired[2], expired[3])
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _run(self) -> None:
+        bind = getattr(self.events, 'bind_thread', None)
+        if bind is not None:
+            bind()
+        while not self._closed:
+            if self.num_pending == 0:
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                self.poll()
+            except Exception as e:          # a failing query (e.g. the context is gone): stop watching
+                self.error = self.error or RuntimeError(f'rail watchdog stopped: {e}')
+                return
+            time.sleep(self.poll_s)
+
+    def close(self) -> None:
+        """Stop the thread and free the events (after the streams finished the watched work)."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self._thread = None
+        with self._lock:
+            events = [e for e, *_ in self._pending] + self._pool
+            self._pending, self._pool = [], []
+        for e in events:
+            try:
+                self.events.destroy(e)
+            except Exception:
+                pass
