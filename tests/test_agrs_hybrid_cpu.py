@@ -512,7 +512,9 @@ def test_agrs_rails_over_nccl(monkeypatch):
 
     def rank_main(group):
         nccl = _FakeNcclModule()
-        r = agrs_rails.AGRSRails(_rails_buffer(group, 3, 2), workspace.AGRS_RAIL.offset, nccl=nccl)
+        r = agrs_rails.AGRSRails(_rails_buffer(group, 3, 2), workspace.AGRS_RAIL.offset, nccl=nccl,
+                                 events=SimpleNamespace())
+        assert r.transport.watchdog is not None and r.transport.watchdog.timeout_s == 1.0      # num_gpu_timeout_secs
         ops = [(o.peer, o.kind, o.offset - workspace.AGRS_RAIL.offset, o.peer_offset - workspace.AGRS_RAIL.offset,
                 o.num_bytes) for o in r.barrier_plan.ops]
         return r.kind, nccl.made, r.rails.rail_ranks, ops

@@ -24,10 +24,11 @@ class AGRSRails:
     Args:
         buf: the buffer; rail_offset: byte offset of the rail area in the symmetric buffer.
         transport: 'nccl', 'loopback' or 'auto' (default: `DEEPEP_CUPY_RAIL_TRANSPORT`).
-        nccl: the NCCL module for the NCCL transport (default `cupy.cuda.nccl`; tests pass fakes).
+        nccl, events: the NCCL module and the rail watchdog's event operations for the NCCL transport (defaults:
+            `cupy.cuda.nccl`, CUDA events; tests pass fakes).
     """
 
-    def __init__(self, buf, rail_offset: int, transport: Optional[str] = None, nccl: Any = None):
+    def __init__(self, buf, rail_offset: int, transport: Optional[str] = None, nccl: Any = None, events: Any = None):
         self.rails = rail_topology(buf.num_ranks, buf.num_scaleup_ranks, buf.rank_idx)
         self.rail_offset = rail_offset
         self.mapping = None
@@ -61,6 +62,9 @@ class AGRSRails:
             self.transport = IpcLoopbackTransport(self.rails, self.mapping.peer_bases, rail_offset, signals)
         else:
             self.transport = NcclRailTransport.create(buf.group, self.rails, base, nccl)
+            # A rail peer that never arrives: the host watchdog aborts the communicator after the GPU timeout and the
+            # next exchange raises TimeoutError naming the phase and the peers (runtime/rail_watchdog.py).
+            self.transport.watch_timeouts(buf.num_gpu_timeout_secs, events)
         self.barrier_plan = self.header_plan('barrier')
 
     def header_plan(self, phase: str, extra_sends=None, extra_recvs=None):
