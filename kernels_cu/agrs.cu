@@ -68,6 +68,12 @@ static_assert(kAgrsChunkFlags % 2 == 0, "64-bit chunk flags must be 8-byte align
 static_assert(kAgrsChunkFlags * 4 + kAgrsMaxRanks * kAgrsMaxSenders * 8 <= kAgrsCtrlBytes,
               "all-gather / reduce-scatter control words overflow their workspace range");
 
+// Hybrid mode (several scale-up domains, deepep_cupy/features/agrs/feature.py): the effective meta a rank publishes
+// after the rail exchange of an all-gather: its own when every rail peer sent the same meta, kAgrsMetaMismatch when
+// one did not (its domain peers then report a size mismatch), kAgrsMetaSkip when this rank already reported a timeout
+// (it does not signal, so its domain peers time out too instead of reading what never arrived).
+constexpr uint32_t kAgrsMetaMismatch = 0xFFFFFFFEu, kAgrsMetaSkip = 0xFFFFFFFFu;
+
 // `aux` of an error record: which wait gave up (deepep_cupy/agrs.py mirrors these).
 constexpr int kAgrsAuxGatherWait = 1, kAgrsAuxSizeMismatch = 2, kAgrsAuxDoneWait = 3, kAgrsAuxChunkWait = 4,
               kAgrsAuxShardWait = 5;
@@ -215,7 +221,7 @@ __device__ __forceinline__ float round_bf16(float v) { return bf16_lo(pack_bf16x
 template <int kNumRanks>
 __global__ void __launch_bounds__(kAgrsThreads, 1)
 agrs_gather_kernel(const uint8_t* src, int64_t num_bytes, uint64_t region_offset, const uint64_t* peer_bases, int rank,
-                   int write_local, int do_signal, uint32_t epoch, uint32_t meta) {
+                   int write_local, int do_signal, uint32_t epoch, uint32_t meta, const uint32_t* meta_word) {
     static_assert(kNumRanks >= 1 && kNumRanks <= kAgrsMaxRanks, "all-gather supports up to 8 ranks");
     const AgrsCtrl ctrl{peer_bases, rank};
     const uint64_t slot_offset = region_offset + static_cast<uint64_t>(rank) * static_cast<uint64_t>(num_bytes);
@@ -250,6 +256,12 @@ agrs_gather_kernel(const uint8_t* src, int64_t num_bytes, uint64_t region_offset
 
     if (!do_signal || !last_block_done(ctrl.local() + kAgrsTicketGather))
         return;
+    // Hybrid mode: the meta the rail check published (agrs_rail_meta_kernel); kAgrsMetaSkip: do not signal at all.
+    if (meta_word != nullptr) {
+        meta = *reinterpret_cast<const volatile uint32_t*>(meta_word);
+        if (meta == kAgrsMetaSkip)
+            return;
+    }
     const int p = threadIdx.x;
     if (p < kNumRanks) {
         uint32_t* remote = ctrl.words(p);
@@ -313,7 +325,9 @@ __device__ __forceinline__ void stage_copy(uint8_t* dst, const uint8_t* src, int
 
 // x: this rank's input, `num_elems` elements (input precision); piece d = elements [d * shard_elems, ...) of at most
 // shard_elems. out: where this rank's reduced shard goes (output precision = input precision). Blocks [0, num_senders)
-// send, the others reduce. All-reduce (`is_all_reduce`, FP32 only) also pushes the result into the peers' gather slots.
+// send, the others reduce. All-reduce (`is_all_reduce` 1, FP32 only) also pushes the result into the peers' gather
+// slots. `is_all_reduce` 2 (hybrid reduce-scatter): no pushes, but the end publishes shard_signal instead of done, so
+// that done[me] comes later (agrs_unpack_kernel with nothing to copy, after the rail step reused the area).
 template <int kNumRanks, bool kInBF16, bool kStageBF16>
 __global__ void __launch_bounds__(kAgrsThreads, 1)
 agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t shard_elems, int64_t chunk_elems,
@@ -409,7 +423,7 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
                         acc[i] = __fmul_rn(s, scale);
                     }
                     store_n<kUnit, kInBF16>(out + e * kIn, acc);
-                    if (is_all_reduce) {
+                    if (is_all_reduce == 1) {
                         #pragma unroll
                         for (int p = 0; p < kNumRanks; ++p)
                             if (p != rank)
@@ -430,7 +444,7 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
                 }
                 const float result = __fmul_rn(s, scale);
                 store1<kInBF16>(out + e * kIn, result);
-                if (is_all_reduce) {
+                if (is_all_reduce == 1) {
                     #pragma unroll
                     for (int p = 0; p < kNumRanks; ++p)
                         if (p != rank)
@@ -447,12 +461,13 @@ agrs_reduce_kernel(const uint8_t* x, uint8_t* out, int64_t num_elems, int64_t sh
         st_release_sys(ctrl.words(p) + (is_all_reduce ? kAgrsSigShard : kAgrsSigDone) + rank, epoch);
 }
 
-// All-reduce, second step: copy every peer's reduced shard from this rank's gather slots into x (FP32, in place).
+// All-reduce, second step: copy every peer's reduced shard from this rank's gather slots into x (FP32, in place);
+// with `publish_done`, then publish done[me] = epoch at every peer.
 template <int kNumRanks>
 __global__ void __launch_bounds__(kAgrsThreads, 1)
 agrs_unpack_kernel(uint8_t* x, int64_t num_elems, int64_t shard_elems, const uint64_t* peer_bases, int rank,
-                   uint64_t gather_offset, uint64_t gather_slot_bytes, uint32_t epoch, int32_t* error_record,
-                   uint64_t timeout_ns) {
+                   uint64_t gather_offset, uint64_t gather_slot_bytes, uint32_t epoch, int publish_done,
+                   int32_t* error_record, uint64_t timeout_ns) {
     const AgrsCtrl ctrl{peer_bases, rank};
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
     if (!agrs_wait_peers<kNumRanks, uint32_t>(ctrl, ctrl.local() + kAgrsSigShard, 1, epoch, timeout_ns, sink,
@@ -473,11 +488,70 @@ agrs_unpack_kernel(uint8_t* x, int64_t num_elems, int64_t shard_elems, const uin
         for (int64_t i = num_vectors * 4 + tid; i < len; i += num_threads)
             reinterpret_cast<float*>(dst)[i] = reinterpret_cast<const float*>(src)[i];
     }
-    if (!last_block_done(ctrl.local() + kAgrsTicketUnpack))
+    // Hybrid mode publishes done[me] only after its rail step (a second launch with nothing to copy).
+    if (!publish_done || !last_block_done(ctrl.local() + kAgrsTicketUnpack))
         return;
     const int p = threadIdx.x;
     if (p < kNumRanks && p != rank)
         st_release_sys(ctrl.words(p) + kAgrsSigDone + rank, epoch);
+}
+
+// ---- hybrid mode (several scale-up domains joined by rails) -------------------------------------------------------
+// The rail exchanges themselves are host-issued (runtime/rails.py transports); these kernels prepare and finish them.
+// `rail` is this rank's rail area (workspace region kWsAgrsRailOffset, common/workspace.cuh): the send header at
+// byte kAgrsRailSendHeader, the receive header of domain m at kAgrsRailRecvHeader + 16 * m, the effective meta word
+// at kAgrsRailMetaWord.
+constexpr int kAgrsRailSendHeader = 2304, kAgrsRailRecvHeader = 2560, kAgrsRailMetaWord = 2432;
+static_assert(kAgrsRailRecvHeader + 16 * 16 <= kWsAgrsRailBytes, "the rail headers of 16 domains overflow the area");
+
+// mode 0 (before the all-gather's rail exchange): write `meta` into the send header. mode 1 (after it): compare every
+// rail peer's header with `meta` and publish the effective meta (see kAgrsMetaMismatch / kAgrsMetaSkip).
+__global__ void agrs_rail_meta_kernel(uint8_t* rail, int num_domains, int domain, uint32_t meta, int mode,
+                                      const uint64_t* peer_bases, int rank) {
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    if (mode == 0) {
+        *reinterpret_cast<uint32_t*>(rail + kAgrsRailSendHeader) = meta;
+        return;
+    }
+    uint32_t eff = meta;
+    for (int m = 0; m < num_domains; ++m)
+        if (m != domain && *reinterpret_cast<const uint32_t*>(rail + kAgrsRailRecvHeader + 16 * m) != meta)
+            eff = kAgrsMetaMismatch;
+    if (timeout_reported(make_error_sink(peer_bases, rank, nullptr)))
+        eff = kAgrsMetaSkip;
+    *reinterpret_cast<uint32_t*>(rail + kAgrsRailMetaWord) = eff;
+}
+
+// Reduce-scatter input, reordered for the in-domain step: xp[(r * N + m) * n + i] = x[(m * R + r) * n + i] in FP32
+// (exact), so that scale-up rank r's piece (the shards (m, r) of every domain m) is contiguous.
+template <bool kInBF16>
+__global__ void __launch_bounds__(kAgrsThreads)
+agrs_hybrid_permute_kernel(const uint8_t* x, float* xp, int64_t shard_elems, int num_domains, int num_scaleup) {
+    const int64_t total = shard_elems * num_domains * num_scaleup;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kAgrsThreads;
+    for (int64_t j = static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x; j < total; j += stride) {
+        const int64_t piece = j / shard_elems, i = j - piece * shard_elems;
+        const int64_t r = piece / num_domains, m = piece - r * num_domains;
+        xp[j] = load1<kInBF16>(x + ((m * num_scaleup + r) * shard_elems + i) * (kInBF16 ? 2 : 4));
+    }
+}
+
+// The final sum over domains: out[i] = round((p_0[i] + p_1[i] + ... + p_{N-1}[i]) * scale) in FP32, domains in order
+// 0..N-1, p_domain = own[i] (this rank's domain partial), p_m = slot m of `slots` (rail peer m's partial, FP32).
+template <bool kOutBF16>
+__global__ void __launch_bounds__(kAgrsThreads)
+agrs_hybrid_sum_kernel(uint8_t* out, const float* own, const uint8_t* slots, uint64_t slot_bytes, int num_domains,
+                       int domain, int64_t num_elems, float scale) {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kAgrsThreads;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x; i < num_elems; i += stride) {
+        float s = 0.f;
+        for (int m = 0; m < num_domains; ++m) {
+            const float v = m == domain ? own[i] : reinterpret_cast<const float*>(slots + m * slot_bytes)[i];
+            s = m == 0 ? v : __fadd_rn(s, v);
+        }
+        store1<kOutBF16>(out + i * (kOutBF16 ? 2 : 4), __fmul_rn(s, scale));
+    }
 }
 
 }  // namespace deepep

@@ -14,7 +14,8 @@
 #   hybrid     EP across scale-up domains (hybrid mode), ranks sharing GPU 0, rails through the IPC loopback:
 #              2x1, 2x2, 2x4, 4x1 (domains x ranks, DEEPEP_CUPY_SCALEUP_SIZE), pressure, CUDA graph, timeout, errors
 #              (launch/scaleout_nccl.sh runs NCCL rails across two GPUs); the same with the pipelined dispatch (P2,
-#              DEEPEP_CUPY_HYBRID_PIPELINE=1) and perf/hybrid_pipeline.py (P2 against P1)
+#              DEEPEP_CUPY_HYBRID_PIPELINE=1) and perf/hybrid_pipeline.py (P2 against P1); all-gather / reduce-scatter
+#              / all-reduce and PP send/recv 2x1, 2x2, 4x1, DeepEP's test_agrs.py and V2.5 test_pp.py 2x1 (lanes)
 #   ll         low-latency rank program at 2/4/8 ranks sharing the GPUs (and one rank per GPU)
 #   legacy     V1 Buffer (normal mode) rank program, 2/4/8 ranks and the dispatch knobs (legacy1: one rank, alone)
 #   v25        the V2.5 API rank program (EPBuffer + load balancing, BucketBuffer, PPBuffer, EngramBuffer), 1/2/4 ranks
@@ -245,6 +246,22 @@ pp_hybrid_lane() {
             NCCL_SOCKET_IFNAME=lo $R 2 $PY -m deepep_cupy.tests.pp --skip-perf-test --num-tokens 1024 --hidden 2048
     fi
 }
+agrs_hybrid_lane() {
+    # All-gather / reduce-scatter / all-reduce across scale-up domains (features/agrs hybrid mode) on GPU 0: the rank
+    # program's checks are bitwise against the hybrid references, then its size-mismatch and missing-rank cases
+    # (TimeoutError on every other rank, rails included).
+    local shape su np
+    for shape in 2x1:1:2 2x2:2:4 4x1:1:4; do
+        IFS=: read -r shape su np <<< "$shape"
+        step "agrs hybrid $shape np=$np + failures (loopback rails, sharing 1 GPU)" 600 env \
+            DEEPEP_CUPY_SCALEUP_SIZE=$su DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.agrs \
+            --skip-perf-test
+    done
+    # DeepEP's own test_agrs.py (all-gather stress + its timing loop) with 2 domains x 1 rank.
+    [ -d .upstream ] && step "DeepEP elastic/test_agrs.py np=2 hybrid 2x1 (loopback)" 900 env MASTER_PORT=18861 \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $PY -m deepep_cupy.as_deep_ep \
+        .upstream/head/tests/elastic/test_agrs.py --num-processes 2
+}
 ll_lane() {
     local n
     for n in 2 8; do
@@ -443,6 +460,7 @@ fi
 want hybrid && lane hybrid_lane
 want hybrid && lane hybrid_pipeline_lane
 want hybrid && lane pp_hybrid_lane
+want hybrid && lane agrs_hybrid_lane
 want fuse && lane fuse_lane
 want fuse && lane fuse_lane_shared
 want ll && [ -f deepep_cupy/tests/legacy_low_latency.py ] && lane ll_lane

@@ -11,7 +11,12 @@ import weakref
 from typing import Optional
 
 from ..features.agrs.feature import AGRS
-from ..features.agrs.plan import num_max_session_bytes, reduce_area_offset, reduce_num_bytes
+from ..features.agrs.plan import (
+    hybrid_domains,
+    hybrid_reduce_num_bytes,
+    num_max_session_bytes,
+    reduce_area_offset,
+)
 from ..features.engram.feature import Engram
 from ..features.engram.plan import storage_size_hint
 from ..features.ep import layout as ep_layout
@@ -28,7 +33,7 @@ from ..runtime.group import get_group
 from ..runtime.group_size import group_size
 from ..runtime.nvlink import get_nvlink_gbs
 from ..runtime.sizes import align
-from . import hybrid
+from . import agrs_rails, hybrid
 from .allocator import BufferAllocator, Placeholder
 from .base import BUFFER_ALIGNMENT, BufferBase
 
@@ -113,8 +118,8 @@ class ElasticBuffer(BufferBase):
         self.num_allocated_qps = ep_plan.resolve_num_allocated_qps(num_allocated_qps, self.num_scaleout_ranks > 1)
         # Read the NVLink bandwidth now (it runs nvidia-smi once per process), never inside a timed or captured call.
         self._nvlink_gbs = get_nvlink_gbs() or DEFAULT_NVLINK_GBS
-        # Several domains without the MoE sizes: a buffer for the other features (PP, ...); its first EP call raises
-        # (hybrid.make_hybrid_ep: the sizes are needed for the rail buffers).
+        # Several domains without the MoE sizes: no EP (its first call raises, naming them); the buffer still serves
+        # PP and all-gather / reduce-scatter (DeepEP's test_agrs.py builds it from num_bytes alone).
         if (num_max_tokens_per_rank and hidden) or (num_topk and self.num_scaleout_ranks == 1):
             try:
                 self._ep_feature()      # lays out the EP regions and compiles the kernels now (hybrid: the rails)
@@ -140,7 +145,7 @@ class ElasticBuffer(BufferBase):
 
     def _agrs_feature(self) -> AGRS:
         if self._agrs is None:
-            self._agrs = AGRS(weakref.proxy(self))
+            self._agrs = AGRS(weakref.proxy(self), make_rails=agrs_rails.make)
         return self._agrs
 
     def _engram_feature(self) -> Engram:
@@ -304,9 +309,10 @@ class ElasticBuffer(BufferBase):
     def get_agrs_reduce_num_bytes(group, num_max_elems: int, op: str = 'all_reduce',
                                   comm_precision: str = 'fp32') -> int:
         """Reduction-area bytes for `reduce_scatter` (input of `num_max_elems` elements per rank) or `all_reduce`
-        (`num_max_elems` FP32 elements)."""
+        (`num_max_elems` FP32 elements); in hybrid mode the in-domain step plus the rail slots."""
         check_int('num_max_elems', num_max_elems)
-        return reduce_num_bytes(group_size(group), num_max_elems, op, comm_precision)
+        num_domains, num_scaleup = hybrid_domains(group)
+        return hybrid_reduce_num_bytes(num_domains, num_scaleup, num_max_elems, op, comm_precision)
 
     @_doc(AGRS.set_config)
     def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int = 32,

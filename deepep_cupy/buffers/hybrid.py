@@ -41,8 +41,12 @@ def make_hybrid_ep(buf) -> HybridEP:
 
 
 def release(buf, collective: bool) -> None:
-    """`BufferBase._release_extra` of a buffer whose destroyed EP feature may hold rails (`buf._hybrid`)."""
+    """`BufferBase._release_extra` of a buffer whose destroyed EP feature (`buf._hybrid`) or all-gather / reduction
+    feature (`buf._agrs_rails`) may hold rails."""
     hybrid, buf._hybrid = getattr(buf, '_hybrid', None), None
+    agrs_rails, buf._agrs_rails = getattr(buf, '_agrs_rails', None), None      # features/agrs `AGRSRails`
     buf._rail_barrier = None
     if hybrid is not None:
         hybrid.release(collective)
+    if agrs_rails is not None:
+        agrs_rails.release(collective)

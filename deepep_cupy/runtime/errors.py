@@ -7,7 +7,8 @@ PHASES = {1: 'barrier', 2: 'test ring', 3: 'notify', 4: 'dispatch', 5: 'combine'
           8: 'all-gather/reduce-scatter', 9: 'engram', 10: 'load balancing', 11: 'bucket collective',
           12: 'hybrid rail exchange'}
 PHASE_HYBRID_RAIL = 12     # kernels_cu/hybrid.cu: ranks in the record are global already
-RAIL_EXCHANGES = {1: 'notify', 2: 'dispatch', 3: 'combine', 4: 'barrier'}
+RAIL_EXCHANGES = {1: 'notify', 2: 'dispatch', 3: 'combine', 4: 'barrier', 5: 'all-gather', 6: 'reduce-scatter',
+                  7: 'all-reduce'}
 PHASE_DISPATCH = 4
 AUX_RAIL_READY = 224       # kernels_cu/ep_dispatch.cu kAuxRailReady: the hybrid pipeline's rows-ready guard
 

@@ -217,6 +217,39 @@ def plan_exchange(rails: RailTopology, areas: RailAreasLike, phase: str, send_pa
     return RailPlan(phase, num_chunks, tuple(ops))
 
 
+def plan_ranges(rails: RailTopology, phase: str, sends: Dict[int, Sequence[Tuple[int, int, int]]],
+                recvs: Dict[int, Sequence[Tuple[int, int, int]]]) -> RailPlan:
+    """A one-chunk plan from explicit byte ranges (features whose rail data is not in `RailAreas` regions, e.g. the
+    all-gather / reduce-scatter area of the data region).
+
+    Args:
+        rails: this rank's rails.
+        phase: names timeouts.
+        sends, recvs: per peer domain, `(offset, peer_offset, num_bytes)` ranges in order (offsets from the start of
+            the rank's buffer; the buffers are symmetric, so the peer's range of a send is where it receives, and of a
+            recv where it sends). Both ends must list the matching ranges in the same order; empty ranges are dropped
+            at both ends alike (the sizes are known everywhere), so no zero-byte NCCL operation is issued.
+
+    Raises:
+        ValueError: a peer is not a peer domain of this rail, or a range is negative.
+    """
+    peers = rails.peer_domains
+    ops = []
+    for m in peers:
+        for kind, ranges in (('send', sends.get(m, ())), ('recv', recvs.get(m, ()))):
+            for offset, peer_offset, num_bytes in ranges:
+                if offset < 0 or peer_offset < 0 or num_bytes < 0:
+                    raise ValueError(f'{phase}: {kind} range ({offset}, {peer_offset}, {num_bytes}) for domain {m} '
+                                     f'is negative')
+                if num_bytes:
+                    ops.append(RailOp(0, m, kind, int(offset), int(peer_offset), int(num_bytes)))
+    for name, table in (('sends', sends), ('recvs', recvs)):
+        extra = sorted(set(table) - set(peers))
+        if extra:
+            raise ValueError(f'{phase}: {name} name domains {extra} that are not rail peers {peers}')
+    return RailPlan(phase, 1, tuple(ops))
+
+
 # ---- transports ----------------------------------------------------------------------------------------------------
 class ScaleoutTransport:
     """Moves a rail plan's bytes between rail peers, stream-ordered.

@@ -30,6 +30,7 @@ BUCKET = Region(32768, 16384)               # bucket.cu (a slice per BucketBuffe
 EP_NOTIFY = Region(65536, 65536)            # common/ep.cuh
 EP_CHUNK_SIGNAL = Region(131072, 1 << 20)   # ep_combine.cu
 EP_DISPATCH_SIGNAL = Region(1179648, 1 << 19)   # ep_dispatch.cu
+AGRS_RAIL = Region(1703936, 4096)           # agrs.cu, hybrid mode: the loopback rail flags and the rail headers
 
 # ---- host-mapped memory (kHost<Name>Offset / kHost<Name>Bytes) --------------------------------------------------
 HOST_MAPPED_BYTES = 64 * 1024
@@ -44,6 +45,7 @@ WORKSPACE: Dict[str, Region] = {
     'Barrier': BARRIER, 'ErrorClaim': ERROR_CLAIM, 'BarrierTest': BARRIER_TEST, 'EPCtrl': EP_CTRL,
     'PeerCopy': PEER_COPY, 'PP': PP, 'Agrs': AGRS, 'Engram': ENGRAM, 'LB': LB, 'Bucket': BUCKET,
     'EPNotify': EP_NOTIFY, 'EPChunkSignal': EP_CHUNK_SIGNAL, 'EPDispatchSignal': EP_DISPATCH_SIGNAL,
+    'AgrsRail': AGRS_RAIL,
 }
 HOST_MAPPED: Dict[str, Region] = {
     'ErrorRecord': HOST_ERROR_RECORD, 'EPCounts': HOST_EP_COUNTS, 'EPRange': HOST_EP_RANGE,

@@ -1,6 +1,9 @@
 """All-gather sessions / reduce-scatter / all-reduce rank program (DeepEP's `tests/elastic/test_agrs.py` flags).
 
     mpirun -np N python -m deepep_cupy.tests.agrs [--num-max-inflight-agrs 4 --num-stress-iterations 4]
+    # hybrid mode, 2 domains x 2 ranks on one GPU (rails through the IPC loopback):
+    DEEPEP_CUPY_SCALEUP_SIZE=2 DEEPEP_CUPY_RAIL_TRANSPORT=loopback launch/run_local.sh 4 python -m \
+        deepep_cupy.tests.agrs --skip-perf-test
 
 Stress: per iteration, a random interleaving (the same on every rank) of batched and single, in-place and copied
 gathers of BF16 tensors of shape (32, 64, 2048), fetches (wait handle + clone) in random order, session
@@ -8,7 +11,8 @@ destroy/create, and reduce-scatters (FP32 / BF16 inputs, FP32 / BF16 communicati
 sizes whose results are waited for later. Every rank generates every rank's inputs from seeds (numpy, on the host),
 so the references need neither NCCL nor the code under test; gathers must match bit for bit (random bit patterns,
 NaNs included), reductions must equal the numpy references of `deepep_cupy.features.agrs.reference` (same FP32
-order) bit for bit. Then
+order; with several scale-up domains, e.g. `DEEPEP_CUPY_SCALEUP_SIZE=1`, the hybrid ones: per-domain partials, then
+domains in order) bit for bit. Then
 CuPy arrays, argument errors, a size mismatch and a missing rank (reported as `TimeoutError`), and the performance
 sweep 1 MiB … 64 MiB per rank: all-gather `GB/s = bytes · R · inflight / avg_t` (DeepEP's formula) and reductions
 `GB/s = input bytes per rank / t`, next to NCCL's all-gather / reduce-scatter / all-reduce measured in the same run
@@ -81,6 +85,21 @@ def reduce_input(seed: int, iteration: int, op: int, rank: int, num_elems: int, 
     """Normal values, float32 or bfloat16 bits (uint16)."""
     x = np.random.default_rng([seed, iteration, op, rank, 2]).standard_normal(num_elems, dtype=np.float32)
     return agrs_reference.f32_to_bf16_bits(x) if bf16 else x
+
+
+def rs_reference(buf, inputs, rank: int, comm_precision: str, scale: float) -> np.ndarray:
+    """The reduce-scatter reference for this buffer's domains (hybrid order with several)."""
+    if buf.num_scaleout_ranks > 1:
+        return agrs_reference.hybrid_reduce_scatter_reference(inputs, rank, buf.num_scaleout_ranks, comm_precision,
+                                                              scale)
+    return agrs_reference.reduce_scatter_reference(inputs, rank, comm_precision, scale)
+
+
+def ar_reference(buf, inputs, scale: float = 1.0) -> np.ndarray:
+    """The all-reduce reference for this buffer's domains (hybrid order with several)."""
+    if buf.num_scaleout_ranks > 1:
+        return agrs_reference.hybrid_all_reduce_reference(inputs, buf.num_scaleout_ranks, scale)
+    return agrs_reference.all_reduce_reference(inputs, scale)
 
 
 def to_device(a: np.ndarray) -> torch.Tensor:
@@ -202,11 +221,11 @@ def run_stress(buf, args, iteration: int) -> int:
         if p['kind'] == 'rs':
             inputs = [reduce_input(args.seed, iteration, 1000 + rid, r, p['num_elems'], p['bf16_input'])
                       for r in range(num_ranks)]
-            want = agrs_reference.reduce_scatter_reference(inputs, rank, p['comm_precision'], p['scale'])
+            want = rs_reference(buf, inputs, rank, p['comm_precision'], p['scale'])
         else:
             inputs = [reduce_input(args.seed, iteration, 1000 + rid, r, p['num_elems'], False)
                       for r in range(num_ranks)]
-            want = agrs_reference.all_reduce_reference(inputs, p['scale'])
+            want = ar_reference(buf, inputs, p['scale'])
         check_bits(got.reshape(-1), to_device(want), f'rank {rank}: {p} mismatch at seed={args.seed}, '
                                                      f'iteration={iteration}, reduction={rid}')
     return num_gathers + len(reduction_results)
@@ -228,13 +247,13 @@ def test_cupy(buf, args):
     inputs = [reduce_input(args.seed, 0, 99, r, num_ranks * 1024, False) for r in range(num_ranks)]
     out = buf.reduce_scatter(cupy.asarray(inputs[rank]), comm_precision='bf16', scale=0.25).wait()
     check(isinstance(out, cupy.ndarray) and out.dtype == np.float32, 'CuPy reduce_scatter output type')
-    want = agrs_reference.reduce_scatter_reference(inputs, rank, 'bf16', 0.25)
+    want = rs_reference(buf, inputs, rank, 'bf16', 0.25)
     check(np.array_equal(cupy.asnumpy(out).view(np.uint32), want.view(np.uint32)),
           f'rank {rank}: CuPy reduce_scatter mismatch')
     y = cupy.asarray(inputs[rank][:3001])
     got = buf.all_reduce(y).wait()
     check(got is y, 'all_reduce returns its input')
-    want = agrs_reference.all_reduce_reference([a[:3001] for a in inputs])
+    want = ar_reference(buf, [a[:3001] for a in inputs])
     check(np.array_equal(cupy.asnumpy(y).view(np.uint32), want.view(np.uint32)),
           f'rank {rank}: CuPy all_reduce mismatch')
 
@@ -301,7 +320,8 @@ def test_failures(args, group) -> bool:
     """Ranks gathering different sizes, then a rank that never gathers: the others get TimeoutError (bounded)."""
     outcomes = []
     for case in ('mismatch', 'missing'):
-        buf = make_buffer(group, 2 * MiB, num_gpu_timeout_secs=args.timeout_test_secs)
+        buf = make_buffer(group, ElasticBuffer.get_agrs_buffer_size_hint(group, 2 * MiB),
+                          num_gpu_timeout_secs=args.timeout_test_secs)
         buf.agrs_set_config(2 * MiB, 4)
         victim = group.size - 1
         buf.create_agrs_session()

@@ -38,6 +38,8 @@ constexpr uint64_t kWsEPChunkSignalOffset = 131072;      // ep_combine.cu: combi
 constexpr uint64_t kWsEPChunkSignalBytes = 1048576;
 constexpr uint64_t kWsEPDispatchSignalOffset = 1179648;  // ep_dispatch.cu: dispatch chunk signals [src][chunk]
 constexpr uint64_t kWsEPDispatchSignalBytes = 524288;
+constexpr uint64_t kWsAgrsRailOffset = 1703936;          // agrs.cu, hybrid mode: rail flags (loopback) and headers
+constexpr uint64_t kWsAgrsRailBytes = 4096;
 
 // ---- host-mapped memory ----------------------------------------------------------------------------------------
 constexpr uint64_t kHostMappedBytes = 65536;
@@ -60,13 +62,14 @@ DEEPEP_WS_ALIGNED(kWsBarrierOffset) DEEPEP_WS_ALIGNED(kWsErrorClaimOffset) DEEPE
 DEEPEP_WS_ALIGNED(kWsEPCtrlOffset) DEEPEP_WS_ALIGNED(kWsPeerCopyOffset) DEEPEP_WS_ALIGNED(kWsPPOffset)
 DEEPEP_WS_ALIGNED(kWsAgrsOffset) DEEPEP_WS_ALIGNED(kWsEngramOffset) DEEPEP_WS_ALIGNED(kWsLBOffset)
 DEEPEP_WS_ALIGNED(kWsBucketOffset) DEEPEP_WS_ALIGNED(kWsEPNotifyOffset) DEEPEP_WS_ALIGNED(kWsEPChunkSignalOffset)
-DEEPEP_WS_ALIGNED(kWsEPDispatchSignalOffset)
+DEEPEP_WS_ALIGNED(kWsEPDispatchSignalOffset) DEEPEP_WS_ALIGNED(kWsAgrsRailOffset)
 DEEPEP_WS_BEFORE(kWsBarrier, kWsErrorClaim) DEEPEP_WS_BEFORE(kWsErrorClaim, kWsBarrierTest)
 DEEPEP_WS_BEFORE(kWsBarrierTest, kWsEPCtrl) DEEPEP_WS_BEFORE(kWsEPCtrl, kWsPeerCopy)
 DEEPEP_WS_BEFORE(kWsPeerCopy, kWsPP) DEEPEP_WS_BEFORE(kWsPP, kWsAgrs) DEEPEP_WS_BEFORE(kWsAgrs, kWsEngram)
 DEEPEP_WS_BEFORE(kWsEngram, kWsLB) DEEPEP_WS_BEFORE(kWsLB, kWsBucket) DEEPEP_WS_BEFORE(kWsBucket, kWsEPNotify)
 DEEPEP_WS_BEFORE(kWsEPNotify, kWsEPChunkSignal) DEEPEP_WS_BEFORE(kWsEPChunkSignal, kWsEPDispatchSignal)
-static_assert(kWsEPDispatchSignalOffset + kWsEPDispatchSignalBytes <= kWorkspaceBytes, "the workspace regions overflow");
+DEEPEP_WS_BEFORE(kWsEPDispatchSignal, kWsAgrsRail)
+static_assert(kWsAgrsRailOffset + kWsAgrsRailBytes <= kWorkspaceBytes, "the workspace regions overflow");
 DEEPEP_WS_ALIGNED(kHostErrorRecordOffset) DEEPEP_WS_ALIGNED(kHostEPCountsOffset) DEEPEP_WS_ALIGNED(kHostEPRangeOffset)
 DEEPEP_WS_ALIGNED(kHostEngramRangeOffset) DEEPEP_WS_ALIGNED(kHostPPErrorOffset)
 DEEPEP_WS_BEFORE(kHostErrorRecord, kHostEPCounts) DEEPEP_WS_BEFORE(kHostEPCounts, kHostEPRange)

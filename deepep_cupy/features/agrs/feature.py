@@ -1,5 +1,6 @@
-"""All-gather sessions, reduce-scatter and all-reduce inside one NVLink domain: the feature of a buffer
-(`kernels_cu/agrs.cu` for the protocols, plan.py for the host bookkeeping, reference.py for the bitwise references).
+"""All-gather sessions, reduce-scatter and all-reduce inside one NVLink domain, or across several (hybrid mode): the
+feature of a buffer (`kernels_cu/agrs.cu` for the protocols, plan.py for the host bookkeeping, reference.py for the
+bitwise references).
 
 DeepEP V2's all-gather session API (`agrs_set_config`, `create_agrs_session` / `destroy_agrs_session` /
 `agrs_new_session`, `agrs_get_inplace_tensor`, `all_gather`) and V2.5 BucketBuffer-style `reduce_scatter` /
@@ -10,11 +11,13 @@ reduction area. Sessions are sequential (one open at a time); a session holds at
 `num_max_all_gathers_per_session` (<= 32) gathered tensors. Reductions never touch the session area, so they may run
 while a session is open. Every rank must make the same calls in the same order with the same sizes; not CUDA-graph
 capturable (epochs are counted on the host).
+
+Hybrid mode (several scale-up domains): hybrid.py.
 """
 
 import contextlib
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -22,6 +25,7 @@ from ...jit.launch import load_kernels
 from ...runtime import checks, dtypes, interop
 from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.sizes import ceil_div
+from .hybrid import HybridSteps
 from .kernels import (
     COMM_PRECISIONS,
     DEFAULT_GATHER_SMS,
@@ -38,14 +42,12 @@ from .kernels import (
     wait_spec,
 )
 from .plan import (
-    ReduceLayout,
     SessionPlan,
     all_reduce_shard_elems,
     gather_grid,
     gather_meta,
     normalize_shapes,
     reduce_area_offset,
-    reduce_layout,
 )
 
 DATA_REGION_OWNER = 'all-gather / reduce-scatter'
@@ -66,7 +68,7 @@ class AGRSWaitHandle:
         if st.session_idx != self._session_idx or not st.plan.is_open:
             raise RuntimeError('this all-gather\'s session was destroyed: call the wait handle before '
                                'destroy_agrs_session() (the outputs are invalid now)')
-        buf.check_usable()
+        st._check_usable()
         stream = interop.current_stream(self._like)
         w = st._wait_launch
         if w is None:       # bound by name once; per call the epoch and meta change
@@ -79,21 +81,21 @@ class AGRSWaitHandle:
         self._keep_alive = ()
 
 
-class AGRS:
+class AGRS(HybridSteps):
     """The all-gather / reduction feature of one buffer: kernels, the session plan, epochs and views of the data
     region. Creating it claims the data region.
 
     Args:
-        buf: the buffer (a `BufferBase`); one NVLink domain of 1 to 8 ranks.
+        buf: the buffer (a `BufferBase`); N scale-up domains of 1 to 8 ranks (hybrid mode when N > 1).
+        rails: hybrid mode: the rails (buffers/agrs_rails.py `AGRSRails`; tests inject one), or
+        make_rails: `(buf, rail_offset) -> rails`, called here in hybrid mode (collective).
     """
 
-    def __init__(self, buf):
+    def __init__(self, buf, rails: Any = None, make_rails: Optional[Callable[[Any, int], Any]] = None):
         buf.check_usable()
-        if buf.num_scaleout_ranks != 1:
-            raise NotImplementedError('all-gather / reduce-scatter need one NVLink (scale-up) domain; this buffer '
-                                      f'spans {buf.num_scaleout_ranks}')
         buf.claim_data_region(DATA_REGION_OWNER)
         self._buf = buf
+        self._init_domains(buf, rails, make_rails)      # area_offset, area_bytes; rails in hybrid mode (hybrid.py)
         self.kernels = self.load_kernels(buf.num_scaleup_ranks)
         self.plan: Optional[SessionPlan] = None
         self.session_capacity = 0
@@ -101,7 +103,7 @@ class AGRS:
         self.gather_epoch = 0
         self.reduce_epoch = 0
         self.num_sms = min(buf.num_device_sms, DEFAULT_GATHER_SMS)
-        self.data_base = buf.sym.base + buf.data_offset
+        self.data_base = buf.sym.base + self.area_offset
         self._bytes: Dict[str, Any] = {}
         self._typed: Dict[str, Any] = {}          # torch views of the whole data region, per dtype
         self._infos: Dict[Any, Tuple[str, int, str, Tuple[int, ...]]] = {}    # signature -> checked tensor facts
@@ -124,7 +126,7 @@ class AGRS:
         data = self._bytes.get(kind)
         if data is None:
             buf = self._buf
-            data = buf.sym.local_view(buf.data_offset, buf.num_bytes) if buf.num_bytes else None
+            data = buf.sym.local_view(self.area_offset, self.area_bytes) if self.area_bytes else None
             if kind == 'torch':
                 data = interop.to_torch(data)
             self._bytes[kind] = data
@@ -157,6 +159,7 @@ class AGRS:
         self.__dict__.pop('_gathered_views', None)
         if self.plan is not None:
             self.plan.is_open = False
+        self._hand_over_rails()
 
     # ---- configuration and sessions ------------------------------------------------------------------------------
     def set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int = 32,
@@ -173,7 +176,7 @@ class AGRS:
             raise RuntimeError('agrs_set_config: destroy the open all-gather session first')
         buf.group.check_same('agrs_set_config arguments', (num_max_session_bytes, num_max_all_gathers_per_session,
                                                           num_sms), timeout=buf.num_cpu_timeout_secs)
-        self.plan = SessionPlan(buf.num_scaleup_ranks, num_max_session_bytes, num_max_all_gathers_per_session)
+        self.plan = SessionPlan(buf.num_ranks, num_max_session_bytes, num_max_all_gathers_per_session)
         self.session_capacity = num_max_session_bytes
         self.num_sms = min(num_sms or DEFAULT_GATHER_SMS, buf.num_device_sms)
         buf.barrier(use_comm_stream=True)
@@ -197,7 +200,7 @@ class AGRS:
         """Open a session: gathers reserve regions of the session area one after another (collective in order)."""
         if self.plan is None:
             raise RuntimeError('call agrs_set_config(num_max_session_bytes, ...) before creating a session')
-        self._buf.check_usable()
+        self._check_usable()
         self.plan.open()
         self.session_idx += 1
 
@@ -240,7 +243,7 @@ class AGRS:
         shape_list, single = normalize_shapes(shapes)
         kind, name, itemsize = dtypes.describe(dtype)
         regions = self.plan.peek([math.prod(s) * itemsize for s in shape_list])
-        rank = self._buf.sym.local_idx
+        rank = self._buf.rank_idx
         views = [self.view(kind, r.slot_offset(rank), r.num_bytes, name, s) for r, s in zip(regions, shape_list)]
         return views[0] if single else views
 
@@ -261,7 +264,7 @@ class AGRS:
         plan = self.plan
         if plan is None or not plan.is_open:
             raise RuntimeError('all_gather needs an open session: use create_agrs_session() or agrs_new_session()')
-        buf.check_usable()
+        self._check_usable()
         single = not isinstance(tensors, (list, tuple))
         items = [tensors] if single else list(tensors)
         if not items:
@@ -287,7 +290,7 @@ class AGRS:
             ptrs.append(ptr)
         sizes = [f[1] for f in facts]
         regions = plan.peek(sizes)
-        rank, num_ranks = buf.sym.local_idx, buf.num_scaleup_ranks
+        rank, num_ranks = buf.rank_idx, buf.num_ranks
         # A source inside the not yet gathered part of the session area must be its own in-place slot.
         base = self.data_base
         free_start, free_end = base + plan.used_bytes, base + plan.capacity
@@ -306,20 +309,23 @@ class AGRS:
         g = self._gather_launch
         if g is None:
             g = self._gather_launch = self.kernels['gather'].bind(
-                1, THREADS, src=0, num_bytes=0, region_offset=0, peer_bases=buf.sym.peer_bases_ptr, rank=rank,
-                write_local=0, do_signal=0, epoch=0, meta=0)
+                1, THREADS, src=0, num_bytes=0, region_offset=0, peer_bases=buf.sym.peer_bases_ptr,
+                rank=buf.sym.local_idx, write_local=0, do_signal=0, epoch=0, meta=0, meta_word=0)
             self._gather_launch_idx = tuple(g.index(n) for n in ('src', 'num_bytes', 'region_offset',
                                                                  'write_local', 'do_signal', 'epoch', 'meta'))
         # One bound launch re-patched per tensor: kernels copy their arguments at launch.
         i_src, i_bytes, i_region, i_local, i_signal, i_epoch, i_meta = self._gather_launch_idx
         g.u32[i_epoch], g.u32[i_meta] = epoch, meta
         last = len(facts) - 1
-        data_offset, num_sms = buf.data_offset, self.num_sms
-        for i, (ptr, nbytes, region) in enumerate(zip(ptrs, sizes, regions)):
-            g.u64[i_src], g.i64[i_bytes], g.u64[i_region] = ptr, nbytes, data_offset + region.offset
-            g.i32[i_local], g.i32[i_signal] = 0 if inplace[i] else 1, 1 if i == last else 0
-            g.grid = (gather_grid(nbytes, nbytes % 16 == 0 and ptr % 16 == 0, num_sms), 1, 1)
-            g(comm)
+        data_offset, num_sms = self.area_offset, self.num_sms
+        if self.hybrid:
+            self._hybrid_gather(g, comm, ptrs, sizes, regions, inplace, meta)
+        else:
+            for i, (ptr, nbytes, region) in enumerate(zip(ptrs, sizes, regions)):
+                g.u64[i_src], g.i64[i_bytes], g.u64[i_region] = ptr, nbytes, data_offset + region.offset
+                g.i32[i_local], g.i32[i_signal] = 0 if inplace[i] else 1, 1 if i == last else 0
+                g.grid = (gather_grid(nbytes, nbytes % 16 == 0 and ptr % 16 == 0, num_sms), 1, 1)
+                g(comm)
         kind = facts[0][0]
         if kind == 'torch':
             s = interop.torch_stream(comm.ptr)
@@ -333,15 +339,16 @@ class AGRS:
         return (*outputs, handle)
 
     # ---- reductions ----------------------------------------------------------------------------------------------
-    def _reduce_area(self, layout: ReduceLayout) -> int:
-        buf = self._buf
+    def _reduce_area(self, layout) -> int:
+        """Offset (in the symmetric buffer) of the reduction area for `layout` (anything with `num_bytes`)."""
         start = reduce_area_offset(self.session_capacity)
-        if start + layout.num_bytes > buf.num_bytes:
+        if start + layout.num_bytes > self.area_bytes:
+            need = self._buf.num_bytes - self.area_bytes + start + layout.num_bytes
             raise ValueError(f'this reduction needs {layout.num_bytes} bytes of the reduction area but the buffer has '
-                             f'{max(0, buf.num_bytes - start)} after the session area ({self.session_capacity} bytes); '
-                             f'build it with get_agrs_buffer_size_hint(group, session_bytes, '
-                             f'get_agrs_reduce_num_bytes(...))')
-        return buf.data_offset + start
+                             f'{max(0, self.area_bytes - start)} after the session area ({self.session_capacity} '
+                             f'bytes): it needs num_bytes >= {need}; build it with get_agrs_buffer_size_hint(group, '
+                             f'session_bytes, get_agrs_reduce_num_bytes(...))')
+        return self.area_offset + start
 
     def _result(self, kind: str, tensors, result, record: bool = True) -> EventOverlap:
         """The call's event on the communication stream, keeping `tensors` alive (and, with `record`, marking torch
@@ -394,7 +401,7 @@ class AGRS:
             `[shape[0] / R, ...]` otherwise (`[...]` when shape[0] == R and x has 2+ dims), dtype of `x`.
         """
         buf = self._buf
-        buf.check_usable()
+        self._check_usable()
         sig, ptr = interop.meta(x)
         key = (sig, comm_precision, num_sms, type(num_sms))
         checked = self._reduce_checked.get(key)
@@ -405,7 +412,7 @@ class AGRS:
             if comm_precision not in COMM_PRECISIONS:
                 raise ValueError(f'comm_precision must be one of {COMM_PRECISIONS}, got {comm_precision!r}')
             checks.check_int('num_sms', num_sms)
-            num_ranks = buf.num_scaleup_ranks
+            num_ranks = buf.num_ranks
             if info.ndim == 0 or info.shape[0] % num_ranks:
                 raise ValueError(f'x must have a first dimension divisible by R={num_ranks}, got shape '
                                  f'{list(info.shape)}')
@@ -417,11 +424,10 @@ class AGRS:
                                  f'aligned, got {shard} elements per shard at address {info.ptr:#x}')
             in_bf16 = info.dtype != 'float32'
             stage_bf16 = in_bf16 or comm_precision == 'bf16'
-            layout = reduce_layout(num_ranks, info.numel, shard, 2 if stage_bf16 else 4, False,
-                                   min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
+            layout, kernel_key = self._rs_layout(info.numel, shard, in_bf16, stage_bf16,
+                                                 min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
             area = self._reduce_area(layout)
-            checked = (info.kind, out_shape, 'bfloat16' if in_bf16 else 'float32', ('reduce', in_bf16, stage_bf16),
-                       layout, area, shard)
+            checked = (info.kind, out_shape, 'bfloat16' if in_bf16 else 'float32', kernel_key, layout, area, shard)
             if type(sig) is not object:
                 if len(self._reduce_checked) >= 64:
                     self._reduce_checked.clear()
@@ -443,7 +449,10 @@ class AGRS:
             import torch
             out.record_stream(torch.cuda.current_stream())      # `current` (the stream of a torch `x`)
         out_ptr = interop.tensor_info(out, 'out').ptr
-        self._launch_reduce(kernel_key, ptr, out_ptr, layout, scale, area, False, comm)
+        if self.hybrid:
+            self._hybrid_reduce_scatter(kernel_key, ptr, out_ptr, out_dtype == 'bfloat16', layout, scale, area, comm)
+        else:
+            self._launch_reduce(kernel_key, ptr, out_ptr, layout, scale, area, False, comm)
         return self._result(kind, (x, out), out)
 
     def all_reduce(self, x, scale: float = 1.0, num_sms: int = 0, previous_event=None):
@@ -457,7 +466,7 @@ class AGRS:
             `EventOverlap`; `wait()` makes the current stream wait and returns `x`.
         """
         buf = self._buf
-        buf.check_usable()
+        self._check_usable()
         sig, ptr = interop.meta(x)
         key = ('all_reduce', sig, num_sms, type(num_sms))
         checked = self._reduce_checked.get(key)
@@ -467,8 +476,7 @@ class AGRS:
             checks.check_contiguous(info, 'x')
             checks.check_int('num_sms', num_sms)
             shard = all_reduce_shard_elems(buf.num_scaleup_ranks, info.numel)
-            layout = reduce_layout(buf.num_scaleup_ranks, info.numel, shard, 4, True,
-                                   min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
+            layout = self._ar_layout(info.numel, shard, min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
             checked = (info.kind, info.numel, shard, layout, self._reduce_area(layout))
             if type(sig) is not object:
                 if len(self._reduce_checked) >= 64:
@@ -483,12 +491,18 @@ class AGRS:
         comm = buf.stream_order.begin(interop.current_stream(x), as_event_handle(previous_event))
         if numel == 0:
             return self._result(kind, (x,), x, record=False)
-        epoch = self._launch_reduce(('reduce', False, False), ptr, ptr + rank * shard * 4, layout, scale, area, True,
-                                    comm)
+        outer, inner_scale = None, scale
+        if self.hybrid:         # the in-domain all-reduce first (scale 1), then the rails
+            outer, layout, inner_scale = layout, layout.inner, 1.0
+        epoch = self._launch_reduce(('reduce', False, False), ptr, ptr + rank * shard * 4, layout, inner_scale, area,
+                                    True, comm)
         if num_ranks > 1:
             self.kernels['unpack'].launch(
                 max(1, min(self.num_sms, ceil_div(numel, THREADS * 4 * GATHER_UNROLL))), THREADS, stream=comm,
                 x=ptr, num_elems=numel, shard_elems=shard, peer_bases=buf.sym.peer_bases_ptr, rank=rank,
                 gather_offset=area + layout.gather_offset, gather_slot_bytes=layout.gather_slot_bytes, epoch=epoch,
-                error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
+                publish_done=int(outer is None), error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
+        if outer is not None:
+            self._hybrid_all_reduce_rails(ptr, numel, outer, scale, area, comm)
+            self._publish_done(epoch, comm)
         return self._result(kind, (x,), x)

@@ -26,6 +26,12 @@ SENDER_SHARE = (1, 2)           # share of a reduction's blocks that send (at mo
 AUX_NAMES = {1: 'all-gather signal', 2: 'all-gather size mismatch (ranks gathered different sizes)',
              3: 'reduction slots free (previous reduction done)', 4: 'reduce-scatter chunk', 5: 'all-reduce shard'}
 COMM_PRECISIONS = ('fp32', 'bf16')
+# Hybrid mode: the rail area, workspace region AGRS_RAIL (kernels_cu/agrs.cu kAgrsRail*): the loopback transport's
+# flags from 0, the send header, the effective meta word, the receive headers (16 bytes per domain).
+RAIL_OFFSET, RAIL_BYTES = workspace.AGRS_RAIL
+RAIL_SEND_HEADER, RAIL_META_WORD, RAIL_RECV_HEADER = 2304, 2432, 2560
+MAX_DOMAINS = 16                # receive headers that fit the rail area
+META_MISMATCH, META_SKIP = 0xFFFFFFFE, 0xFFFFFFFF
 
 _P = Param
 _ERR = (_P('error_record', PTR), _P('timeout_ns', np.uint64))
@@ -41,7 +47,7 @@ def gather_spec(num_ranks: int) -> KernelSpec:
     return KernelSpec('agrs', f'deepep::agrs_gather_kernel<{num_ranks}>', (
         _P('src', PTR), _P('num_bytes', np.int64), _P('region_offset', np.uint64), _P('peer_bases', PTR),
         _P('rank', np.int32), _P('write_local', np.int32), _P('do_signal', np.int32), _P('epoch', np.uint32),
-        _P('meta', np.uint32)))
+        _P('meta', np.uint32), _P('meta_word', PTR)))
 
 
 def wait_spec(num_ranks: int) -> KernelSpec:
@@ -62,7 +68,30 @@ def unpack_spec(num_ranks: int) -> KernelSpec:
     return KernelSpec('agrs', f'deepep::agrs_unpack_kernel<{num_ranks}>', (
         _P('x', PTR), _P('num_elems', np.int64), _P('shard_elems', np.int64), _P('peer_bases', PTR),
         _P('rank', np.int32), _P('gather_offset', np.uint64), _P('gather_slot_bytes', np.uint64),
-        _P('epoch', np.uint32), *_ERR))
+        _P('epoch', np.uint32), _P('publish_done', np.int32), *_ERR))
+
+
+def rail_meta_spec() -> KernelSpec:
+    return KernelSpec('agrs', 'deepep::agrs_rail_meta_kernel', (
+        _P('rail', PTR), _P('num_domains', np.int32), _P('domain', np.int32), _P('meta', np.uint32),
+        _P('mode', np.int32), _P('peer_bases', PTR), _P('rank', np.int32)))
+
+
+def permute_spec(in_bf16: bool) -> KernelSpec:
+    return KernelSpec('agrs', f'deepep::agrs_hybrid_permute_kernel<{_b(in_bf16)}>', (
+        _P('x', PTR), _P('xp', PTR), _P('shard_elems', np.int64), _P('num_domains', np.int32),
+        _P('num_scaleup', np.int32)))
+
+
+def sum_spec(out_bf16: bool) -> KernelSpec:
+    return KernelSpec('agrs', f'deepep::agrs_hybrid_sum_kernel<{_b(out_bf16)}>', (
+        _P('out', PTR), _P('own', PTR), _P('slots', PTR), _P('slot_bytes', np.uint64), _P('num_domains', np.int32),
+        _P('domain', np.int32), _P('num_elems', np.int64), _P('scale', np.float32)))
+
+
+def hybrid_specs() -> List[KernelSpec]:
+    """The kernels of hybrid mode (independent of the domain size)."""
+    return [rail_meta_spec(), permute_spec(False), permute_spec(True), sum_spec(False), sum_spec(True)]
 
 
 def all_specs(num_ranks: int) -> List[KernelSpec]:
@@ -73,4 +102,4 @@ def all_specs(num_ranks: int) -> List[KernelSpec]:
 
 def shipped_specs(max_ranks: int = NUM_MAX_SCALEUP_RANKS) -> Dict[str, List[KernelSpec]]:
     """Family name → every `KernelSpec` of this feature for 1 to `max_ranks` ranks."""
-    return {'agrs': [s for n in range(1, max_ranks + 1) for s in all_specs(n)]}
+    return {'agrs': [s for n in range(1, max_ranks + 1) for s in all_specs(n)] + hybrid_specs()}

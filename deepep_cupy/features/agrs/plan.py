@@ -195,3 +195,84 @@ def reduce_num_bytes(num_ranks: int, num_elems: int, op: str = 'all_reduce', com
         raise ValueError(f'comm_precision must be one of {COMM_PRECISIONS}, got {comm_precision!r}')
     shard = align(ceil_div(num_elems, num_ranks), GROUP_ELEMS)
     return num_ranks * align(shard * (2 if comm_precision == 'bf16' else 4), REGION_ALIGNMENT)
+
+
+# ---- hybrid mode: N scale-up domains x R ranks ---------------------------------------------------------------------
+def hybrid_domains(group) -> Tuple[int, int]:
+    """`(N, R)` a buffer over `group` will most likely have, without communicating (for the size hints): R = the ranks
+    of one host (`group.host_of_rank`, when the group carries it; else all ranks), or `DEEPEP_CUPY_SCALEUP_SIZE` when
+    set. The buffer detects its real topology; if it has more domains than this guess, its calls raise naming the
+    num_bytes they need."""
+    from ... import envs
+    from ...runtime.group_size import group_size
+    num_ranks = group_size(group)
+    hosts = getattr(group, 'host_of_rank', None)
+    per_host = num_ranks
+    if hosts is not None and len(hosts) == num_ranks and num_ranks:
+        per_host = max(1, sum(1 for h in hosts if h == hosts[0]))
+    forced = envs.scaleup_size()
+    scaleup = forced if forced and per_host % forced == 0 else per_host
+    if num_ranks % scaleup:
+        scaleup = num_ranks
+    return num_ranks // scaleup, scaleup
+
+
+@dataclass(frozen=True)
+class HybridReduceScatterLayout:
+    """A reduce-scatter over N domains (offsets from the reduction area): `inner` the in-domain reduce-scatter of the
+    reordered input (R pieces of N * n elements; its recv slots from 0), `xp_offset` that FP32 input `[R][N][n]`,
+    `send_offset` the in-domain result `[N][n]` FP32 (slot m goes to rail peer m; slot n is this domain's partial),
+    `recv_offset` the rail peers' partials `[N][n]` FP32 (slot m from peer m)."""
+    inner: ReduceLayout
+    shard_elems: int
+    xp_offset: int
+    send_offset: int
+    recv_offset: int
+    num_bytes: int
+
+
+@functools.lru_cache(maxsize=256)
+def hybrid_reduce_scatter_layout(num_domains: int, num_scaleup: int, shard_elems: int, stage_itemsize: int,
+                                 num_sms: int) -> HybridReduceScatterLayout:
+    n, w = shard_elems, num_domains * num_scaleup
+    inner = reduce_layout(num_scaleup, w * n, num_domains * n, stage_itemsize, False, num_sms)
+    xp = align(inner.num_bytes, REGION_ALIGNMENT)
+    send = align(xp + w * n * 4, REGION_ALIGNMENT)
+    recv = send + num_domains * n * 4
+    return HybridReduceScatterLayout(inner, n, xp, send, recv, recv + num_domains * n * 4)
+
+
+@dataclass(frozen=True)
+class HybridAllReduceLayout:
+    """An all-reduce over N domains: `inner` the in-domain all-reduce (from 0), then N rail slots of `slot_bytes`
+    at `slots_offset` (slot m: domain m's partial, FP32; this rank's own is the slot it sends from)."""
+    inner: ReduceLayout
+    slots_offset: int
+    slot_bytes: int
+    num_bytes: int
+
+
+@functools.lru_cache(maxsize=256)
+def hybrid_all_reduce_layout(num_domains: int, num_scaleup: int, num_elems: int, num_sms: int) -> HybridAllReduceLayout:
+    inner = reduce_layout(num_scaleup, num_elems, all_reduce_shard_elems(num_scaleup, num_elems), 4, True, num_sms)
+    slots = align(inner.num_bytes, REGION_ALIGNMENT)
+    slot_bytes = align(num_elems * 4, REGION_ALIGNMENT)
+    return HybridAllReduceLayout(inner, slots, slot_bytes, slots + num_domains * slot_bytes)
+
+
+def hybrid_reduce_num_bytes(num_domains: int, num_scaleup: int, num_elems: int, op: str = 'all_reduce',
+                            comm_precision: str = 'fp32') -> int:
+    """Reduction-area bytes one hybrid `reduce_scatter` (input of `num_elems` elements per rank) or `all_reduce`
+    needs; `reduce_num_bytes` with one domain."""
+    if num_domains <= 1:
+        return reduce_num_bytes(num_scaleup, num_elems, op, comm_precision)
+    if op == 'all_reduce':
+        return hybrid_all_reduce_layout(num_domains, num_scaleup, num_elems, 2).num_bytes
+    if op != 'reduce_scatter':
+        raise ValueError(f"op must be 'reduce_scatter' or 'all_reduce', got {op!r}")
+    if comm_precision not in COMM_PRECISIONS:
+        raise ValueError(f'comm_precision must be one of {COMM_PRECISIONS}, got {comm_precision!r}')
+    w = num_domains * num_scaleup
+    shard = align(ceil_div(num_elems, w), GROUP_ELEMS)
+    return hybrid_reduce_scatter_layout(num_domains, num_scaleup, shard, 2 if comm_precision == 'bf16' else 4,
+                                        2).num_bytes

@@ -13,7 +13,8 @@ THREADS = 256               # kHybridThreads
 ROUTE_THREADS = 1024        # kHybridRouteThreads
 MAX_DOMAINS = 16            # kHybridMaxDomains
 MAX_SIGNALS = 8             # kHybridMaxSignals: rail peers one signal / wait launch names
-PHASE_AUX = {'notify': 1, 'dispatch': 2, 'combine': 3, 'barrier': 4}
+PHASE_AUX = {'notify': 1, 'dispatch': 2, 'combine': 3, 'barrier': 4,
+             'all-gather': 5, 'reduce-scatter': 6, 'all-reduce': 7}     # the last three: features/agrs
 
 _P = Param
 _X = (_P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('sf', PTR),
