@@ -49,36 +49,9 @@ from .plan import (
     normalize_shapes,
     reduce_area_offset,
 )
+from .wait_handle import AGRSWaitHandle
 
 DATA_REGION_OWNER = 'all-gather / reduce-scatter'
-
-
-class AGRSWaitHandle:
-    """Returned by `all_gather`: call it (on the stream that will read the outputs) before using the outputs. It
-    launches one small kernel that waits, bounded, until every rank's bytes of that call have arrived."""
-
-    def __init__(self, feature: 'AGRS', session_idx: int, epoch: int, meta: int, like: Any,
-                 keep_alive: Tuple[Any, ...]):
-        self._feature, self._session_idx, self._epoch, self._meta = feature, session_idx, epoch, meta
-        self._like, self._keep_alive = like, keep_alive
-
-    def __call__(self) -> None:
-        st = self._feature
-        buf = st._buf
-        if st.session_idx != self._session_idx or not st.plan.is_open:
-            raise RuntimeError('this all-gather\'s session was destroyed: call the wait handle before '
-                               'destroy_agrs_session() (the outputs are invalid now)')
-        st._check_usable()
-        stream = interop.current_stream(self._like)
-        w = st._wait_launch
-        if w is None:       # bound by name once; per call the epoch and meta change
-            w = st._wait_launch = st.kernels['wait'].bind(
-                1, 32, peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx, epoch=0, meta=0,
-                error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
-            st._wait_idx = (w.index('epoch'), w.index('meta'))
-        w.u32[st._wait_idx[0]], w.u32[st._wait_idx[1]] = self._epoch, self._meta
-        w(stream)
-        self._keep_alive = ()
 
 
 class AGRS(HybridSteps):
@@ -142,17 +115,15 @@ class AGRS(HybridSteps):
             return typed.as_strided(shape, interop.contiguous_strides(shape), offset // size)
         return data[offset:offset + num_bytes].view(np.dtype(dtype_name)).reshape(shape)
 
-    def _gathered(self, kind: str, offset: int, num_bytes: int, dtype_name: str, shape: Tuple[int, ...]):
-        """`view` for an all-gather's output, made once per (kind, region, dtype, shape): sessions reserve the same
-        regions call after call, and a view costs ~2-3 us of CUDA-side torch on the GPU host."""
+    def _gathered(self, *key):
+        """`view(*key)` for an all-gather's output, made once per (kind, region, dtype, shape): sessions reserve the
+        same regions call after call, and a view costs ~2-3 us of CUDA-side torch on the GPU host."""
         views = self.__dict__.setdefault('_gathered_views', {})
-        key = (kind, offset, num_bytes, dtype_name, shape)
-        v = views.get(key)
-        if v is None:
+        if key not in views:
             if len(views) >= 256:
                 views.clear()
-            v = views[key] = self.view(kind, offset, num_bytes, dtype_name, shape)
-        return v
+            views[key] = self.view(*key)
+        return views[key]
 
     def destroy(self) -> None:
         self._bytes, self._typed = {}, {}
