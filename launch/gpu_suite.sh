@@ -258,7 +258,7 @@ agrs_hybrid_lane() {
             --skip-perf-test
     done
     # DeepEP's own test_agrs.py (all-gather stress + its timing loop) with 2 domains x 1 rank.
-    [ -d .upstream ] && step "DeepEP elastic/test_agrs.py np=2 hybrid 2x1 (loopback)" 900 env MASTER_PORT=18861 \
+    [ -d .upstream ] && step "DeepEP elastic/test_agrs.py np=2 hybrid 2x1 (loopback)" 400 env MASTER_PORT=18861 \
         DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $PY -m deepep_cupy.as_deep_ep \
         .upstream/head/tests/elastic/test_agrs.py --num-processes 2
 }
