@@ -293,7 +293,7 @@ def run(group, args, env: dict, log, helpers) -> int:
         log(f'[hybrid] skipped: {reason}')
         buf.destroy()
         return 0
-    log(f'[hybrid] {N} domains x {R} ranks, rail transport {buf._hybrid.rails.kind}')
+    log(f'[hybrid] {N} domains x {R} ranks, rail transport {buf._ep_feature().rails.kind}')
     scaleup_env = os.environ.get('DEEPEP_CUPY_SCALEUP_SIZE')
     one, err = (collect(group, _make_buffer, group, args, 'DEEPEP_CUPY_SCALEUP_SIZE') if scaleup_env
                 else (None, None))
@@ -352,7 +352,7 @@ def run(group, args, env: dict, log, helpers) -> int:
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         data = {'config': {**{k: v for k, v in vars(args).items() if k != 'plot_from'}, 'num_ranks': W,
-                           'num_domains': N, 'num_scaleup': R, 'rail_transport': buf._hybrid.rails.kind},
+                           'num_domains': N, 'num_scaleup': R, 'rail_transport': buf._ep_feature().rails.kind},
                 'environment': env, 'skipped': {'onedomain': one_reason, 'refs': refs_reason}, 'rows': rows,
                 'timelines': timelines}
         path = os.path.join(args.out, 'ep_bench_hybrid.json')
