@@ -182,9 +182,9 @@ def test_rail_watchdog_cuda_events_fire_on_a_hung_stream():
     import cupy
 
     from deepep_cupy.runtime.rail_watchdog import CudaEvents, RailWatchdog
-    flag = cupy.cuda.alloc_pinned_memory(4)
-    host = np.frombuffer(flag, dtype=np.int32, count=1)
-    host[0] = 0
+    from deepep_cupy.runtime.symmetric import HostMappedMemory
+    flag = HostMappedMemory(4096)          # mapped host memory: the same address on the GPU (UVA)
+    host = flag.view('int32', 1)
     spin = cupy.RawKernel(r'''
     extern "C" __global__ void spin(volatile int* flag) {
         long long t0 = clock64();
@@ -200,8 +200,7 @@ def test_rail_watchdog_cuda_events_fire_on_a_hung_stream():
 
     events = CudaEvents(cupy.cuda.runtime.getDevice())
     w = RailWatchdog(0.2, on_timeout, events, poll_s=0.002)
-    ptr = cupy.cuda.runtime.hostGetDevicePointer(flag.ptr, 0)
-    spin((1,), (1,), (cupy.uint64(ptr),), stream=stream)
+    spin((1,), (1,), (cupy.uint64(flag.ptr),), stream=stream)
     w.watch(stream.ptr, 'combine', [1])
     t0 = time.monotonic()
     while not fired and time.monotonic() - t0 < 10:
@@ -226,3 +225,4 @@ def test_rail_watchdog_cuda_events_fire_on_a_hung_stream():
         graph_stream.end_capture()
     assert w.num_pending == 0
     w.close()
+    flag.free()
