@@ -597,3 +597,15 @@ def test_engram_launch_arguments_match_the_specs():
     assert int(packed[1]) == 0 and int(packed[2]) == 1 and int(packed[8]) == 0 and int(packed[9]) == 0
     assert engram.grid_for(0, 132) == 1 and engram.grid_for(12288 * 16, 132) == 48
     assert engram.grid_for(10 ** 8, 132) == 132 and engram.grid_for(10 ** 8, 7) == 7
+
+
+def test_load_balancing_refuses_several_domains():
+    """Across scale-up domains load balancing raises a clear NotImplementedError naming the limit (issue #13)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from deepep_cupy.features.lb.feature import LB
+    with pytest.raises(NotImplementedError, match='load balancing over 2 scale-up domains'):
+        LB(SimpleNamespace(num_scaleout_ranks=2))
+    assert LB(SimpleNamespace(num_scaleout_ranks=1)).num_bytes is None

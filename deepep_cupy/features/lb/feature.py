@@ -49,6 +49,11 @@ class LB:
     """
 
     def __init__(self, buf, region: Optional[Tuple[int, int]] = None):
+        if buf.num_scaleout_ranks > 1:
+            raise NotImplementedError(
+                f'load balancing over {buf.num_scaleout_ranks} scale-up domains is not implemented: redundant '
+                f'experts are copied and reduced over NVLink inside one domain; build the buffer on one domain '
+                f'(allow_hybrid_mode=False, or one node\'s ranks)')
         self._buf = buf
         self._region = region
         self.num_bytes: Optional[int] = None if region is None else region[1]
