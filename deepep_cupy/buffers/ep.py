@@ -105,9 +105,10 @@ class EPBuffer(V25Methods, BufferBase):
                                                            else ep_plan.DIRECT_QPS)
             # Read the NVLink bandwidth now (nvidia-smi, once per process), never inside a timed or captured call.
             self._nvlink_gbs = get_nvlink_gbs() or DEFAULT_NVLINK_GBS
-            self._lb = LB(weakref.proxy(self), region=(self.extra_offset, num_lb_bytes))
-            if num_lb_bytes:
-                self._lb.kernels()                  # compile now, never inside a timed or collective region
+            self._lb_region = (self.extra_offset, num_lb_bytes)
+            if num_lb_bytes or plan is not None:
+                # Load balancing asked for (several domains: LB raises NotImplementedError naming the limit)
+                self._lb_feature().kernels()        # compile now, never inside a timed or collective region
                 self._lb.theoretical_num_sms()
             if plan is not None:
                 kind = 'cupy' if all(isinstance(p, Placeholder) for p in plan.placeholders) else 'torch'
@@ -126,6 +127,11 @@ class EPBuffer(V25Methods, BufferBase):
             self._ep = EP(weakref.proxy(self), self.num_max_tokens_per_rank, self.hidden, self.num_topk,
                           self.allow_multiple_reduction, self.prefer_overlap_with_compute, self._nvlink_gbs)
         return self._ep
+
+    def _lb_feature(self) -> LB:
+        if self._lb is None:
+            self._lb = LB(weakref.proxy(self), region=self._lb_region)
+        return self._lb
 
     def _destroy_features(self) -> None:
         for feature in (self._ep, self._lb):
@@ -237,11 +243,11 @@ class EPBuffer(V25Methods, BufferBase):
     # ---- load balancing ----------------------------------------------------------------------------------------
     def lb_get_storage(self, kind: str = 'torch'):
         """The LB region as a uint8 array (`kind` 'torch' or 'cupy'), a view of symmetric memory."""
-        return self._lb.storage(kind)
+        return self._lb_feature().storage(kind)
 
     def lb_get_theoretical_num_sms(self) -> int:
         """SMs for prefetch / reduction: `align(ceil(max(nvlink / 180, nvlink / 45)), 2)`."""
-        return self._lb.theoretical_num_sms()
+        return self._lb_feature().theoretical_num_sms()
 
     def _lb_num_sms(self, num_sms: int) -> int:
         if not self.num_lb_bytes:
@@ -267,7 +273,7 @@ class EPBuffer(V25Methods, BufferBase):
             `EventOverlap`; `wait()` makes the current stream wait until the weights are in place on this rank.
         """
         num_sms = self._lb_num_sms(num_sms)
-        return self._lb.prefetch_weights(redundant_expert_weights, expert_weights, redundancy_mapping, num_sms,
+        return self._lb_feature().prefetch_weights(redundant_expert_weights, expert_weights, redundancy_mapping, num_sms,
                                          previous_event)
 
     def lb_reduce_grads(self, redundant_expert_grads, expert_grads, redundancy_mapping, num_sms: int = 0,
@@ -284,5 +290,5 @@ class EPBuffer(V25Methods, BufferBase):
             `EventOverlap`; `wait()` makes the current stream wait for the reduced `expert_grads`.
         """
         num_sms = self._lb_num_sms(num_sms)
-        return self._lb.reduce_grads(redundant_expert_grads, expert_grads, redundancy_mapping, num_sms,
+        return self._lb_feature().reduce_grads(redundant_expert_grads, expert_grads, redundancy_mapping, num_sms,
                                      previous_event)
