@@ -273,8 +273,8 @@ class EPBuffer(V25Methods, BufferBase):
             `EventOverlap`; `wait()` makes the current stream wait until the weights are in place on this rank.
         """
         num_sms = self._lb_num_sms(num_sms)
-        return self._lb_feature().prefetch_weights(redundant_expert_weights, expert_weights, redundancy_mapping, num_sms,
-                                         previous_event)
+        return self._lb_feature().prefetch_weights(redundant_expert_weights, expert_weights, redundancy_mapping,
+                                                   num_sms, previous_event)
 
     def lb_reduce_grads(self, redundant_expert_grads, expert_grads, redundancy_mapping, num_sms: int = 0,
                         previous_event=None):
@@ -291,4 +291,4 @@ class EPBuffer(V25Methods, BufferBase):
         """
         num_sms = self._lb_num_sms(num_sms)
         return self._lb_feature().reduce_grads(redundant_expert_grads, expert_grads, redundancy_mapping, num_sms,
-                                     previous_event)
+                                               previous_event)
