@@ -171,6 +171,10 @@ hybrid_lane() {
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $EP $H --skip-error-test --skip-graph-test \
             --num-create-destroy 1 $([ $np -ge 8 ] && echo --test-first-only)
     done
+    # 2 x 4 over every mode (the shape loop above runs its first mode only: 8 ranks on one GPU take a while)
+    step "hybrid 2x4 np=8 all modes (loopback rails, sharing 1 GPU)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=4 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 8 $EP --num-tokens 128 --hidden 1024 --num-experts 64 \
+        --skip-perf-test --skip-error-test --skip-graph-test --skip-timeout-test --num-create-destroy 0
     step "hybrid 2x2 np=4 pressure 100 seeds (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --skip-check --skip-error-test --skip-graph-test \
         --skip-timeout-test --num-create-destroy 0 --do-pressure-test --num-pressure-seeds 100 --unbalanced-ratio 2 \
