@@ -30,6 +30,7 @@
 #   bench      perf/ep_bench.py and perf/ep_profile.py with one rank per GPU (needs 2 GPUs), and perf/ep_bench.py
 #              --hybrid on 2 domains x 1 rank (DEEPEP_CUPY_SCALEUP_SIZE=1, NCCL rails across the two GPUs)
 #   tune       reduce-scatter sweep and load-balancing ring patterns (needs 2 GPUs)
+#   mps        hybrid P2 vs P1 (perf/hybrid_pipeline.py) with the two ranks on GPU 0 under CUDA MPS (not by default)
 #   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default is off): the EP rank
 #              program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync dispatches take the fused kernel),
@@ -512,6 +513,20 @@ if want tune && [ "$NGPU" -ge 2 ]; then
         --skip-error-test --skip-timeout-test
     step "prefetch_weights ring np=$NGPU" 300 $R "$NGPU" $PY -m deepep_cupy.tests.prefetch_weights --pattern ring \
         --skip-check --skip-error-test --skip-timeout-test
+fi
+# Hybrid P2 against P1 with the two ranks' kernels running concurrently on GPU 0 under CUDA MPS (without it the two
+# processes are time-sliced and every figure is a multiple of the slice): started here, stopped right after.
+if want mps && command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/deepep_cupy_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/deepep_cupy_mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d; then
+        step "hybrid P2 vs P1 perf/hybrid_pipeline.py 2x1 np=2 (loopback, MPS)" 240 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/hybrid_pipeline.py --out "$OUT/mps"
+        echo quit | nvidia-cuda-mps-control
+    else
+        echo "MPS daemon did not start" >> "$SUMMARY"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 echo "=== summary" >> "$LOG"
 cat "$SUMMARY" | tee -a "$LOG"
