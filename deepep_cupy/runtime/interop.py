@@ -108,6 +108,15 @@ def tensor_info(x: Any, name: str = 'tensor') -> TensorInfo:
     raise TypeError(f'{name} must be a torch.Tensor or a cupy.ndarray, got {type(x).__name__}')
 
 
+def data_ptr(x: Any, name: str = 'tensor') -> int:
+    """`x`'s address: a plain torch tensor's in one call (`tensor_info` reads six properties), anything else's
+    through `tensor_info` (`TypeError` naming `name` for what is neither torch nor CuPy)."""
+    torch = sys.modules.get('torch')
+    if torch is not None and type(x) is torch.Tensor:
+        return x.data_ptr()
+    return tensor_info(x, name).ptr
+
+
 def shape_of(x: Any, name: str = 'tensor') -> Tuple[int, ...]:
     """`x`'s shape (a torch tensor or CuPy array: no other property is read); `TypeError` naming `name` otherwise,
     or for a dtype `tensor_info` rejects. For adapters that need a size before the checked call."""
