@@ -58,6 +58,19 @@ def _patcher(bound, names):
     return namespace['patch']
 
 
+def _address_patcher(bound, exprs, what: str):
+    """`patch(u, xp, sp, tp, wp, cp, ws)` storing, for each (parameter name, expression) of `exprs` that `bound`'s
+    kernel takes, the expression's value at its word of `u`: the expressions are of the call's pointers (x, sf,
+    top-k ids, weights, stats) and the workspace's address `ws`, with the workspace offsets written in as constants
+    (straight-line code generated once: no tuple of addresses built per call)."""
+    taken = set(bound.spec.param_names)
+    body = ''.join(f'    u[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken) or '    pass\n'
+    namespace = {}
+    exec(compile(f'def patch(u, xp, sp, tp, wp, cp, ws):\n{body}', f'<{what} patch of {bound.spec.name}>', 'exec'),
+         namespace)
+    return namespace['patch']
+
+
 def _strides(shape) -> Optional[Tuple[int, ...]]:
     return None if shape is None else interop.contiguous_strides(tuple(shape))
 
@@ -153,9 +166,21 @@ class BoundDispatch:
             self.notify = None if self.fused else kernels.notify.bind(
                 grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, **notify_args)
         self._bind_dispatch(p, kernels, tail, x_row_bytes, notify_args)
-        # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in.
-        self.send_patch = _patcher(self.send, _INPUTS) if self.send is not None else None
-        self.recv_in_patch, self.recv_out_patch = _patcher(self.recv, _INPUTS), _patcher(self.recv, _OUTPUTS)
+        # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in,
+        # and the notify's (before it).
+        o = self.offsets
+        ws_at = [f'ws + {4 * w}' for w in o]
+        inputs = dict(zip(_INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
+        self.send_patch = (_address_patcher(self.send, tuple(inputs.items()), 'input')
+                           if self.send is not None else None)
+        self.recv_in_patch = _address_patcher(self.recv, tuple(inputs.items()), 'input')
+        self.recv_out_patch = _patcher(self.recv, _OUTPUTS)
+        self.notify_patch = None if p.cached else _address_patcher(self.notify, (
+            ('topk_idx', 'tp'), ('send_pos', ws_at[0]), ('send_expert_pos', ws_at[1]), ('recv_layout', ws_at[2]),
+            ('psum_recv_per_expert', ws_at[3]), ('cumulative_stats', 'cp'),
+            ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6])),
+            'notify')
+        self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
         r = self.recv
         guarded = not (self.fused or self.legacy_kernels)
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
@@ -168,6 +193,8 @@ class BoundDispatch:
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
+        # int32 words of a non-cached call's workspace allocation (with the worst-case outputs without a CPU sync)
+        self.ws_alloc_words = self.ws_words + self.v1_words + (self.fixed.words if self.fixed is not None else 0)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         self._torch_dtypes = None
@@ -276,14 +303,15 @@ class BoundDispatch:
                                  f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
         carver = self.carver
         current = self.stream()
-        if self.cpu_sync:
+        cpu_sync, cached, torch_kind = self.cpu_sync, self.cached, self._torch_dtypes is not None
+        if cpu_sync:
             # The range check needs the GPU: start it first, do the host work that needs no check meanwhile.
             wait_range = ep._start_range(topk_idx, tp, self.num_topk_values, self.num_topk, current)
         comm = ep._order.enter(current, event, self.local)
         alloc_stream = comm if self.alloc_on_comm else None
         out = self.fixed
         psum_expert = None
-        if self.cached:
+        if cached:
             h = handle
             ws, ws_ptr, user_topk, tp = h.workspace, h.workspace_ptr, h._topk_idx, h.topk_idx_ptr
             psum_expert = h._psum_expert
@@ -291,35 +319,28 @@ class BoundDispatch:
                 psum_expert = _psum_expert_from_layout(h.recv_layout, h.num_ranks, self.num_local_experts,
                                                        h.expert_alignment, self.p.do_expand, self.kind, comm)
         else:
-            user_topk = None if self.p.do_handle_copy else topk_idx
-            ws = carver.words(self.ws_words + self.v1_words + (out.words if out is not None else 0), alloc_stream)
-            ws_ptr = carver.ptr(ws)
-        o = self.offsets
-        if self.cpu_sync:
+            user_topk = topk_idx if self.user_topk else None
+            ws = carver.words(self.ws_alloc_words, alloc_stream)
+            ws_ptr = ws.data_ptr() if torch_kind else carver.ptr(ws)
+        if cpu_sync:
             lo, hi = wait_range()
             if lo < -1 or hi >= self.num_experts:
                 raise ValueError(f'topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}')
         if self.claim:
             ep._claim(self)
-        if not self.cached:
-            n, i = self.notify, self.notify_idx
-            u = n.u64
-            u[i[0]], u[i[1]], u[i[2]], u[i[3]] = tp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[2]
-            u[i[4]], u[i[5]], u[i[6]] = ws_ptr + 4 * o[3], cp, ws_ptr + 4 * o[4] if o[4] >= 0 else 0
-            u[i[7]], u[i[8]] = ws_ptr + 4 * o[5], ws_ptr + 4 * o[6]
+        if not cached:
+            n = self.notify
+            self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.v1_channels is not None:
-                self._v1_matrices(legacy, ws, ws_ptr, u, ecp)
-            if self.cpu_sync:
+                self._v1_matrices(legacy, ws, ws_ptr, n.u64, ecp)
+            if cpu_sync:
                 seq = ep._next_host_seq()
                 n.i32[self.notify_seq] = seq
             if not self.fused:        # fused: the notify's pointers are the launch's, below
                 n(comm)
-        # _INPUTS' pointers in order.
-        ins = (xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[5], ws_ptr + 4 * o[6],
-               ws_ptr + 4 * o[2])
         snd = self.send
         if snd is not None:
-            self.send_patch(snd.u64, ins)
+            self.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.send_guard_idx is not None:
                 _patch_guard(snd, self.send_guard_idx, guard)
             snd(comm)
@@ -328,7 +349,7 @@ class BoundDispatch:
             group, base = ws, self.ws_words + self.v1_words
             counts = []
         else:
-            if self.cpu_sync:
+            if cpu_sync:
                 num_recv, num_expanded, counts = ep._wait_host_counts(seq, self.num_local_experts)
                 if legacy is not None:
                     legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
@@ -347,7 +368,7 @@ class BoundDispatch:
                 recv_sf = storage
         # recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view then.
         recv_topk_idx = recv_topk_weights = None
-        if self._torch_dtypes is not None:     # Carver.view's torch views with the strides and dtypes resolved once
+        if torch_kind:     # Carver.view's torch views with the strides and dtypes resolved once
             i64, f32 = self._torch_dtypes
             if out.topk_shape is not None:
                 recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides,
@@ -360,17 +381,21 @@ class BoundDispatch:
                 recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
             if out.weights_shape is not None:
                 recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
-        gp = carver.ptr(group) + 4 * base
+        if torch_kind:
+            gp, xo = group.data_ptr() + 4 * base, recv_x.data_ptr()
+        else:
+            gp, xo = carver.ptr(group) + 4 * base, carver.ptr(recv_x)
         if legacy is not None:
             legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), base + out.src_idx_offset)
         # _OUTPUTS' pointers in order.
-        outs = (carver.ptr(recv_x), carver.ptr(recv_sf) if recv_sf is not None else 0,
+        outs = (xo, carver.ptr(recv_sf) if recv_sf is not None else 0,
                 gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
                 gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset,
                 gp + 4 * out.src_idx_offset if legacy is not None else 0)
         r = self.recv
-        self.recv_in_patch(r.u64, ins)
-        self.recv_out_patch(r.u64, outs)
+        u = r.u64
+        self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
+        self.recv_out_patch(u, outs)
         if self.recv_guard_idx is not None:
             _patch_guard(r, self.recv_guard_idx, guard)
         free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
