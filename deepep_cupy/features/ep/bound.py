@@ -193,6 +193,7 @@ class BoundDispatch:
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
+        self.worst_expanded = ep_plan.worst_expanded_rows(R, p.num_max_tokens_per_rank, K, L, p.expert_alignment)
         # int32 words of a non-cached call's workspace allocation (with the worst-case outputs without a CPU sync)
         self.ws_alloc_words = self.ws_words + self.v1_words + (self.fixed.words if self.fixed is not None else 0)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
@@ -353,8 +354,14 @@ class BoundDispatch:
                 num_recv, num_expanded, counts = ep._wait_host_counts(seq, self.num_local_experts)
                 if legacy is not None:
                     legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
-            else:
-                num_recv, num_expanded, counts = ep_plan.dispatch_counts(self.p, handle)
+            else:       # cached: `plan.dispatch_counts` inline, the counts' copy deferred
+                num_recv, num_expanded, counts = h.num_recv_tokens, h.num_expanded_tokens, h._counts
+                if self.p.do_expand and not h.do_expand and not h.do_cpu_sync:
+                    num_expanded = self.worst_expanded
+                if type(counts) is list:    # (the handle's list, which its caller may hold: copied now)
+                    counts = list(counts)
+                # else the numpy counts of a CPU-sync dispatch, written by nobody: shared, each handle makes its own
+                # list on first access (EPHandle.num_recv_tokens_per_expert_list)
             out = self.outputs(num_recv, num_expanded)
             group, base = carver.words(out.words, alloc_stream), 0
         recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
