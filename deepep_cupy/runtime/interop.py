@@ -278,6 +278,9 @@ class Allocator:
 
 # ---- hot paths: call signatures and carved allocations --------------------------------------------------------------
 _META = {}      # array type -> function(x) -> (signature, pointer)
+# [torch.Tensor] once `meta` saw a torch tensor ([a private class] before: matches nothing), for hot paths that inline
+# `meta` of plain torch tensors
+TORCH_TENSOR = [type('_NoTorchYet', (), {})]
 
 
 def _none_meta(x):
@@ -285,6 +288,7 @@ def _none_meta(x):
 
 
 def _torch_meta(x):
+    # (hot paths inline this for `type(x) is TORCH_TENSOR[0]`: keep them in step)
     return (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
 
 
@@ -305,6 +309,7 @@ def meta(x: Any) -> Tuple[Any, int]:
             f = _none_meta
         elif torch is not None and issubclass(t, torch.Tensor):
             f = _torch_meta
+            TORCH_TENSOR[0] = torch.Tensor
         elif cupy is not None and issubclass(t, cupy.ndarray):
             f = _cupy_meta
         else:

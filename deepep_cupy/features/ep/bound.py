@@ -185,6 +185,9 @@ class BoundDispatch:
         guarded = not (self.fused or self.legacy_kernels)
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
         self.send_guard_idx, self.recv_guard_idx = guard_idx(self.send), guard_idx(r)
+        # Whether the send / receive block holds a guard (bound without: patched only while a guard is on or to
+        # clear the last one)
+        self._send_guarded = self._recv_guarded = False
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
         self.recv_extra = 0 if self.send is not None or self.legacy_kernels else self.num_send_blocks
@@ -342,8 +345,9 @@ class BoundDispatch:
         snd = self.send
         if snd is not None:
             self.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
-            if self.send_guard_idx is not None:
+            if self.send_guard_idx is not None and (guard is not None or self._send_guarded):
                 _patch_guard(snd, self.send_guard_idx, guard)
+                self._send_guarded = guard is not None
             snd(comm)
 
         if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
@@ -403,8 +407,9 @@ class BoundDispatch:
         u = r.u64
         self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
         self.recv_out_patch(u, outs)
-        if self.recv_guard_idx is not None:
+        if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
             _patch_guard(r, self.recv_guard_idx, guard)
+            self._recv_guarded = guard is not None
         free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
         if out is not self._recv_sized or free != self._recv_free:     # these sizes' words and grid stay in the block
             r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
