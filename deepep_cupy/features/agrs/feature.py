@@ -448,7 +448,8 @@ class AGRS(HybridSteps):
         if ptr % 16:
             raise ValueError(f'x: each shard must hold a multiple of {GROUP_ELEMS} elements and x must be 16-byte '
                              f'aligned, got {shard} elements per shard at address {ptr:#x}')
-        scale = checks.check_finite('scale', scale)
+        if type(scale) is not float or scale - scale != 0.0:      # (a finite float passes as it is)
+            scale = checks.check_finite('scale', scale)
         event = as_event_handle(previous_event)
         comm = buf.stream_order.begin(interop.current_stream(x), event)
         # With previous_event the communication stream does not wait for the current stream, so memory just freed on
@@ -495,7 +496,8 @@ class AGRS(HybridSteps):
                 self._reduce_checked[key] = checked
             ptr = info.ptr
         kind, numel, shard, layout, area = checked
-        scale = checks.check_finite('scale', scale)
+        if type(scale) is not float or scale - scale != 0.0:      # (a finite float passes as it is)
+            scale = checks.check_finite('scale', scale)
         if ptr % 16:
             raise ValueError(f'x must be 16-byte aligned, got address {ptr:#x}')
         num_ranks, rank = buf.num_scaleup_ranks, buf.sym.local_idx
