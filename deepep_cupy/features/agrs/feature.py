@@ -25,6 +25,7 @@ from ...jit.launch import load_kernels
 from ...runtime import checks, dtypes, interop
 from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.sizes import ceil_div
+from .gather_entry import gather_entry
 from .hybrid import HybridSteps
 from .kernels import (
     COMM_PRECISIONS,
@@ -44,8 +45,6 @@ from .kernels import (
 from .plan import (
     SessionPlan,
     all_reduce_shard_elems,
-    gather_grid,
-    gather_meta,
     normalize_shapes,
     reduce_area_offset,
 )
@@ -84,7 +83,7 @@ class AGRS(HybridSteps):
         self._wait_launch, self._wait_idx = None, (0, 0)     # the wait kernel's (epoch and meta patched)
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
-        self._gather_entries: Dict[Any, Any] = {}   # all_gather (signatures, session state) -> `_gather_entry`
+        self._gather_entries: Dict[Any, Any] = {}   # all_gather (signatures, session state) -> `gather_entry`
 
     @staticmethod
     def load_kernels(num_ranks: int) -> Dict[Any, Any]:
@@ -241,12 +240,12 @@ class AGRS(HybridSteps):
         single = not isinstance(tensors, (list, tuple))
         items = (tensors,) if single else tuple(tensors)
         # Per call: the signatures and pointers; what the signatures and the session's state (bytes and gathers used)
-        # decide (the checks, regions, grids, output views) is looked up, computed once by `_gather_entry`.
+        # decide (the checks, regions, grids, output views) is looked up, computed once by `gather_entry`.
         metas = [interop.meta(t) for t in items]
         key = (single, tuple([m[0] for m in metas]), plan.used_bytes, plan.num_gathers)
         e = self._gather_entries.get(key)
         if e is None:
-            e = self._gather_entry(items, single, metas, key)
+            e = gather_entry(self, items, single, metas, key)
         kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions = e
         # A source inside the not yet gathered part of the session area must be its own in-place slot.
         inplace = []
@@ -291,50 +290,6 @@ class AGRS(HybridSteps):
             for t in keep:
                 t.record_stream(s)
         return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep))
-
-    def _gather_entry(self, items, single: bool, metas, key):
-        """What an `all_gather` call's signatures decide in the session's current state (`key`): its argument checks
-        (raising before anything runs) and `(kind, per tensor (in-place address, bytes, region offset, grid if
-        16-byte aligned, grid else, size aligned), free area start, end, the session's bytes and gathers after it,
-        meta, outputs, regions)`; remembered when every signature is one (`interop.meta`). Sets the pointers of
-        `metas` that `interop.meta` could not read."""
-        buf, plan = self._buf, self.plan
-        if not items:
-            raise ValueError('tensors must be a tensor or a non-empty list of tensors')
-        facts = []
-        known = self._infos
-        for i, (t, (sig, _)) in enumerate(zip(items, metas)):
-            f = known.get(sig)
-            if f is None:
-                name = 'tensors' if single else f'tensors[{i}]'
-                info = checks.info(t, name, buf.device)
-                checks.check_contiguous(info, name)
-                f = (info.kind, info.nbytes, info.dtype, tuple(info.shape))
-                if type(sig) is not object:
-                    known[sig] = f
-                metas[i] = (sig, info.ptr)       # (`interop.meta` gives no pointer for other array types)
-            if facts and f[0] != facts[0][0]:
-                raise TypeError(f'tensors[{i}] is a {f[0]} array but the other inputs are {facts[0][0]} arrays; '
-                                f'pass one kind')
-            facts.append(f)
-        sizes = [f[1] for f in facts]
-        regions = plan.peek(sizes)
-        rank, num_ranks, base, area, num_sms = buf.rank_idx, buf.num_ranks, self.data_base, self.area_offset, \
-            self.num_sms
-        per = tuple((base + r.offset + rank * n, n, area + r.offset, (gather_grid(n, True, num_sms), 1, 1),
-                     (gather_grid(n, False, num_sms), 1, 1), n % 16 == 0) for n, r in zip(sizes, regions))
-        kind = facts[0][0]
-        outputs = tuple([self._gathered(kind, r.offset, num_ranks * f[1], f[2], (num_ranks, *f[3]))
-                         for f, r in zip(facts, regions)])
-        end = regions[-1].end
-        e = (kind, per, base + plan.used_bytes, base + plan.capacity, end, plan.num_gathers + len(sizes),
-             gather_meta(end), outputs, regions)
-        if not any(type(m[0]) is object for m in metas):
-            entries = self._gather_entries
-            if len(entries) >= 256:
-                entries.clear()
-            entries[key] = e
-        return e
 
     # ---- reductions ----------------------------------------------------------------------------------------------
     def _reduce_area(self, layout) -> int:

@@ -21,7 +21,7 @@ expert counts' pointer and the matrices' pointers are patched. V1's matrices are
 allocation (after the workspace proper), recv_src_idx from the outputs' allocation (after the metadata).
 """
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ...runtime import interop
 from ...runtime.sizes import align, ceil_div
@@ -40,60 +40,16 @@ from .kernels import (
     SEND_THREADS,
     dispatch_chunk_rows,
 )
+from .patch import Outputs as _Outputs
+from .patch import address_patcher as _address_patcher
+from .patch import patcher as _patcher
+from .patch import strides as _strides
 
 _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
 # Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
 _INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
            'recv_layout')
 _OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx')
-
-
-def _patcher(bound, names):
-    """`patch(view, values)` storing `values[k]` (the pointer of `names[k]`) at the word of each of `names` that
-    `bound`'s kernel takes: straight-line code generated once (a loop over pairs costs three times as much)."""
-    taken = set(bound.spec.param_names)
-    body = ''.join(f'    u[{bound.index(n)}] = v[{k}]\n' for k, n in enumerate(names) if n in taken) or '    pass\n'
-    namespace = {}
-    exec(compile(f'def patch(u, v):\n{body}', f'<patch of {bound.spec.name}>', 'exec'), namespace)
-    return namespace['patch']
-
-
-def _address_patcher(bound, exprs, what: str):
-    """`patch(u, xp, sp, tp, wp, cp, ws)` storing, for each (parameter name, expression) of `exprs` that `bound`'s
-    kernel takes, the expression's value at its word of `u`: the expressions are of the call's pointers (x, sf,
-    top-k ids, weights, stats) and the workspace's address `ws`, with the workspace offsets written in as constants
-    (straight-line code generated once: no tuple of addresses built per call)."""
-    taken = set(bound.spec.param_names)
-    body = ''.join(f'    u[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken) or '    pass\n'
-    namespace = {}
-    exec(compile(f'def patch(u, xp, sp, tp, wp, cp, ws):\n{body}', f'<{what} patch of {bound.spec.name}>', 'exec'),
-         namespace)
-    return namespace['patch']
-
-
-def _strides(shape) -> Optional[Tuple[int, ...]]:
-    return None if shape is None else interop.contiguous_strides(tuple(shape))
-
-
-class _Outputs(NamedTuple):
-    """Where a dispatch's outputs go for one (num_recv, num_expanded)."""
-    num_recv: int
-    num_expanded: int
-    num_out_rows: int
-    words: int                  # int32 words of the small outputs' allocation
-    meta_offset: int            # word offsets in it
-    src_idx_offset: int         # V1's recv_src_idx [num_recv] (-1: not a V1 dispatch)
-    topk_offset: int
-    weights_offset: int
-    x_shape: Tuple[int, int]
-    sf_shape: Optional[Tuple[int, int]]
-    sf_strides: Tuple[int, int]
-    topk_shape: Optional[Tuple[int, int]]
-    weights_shape: Optional[Tuple[int, ...]]
-    meta_shape: Tuple[int, int]
-    grid: int
-    topk_strides: Optional[Tuple[int, int]]         # C-contiguous strides of recv_topk_idx / recv_topk_weights
-    weights_strides: Optional[Tuple[int, ...]]
 
 
 class BoundDispatch:
