@@ -4,13 +4,14 @@ replaced (tests/fakes.py's buffer; kernels are real `jit.launch.Kernel`s that pa
 whose launch is a no-op; CPU torch tensors; streams and events that do nothing). The notify and range kernels'
 fakes write their host-mapped records, so the host's polling runs too.
 
-    PYTHONPATH=. python perf/host_path_cpu.py [--calls 2000] [--tokens 128] [--ranks 1] [--json]
+    PYTHONPATH=. python perf/host_path_cpu.py [--calls 2000] [--tokens 128] [--ranks 1] [--json] [--trace]
 
 What it measures is the Python cost (checks, plans, argument packing, bookkeeping) plus CPU torch's allocations;
 it does not see the CUDA API calls themselves (`cuLaunchKernel`, the caching allocator, event records), which the
 `[api]` line counts per call instead (launches, allocations, event records and stream waits, events created,
 `record_stream` calls; tests/test_host_path_cpu.py pins them). This machine's numbers are a lower bound of the GPU
-host's (about 2x slower Python there).
+host's (about 2x slower Python there). `--trace` also counts the Python work per call (bytecodes, Python and C
+calls in deepep_cupy's frames): deterministic, so a change's effect shows where the timings of a loaded machine drift.
 """
 
 import argparse
@@ -226,6 +227,39 @@ def timed(fn, calls: int):
     return min(per_batch) * 1e6, {k: v / n for k, v in API.items()}
 
 
+def traced(fn, calls: int = 200):
+    """Python work per call, counted (deterministic, unlike the timings on a loaded machine): bytecode instructions
+    executed in deepep_cupy's frames (and the standard library's they call), Python calls and C calls made from them;
+    this harness's and tests/fakes.py's frames are not counted (they stand in for CUDA)."""
+    skip = (os.path.abspath(__file__), os.path.abspath(fakes.__file__))
+    count = {'opcodes': 0, 'py_calls': 0, 'c_calls': 0}
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename in skip:
+            return None
+        frame.f_trace_opcodes = True
+        if event == 'opcode':
+            count['opcodes'] += 1
+        elif event == 'call':
+            count['py_calls'] += 1
+        return tracer
+
+    def profiler(frame, event, arg):
+        if event == 'c_call' and frame.f_code.co_filename not in skip:
+            count['c_calls'] += 1
+    for _ in range(min(200, calls)):
+        fn()
+    sys.settrace(tracer)
+    sys.setprofile(profiler)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.settrace(None)
+        sys.setprofile(None)
+    return {k: v / calls for k, v in count.items()}
+
+
 def ep_cases(args):
     buf = make_buffer(args.ranks, 0, 1 << 30, num_max_tokens_per_rank=args.tokens, hidden=args.hidden,
                       num_topk=args.topk)
@@ -343,6 +377,8 @@ def main(argv=None) -> int:
     p.add_argument('--ranks', type=int, default=1)
     p.add_argument('--only', default='', help='comma-separated substrings of case names')
     p.add_argument('--json', action='store_true', help='also print each case as one JSON line ([json] {...})')
+    p.add_argument('--trace', action='store_true', help='also count the Python work per call ([trace]: bytecode '
+                   'instructions, Python and C calls in deepep_cupy; deterministic where timings are noisy)')
     args = p.parse_args(argv)
     install()
     only = [s for s in args.only.split(',') if s]
@@ -354,8 +390,13 @@ def main(argv=None) -> int:
             print(f'[host-cpu] {name:34s} {us:7.1f} us per call   [api] launches {api["launch"]:.1f}, '
                   f'allocations {api["alloc"]:.1f}, event records/waits {api["event"]:.1f} '
                   f'(new events {api["event_new"]:.1f}), record_stream {api["record_stream"]:.1f}', flush=True)
+            work = {}
+            if args.trace:
+                work = traced(fn)
+                print(f'[trace]    {name:34s} {work["opcodes"]:7.0f} bytecodes, {work["py_calls"]:5.1f} Python calls, '
+                      f'{work["c_calls"]:5.1f} C calls per call', flush=True)
             if args.json:
-                print('[json] ' + json.dumps(dict(case=name, us=us, **api)), flush=True)
+                print('[json] ' + json.dumps(dict(case=name, us=us, **api, **work)), flush=True)
     return 0
 
 

@@ -174,3 +174,64 @@ def test_pp_reuses_a_signatures_plan_and_rechecks_per_call_facts(monkeypatch):
     buf.pp_send(big[:1024], 2)
     assert calls == [True, False, True] and len(buf.launches) == 4
     assert buf.launches[-1][2]['x'] == big.data_ptr()
+
+
+_GATHER_SCRIPT = r'''
+import numpy as np, torch
+import host_path_cpu as h
+h.install()
+buf = h.make_buffer(1, 0, 64 << 20)
+ag = buf._agrs_feature()
+ag.set_config(16 << 20, 32)
+tensors = [torch.zeros(1 << 18) for _ in range(2)]
+outs = []
+for _ in range(2):                      # the second session's call finds the first one's entry
+    ag.create_session()
+    *gathered, wait = ag.all_gather(tensors)
+    wait()
+    outs.append(gathered)
+    ag.plan.close()
+assert len(ag._gather_entries) == 1, ag._gather_entries
+assert all(a is b for a, b in zip(*outs))          # the same output views (one region, one shape)
+# A hit still checks this call's pointers: a source in the part of the session area the call writes is refused, before
+# anything is reserved or launched; the in-place slot of the same region is taken without a copy.
+ag.create_session()
+inside = torch.from_numpy(buf.sym.local_view(ag.area_offset + (2 << 20), 1 << 20).view(np.float32))
+launches = h.API['launch']
+try:
+    ag.all_gather([tensors[0], inside])
+    raise AssertionError('no ValueError')
+except ValueError as e:
+    assert 'agrs_get_inplace_tensor in order' in str(e), e
+assert ag.plan.used_bytes == 0 and h.API['launch'] == launches and ag._gather_entries
+slot = torch.from_numpy(buf.sym.local_view(ag.area_offset, 1 << 20).view(np.float32))
+*_, wait = ag.all_gather([slot, tensors[1]])
+assert wait._keep_alive == (tensors[1],)            # the in-place source is neither kept nor recorded
+ag.plan.close()
+ag.set_config(8 << 20, 32)                          # a new plan: the entries of the old one go
+assert ag._gather_entries == {}
+print('OK')
+'''
+
+
+def test_all_gather_entry_is_reused_and_pointers_checked_per_call():
+    """all_gather's per-signature entry (features/agrs/gather_entry.py) with real (CPU) torch tensors, which the
+    feature's own CPU tests (fake arrays: no signature) never reach."""
+    pytest.importorskip('torch')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / 'perf'), str(ROOT / 'tests')]))
+    proc = subprocess.run([sys.executable, '-c', _GATHER_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and 'OK' in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_trace_counts_the_python_work():
+    """`--trace` reports the Python work per call (bytecodes, Python and C calls) in the JSON lines."""
+    pytest.importorskip('torch')
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / 'perf' / 'host_path_cpu.py'), '--calls', '50', '--trace',
+                           '--json', '--only', 'dispatch cached'], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line[len('[json] '):]) for line in proc.stdout.splitlines() if line.startswith('[json] ')]
+    assert [r['case'] for r in rows] == ['dispatch cached', 'V1 dispatch cached']
+    assert rows[0]['opcodes'] > 100 and rows[0]['py_calls'] >= 5 and rows[0]['c_calls'] >= 1

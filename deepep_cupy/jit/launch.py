@@ -219,7 +219,7 @@ class BoundLaunch:
     """
 
     __slots__ = ('spec', 'grid', 'block', 'shared_mem', 'cooperative', 'data', 'pointers_addr', 'u64', 'i64', 'i32',
-                 'u32', 'f32', '_index', '_go', '_keep', '_direct')
+                 'u32', 'f32', '_index', '_go', '_keep', '_direct', '_coop')
 
     def __init__(self, spec: KernelSpec, layout: struct.Struct, offsets: Tuple[int, ...], grid, block,
                  shared_mem: int, cooperative: bool, go: Callable[['BoundLaunch', object], None],
@@ -242,6 +242,10 @@ class BoundLaunch:
         # (cuLaunchKernel's binding, function): a plain launch on a given stream calls it straight from `__call__`
         # (three Python frames fewer per launch); None: every launch goes through `go`.
         self._direct = None if cooperative else direct
+        # Cooperative: [cuLaunchCooperativeKernel's binding, function, (grid, block, shared_mem) last checked by
+        # `Kernel._check_launch` or None]; a launch with that very grid and block (`is`) and shared memory calls it
+        # straight (the co-residency check is a function of them); None: every launch goes through `go`.
+        self._coop = None
 
     def index(self, name: str) -> int:
         """Word index of parameter `name` in the view of its type (`KeyError` naming the kernel if unknown)."""
@@ -265,6 +269,13 @@ class BoundLaunch:
             g, b = self.grid, self.block
             d[0](d[1], g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream.ptr, self.pointers_addr, 0)
             return
+        c = self._coop
+        if c is not None and stream is not None:
+            checked = c[2]
+            g, b = self.grid, self.block
+            if checked is not None and g is checked[0] and b is checked[1] and self.shared_mem == checked[2]:
+                c[0](c[1], g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream.ptr, self.pointers_addr)
+                return
         self._go(self, stream)
 
 
@@ -367,12 +378,17 @@ class Kernel:
                             self._go_bound, direct)
         self._pack_into(bound._keep, args)
         self._check_launch(bound.grid, bound.block, shared_mem, cooperative)
+        if cooperative and direct is not None:
+            bound._coop = [_driver().launchCooperativeKernel, self.function.ptr,
+                           (bound.grid, bound.block, bound.shared_mem)]
         return bound
 
     def _go_bound(self, bound: BoundLaunch, stream) -> None:
         if bound.cooperative:
             # A grid patched after binding must still be co-resident.
             self._check_launch(bound.grid, bound.block, bound.shared_mem, True)
+            if bound._coop is not None:
+                bound._coop[2] = (bound.grid, bound.block, bound.shared_mem)
             self._go(bound.grid, bound.block, bound.shared_mem, True, stream, bound._keep)
             return
         if stream is None:

@@ -13,9 +13,14 @@ _FREE_EVENTS = {}
 _MAX_FREE_PER_STREAM = 16
 
 
+_RUNTIME = []       # cupy.cuda.runtime, imported once (an import statement per call costs ~1 us on the GPU host)
+
+
 def _current_device() -> int:
-    import cupy
-    return cupy.cuda.runtime.getDevice()
+    if not _RUNTIME:
+        import cupy
+        _RUNTIME.append(cupy.cuda.runtime)
+    return _RUNTIME[0].getDevice()
 
 
 def _new_event():

@@ -108,6 +108,15 @@ def tensor_info(x: Any, name: str = 'tensor') -> TensorInfo:
     raise TypeError(f'{name} must be a torch.Tensor or a cupy.ndarray, got {type(x).__name__}')
 
 
+def data_ptr(x: Any, name: str = 'tensor') -> int:
+    """`x`'s address: a plain torch tensor's in one call (`tensor_info` reads six properties), anything else's
+    through `tensor_info` (`TypeError` naming `name` for what is neither torch nor CuPy)."""
+    torch = sys.modules.get('torch')
+    if torch is not None and type(x) is torch.Tensor:
+        return x.data_ptr()
+    return tensor_info(x, name).ptr
+
+
 def shape_of(x: Any, name: str = 'tensor') -> Tuple[int, ...]:
     """`x`'s shape (a torch tensor or CuPy array: no other property is read); `TypeError` naming `name` otherwise,
     or for a dtype `tensor_info` rejects. For adapters that need a size before the checked call."""
@@ -269,6 +278,9 @@ class Allocator:
 
 # ---- hot paths: call signatures and carved allocations --------------------------------------------------------------
 _META = {}      # array type -> function(x) -> (signature, pointer)
+# [torch.Tensor] once `meta` saw a torch tensor ([a private class] before: matches nothing), for hot paths that inline
+# `meta` of plain torch tensors
+TORCH_TENSOR = [type('_NoTorchYet', (), {})]
 
 
 def _none_meta(x):
@@ -276,6 +288,7 @@ def _none_meta(x):
 
 
 def _torch_meta(x):
+    # (hot paths inline this for `type(x) is TORCH_TENSOR[0]`: keep them in step)
     return (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
 
 
@@ -296,6 +309,7 @@ def meta(x: Any) -> Tuple[Any, int]:
             f = _none_meta
         elif torch is not None and issubclass(t, torch.Tensor):
             f = _torch_meta
+            TORCH_TENSOR[0] = torch.Tensor
         elif cupy is not None and issubclass(t, cupy.ndarray):
             f = _cupy_meta
         else:

@@ -25,6 +25,7 @@ from ...jit.launch import load_kernels
 from ...runtime import checks, dtypes, interop
 from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.sizes import ceil_div
+from .gather_entry import gather_entry
 from .hybrid import HybridSteps
 from .kernels import (
     COMM_PRECISIONS,
@@ -44,8 +45,6 @@ from .kernels import (
 from .plan import (
     SessionPlan,
     all_reduce_shard_elems,
-    gather_grid,
-    gather_meta,
     normalize_shapes,
     reduce_area_offset,
 )
@@ -84,6 +83,7 @@ class AGRS(HybridSteps):
         self._wait_launch, self._wait_idx = None, (0, 0)     # the wait kernel's (epoch and meta patched)
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
+        self._gather_entries: Dict[Any, Any] = {}   # all_gather (signatures, session state) -> `gather_entry`
 
     @staticmethod
     def load_kernels(num_ranks: int) -> Dict[Any, Any]:
@@ -128,6 +128,7 @@ class AGRS(HybridSteps):
     def destroy(self) -> None:
         self._bytes, self._typed = {}, {}
         self.__dict__.pop('_gathered_views', None)
+        self._gather_entries = {}
         if self.plan is not None:
             self.plan.is_open = False
         self._hand_over_rails()
@@ -148,6 +149,7 @@ class AGRS(HybridSteps):
         buf.group.check_same('agrs_set_config arguments', (num_max_session_bytes, num_max_all_gathers_per_session,
                                                           num_sms), timeout=buf.num_cpu_timeout_secs)
         self.plan = SessionPlan(buf.num_ranks, num_max_session_bytes, num_max_all_gathers_per_session)
+        self._gather_entries = {}       # (they hold the previous plan's capacity and num_sms)
         self.session_capacity = num_max_session_bytes
         self.num_sms = min(num_sms or DEFAULT_GATHER_SMS, buf.num_device_sms)
         buf.barrier(use_comm_stream=True)
@@ -231,51 +233,32 @@ class AGRS(HybridSteps):
             `[R, *shape]` view into the session buffer (valid until the session is destroyed); call `wait_handle()`
             on the stream that reads them first.
         """
-        buf = self._buf
         plan = self.plan
         if plan is None or not plan.is_open:
             raise RuntimeError('all_gather needs an open session: use create_agrs_session() or agrs_new_session()')
         self._check_usable()
         single = not isinstance(tensors, (list, tuple))
-        items = [tensors] if single else list(tensors)
-        if not items:
-            raise ValueError('tensors must be a tensor or a non-empty list of tensors')
-        # (kind, bytes, dtype, shape) per tensor, checked once per signature (interop.meta).
-        facts, ptrs = [], []
-        known = self._infos
-        for i, t in enumerate(items):
-            sig, ptr = interop.meta(t)
-            f = known.get(sig)
-            if f is None:
-                name = 'tensors' if single else f'tensors[{i}]'
-                info = checks.info(t, name, buf.device)
-                checks.check_contiguous(info, name)
-                f = (info.kind, info.nbytes, info.dtype, tuple(info.shape))
-                if type(sig) is not object:
-                    known[sig] = f
-                ptr = info.ptr
-            if facts and f[0] != facts[0][0]:
-                raise TypeError(f'tensors[{i}] is a {f[0]} array but the other inputs are {facts[0][0]} arrays; '
-                                f'pass one kind')
-            facts.append(f)
-            ptrs.append(ptr)
-        sizes = [f[1] for f in facts]
-        regions = plan.peek(sizes)
-        rank, num_ranks = buf.rank_idx, buf.num_ranks
+        items = (tensors,) if single else tuple(tensors)
+        # Per call: the signatures and pointers; what the signatures and the session's state (bytes and gathers used)
+        # decide (the checks, regions, grids, output views) is looked up, computed once by `gather_entry`.
+        metas = [interop.meta(t) for t in items]
+        key = (single, tuple([m[0] for m in metas]), plan.used_bytes, plan.num_gathers)
+        e = self._gather_entries.get(key)
+        if e is None:
+            e = gather_entry(self, items, single, metas, key)
+        kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions = e
         # A source inside the not yet gathered part of the session area must be its own in-place slot.
-        base = self.data_base
-        free_start, free_end = base + plan.used_bytes, base + plan.capacity
         inplace = []
-        for i, (ptr, nbytes, region) in enumerate(zip(ptrs, sizes, regions)):
-            exact = nbytes > 0 and ptr == base + region.offset + rank * nbytes
+        for i, ((_, ptr), f) in enumerate(zip(metas, per)):
+            nbytes = f[1]
+            exact = nbytes > 0 and ptr == f[0]
             if not exact and nbytes > 0 and ptr < free_end and ptr + nbytes > free_start:
                 raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later gather '
                                  f'writes; pass the views of agrs_get_inplace_tensor in order, or another tensor')
             inplace.append(exact)
-
-        regions = plan.reserve(sizes, regions)
-        self.gather_epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
-        epoch, meta = self.gather_epoch, gather_meta(regions[-1].end)
+        plan.used_bytes, plan.num_gathers = end, num_gathers         # `plan.reserve` of these regions
+        self.gather_epoch = epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
+        buf = self._buf
         comm = buf.stream_order.begin(interop.current_stream(items[0]))
         g = self._gather_launch
         if g is None:
@@ -286,28 +269,27 @@ class AGRS(HybridSteps):
                                                                  'write_local', 'do_signal', 'epoch', 'meta'))
         # One bound launch re-patched per tensor: kernels copy their arguments at launch.
         i_src, i_bytes, i_region, i_local, i_signal, i_epoch, i_meta = self._gather_launch_idx
-        g.u32[i_epoch], g.u32[i_meta] = epoch, meta
-        last = len(facts) - 1
-        data_offset, num_sms = self.area_offset, self.num_sms
+        u32, u64, i64, i32 = g.u32, g.u64, g.i64, g.i32
+        u32[i_epoch], u32[i_meta] = epoch, meta
+        ptrs = [m[1] for m in metas]
         if self.hybrid:
-            self._hybrid_gather(g, comm, ptrs, sizes, regions, inplace, meta)
+            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions, inplace, meta)
         else:
-            for i, (ptr, nbytes, region) in enumerate(zip(ptrs, sizes, regions)):
-                g.u64[i_src], g.i64[i_bytes], g.u64[i_region] = ptr, nbytes, data_offset + region.offset
-                g.i32[i_local], g.i32[i_signal] = 0 if inplace[i] else 1, 1 if i == last else 0
-                g.grid = (gather_grid(nbytes, nbytes % 16 == 0 and ptr % 16 == 0, num_sms), 1, 1)
+            last = len(per) - 1
+            for i, (ptr, f, exact) in enumerate(zip(ptrs, per, inplace)):
+                u64[i_src], i64[i_bytes], u64[i_region] = ptr, f[1], f[2]
+                i32[i_local], i32[i_signal] = 0 if exact else 1, 1 if i == last else 0
+                g.grid = f[3] if f[5] and not ptr & 15 else f[4]
                 g(comm)
-        kind = facts[0][0]
-        if kind == 'torch':
+        if True in inplace:
+            keep = tuple([t for t, exact in zip(items, inplace) if not exact])
+        else:
+            keep = items
+        if kind == 'torch' and keep:
             s = interop.torch_stream(comm.ptr)
-            for t, exact in zip(items, inplace):
-                if not exact:
-                    t.record_stream(s)
-        outputs = [self._gathered(kind, region.offset, num_ranks * f[1], f[2], (num_ranks, *f[3]))
-                   for f, region in zip(facts, regions)]
-        keep = tuple(items) if True not in inplace else tuple([t for t, exact in zip(items, inplace) if not exact])
-        handle = AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep)
-        return (*outputs, handle)
+            for t in keep:
+                t.record_stream(s)
+        return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep))
 
     # ---- reductions ----------------------------------------------------------------------------------------------
     def _reduce_area(self, layout) -> int:
@@ -328,13 +310,27 @@ class AGRS(HybridSteps):
         event.register_hook_after_wait(lambda: result)
         return event
 
-    def _launch_reduce(self, kernel_key, x_ptr, out_ptr, layout, scale, area, is_all_reduce, comm) -> int:
+    def _launch_reduce(self, kernel_key, x_ptr, out_ptr, layout, scale, area, is_all_reduce, comm,
+                       bound=None) -> int:
+        """Launch the reduce kernel `kernel_key` for `layout` (`bound`: its `_reduce_bound`, when the caller kept it);
+        returns the call's epoch."""
         # Wraps to 0 like every epoch (wrap-safe compares); skipping 0 would make the next senders wait for a `done`
         # of epoch 0, which no rank publishes.
         self.reduce_epoch = (self.reduce_epoch + 1) & 0xFFFFFFFF
+        if bound is None:
+            bound = self._reduce_bound(kernel_key, layout, area, is_all_reduce)
+        i_x, i_out, i_scale, i_epoch = self._reduce_idx
+        bound.u64[i_x], bound.u64[i_out], bound.f32[i_scale], bound.u32[i_epoch] = (x_ptr, out_ptr, scale,
+                                                                                    self.reduce_epoch)
+        bound(comm)
+        return self.reduce_epoch
+
+    def _reduce_bound(self, kernel_key, layout, area, is_all_reduce):
+        """The bound launch of reduce kernel `kernel_key` for `layout` at `area` (bound once per layout by name; per
+        call the pointers, scale and epoch change)."""
         key = (kernel_key, layout, area, is_all_reduce)
         bound = self._reduce_launches.get(key)
-        if bound is None:       # bound once per layout by name; per call the pointers, scale and epoch change
+        if bound is None:
             buf = self._buf
             bound = self.kernels[kernel_key].bind(
                 layout.num_senders + layout.num_reducers, THREADS, cooperative=True, x=0, out=0,
@@ -348,11 +344,7 @@ class AGRS(HybridSteps):
                 self._reduce_launches.clear()
             self._reduce_launches[key] = bound
             self._reduce_idx = tuple(bound.index(n) for n in ('x', 'out', 'scale', 'epoch'))
-        i_x, i_out, i_scale, i_epoch = self._reduce_idx
-        bound.u64[i_x], bound.u64[i_out], bound.f32[i_scale], bound.u32[i_epoch] = (x_ptr, out_ptr, scale,
-                                                                                    self.reduce_epoch)
-        bound(comm)
-        return self.reduce_epoch
+        return bound
 
     def reduce_scatter(self, x, comm_precision: str = 'fp32', scale: float = 1.0, num_sms: int = 0,
                        previous_event=None):
@@ -398,17 +390,21 @@ class AGRS(HybridSteps):
             layout, kernel_key = self._rs_layout(info.numel, shard, in_bf16, stage_bf16,
                                                  min(num_sms or DEFAULT_REDUCE_SMS, buf.num_device_sms))
             area = self._reduce_area(layout)
-            checked = (info.kind, out_shape, 'bfloat16' if in_bf16 else 'float32', kernel_key, layout, area, shard)
+            # (the launch is kept with the checks: looking it up by its layout hashes a dataclass per call)
+            bound = None if self.hybrid else self._reduce_bound(kernel_key, layout, area, False)
+            checked = (info.kind, out_shape, 'bfloat16' if in_bf16 else 'float32', kernel_key, layout, area, shard,
+                       bound)
             if type(sig) is not object:
                 if len(self._reduce_checked) >= 64:
                     self._reduce_checked.clear()
                 self._reduce_checked[key] = checked
             ptr = info.ptr
-        kind, out_shape, out_dtype, kernel_key, layout, area, shard = checked
+        kind, out_shape, out_dtype, kernel_key, layout, area, shard, bound = checked
         if ptr % 16:
             raise ValueError(f'x: each shard must hold a multiple of {GROUP_ELEMS} elements and x must be 16-byte '
                              f'aligned, got {shard} elements per shard at address {ptr:#x}')
-        scale = checks.check_finite('scale', scale)
+        if type(scale) is not float or scale - scale != 0.0:      # (a finite float passes as it is)
+            scale = checks.check_finite('scale', scale)
         event = as_event_handle(previous_event)
         comm = buf.stream_order.begin(interop.current_stream(x), event)
         # With previous_event the communication stream does not wait for the current stream, so memory just freed on
@@ -419,11 +415,11 @@ class AGRS(HybridSteps):
         if alloc_stream is not None and kind == 'torch':
             import torch
             out.record_stream(torch.cuda.current_stream())      # `current` (the stream of a torch `x`)
-        out_ptr = interop.tensor_info(out, 'out').ptr
+        out_ptr = interop.data_ptr(out, 'out')
         if self.hybrid:
             self._hybrid_reduce_scatter(kernel_key, ptr, out_ptr, out_dtype == 'bfloat16', layout, scale, area, comm)
         else:
-            self._launch_reduce(kernel_key, ptr, out_ptr, layout, scale, area, False, comm)
+            self._launch_reduce(kernel_key, ptr, out_ptr, layout, scale, area, False, comm, bound)
         return self._result(kind, (x, out), out)
 
     def all_reduce(self, x, scale: float = 1.0, num_sms: int = 0, previous_event=None):
@@ -455,7 +451,8 @@ class AGRS(HybridSteps):
                 self._reduce_checked[key] = checked
             ptr = info.ptr
         kind, numel, shard, layout, area = checked
-        scale = checks.check_finite('scale', scale)
+        if type(scale) is not float or scale - scale != 0.0:      # (a finite float passes as it is)
+            scale = checks.check_finite('scale', scale)
         if ptr % 16:
             raise ValueError(f'x must be 16-byte aligned, got address {ptr:#x}')
         num_ranks, rank = buf.num_scaleup_ranks, buf.sym.local_idx

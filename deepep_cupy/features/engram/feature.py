@@ -325,8 +325,10 @@ class Engram:
         buf = self._buf
         if self._host_range is None:
             self._host_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
-        return self._host_range.start(self._kernels()[RANGE_SPEC.name], ptr, numel, stream,
-                                      buf.num_cpu_timeout_secs, f'engram fetch on rank {buf.rank_idx} (indices)')
+            self._range_kernel = self._kernels()[RANGE_SPEC.name]
+            self._range_what = f'engram fetch on rank {buf.rank_idx} (indices)'
+        return self._host_range.start(self._range_kernel, ptr, numel, stream, buf.num_cpu_timeout_secs,
+                                      self._range_what)
 
     def _plan_fetch(self, indices, num_qps: int, col_major: bool, layered: bool, tables: tuple) -> _Fetch:
         """The checks of a fetch that depend on its signature only, and its launch bound by name."""
@@ -387,57 +389,58 @@ class Engram:
         indices' (and the scale-factor output's) address.
         """
         buf = self._buf
-        buf.check_usable()
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            buf.check_usable()          # (its three conditions read here first: the call costs ~1 us)
         layout = self.layout
         if layout is None or not self.written:
             raise RuntimeError('engram fetch: write the tables first (no table was written on this buffer)')
         sig, iptr = interop.meta(indices)
         col_major = bool(use_tma_aligned_col_major_sf)
-        key = (sig, num_qps, type(num_qps), col_major, bool(layered))
-        c = self._fetch_calls.get(key)
-        tables = (layout, self.sf, self._device)
-        if c is None or any(a is not b for a, b in zip(c.tables, tables)):
-            c = self._plan_fetch(indices, num_qps, col_major, layered, tables)
+        c = self._fetch_calls.get((sig, num_qps, type(num_qps), col_major, bool(layered)))
+        sf_table, device_arrays = self.sf, self._device
+        if c is None or c.tables[0] is not layout or c.tables[1] is not sf_table or c.tables[2] is not device_arrays:
+            c = self._plan_fetch(indices, num_qps, col_major, layered, (layout, sf_table, device_arrays))
             if type(sig) is not object:
                 if len(self._fetch_calls) >= 64:
                     self._fetch_calls.clear()
-                self._fetch_calls[key] = c
-        kind, num_layers, num_tokens, n, rows = c.kind, c.num_layers, c.num_tokens, c.n, c.rows
+                self._fetch_calls[(sig, num_qps, type(num_qps), col_major, bool(layered))] = c
+        kind, num_layers, rows = c.kind, c.num_layers, c.rows
         current = c.stream()
-        # The range check needs the GPU: start it first, do the host work that needs no check meanwhile.
+        # The range check needs the GPU: start it first, do the host work that launches nothing meanwhile (the
+        # outputs, the communication stream's wait for this stream, the indices' address); raise before the launch.
         wait_range = self._index_range(indices, iptr, c.numel, current) if check_indices and rows else None
-        datas = self._output(kind, num_layers, num_tokens, n * layout.hidden)
+        datas = self._output(kind, num_layers, c.num_tokens, c.n * layout.hidden)
+        sf_outs, sf_out = [None] * num_layers, None
+        if sf_table is not None:
+            sf_outs, sf_out, _ = self._sf_outputs(kind, num_layers, c.num_tokens, c.n, col_major)
+        b = c.launch        # (bound by the first call that passed the range check)
+        if rows:
+            comm = buf.stream_order.begin(current)
+            if b is not None:
+                b.u64[c.i_indices] = iptr
         if wait_range is not None:
             lo, hi = wait_range()
             if lo < 0 or hi >= layout.num_global_entries:
                 raise ValueError(f'indices must be in [0, {layout.num_global_entries}) (num_ranks x num_entries), '
                                  f'got min {lo}, max {hi}')
-
-        sf_outs, sf_out = [None] * num_layers, None
-        if self.sf is not None:
-            sf_outs, sf_out, _ = self._sf_outputs(kind, num_layers, num_tokens, n, col_major)
         event, keep = None, ()
         if rows:
-            comm = buf.stream_order.begin(current)
-            dev = self._device
-            if c.launch is None:
+            if b is None:
                 c.bind(c)
-            b = c.launch
-            b.u64[c.i_indices] = iptr
+                b = c.launch
+                b.u64[c.i_indices] = iptr
             if sf_out is not None:
                 b.u64[c.i_sf_out] = sf_out.data_ptr() if kind == 'torch' else sf_out.data.ptr
             b(comm)
             if kind == 'torch':
                 s = interop.torch_stream(comm.ptr)
-                for t in (indices, sf_out):
-                    if t is not None:
-                        t.record_stream(s)
-            event, keep = EventHandle(comm), (indices, self.sf, dev)
-        hooks = []
-        for data, sf in zip(datas, sf_outs):
-            result = (data, sf) if not layered or self.sf is not None else data
-            hooks.append(EngramFetchHook(event, indices, result, keep))
-        return hooks
+                indices.record_stream(s)
+                if sf_out is not None:
+                    sf_out.record_stream(s)
+            event, keep = EventHandle(comm), (indices, sf_table, device_arrays)
+        if not layered or sf_table is not None:
+            return [EngramFetchHook(event, indices, (data, sf), keep) for data, sf in zip(datas, sf_outs)]
+        return [EngramFetchHook(event, indices, data, keep) for data in datas]
 
     def _sf_outputs(self, kind: str, num_layers: int, num_tokens: int, n: int, col_major: bool):
         """Per layer `[num_tokens, n * num_sf]` scale-factor outputs in one allocation, that allocation and its

@@ -21,7 +21,7 @@ expert counts' pointer and the matrices' pointers are patched. V1's matrices are
 allocation (after the workspace proper), recv_src_idx from the outputs' allocation (after the metadata).
 """
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ...runtime import interop
 from ...runtime.sizes import align, ceil_div
@@ -40,47 +40,16 @@ from .kernels import (
     SEND_THREADS,
     dispatch_chunk_rows,
 )
+from .patch import Outputs as _Outputs
+from .patch import address_patcher as _address_patcher
+from .patch import patcher as _patcher
+from .patch import strides as _strides
 
 _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
 # Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
 _INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
            'recv_layout')
 _OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx')
-
-
-def _patcher(bound, names):
-    """`patch(view, values)` storing `values[k]` (the pointer of `names[k]`) at the word of each of `names` that
-    `bound`'s kernel takes: straight-line code generated once (a loop over pairs costs three times as much)."""
-    taken = set(bound.spec.param_names)
-    body = ''.join(f'    u[{bound.index(n)}] = v[{k}]\n' for k, n in enumerate(names) if n in taken) or '    pass\n'
-    namespace = {}
-    exec(compile(f'def patch(u, v):\n{body}', f'<patch of {bound.spec.name}>', 'exec'), namespace)
-    return namespace['patch']
-
-
-def _strides(shape) -> Optional[Tuple[int, ...]]:
-    return None if shape is None else interop.contiguous_strides(tuple(shape))
-
-
-class _Outputs(NamedTuple):
-    """Where a dispatch's outputs go for one (num_recv, num_expanded)."""
-    num_recv: int
-    num_expanded: int
-    num_out_rows: int
-    words: int                  # int32 words of the small outputs' allocation
-    meta_offset: int            # word offsets in it
-    src_idx_offset: int         # V1's recv_src_idx [num_recv] (-1: not a V1 dispatch)
-    topk_offset: int
-    weights_offset: int
-    x_shape: Tuple[int, int]
-    sf_shape: Optional[Tuple[int, int]]
-    sf_strides: Tuple[int, int]
-    topk_shape: Optional[Tuple[int, int]]
-    weights_shape: Optional[Tuple[int, ...]]
-    meta_shape: Tuple[int, int]
-    grid: int
-    topk_strides: Optional[Tuple[int, int]]         # C-contiguous strides of recv_topk_idx / recv_topk_weights
-    weights_strides: Optional[Tuple[int, ...]]
 
 
 class BoundDispatch:
@@ -153,13 +122,28 @@ class BoundDispatch:
             self.notify = None if self.fused else kernels.notify.bind(
                 grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, **notify_args)
         self._bind_dispatch(p, kernels, tail, x_row_bytes, notify_args)
-        # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in.
-        self.send_patch = _patcher(self.send, _INPUTS) if self.send is not None else None
-        self.recv_in_patch, self.recv_out_patch = _patcher(self.recv, _INPUTS), _patcher(self.recv, _OUTPUTS)
+        # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in,
+        # and the notify's (before it).
+        o = self.offsets
+        ws_at = [f'ws + {4 * w}' for w in o]
+        inputs = dict(zip(_INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
+        self.send_patch = (_address_patcher(self.send, tuple(inputs.items()), 'input')
+                           if self.send is not None else None)
+        self.recv_in_patch = _address_patcher(self.recv, tuple(inputs.items()), 'input')
+        self.recv_out_patch = _patcher(self.recv, _OUTPUTS)
+        self.notify_patch = None if p.cached else _address_patcher(self.notify, (
+            ('topk_idx', 'tp'), ('send_pos', ws_at[0]), ('send_expert_pos', ws_at[1]), ('recv_layout', ws_at[2]),
+            ('psum_recv_per_expert', ws_at[3]), ('cumulative_stats', 'cp'),
+            ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6])),
+            'notify')
+        self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
         r = self.recv
         guarded = not (self.fused or self.legacy_kernels)
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
         self.send_guard_idx, self.recv_guard_idx = guard_idx(self.send), guard_idx(r)
+        # Whether the send / receive block holds a guard (bound without: patched only while a guard is on or to
+        # clear the last one)
+        self._send_guarded = self._recv_guarded = False
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
         self.recv_extra = 0 if self.send is not None or self.legacy_kernels else self.num_send_blocks
@@ -168,6 +152,9 @@ class BoundDispatch:
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
+        self.worst_expanded = ep_plan.worst_expanded_rows(R, p.num_max_tokens_per_rank, K, L, p.expert_alignment)
+        # int32 words of a non-cached call's workspace allocation (with the worst-case outputs without a CPU sync)
+        self.ws_alloc_words = self.ws_words + self.v1_words + (self.fixed.words if self.fixed is not None else 0)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         self._torch_dtypes = None
@@ -276,14 +263,15 @@ class BoundDispatch:
                                  f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
         carver = self.carver
         current = self.stream()
-        if self.cpu_sync:
+        cpu_sync, cached, torch_kind = self.cpu_sync, self.cached, self._torch_dtypes is not None
+        if cpu_sync:
             # The range check needs the GPU: start it first, do the host work that needs no check meanwhile.
             wait_range = ep._start_range(topk_idx, tp, self.num_topk_values, self.num_topk, current)
         comm = ep._order.enter(current, event, self.local)
         alloc_stream = comm if self.alloc_on_comm else None
         out = self.fixed
         psum_expert = None
-        if self.cached:
+        if cached:
             h = handle
             ws, ws_ptr, user_topk, tp = h.workspace, h.workspace_ptr, h._topk_idx, h.topk_idx_ptr
             psum_expert = h._psum_expert
@@ -291,49 +279,49 @@ class BoundDispatch:
                 psum_expert = _psum_expert_from_layout(h.recv_layout, h.num_ranks, self.num_local_experts,
                                                        h.expert_alignment, self.p.do_expand, self.kind, comm)
         else:
-            user_topk = None if self.p.do_handle_copy else topk_idx
-            ws = carver.words(self.ws_words + self.v1_words + (out.words if out is not None else 0), alloc_stream)
-            ws_ptr = carver.ptr(ws)
-        o = self.offsets
-        if self.cpu_sync:
+            user_topk = topk_idx if self.user_topk else None
+            ws = carver.words(self.ws_alloc_words, alloc_stream)
+            ws_ptr = ws.data_ptr() if torch_kind else carver.ptr(ws)
+        if cpu_sync:
             lo, hi = wait_range()
             if lo < -1 or hi >= self.num_experts:
                 raise ValueError(f'topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}')
         if self.claim:
             ep._claim(self)
-        if not self.cached:
-            n, i = self.notify, self.notify_idx
-            u = n.u64
-            u[i[0]], u[i[1]], u[i[2]], u[i[3]] = tp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[2]
-            u[i[4]], u[i[5]], u[i[6]] = ws_ptr + 4 * o[3], cp, ws_ptr + 4 * o[4] if o[4] >= 0 else 0
-            u[i[7]], u[i[8]] = ws_ptr + 4 * o[5], ws_ptr + 4 * o[6]
+        if not cached:
+            n = self.notify
+            self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.v1_channels is not None:
-                self._v1_matrices(legacy, ws, ws_ptr, u, ecp)
-            if self.cpu_sync:
+                self._v1_matrices(legacy, ws, ws_ptr, n.u64, ecp)
+            if cpu_sync:
                 seq = ep._next_host_seq()
                 n.i32[self.notify_seq] = seq
             if not self.fused:        # fused: the notify's pointers are the launch's, below
                 n(comm)
-        # _INPUTS' pointers in order.
-        ins = (xp, sp, tp, wp, ws_ptr + 4 * o[0], ws_ptr + 4 * o[1], ws_ptr + 4 * o[5], ws_ptr + 4 * o[6],
-               ws_ptr + 4 * o[2])
         snd = self.send
         if snd is not None:
-            self.send_patch(snd.u64, ins)
-            if self.send_guard_idx is not None:
+            self.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
+            if self.send_guard_idx is not None and (guard is not None or self._send_guarded):
                 _patch_guard(snd, self.send_guard_idx, guard)
+                self._send_guarded = guard is not None
             snd(comm)
 
         if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
             group, base = ws, self.ws_words + self.v1_words
             counts = []
         else:
-            if self.cpu_sync:
+            if cpu_sync:
                 num_recv, num_expanded, counts = ep._wait_host_counts(seq, self.num_local_experts)
                 if legacy is not None:
                     legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
-            else:
-                num_recv, num_expanded, counts = ep_plan.dispatch_counts(self.p, handle)
+            else:       # cached: `plan.dispatch_counts` inline, the counts' copy deferred
+                num_recv, num_expanded, counts = h.num_recv_tokens, h.num_expanded_tokens, h._counts
+                if self.p.do_expand and not h.do_expand and not h.do_cpu_sync:
+                    num_expanded = self.worst_expanded
+                if type(counts) is list:    # (the handle's list, which its caller may hold: copied now)
+                    counts = list(counts)
+                # else the numpy counts of a CPU-sync dispatch, written by nobody: shared, each handle makes its own
+                # list on first access (EPHandle.num_recv_tokens_per_expert_list)
             out = self.outputs(num_recv, num_expanded)
             group, base = carver.words(out.words, alloc_stream), 0
         recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
@@ -347,7 +335,7 @@ class BoundDispatch:
                 recv_sf = storage
         # recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view then.
         recv_topk_idx = recv_topk_weights = None
-        if self._torch_dtypes is not None:     # Carver.view's torch views with the strides and dtypes resolved once
+        if torch_kind:     # Carver.view's torch views with the strides and dtypes resolved once
             i64, f32 = self._torch_dtypes
             if out.topk_shape is not None:
                 recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides,
@@ -360,19 +348,24 @@ class BoundDispatch:
                 recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
             if out.weights_shape is not None:
                 recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
-        gp = carver.ptr(group) + 4 * base
+        if torch_kind:
+            gp, xo = group.data_ptr() + 4 * base, recv_x.data_ptr()
+        else:
+            gp, xo = carver.ptr(group) + 4 * base, carver.ptr(recv_x)
         if legacy is not None:
             legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), base + out.src_idx_offset)
         # _OUTPUTS' pointers in order.
-        outs = (carver.ptr(recv_x), carver.ptr(recv_sf) if recv_sf is not None else 0,
+        outs = (xo, carver.ptr(recv_sf) if recv_sf is not None else 0,
                 gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
                 gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset,
                 gp + 4 * out.src_idx_offset if legacy is not None else 0)
         r = self.recv
-        self.recv_in_patch(r.u64, ins)
-        self.recv_out_patch(r.u64, outs)
-        if self.recv_guard_idx is not None:
+        u = r.u64
+        self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
+        self.recv_out_patch(u, outs)
+        if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
             _patch_guard(r, self.recv_guard_idx, guard)
+            self._recv_guarded = guard is not None
         free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
         if out is not self._recv_sized or free != self._recv_free:     # these sizes' words and grid stay in the block
             r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv

@@ -152,8 +152,20 @@ class EP:
             (xs, xp), (ss, sp) = meta(xa), meta(sf)
         else:
             (xs, xp), ss, sp = meta(x), None, 0
-        (ts, tp), (ws, wp) = meta(topk_idx), meta(topk_weights)
-        cs, cp = meta(cumulative_local_expert_recv_stats)
+        tensor = interop.TORCH_TENSOR[0]
+        if type(topk_idx) is tensor:        # `interop.meta` of a plain torch tensor, inline (two calls fewer)
+            ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
+        else:
+            ts, tp = meta(topk_idx)
+        if type(topk_weights) is tensor:
+            ws, wp = ((topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device()),
+                      topk_weights.data_ptr())
+        else:
+            ws, wp = meta(topk_weights)
+        if cumulative_local_expert_recv_stats is None:
+            cs, cp = None, 0
+        else:
+            cs, cp = meta(cumulative_local_expert_recv_stats)
         origin = None if handle is None else (handle._origin if type(handle) is EPHandle else False)
         if legacy is None:
             es, v1 = None, None

@@ -1,0 +1,50 @@
+"""What an all-gather call's tensor signatures decide in the session's state (features/agrs/feature.py looks it up
+per call): the argument checks, the regions, the grids and the output views."""
+
+from ...runtime import checks
+from .plan import gather_grid, gather_meta
+
+
+def gather_entry(feature, items, single: bool, metas, key):
+    """What an `all_gather` call of `feature` (the AGRS feature) with these signatures decides in the session's
+    current state (`key`): its argument checks (raising before anything runs) and `(kind, per tensor (in-place
+    address, bytes, region offset, grid if 16-byte aligned, grid else, size aligned), free area start, end, the
+    session's bytes and gathers after it, meta, outputs, regions)`; remembered when every signature is one
+    (`interop.meta`). Sets the pointers of `metas` that `interop.meta` could not read."""
+    buf, plan = feature._buf, feature.plan
+    if not items:
+        raise ValueError('tensors must be a tensor or a non-empty list of tensors')
+    facts = []
+    known = feature._infos
+    for i, (t, (sig, _)) in enumerate(zip(items, metas)):
+        f = known.get(sig)
+        if f is None:
+            name = 'tensors' if single else f'tensors[{i}]'
+            info = checks.info(t, name, buf.device)
+            checks.check_contiguous(info, name)
+            f = (info.kind, info.nbytes, info.dtype, tuple(info.shape))
+            if type(sig) is not object:
+                known[sig] = f
+            metas[i] = (sig, info.ptr)       # (`interop.meta` gives no pointer for other array types)
+        if facts and f[0] != facts[0][0]:
+            raise TypeError(f'tensors[{i}] is a {f[0]} array but the other inputs are {facts[0][0]} arrays; '
+                            f'pass one kind')
+        facts.append(f)
+    sizes = [f[1] for f in facts]
+    regions = plan.peek(sizes)
+    rank, num_ranks, base, area, num_sms = buf.rank_idx, buf.num_ranks, feature.data_base, feature.area_offset, \
+        feature.num_sms
+    per = tuple((base + r.offset + rank * n, n, area + r.offset, (gather_grid(n, True, num_sms), 1, 1),
+                 (gather_grid(n, False, num_sms), 1, 1), n % 16 == 0) for n, r in zip(sizes, regions))
+    kind = facts[0][0]
+    outputs = tuple([feature._gathered(kind, r.offset, num_ranks * f[1], f[2], (num_ranks, *f[3]))
+                     for f, r in zip(facts, regions)])
+    end = regions[-1].end
+    e = (kind, per, base + plan.used_bytes, base + plan.capacity, end, plan.num_gathers + len(sizes),
+         gather_meta(end), outputs, regions)
+    if not any(type(m[0]) is object for m in metas):
+        entries = feature._gather_entries
+        if len(entries) >= 256:
+            entries.clear()
+        entries[key] = e
+    return e
