@@ -334,18 +334,29 @@ def test_failures(args, group) -> bool:
                 sync(buf)
                 outcome = 'no error'
             except TimeoutError as e:
-                good = 'all-gather' in str(e) and (case == 'missing' or 'aux 2' in str(e))
+                # Size mismatch: the ranks that compare sizes report it (aux 2). Across domains a rank may instead
+                # time out waiting for a domain peer that stopped at the mismatch (aux 1): some rank must say aux 2.
+                hybrid = buf.num_scaleout_ranks > 1     # several scale-up domains
+                good = 'all-gather' in str(e) and (case == 'missing' or 'aux 2' in str(e) or hybrid)
                 outcome = f'TimeoutError{"" if good else f" (unexpected message: {e})"}'
+                if case == 'mismatch' and hybrid and 'aux 2' in str(e):
+                    outcome += ' [size mismatch named]'
                 if group.rank == 0:
                     print(f'[failure] {case}, rank 0: {e}', flush=True)
         outcomes.append((case, outcome))
+        num_domains = buf.num_scaleout_ranks
         buf.destroy()
     every = group.allgather_object(outcomes)
     good = True
+    named = False
     for rank_outcomes in every:
-        for _case, outcome in rank_outcomes:
+        for case, outcome in rank_outcomes:
+            named |= case == 'mismatch' and outcome.endswith('[size mismatch named]')
+            outcome = outcome.replace(' [size mismatch named]', '')
             if not outcome.startswith('skipped'):
                 good &= outcome == 'TimeoutError'
+    if num_domains > 1:
+        good &= named       # across domains: at least one rank named the size mismatch
     if group.rank == 0:
         for r, rank_outcomes in enumerate(every):
             print(f'[failure] rank {r}: {rank_outcomes}', flush=True)
