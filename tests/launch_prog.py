@@ -83,6 +83,16 @@ def refs():
                    torch.equal(recv_topk_weights, want.recv_topk_weights),
                    torch.equal(recv_src, want.recv_src_token_global_idx),
                    torch.equal(counts, want.num_recv_tokens_per_rank), torch.equal(fp_x, want.recv_x)])
+    _leave_together()
+
+
+def _leave_together():
+    """Exit only after every rank is done (the store's host leaving first can fail a slow rank's last collective
+    under load; seen once in the CPU suite)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _spawned(local_rank, num_local_ranks):
