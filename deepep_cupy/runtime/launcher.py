@@ -228,7 +228,7 @@ def _register_exit(store, rank: int, size: int) -> None:
     _exit_state.update(store=store, rank=rank, size=size)
 
 
-def _check_out(limit: float = 30.0, grace: float = 0.3) -> None:
+def _check_out(limit: float = 30.0, grace: float = 1.0) -> None:
     store = _exit_state.pop('store', None)
     if store is None:
         return
@@ -236,13 +236,15 @@ def _check_out(limit: float = 30.0, grace: float = 0.3) -> None:
         # Tear this rank's process group down first (its threads may still talk to the peers and the store), then
         # check out; the store's host leaves last, a grace period after the last check-out, while every other rank
         # has already dropped its connection (a client still connected when the server goes away can abort at exit:
-        # 'terminate called without an active exception', seen rarely under load).
+        # 'terminate called without an active exception', seen rarely under load, still with a 0.3 s grace).
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
         store.add('deepep_cupy/exit', 1)
         if not rank_zero_waits(_exit_state['rank']):
             del store           # the last reference: the client disconnects now, before the host leaves
+            import gc
+            gc.collect()        # and any cycle still holding the client
             return
         deadline = time.monotonic() + limit
         while int(store.add('deepep_cupy/exit', 0)) < _exit_state['size']:
