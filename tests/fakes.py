@@ -166,3 +166,29 @@ def pack_named(spec: launch.KernelSpec, named: dict):
     """`launch.pack_args` of arguments given by name: exactly the declared names, packed in declaration order."""
     assert set(named) == set(spec.param_names), (sorted(set(named) ^ set(spec.param_names)), spec.name)
     return launch.pack_args(spec, [named[n] for n in spec.param_names])
+
+
+class ThreadExchange:
+    """allgather_object for ranks running as threads of this process (`ThreadGroup`)."""
+
+    def __init__(self, size: int, timeout: float = 30):
+        import threading
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.slots = [None] * size
+
+    def allgather(self, rank, obj):
+        self.barrier.wait()         # everyone has read the previous round
+        self.slots[rank] = obj
+        self.barrier.wait()         # everyone has written this round
+        return list(self.slots)
+
+
+class ThreadGroup(ProcessGroup):
+    """A rank of a group whose ranks are threads sharing one `ThreadExchange`."""
+
+    def __init__(self, rank, size, exchange: ThreadExchange):
+        super().__init__(rank, size)
+        self.exchange = exchange
+
+    def allgather_object(self, obj, timeout=None):
+        return self.exchange.allgather(self.rank, obj)

@@ -520,30 +520,6 @@ def test_all_reduce_launches_reduce_then_unpack(fakes):
 
 
 # ---- the rank program's stress and error checks, against the real host code with emulated kernels -----------------
-class _Exchange:
-    """allgather_object for ranks running as threads of this process."""
-
-    def __init__(self, size):
-        import threading
-        self.barrier = threading.Barrier(size, timeout=30)
-        self.slots = [None] * size
-
-    def allgather(self, rank, obj):
-        self.barrier.wait()         # everyone has read the previous round
-        self.slots[rank] = obj
-        self.barrier.wait()         # everyone has written this round
-        return list(self.slots)
-
-
-class _ThreadGroup(ProcessGroup):
-    def __init__(self, rank, size, exchange):
-        super().__init__(rank, size)
-        self.exchange = exchange
-
-    def allgather_object(self, obj, timeout=None):
-        return self.exchange.allgather(self.rank, obj)
-
-
 def _EmuKernel(spec, fn):
     """A kernel launched by name that runs its effect `fn(arguments by name)` on host memory at launch (gathers and
     reductions exchange data collectively, so every rank must launch them in the same order, as on the GPU)."""
@@ -644,10 +620,10 @@ def test_rank_program_stress_on_emulated_kernels(num_ranks, monkeypatch):
     monkeypatch.setattr(prog, 'DEVICE', 'cpu')
     monkeypatch.setattr(prog, 'STRESS_SHAPE', (4, 8, 64))
     args = Namespace(seed=7, num_stress_gathers=12, num_stress_reductions=10, num_max_inflight_agrs=4, num_sms=0)
-    exchange = _Exchange(num_ranks)
+    exchange = buffer_fakes.ThreadExchange(num_ranks)
 
     def rank_main(rank):
-        group = _ThreadGroup(rank, num_ranks, exchange)
+        group = buffer_fakes.ThreadGroup(rank, num_ranks, exchange)
         session = ElasticBuffer.get_agrs_num_max_session_bytes(group, [prog.STRESS_SHAPE] * 4, torch.bfloat16)
         reduce_bytes = max(ElasticBuffer.get_agrs_reduce_num_bytes(group, 100_000),
                            ElasticBuffer.get_agrs_reduce_num_bytes(group, num_ranks * 8 * 6000, 'reduce_scatter'))

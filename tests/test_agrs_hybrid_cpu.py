@@ -165,28 +165,6 @@ def test_rail_constants_match_the_kernel():
 
 
 # ---- emulated ranks -------------------------------------------------------------------------------------------------
-class _Exchange:
-    def __init__(self, size):
-        import threading
-        self.barrier = threading.Barrier(size, timeout=60)
-        self.slots = [None] * size
-
-    def allgather(self, rank, obj):
-        self.barrier.wait()
-        self.slots[rank] = obj
-        self.barrier.wait()
-        return list(self.slots)
-
-
-class _ThreadGroup(ProcessGroup):
-    def __init__(self, rank, size, exchange):
-        super().__init__(rank, size)
-        self.exchange = exchange
-
-    def allgather_object(self, obj, timeout=None):
-        return self.exchange.allgather(self.rank, obj)
-
-
 class _RecordingNccl:
     """This rank's NCCL module and rail communicator for `NcclRailTransport`: the calls are recorded."""
     NCCL_UINT8 = 7
@@ -395,9 +373,9 @@ def emulated(monkeypatch):
 def _run_ranks(N, R, fn):
     from concurrent.futures import ThreadPoolExecutor
     W = N * R
-    exchange = _Exchange(W)
+    exchange = buffer_fakes.ThreadExchange(W, timeout=60)
     with ThreadPoolExecutor(W) as pool:
-        return list(pool.map(lambda g: fn(_ThreadGroup(g, W, exchange)), range(W)))
+        return list(pool.map(lambda g: fn(buffer_fakes.ThreadGroup(g, W, exchange)), range(W)))
 
 
 @pytest.mark.parametrize('N,R', [(2, 1), (2, 2), (3, 1), (2, 3)])

@@ -28,14 +28,6 @@ def _fixed(entry):
     return entry.name, entry.grid, entry.block, {k: v for k, v in entry.args.items() if k not in PER_CALL}
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
-    idx = torch.topk(torch.rand(M, E, generator=g), K).indices
-    w = torch.rand(M, K, generator=g)
-    return x, idx, w
-
-
 def _fresh_plan_launches(monkeypatch, call):
     """The launches of `call(buf)` on a buffer that has bound nothing yet."""
     buf = ep_tests.make_buffer(monkeypatch)
@@ -45,7 +37,7 @@ def _fresh_plan_launches(monkeypatch, call):
 
 @pytest.mark.parametrize('mode', ['cpu-sync', 'no-sync', 'expand', 'fp8'])
 def test_a_bound_call_launches_what_a_fresh_plan_launches(monkeypatch, mode):
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     kw = dict(num_experts=E)
     if mode != 'cpu-sync':
         kw['do_cpu_sync'] = False
@@ -72,7 +64,7 @@ def test_a_bound_call_launches_what_a_fresh_plan_launches(monkeypatch, mode):
 
 
 def test_per_call_checks_still_raise_on_a_bound_signature(monkeypatch):
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     buf = ep_tests.make_buffer(monkeypatch)
     good = buf.dispatch(x, idx, w, num_experts=E)
     buf.launches.clear()
@@ -108,7 +100,7 @@ def test_per_call_checks_still_raise_on_a_bound_signature(monkeypatch):
 
 
 def test_a_bound_combine_checks_the_rows_of_each_handle(monkeypatch):
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     buf = ep_tests.make_buffer(monkeypatch)
     calls = iter([(R * M, R * M * K), (R * M - 3, R * M * K)])
     monkeypatch.setattr(buf._ep, '_wait_host_counts', lambda seq, n: (*next(calls), [1] * n))
@@ -130,7 +122,7 @@ def test_a_bound_combine_checks_the_rows_of_each_handle(monkeypatch):
 
 
 def test_bound_calls_keep_no_caller_array_alive(monkeypatch):
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     buf = ep_tests.make_buffer(monkeypatch)
     x2, idx2, w2 = x.clone(), idx.clone(), w.clone()
     refs = [weakref.ref(t) for t in (x2, idx2, w2)]
@@ -144,7 +136,7 @@ def test_bound_calls_keep_no_caller_array_alive(monkeypatch):
 
 
 def test_the_first_dispatch_claims_the_region_only_once_its_checks_pass(monkeypatch):
-    x, idx, _ = _inputs()
+    x, idx, _ = ep_tests.make_inputs()
     buf = ep_tests.fakes.make_buffer(R, 0, 1 << 30)             # no MoE settings: the first dispatch lays out
     monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: ep_tests.RecordingKernels([]))
     current = ep_tests.fakes.FakeStream('current')
@@ -167,7 +159,7 @@ def _phases(log):
 
 
 def test_dispatch_launch_structure_per_mode_and_knob(monkeypatch):
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     both = ep_tests.ep_kernels.PHASE_SEND | ep_tests.ep_kernels.PHASE_RECV
     send, recv = ep_tests.ep_kernels.PHASE_SEND, ep_tests.ep_kernels.PHASE_RECV
     notify = ('deepep::notify_dispatch', None, None)
@@ -192,7 +184,7 @@ def test_dispatch_launch_structure_per_mode_and_knob(monkeypatch):
 
 def test_one_rank_dispatches_in_one_launch_without_senders(monkeypatch):
     """At one rank every token stays: one launch of receivers only, whatever the mode."""
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     b = ep_tests.ep_kernels.topk_bucket(K)
     log = []
 
@@ -223,7 +215,7 @@ def test_one_rank_dispatches_in_one_launch_without_senders(monkeypatch):
 
 def test_cpu_sync_counts_become_a_list_on_first_access(monkeypatch):
     import numpy as np
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     buf = ep_tests.make_buffer(monkeypatch)
     counts = np.array([3, 0, 5, 8, 1, 2, 4, 9], dtype=np.int32)
     monkeypatch.setattr(buf._ep, '_wait_host_counts', lambda seq, n: (R * M, R * M * K, counts[:n].copy()))
@@ -236,7 +228,7 @@ def test_cpu_sync_counts_become_a_list_on_first_access(monkeypatch):
 @pytest.mark.parametrize('cap_all', [False, True])
 def test_combine_grid_follows_the_cap_all_sms_knob(monkeypatch, cap_all):
     monkeypatch.setenv('DEEPEP_CUPY_COMBINE_CAP_ALL_SMS', '1' if cap_all else '0')
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     buf = ep_tests.make_buffer(monkeypatch)
     handle = buf.dispatch(x, idx, w, num_experts=E, num_sms=20)[3]
     rows = torch.zeros(handle.num_rows, H, dtype=torch.bfloat16)
@@ -265,7 +257,7 @@ def test_synchronous_calls_run_on_the_current_stream(monkeypatch, always):
     monkeypatch.setattr(streams, 'EventHandle', ep_tests.fakes.FakeEventHandle)
     monkeypatch.setattr(ep_tests.interop, 'torch_stream', lambda handle: None)
     monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: None)
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     buf = ep_tests.make_buffer(monkeypatch)
     buf.stream_order.local = not always         # (what DEEPEP_CUPY_ALWAYS_COMM_STREAM sets when a buffer is made)
     comm, current = buf.stream_order.comm, ep_tests.interop.stream_getter('torch', 0)()

@@ -51,13 +51,18 @@ def plan(s, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_st
                                  do_zero_padding, use_tma_aligned_col_major_sf, cpu_range)
 
 
-@pytest.fixture()
-def inputs():
+def make_inputs():
+    """x `[M, H]` bfloat16, top-K expert ids of E and their weights (seed 0): also test_ep_bound / _fused's."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(M, H, generator=g).to(torch.bfloat16)
     idx = torch.topk(torch.rand(M, E, generator=g), K).indices
     w = torch.rand(M, K, generator=g)
     return x, idx, w
+
+
+@pytest.fixture()
+def inputs():
+    return make_inputs()
 
 
 # ---- the pure plan -----------------------------------------------------------------------------------------------

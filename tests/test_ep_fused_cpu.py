@@ -62,14 +62,6 @@ def test_refusals(case, reason):
     assert reason in fused.fused_refusal(**kw)
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
-    idx = torch.topk(torch.rand(M, E, generator=g), K).indices
-    w = torch.rand(M, K, generator=g)
-    return x, idx, w
-
-
 def _buffer(monkeypatch, **env):
     for k in ('DEEPEP_CUPY_EP_FUSED_NOTIFY', 'DEEPEP_CUPY_EP_FUSED_COOPERATIVE', 'DEEPEP_CUPY_EP_LEGACY_DISPATCH',
               'DEEPEP_CUPY_EP_DISPATCH_OVERLAP'):
@@ -81,7 +73,7 @@ def _buffer(monkeypatch, **env):
 
 @pytest.mark.parametrize('mode', ['no-sync', 'expand', 'fp8'])
 def test_a_no_sync_dispatch_is_one_launch_with_both_kernels_arguments(monkeypatch, mode):
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     kw = dict(num_experts=E, num_sms=4, do_cpu_sync=False)
     if mode == 'expand':
         kw.update(do_expand=True, expert_alignment=4, do_zero_padding=True)
@@ -125,7 +117,7 @@ def test_a_no_sync_dispatch_is_one_launch_with_both_kernels_arguments(monkeypatc
 def test_the_grid_covers_every_notify_block(monkeypatch):
     """More notify blocks than the dispatch's grid (here through a smaller token count per notify block)."""
     monkeypatch.setattr(fused, 'FUSED_THREADS', 4)
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     buf = _buffer(monkeypatch, DEEPEP_CUPY_EP_FUSED_NOTIFY='1')
     buf.dispatch(x, idx, w, num_experts=E, num_sms=1, do_cpu_sync=False)
     (f,) = buf.launches
@@ -136,7 +128,7 @@ def test_the_grid_covers_every_notify_block(monkeypatch):
 
 
 def test_other_dispatches_keep_their_kernels(monkeypatch):
-    x, idx, w = _inputs()
+    x, idx, w = ep_tests.make_inputs()
     on = dict(DEEPEP_CUPY_EP_FUSED_NOTIFY='1')
     buf = _buffer(monkeypatch, **on)
     buf.dispatch(x, idx, w, num_experts=E, num_sms=4)                        # CPU sync: the host waits in between
