@@ -78,9 +78,16 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
     const int t = block * kTokensPerBlock + threadIdx.x;
     const bool valid = t < num_tokens;
     const int num_local_experts = num_experts / kNumRanks;
+    // The top-k ids first: their loads are the longest wait of a decode-sized notify, in flight while the block
+    // zeroes its counters.
+    int64_t raw_topk[kMaxTopk];
+    #pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+        raw_topk[k] = (valid && k < num_topk) ? topk_idx[static_cast<int64_t>(t) * num_topk + k] : -1;
     const Peers peers{peer_bases, rank};
-    uint32_t* ctrl = peers.local_ctrl();
-    const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    uint8_t* const local_base = peers.local();                // read once (the table is in global memory)
+    uint32_t* ctrl = reinterpret_cast<uint32_t*>(local_base + kCtrlOffset);
+    const ErrorSink sink{reinterpret_cast<int32_t*>(local_base + kErrorClaimOffset), error_record};
 
     int32_t* warp_counts = smem;                              // [kNotifyWarps][num_keys]
     for (int i = threadIdx.x; i < kNotifyWarps * num_keys; i += blockDim.x)
@@ -88,12 +95,9 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
 
     // Experts of this thread's token (-1 = none; slots k >= num_topk hold none).
     int expert[kMaxTopk];
-    int64_t raw_topk[kMaxTopk];
     #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) {
-        raw_topk[k] = (valid && k < num_topk) ? topk_idx[static_cast<int64_t>(t) * num_topk + k] : -1;
+    for (int k = 0; k < kMaxTopk; ++k)
         expert[k] = (raw_topk[k] >= 0 && raw_topk[k] < num_experts) ? static_cast<int>(raw_topk[k]) : -1;
-    }
     // Destination mask.
     uint32_t dst_mask = 0;
     #pragma unroll
@@ -139,10 +143,15 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
     int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
     const bool one_block = num_blocks == 1;
     for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+        // Every warp's value loaded before any is overwritten: one shared-memory round trip, not one per warp.
+        int v[kNotifyWarps];
+        #pragma unroll
+        for (int w = 0; w < kNotifyWarps; ++w)
+            v[w] = warp_counts[w * num_keys + key];
         int running = 0;
+        #pragma unroll
         for (int w = 0; w < kNotifyWarps; ++w) {
-            const int v = warp_counts[w * num_keys + key];
-            const int c = key < num_experts ? __popc(static_cast<uint32_t>(v)) : v;
+            const int c = key < num_experts ? __popc(static_cast<uint32_t>(v[w])) : v[w];
             warp_counts[w * num_keys + key] = running;
             running += c;
         }
@@ -156,12 +165,14 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
     if (!one_block) {
         if (!grid_sync(ctrl, num_blocks, timeout_ns, sink, kPhaseNotify, rank))
             return false;
+        // Independent loads, 8 in flight per thread (a dependent chain of L2 round trips costs ~2 us at 16 blocks).
         for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
             int running = 0, base = 0;
+            #pragma unroll 8
             for (int b = 0; b < num_blocks; ++b) {
-                if (b == block)
-                    base = running;
-                running += __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+                const int v = __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+                running += v;
+                base += b < block ? v : 0;
             }
             block_base[key] = base;
             totals[key] = running;
@@ -258,7 +269,8 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
         } else {
             continue;
         }
-        reinterpret_cast<int32_t*>(peers.base(d) + kNotifyRowsOffset)[rank * kNotifyRowWords + w] = value;
+        uint8_t* const dst = kNumRanks == 1 ? local_base : peers.base(d);
+        reinterpret_cast<int32_t*>(dst + kNotifyRowsOffset)[rank * kNotifyRowWords + w] = value;
     }
     // Per-expert counts as published: expert_counts (V1 without top-k) replaces those of the top-k ids.
     auto published = [&](int d, int j) {
@@ -295,14 +307,14 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
         }
         if (!wait_all_peers(peers, kSigNotify, kNumRanks, epoch, timeout_ns, sink, kPhaseNotify))
             return false;
-        const auto* area = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyOffset);
+        const auto* area = reinterpret_cast<const volatile int32_t*>(local_base + kNotifyOffset);
         for (int i = threadIdx.x; i < kNumRanks * row_words; i += blockDim.x)
             s_area[i] = area[i];
     }
     __syncthreads();
     RecvLayout layout{recv_layout, kNumRanks, num_local_experts};
     // What the notify rows give: V1's matrices and the largest token count of any rank.
-    const auto* rows = reinterpret_cast<const volatile int32_t*>(peers.local() + kNotifyRowsOffset);
+    const auto* rows = reinterpret_cast<const volatile int32_t*>(local_base + kNotifyRowsOffset);
     if (rank_prefix_matrix != nullptr && threadIdx.x < kNumRanks) {
         int running = 0;
         for (int i = 0; i < kNumRanks; ++i) {

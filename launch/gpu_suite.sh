@@ -101,6 +101,9 @@ if want perf1; then
     step "ep np=1 (perf)" 240 $ONE $R 1 $EP --num-create-destroy 5
     step "ep_profile np=1 (default vs fused notify)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 \
         --variants default,fused
+    # Kernel spans of CUDA-graph replays with a decode-sized buffer and a 4096-token one, beside an empty kernel and a
+    # plain copy (perf/kernel_probe.py; issue #11's decode and copy-ratio figures).
+    step "kernel_probe np=1 (graph spans, decode and 4096 buffers)" 200 $ONE $PY perf/kernel_probe.py
     # What each CUDA API call costs from Python here (weighs perf/host_path_cpu.py's [api] counts; issue #11).
     step "host API costs (perf/host_api_gpu.py)" 300 $ONE $PY perf/host_api_gpu.py
     step "ep_profile np=1 on a side stream (host path)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128 \
