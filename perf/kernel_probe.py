@@ -141,13 +141,31 @@ def probe(buf, num_tokens, m):
     import numpy as np
     ep = buf._ep_feature()
     k = ep.kernels(8)
+    if ep.fused_notify:
+        try:
+            f = k.fused_dispatch()._module.get_global_var('_ZN6deepep8g_fprobeE')
+        except Exception as e:
+            print(f'[probe] none: {e}')
+            return
+        c = _read_u64(f, 8 * 160).reshape(160, 8)
+        used = c[c[:, 0] > 0]
+        t0 = used[:, 0].min()
+        rel = used[:, :5] - t0
+        names = ('entry', 'notify/prefetch done', 'flags waited', 'role done', 'end')
+        print(f'[probe] fused {num_tokens} tokens M={m}: {len(used)} blocks; ns after the first entry, '
+              'min / median / max over blocks: ' + '; '.join(
+                  f'{n} {rel[:, i].min()} / {int(np.median(rel[:, i]))} / {rel[:, i].max()}'
+                  for i, n in enumerate(names)))
+        print('[probe] fused first 10 blocks (notify blocks first): ' +
+              ' '.join(str(list(r)) for r in rel[:10, :4]))
+        return
     try:
         g = k.notify._module.get_global_var('_ZN6deepep7g_probeE')
     except Exception as e:
         print(f'[probe] none: {e}')
         return
     a = _read_u64(g, 64)
-    marks = [i for i in range(10) if a[i]]
+    marks = [i for i in range(11) if a[i]]
     print(f'[probe] notify {num_tokens} tokens M={m}: cycles since entry ' +
           ' '.join(f'P{i}={a[i] - a[0]}' for i in marks))
     try:
