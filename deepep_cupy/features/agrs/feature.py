@@ -25,18 +25,20 @@ from ...jit.launch import load_kernels
 from ...runtime import checks, dtypes, interop
 from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.sizes import ceil_div
-from .gather_entry import gather_entry
+from .gather_entry import BATCH_PACK, gather_entry
 from .hybrid import HybridSteps
 from .kernels import (
     COMM_PRECISIONS,
     DEFAULT_GATHER_SMS,
     DEFAULT_REDUCE_SMS,
+    GATHER_BATCH,
     GATHER_UNROLL,
     GROUP_ELEMS,
     MAX_GATHERS_PER_SESSION,
     REDUCE_VARIANTS,
     THREADS,
     all_specs,
+    gather_batch_spec,
     gather_spec,
     reduce_spec,
     unpack_spec,
@@ -79,7 +81,8 @@ class AGRS(HybridSteps):
         self._bytes: Dict[str, Any] = {}
         self._typed: Dict[str, Any] = {}          # torch views of the whole data region, per dtype
         self._infos: Dict[Any, Tuple[str, int, str, Tuple[int, ...]]] = {}    # signature -> checked tensor facts
-        self._gather_launch = None                  # the gather kernel's bound launch (every argument patched)
+        self._gather_launch = None                  # hybrid: the gather kernel's bound launch (every argument patched)
+        self._batch_launch = None                   # the batched gather kernel's (sources, mask, epoch, meta patched)
         self._wait_launch, self._wait_idx = None, (0, 0)     # the wait kernel's (epoch and meta patched)
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
@@ -89,6 +92,7 @@ class AGRS(HybridSteps):
     def load_kernels(num_ranks: int) -> Dict[Any, Any]:
         loaded = load_kernels(all_specs(num_ranks))
         kernels = {'gather': loaded[gather_spec(num_ranks).name], 'wait': loaded[wait_spec(num_ranks).name],
+                   'gather_batch': loaded[gather_batch_spec(num_ranks).name],
                    'unpack': loaded[unpack_spec(num_ranks).name]}
         for i, s in REDUCE_VARIANTS:
             kernels[('reduce', i, s)] = loaded[reduce_spec(num_ranks, i, s).name]
@@ -246,9 +250,9 @@ class AGRS(HybridSteps):
         e = self._gather_entries.get(key)
         if e is None:
             e = gather_entry(self, items, single, metas, key)
-        kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions = e
+        kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions, batches = e
         # A source inside the not yet gathered part of the session area must be its own in-place slot.
-        inplace = []
+        inplace, ptrs, mask, bits = [], [], 0, 0
         for i, ((_, ptr), f) in enumerate(zip(metas, per)):
             nbytes = f[1]
             exact = nbytes > 0 and ptr == f[0]
@@ -256,40 +260,80 @@ class AGRS(HybridSteps):
                 raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later gather '
                                  f'writes; pass the views of agrs_get_inplace_tensor in order, or another tensor')
             inplace.append(exact)
+            ptrs.append(ptr)
+            bits |= ptr
+            if not exact:
+                mask |= 1 << i
         plan.used_bytes, plan.num_gathers = end, num_gathers         # `plan.reserve` of these regions
         self.gather_epoch = epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
         buf = self._buf
-        comm = buf.stream_order.begin(interop.current_stream(items[0]))
+        current = interop.current_stream(items[0])
+        comm = buf.stream_order.begin(current)
+        if self.hybrid:
+            g = self._single_gather_launch()
+            g.u32[self._gather_launch_idx[5]], g.u32[self._gather_launch_idx[6]] = epoch, meta
+            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions, inplace, meta)
+        else:
+            self._gather_batches(comm, batches, per, ptrs, mask, bits & 15, epoch, meta)
+        if True in inplace:
+            keep = tuple([t for t, exact in zip(items, inplace) if not exact])
+        else:
+            keep = items
+        record = kind == 'torch' and bool(keep)
+        if record and self.hybrid:
+            s = interop.torch_stream(comm.ptr)
+            for t in keep:
+                t.record_stream(s)
+            record = False
+        return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep,
+                                         (current, comm) if record else None))
+
+    def _single_gather_launch(self):
+        """agrs_gather_kernel's bound launch (hybrid mode: one launch per tensor and step, re-patched each time)."""
         g = self._gather_launch
         if g is None:
+            buf = self._buf
             g = self._gather_launch = self.kernels['gather'].bind(
                 1, THREADS, src=0, num_bytes=0, region_offset=0, peer_bases=buf.sym.peer_bases_ptr,
                 rank=buf.sym.local_idx, write_local=0, do_signal=0, epoch=0, meta=0, meta_word=0)
             self._gather_launch_idx = tuple(g.index(n) for n in ('src', 'num_bytes', 'region_offset',
                                                                  'write_local', 'do_signal', 'epoch', 'meta'))
-        # One bound launch re-patched per tensor: kernels copy their arguments at launch.
-        i_src, i_bytes, i_region, i_local, i_signal, i_epoch, i_meta = self._gather_launch_idx
-        u32, u64, i64, i32 = g.u32, g.u64, g.i64, g.i32
+        return g
+
+    def _gather_batches(self, comm, batches, per, ptrs, mask: int, misaligned: int, epoch: int, meta: int) -> None:
+        """The launches of one all-gather call (single domain): agrs_gather_batch_kernel per GATHER_BATCH tensors
+        (`batches`: `gather_entry`'s (first tensor, end, packed sizes / offsets / count, grid) each), the last one
+        signalling. Per call only the sources, the in-place mask, the epoch and meta are patched."""
+        b = self._batch_launch
+        if b is None:
+            buf = self._buf
+            table = {f'{f}{i}': 0 for i in range(GATHER_BATCH) for f in ('src', 'num_bytes', 'region_offset')}
+            b = self.kernels['gather_batch'].bind(
+                1, THREADS, **table, num_tensors=0, write_local_mask=0, peer_bases=buf.sym.peer_bases_ptr,
+                rank=buf.sym.local_idx, do_signal=0, epoch=0, meta=0)
+            start = b.index('num_bytes0') * 8
+            # The packed run `gather_entry` makes: the sizes, the offsets, then the count, contiguous in the block.
+            assert b.index('region_offset0') * 8 == start + 8 * GATHER_BATCH and \
+                b.index('num_tensors') * 4 == start + 16 * GATHER_BATCH, 'agrs_gather_batch_kernel argument layout'
+            self._batch_idx = (b.index('src0'), slice(start, start + BATCH_PACK.size), b.index('write_local_mask'),
+                               b.index('do_signal'), b.index('epoch'), b.index('meta'))
+            self._batch_bytes = memoryview(b.data).cast('B')
+            self._batch_launch = b
+        i_src, packed, i_mask, i_signal, i_epoch, i_meta = self._batch_idx
+        u32, u64, i32 = b.u32, b.u64, b.i32
         u32[i_epoch], u32[i_meta] = epoch, meta
-        ptrs = [m[1] for m in metas]
-        if self.hybrid:
-            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions, inplace, meta)
-        else:
-            last = len(per) - 1
-            for i, (ptr, f, exact) in enumerate(zip(ptrs, per, inplace)):
-                u64[i_src], i64[i_bytes], u64[i_region] = ptr, f[1], f[2]
-                i32[i_local], i32[i_signal] = 0 if exact else 1, 1 if i == last else 0
-                g.grid = f[3] if f[5] and not ptr & 15 else f[4]
-                g(comm)
-        if True in inplace:
-            keep = tuple([t for t, exact in zip(items, inplace) if not exact])
-        else:
-            keep = items
-        if kind == 'torch' and keep:
-            s = interop.torch_stream(comm.ptr)
-            for t in keep:
-                t.record_stream(s)
-        return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep))
+        last = len(batches) - 1
+        for j, (lo, hi, pack, grid) in enumerate(batches):
+            for i in range(lo, hi):
+                u64[i_src + i - lo] = ptrs[i]
+            self._batch_bytes[packed] = pack
+            u32[i_mask] = (mask >> lo) & 0xFF
+            i32[i_signal] = 1 if j == last else 0
+            if misaligned:          # (a source off 16 bytes takes the byte path: the grid of that path)
+                grid = (max([(f[3] if f[5] and not ptrs[i] & 15 else f[4])[0] for i, f in
+                             zip(range(lo, hi), per[lo:hi])]), 1, 1)
+            b.grid = grid
+            b(comm)
 
     # ---- reductions ----------------------------------------------------------------------------------------------
     def _reduce_area(self, layout) -> int:
