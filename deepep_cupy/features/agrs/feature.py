@@ -25,6 +25,7 @@ from ...jit.launch import load_kernels
 from ...runtime import checks, dtypes, interop
 from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.sizes import ceil_div
+from ...runtime.streams import DeferredRecord
 from .gather_entry import BATCH_PACK, gather_entry
 from .hybrid import HybridSteps
 from .kernels import (
@@ -279,14 +280,12 @@ class AGRS(HybridSteps):
             keep = tuple([t for t, exact in zip(items, inplace) if not exact])
         else:
             keep = items
-        record = kind == 'torch' and bool(keep)
-        if record and self.hybrid:
-            s = interop.torch_stream(comm.ptr)
-            for t in keep:
-                t.record_stream(s)
-            record = False
-        return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep,
-                                         (current, comm) if record else None))
+        deferred = None
+        if kind == 'torch' and keep:
+            deferred = DeferredRecord(keep, current, comm)
+            if self.hybrid:     # (a rail timeout skips the signal that the wait kernel's return would stand for)
+                deferred.mark()
+        return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep, deferred))
 
     def _single_gather_launch(self):
         """agrs_gather_kernel's bound launch (hybrid mode: one launch per tensor and step, re-patched each time)."""
@@ -347,10 +346,11 @@ class AGRS(HybridSteps):
                              f'session_bytes, get_agrs_reduce_num_bytes(...))')
         return self.area_offset + start
 
-    def _result(self, kind: str, tensors, result, record: bool = True) -> EventOverlap:
+    def _result(self, kind: str, current, tensors, result, record: bool = True) -> EventOverlap:
         """The call's event on the communication stream, keeping `tensors` alive (and, with `record`, marking torch
-        ones as used there); `wait()` returns `result`."""
-        event = self._buf.stream_order.event(kind, tensors if record else (), tensors)
+        ones as used there unless the event is waited on `current`, the call's stream: `StreamOrder.scoped_event`);
+        `wait()` returns `result`."""
+        event = self._buf.stream_order.scoped_event(kind, current, tensors if record else (), tensors)
         event.register_hook_after_wait(lambda: result)
         return event
 
@@ -450,7 +450,8 @@ class AGRS(HybridSteps):
         if type(scale) is not float or scale - scale != 0.0:      # (a finite float passes as it is)
             scale = checks.check_finite('scale', scale)
         event = as_event_handle(previous_event)
-        comm = buf.stream_order.begin(interop.current_stream(x), event)
+        current = interop.current_stream(x)
+        comm = buf.stream_order.begin(current, event)
         # With previous_event the communication stream does not wait for the current stream, so memory just freed on
         # the current stream (still in use by its queued kernels) must not become `out`: allocate on the
         # communication stream then, and let torch's allocator also wait for the current stream's uses of `out`.
@@ -464,7 +465,7 @@ class AGRS(HybridSteps):
             self._hybrid_reduce_scatter(kernel_key, ptr, out_ptr, out_dtype == 'bfloat16', layout, scale, area, comm)
         else:
             self._launch_reduce(kernel_key, ptr, out_ptr, layout, scale, area, False, comm, bound)
-        return self._result(kind, (x, out), out)
+        return self._result(kind, current, (x, out), out)
 
     def all_reduce(self, x, scale: float = 1.0, num_sms: int = 0, previous_event=None):
         """Sum every rank's `x` in place (FP32, rank order 0..R-1 per element, deterministic), times `scale`.
@@ -500,9 +501,10 @@ class AGRS(HybridSteps):
         if ptr % 16:
             raise ValueError(f'x must be 16-byte aligned, got address {ptr:#x}')
         num_ranks, rank = buf.num_scaleup_ranks, buf.sym.local_idx
-        comm = buf.stream_order.begin(interop.current_stream(x), as_event_handle(previous_event))
+        current = interop.current_stream(x)
+        comm = buf.stream_order.begin(current, as_event_handle(previous_event))
         if numel == 0:
-            return self._result(kind, (x,), x, record=False)
+            return self._result(kind, current, (x,), x, record=False)
         outer, inner_scale = None, scale
         if self.hybrid:         # the in-domain all-reduce first (scale 1), then the rails
             outer, layout, inner_scale = layout, layout.inner, 1.0
@@ -517,4 +519,4 @@ class AGRS(HybridSteps):
         if outer is not None:
             self._hybrid_all_reduce_rails(ptr, numel, outer, scale, area, comm)
             self._publish_done(epoch, comm)
-        return self._result(kind, (x,), x)
+        return self._result(kind, current, (x,), x)
