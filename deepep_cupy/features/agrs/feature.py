@@ -17,6 +17,7 @@ Hybrid mode (several scale-up domains): hybrid.py.
 
 import contextlib
 import math
+import struct
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -241,45 +242,54 @@ class AGRS(HybridSteps):
         plan = self.plan
         if plan is None or not plan.is_open:
             raise RuntimeError('all_gather needs an open session: use create_agrs_session() or agrs_new_session()')
-        self._check_usable()
+        buf = self._buf
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            self._check_usable()        # (its three conditions read here first: the call costs ~1 us)
         single = not isinstance(tensors, (list, tuple))
         items = (tensors,) if single else tuple(tensors)
-        # Per call: the signatures and pointers; what the signatures and the session's state (bytes and gathers used)
-        # decide (the checks, regions, grids, output views) is looked up, computed once by `gather_entry`.
-        metas = [interop.meta(t) for t in items]
-        key = (single, tuple([m[0] for m in metas]), plan.used_bytes, plan.num_gathers)
-        e = self._gather_entries.get(key)
+        # Per call: the signatures and pointers (`interop.meta`, inlined for torch tensors); what the signatures and the
+        # session's state (bytes and gathers used) decide (the checks, regions, grids, packed launch arguments, output
+        # views) is looked up, computed once by `gather_entry`.
+        tensor_type = interop.TORCH_TENSOR[0]
+        sigs, ptrs = [], []
+        for t in items:
+            if type(t) is tensor_type:
+                sigs.append((t.shape, t.stride(), t.dtype, t.get_device()))
+                ptrs.append(t.data_ptr())
+            else:
+                sig, ptr = interop.meta(t)
+                sigs.append(sig)
+                ptrs.append(ptr)
+        e = self._gather_entries.get((single, tuple(sigs), plan.used_bytes, plan.num_gathers))
         if e is None:
-            e = gather_entry(self, items, single, metas, key)
+            metas = list(zip(sigs, ptrs))
+            e = gather_entry(self, items, single, metas, (single, tuple(sigs), plan.used_bytes, plan.num_gathers))
+            ptrs = [m[1] for m in metas]
         kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions, batches = e
-        # A source inside the not yet gathered part of the session area must be its own in-place slot.
-        inplace, ptrs, mask, bits = [], [], 0, 0
-        for i, ((_, ptr), f) in enumerate(zip(metas, per)):
+        # A source inside the not yet gathered part of the session area must be its own in-place slot (bit i of
+        # `mask` clear: no local copy, the source neither kept nor marked).
+        mask, bits = 0, 0
+        for i, (ptr, f) in enumerate(zip(ptrs, per)):
             nbytes = f[1]
-            exact = nbytes > 0 and ptr == f[0]
-            if not exact and nbytes > 0 and ptr < free_end and ptr + nbytes > free_start:
-                raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later gather '
-                                 f'writes; pass the views of agrs_get_inplace_tensor in order, or another tensor')
-            inplace.append(exact)
-            ptrs.append(ptr)
             bits |= ptr
-            if not exact:
+            if ptr != f[0] or not nbytes:
                 mask |= 1 << i
+                if nbytes and ptr < free_end and ptr + nbytes > free_start:
+                    raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later '
+                                     f'gather writes; pass the views of agrs_get_inplace_tensor in order, or another '
+                                     f'tensor')
         plan.used_bytes, plan.num_gathers = end, num_gathers         # `plan.reserve` of these regions
         self.gather_epoch = epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
-        buf = self._buf
         current = interop.current_stream(items[0])
         comm = buf.stream_order.begin(current)
         if self.hybrid:
             g = self._single_gather_launch()
             g.u32[self._gather_launch_idx[5]], g.u32[self._gather_launch_idx[6]] = epoch, meta
-            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions, inplace, meta)
+            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions,
+                                [not mask >> i & 1 for i in range(len(per))], meta)
         else:
             self._gather_batches(comm, batches, per, ptrs, mask, bits & 15, epoch, meta)
-        if True in inplace:
-            keep = tuple([t for t, exact in zip(items, inplace) if not exact])
-        else:
-            keep = items
+        keep = items if mask == (1 << len(items)) - 1 else tuple([t for i, t in enumerate(items) if mask >> i & 1])
         deferred = None
         if kind == 'torch' and keep:
             deferred = DeferredRecord(keep, current, comm)
@@ -314,25 +324,35 @@ class AGRS(HybridSteps):
             # The packed run `gather_entry` makes: the sizes, the offsets, then the count, contiguous in the block.
             assert b.index('region_offset0') * 8 == start + 8 * GATHER_BATCH and \
                 b.index('num_tensors') * 4 == start + 16 * GATHER_BATCH, 'agrs_gather_batch_kernel argument layout'
-            self._batch_idx = (b.index('src0'), slice(start, start + BATCH_PACK.size), b.index('write_local_mask'),
+            assert b.index('src0') == 0, 'agrs_gather_batch_kernel: the sources come first'
+            src_pack = [struct.Struct(f'={n}Q') for n in range(GATHER_BATCH + 1)]     # the first n sources
+            self._batch_idx = (src_pack, slice(start, start + BATCH_PACK.size), b.index('write_local_mask'),
                                b.index('do_signal'), b.index('epoch'), b.index('meta'))
             self._batch_bytes = memoryview(b.data).cast('B')
             self._batch_launch = b
-        i_src, packed, i_mask, i_signal, i_epoch, i_meta = self._batch_idx
-        u32, u64, i32 = b.u32, b.u64, b.i32
+        src_pack, packed, i_mask, i_signal, i_epoch, i_meta = self._batch_idx
+        u32, data = b.u32, b.data
         u32[i_epoch], u32[i_meta] = epoch, meta
+        if len(batches) == 1:       # (every call of up to GATHER_BATCH tensors)
+            _, n, pack, grid = batches[0]
+            src_pack[n].pack_into(data, 0, *ptrs)
+            self._batch_bytes[packed] = pack
+            u32[i_mask], b.i32[i_signal] = mask, 1
+            b.grid = grid if not misaligned else self._misaligned_grid(per, ptrs, 0, n)
+            b(comm)
+            return
         last = len(batches) - 1
         for j, (lo, hi, pack, grid) in enumerate(batches):
-            for i in range(lo, hi):
-                u64[i_src + i - lo] = ptrs[i]
+            src_pack[hi - lo].pack_into(data, 0, *ptrs[lo:hi])
             self._batch_bytes[packed] = pack
-            u32[i_mask] = (mask >> lo) & 0xFF
-            i32[i_signal] = 1 if j == last else 0
-            if misaligned:          # (a source off 16 bytes takes the byte path: the grid of that path)
-                grid = (max([(f[3] if f[5] and not ptrs[i] & 15 else f[4])[0] for i, f in
-                             zip(range(lo, hi), per[lo:hi])]), 1, 1)
-            b.grid = grid
+            u32[i_mask], b.i32[i_signal] = (mask >> lo) & 0xFF, 1 if j == last else 0
+            b.grid = grid if not misaligned else self._misaligned_grid(per, ptrs, lo, hi)
             b(comm)
+
+    @staticmethod
+    def _misaligned_grid(per, ptrs, lo: int, hi: int):
+        """The grid of tensors lo..hi-1 when a source is off 16 bytes (it takes the byte path, with its own grid)."""
+        return (max([(f[3] if f[5] and not ptr & 15 else f[4])[0] for ptr, f in zip(ptrs[lo:hi], per[lo:hi])]), 1, 1)
 
     # ---- reductions ----------------------------------------------------------------------------------------------
     def _reduce_area(self, layout) -> int:
@@ -408,7 +428,8 @@ class AGRS(HybridSteps):
             `[shape[0] / R, ...]` otherwise (`[...]` when shape[0] == R and x has 2+ dims), dtype of `x`.
         """
         buf = self._buf
-        self._check_usable()
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            self._check_usable()
         sig, ptr = interop.meta(x)
         key = (sig, comm_precision, num_sms, type(num_sms))
         checked = self._reduce_checked.get(key)
@@ -478,7 +499,8 @@ class AGRS(HybridSteps):
             `EventOverlap`; `wait()` makes the current stream wait and returns `x`.
         """
         buf = self._buf
-        self._check_usable()
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            self._check_usable()
         sig, ptr = interop.meta(x)
         key = ('all_reduce', sig, num_sms, type(num_sms))
         checked = self._reduce_checked.get(key)

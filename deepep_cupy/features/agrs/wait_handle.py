@@ -27,7 +27,8 @@ class AGRSWaitHandle:
         if st.session_idx != self._session_idx or not st.plan.is_open:
             raise RuntimeError('this all-gather\'s session was destroyed: call the wait handle before '
                                'destroy_agrs_session() (the outputs are invalid now)')
-        st._check_usable()
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            st._check_usable()
         stream = interop.current_stream(self._like)
         if self._deferred is not None:
             self._deferred.waited_on(stream)
