@@ -677,13 +677,14 @@ def test_rank_program_stress_on_emulated_kernels(num_ranks, monkeypatch):
         buf = _HostBuffer(group, ElasticBuffer.get_agrs_buffer_size_hint(group, session, reduce_bytes))
         buf.agrs_set_config(session, 4)
         checked = sum(prog.run_stress(buf, args, it) for it in range(2))
+        checked += prog.test_many_tensors(buf, args, session)
         tried = prog.test_errors(buf, args)
         return checked, tried
 
     with ThreadPoolExecutor(num_ranks) as pool:
         results = list(pool.map(rank_main, range(num_ranks)))
     for checked, tried in results:
-        assert checked == 2 * (12 + 10)
+        assert checked == 2 * (12 + 10) + 11 + 9 + 1
         assert len(tried) >= 15 and all(': ' in line for line in tried)
 
 
