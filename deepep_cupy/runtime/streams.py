@@ -22,7 +22,7 @@ Joining a stream during a torch graph capture (an eager tail folded into the com
 thread-local or relaxed mode) was checked on 1xH200 with torch 2.11: the capture and its replay succeed.
 """
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from .. import envs
 from . import interop
@@ -138,7 +138,8 @@ class StreamOrder:
         `record` are marked as used on the communication stream only if the event is waited on another stream than
         `current`, or dropped unwaited (`DeferredRecord`); `keep` must hold them."""
         if kind == 'torch' and record:
-            return DeferredRecordOverlap(EventHandle(self.comm), keep, DeferredRecord(record, current, self.comm))
+            return DeferredRecordOverlap(EventHandle(self.comm), keep,
+                                         DeferredRecord(tuple(record), current, self.comm))
         return EventOverlap(EventHandle(self.comm), extra_tensors=tuple(keep))
 
     def finish(self, kind: str, current, async_with_compute_stream: bool, tensors: Sequence[Any]) -> EventOverlap:
@@ -164,8 +165,8 @@ class DeferredRecord:
 
     __slots__ = ('tensors', 'current', 'comm')
 
-    def __init__(self, tensors: Sequence[Any], current, comm):
-        self.tensors, self.current, self.comm = tuple(tensors), current, comm
+    def __init__(self, tensors: Tuple[Any, ...], current, comm):
+        self.tensors, self.current, self.comm = tensors, current, comm
 
     def waited_on(self, stream) -> None:
         """The completion was made a dependency of `stream` (a CuPy stream object)."""
@@ -183,10 +184,11 @@ class DeferredRecord:
                 t.record_stream(s)
 
     def __del__(self):
-        try:
-            self.mark()
-        except Exception:       # interpreter shutdown: nothing left to protect
-            pass
+        if self.tensors:
+            try:
+                self.mark()
+            except Exception:       # interpreter shutdown: nothing left to protect
+                pass
 
 
 class DeferredRecordOverlap(EventOverlap):
