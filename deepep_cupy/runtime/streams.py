@@ -161,7 +161,9 @@ class DeferredRecord:
     on): no `record_stream` is needed, as for any kernel of `current`. Waited for on another stream, or dropped
     without a wait, they are marked as used on `comm` then (`record_stream` only takes effect when the memory is
     freed, so marking late is as good as at the launch, as long as they are alive, which this object ensures).
-    A tensor allocated on a third stream is the caller's to order, as for any use on `current`."""
+    A tensor allocated on a third stream is the caller's to order, as for any use on `current`; so is freeing a
+    tensor's storage explicitly (`untyped_storage().resize_(0)`) before the wait, which `record_stream` at the launch
+    would have covered."""
 
     __slots__ = ('tensors', 'current', 'comm')
 
