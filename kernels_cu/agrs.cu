@@ -25,12 +25,13 @@
 //                                        wrongly (wrap-safe >= fails) after 32768 epochs and a reducer would read
 //                                        stale data.
 //
-// All-gather (gather epoch e = the host's count of all_gather calls): one agrs_gather_kernel per tensor on the
-// communication stream stores this rank's bytes into slot [me] of the tensor's region at every rank (16-byte vector
-// stores; the local store is skipped when the source already is that slot, the in-place case). The last launch of a
-// call (earlier launches are complete by stream order) publishes, from its last block, meta[me][e % 32] and then
-// gather_signal[me] = e at every rank, itself included (release). agrs_wait_kernel, launched by the wait handle on
-// the user's stream, waits gather_signal[p] >= e for every p (acquire) and checks meta[p][e % 32] against its own
+// All-gather (gather epoch e = the host's count of all_gather calls): agrs_gather_batch_kernel (up to 8 tensors per
+// launch; hybrid mode: agrs_gather_kernel, one per tensor and step) on the communication stream stores this rank's
+// bytes into slot [me] of each tensor's region at every rank (16-byte vector stores; the local store is skipped when
+// the source already is that slot, the in-place case). The last launch of a call (earlier launches are complete by
+// stream order) publishes, from its last block, meta[me][e % 32] and then gather_signal[me] = e at every rank, itself
+// included (release). agrs_wait_kernel, launched by the wait handle on the user's stream, waits gather_signal[p] >= e
+// for every p (acquire) and checks meta[p][e % 32] against its own
 // (ranks that disagree on sizes are reported instead of returning garbage). A session holds at most 32 calls and its
 // destroy is a barrier ordered after the user's stream, so a peer is never 32 gather epochs ahead of a waiter and the
 // meta slot is still the one of epoch e.
@@ -217,21 +218,17 @@ __device__ __forceinline__ float round_bf16(float v) { return bf16_lo(pack_bf16x
 // ---- all-gather ---------------------------------------------------------------------------------------------------
 
 // Store `num_bytes` bytes of `src` into slot [rank] (at region_offset + rank * num_bytes) of every rank's buffer, the
-// local one only if `write_local`; with `do_signal`, publish meta and gather_signal[rank] = epoch at every rank.
+// local one only if `write_local`, with the grid's threads (`tid` of `num_threads`).
 template <int kNumRanks>
-__global__ void __launch_bounds__(kAgrsThreads, 1)
-agrs_gather_kernel(const uint8_t* src, int64_t num_bytes, uint64_t region_offset, const uint64_t* peer_bases, int rank,
-                   int write_local, int do_signal, uint32_t epoch, uint32_t meta, const uint32_t* meta_word) {
-    static_assert(kNumRanks >= 1 && kNumRanks <= kAgrsMaxRanks, "all-gather supports up to 8 ranks");
-    const AgrsCtrl ctrl{peer_bases, rank};
-    const uint64_t slot_offset = region_offset + static_cast<uint64_t>(rank) * static_cast<uint64_t>(num_bytes);
+__device__ __forceinline__ void agrs_copy_slot(const AgrsCtrl& ctrl, const uint8_t* src, int64_t num_bytes,
+                                               uint64_t region_offset, bool write_local, int64_t tid,
+                                               int64_t num_threads) {
+    const uint64_t slot_offset = region_offset + static_cast<uint64_t>(ctrl.rank) * static_cast<uint64_t>(num_bytes);
     uint8_t* dst[kNumRanks];
     #pragma unroll
     for (int p = 0; p < kNumRanks; ++p)
-        dst[p] = (p != rank || write_local) ? ctrl.base(p) + slot_offset : nullptr;
+        dst[p] = (p != ctrl.rank || write_local) ? ctrl.base(p) + slot_offset : nullptr;
 
-    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kAgrsThreads;
-    const int64_t tid = static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x;
     const bool vec = (num_bytes % 16 == 0) && (reinterpret_cast<uint64_t>(src) % 16 == 0) && (slot_offset % 16 == 0);
     if (vec) {
         // Each vector is read once and stored into every rank's slot.
@@ -253,7 +250,31 @@ agrs_gather_kernel(const uint8_t* src, int64_t num_bytes, uint64_t region_offset
                     dst[p][i] = b;
         }
     }
+}
 
+// After every block's copies (the grid's last block, `last_block_done`): publish meta[me][epoch % 32] and then
+// gather_signal[me] = epoch at every rank, itself included (release). Every thread of the last block calls it.
+template <int kNumRanks>
+__device__ __forceinline__ void agrs_publish_gather(const AgrsCtrl& ctrl, uint32_t epoch, uint32_t meta) {
+    const int p = threadIdx.x;
+    if (p < kNumRanks) {
+        uint32_t* remote = ctrl.words(p);
+        remote[kAgrsGatherMeta + ctrl.rank * kAgrsMetaSlots + epoch % kAgrsMetaSlots] = meta;  // ordered by the release
+        st_release_sys(remote + kAgrsSigGather + ctrl.rank, epoch);
+    }
+}
+
+// One tensor of an all-gather call (hybrid mode's steps launch it per tensor and shard): agrs_copy_slot of `src`;
+// with `do_signal`, agrs_publish_gather after it.
+template <int kNumRanks>
+__global__ void __launch_bounds__(kAgrsThreads, 1)
+agrs_gather_kernel(const uint8_t* src, int64_t num_bytes, uint64_t region_offset, const uint64_t* peer_bases, int rank,
+                   int write_local, int do_signal, uint32_t epoch, uint32_t meta, const uint32_t* meta_word) {
+    static_assert(kNumRanks >= 1 && kNumRanks <= kAgrsMaxRanks, "all-gather supports up to 8 ranks");
+    const AgrsCtrl ctrl{peer_bases, rank};
+    agrs_copy_slot<kNumRanks>(ctrl, src, num_bytes, region_offset, write_local != 0,
+                              static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x,
+                              static_cast<int64_t>(gridDim.x) * kAgrsThreads);
     if (!do_signal || !last_block_done(ctrl.local() + kAgrsTicketGather))
         return;
     // Hybrid mode: the meta the rail check published (agrs_rail_meta_kernel); kAgrsMetaSkip: do not signal at all.
@@ -262,12 +283,43 @@ agrs_gather_kernel(const uint8_t* src, int64_t num_bytes, uint64_t region_offset
         if (meta == kAgrsMetaSkip)
             return;
     }
-    const int p = threadIdx.x;
-    if (p < kNumRanks) {
-        uint32_t* remote = ctrl.words(p);
-        remote[kAgrsGatherMeta + rank * kAgrsMetaSlots + epoch % kAgrsMetaSlots] = meta;  // ordered by the release
-        st_release_sys(remote + kAgrsSigGather + rank, epoch);
-    }
+    agrs_publish_gather<kNumRanks>(ctrl, epoch, meta);
+}
+
+// Up to kAgrsGatherBatch tensors of one all-gather call in one launch (the single-domain path): tensor t < num_tensors
+// is (src<t>, num_bytes<t>, region_offset<t>), stored as agrs_gather_kernel would with write_local = bit t of
+// `write_local_mask`; the whole grid copies the tensors one after another (no block split: a grid sized for the
+// largest tensor). With `do_signal` (the call's last launch: calls of more tensors launch it once per kAgrsGatherBatch
+// tensors, on one stream), the grid's last block publishes the call's signal once, after every tensor. The descriptor
+// table travels by value in the launch's arguments (one scalar parameter per field: the launcher passes scalars).
+constexpr int kAgrsGatherBatch = 8;
+
+template <int kNumRanks>
+__global__ void __launch_bounds__(kAgrsThreads, 1)
+agrs_gather_batch_kernel(const uint8_t* src0, const uint8_t* src1, const uint8_t* src2, const uint8_t* src3,
+                         const uint8_t* src4, const uint8_t* src5, const uint8_t* src6, const uint8_t* src7,
+                         int64_t num_bytes0, int64_t num_bytes1, int64_t num_bytes2, int64_t num_bytes3,
+                         int64_t num_bytes4, int64_t num_bytes5, int64_t num_bytes6, int64_t num_bytes7,
+                         uint64_t region_offset0, uint64_t region_offset1, uint64_t region_offset2,
+                         uint64_t region_offset3, uint64_t region_offset4, uint64_t region_offset5,
+                         uint64_t region_offset6, uint64_t region_offset7, int num_tensors, uint32_t write_local_mask,
+                         const uint64_t* peer_bases, int rank, int do_signal, uint32_t epoch, uint32_t meta) {
+    static_assert(kNumRanks >= 1 && kNumRanks <= kAgrsMaxRanks, "all-gather supports up to 8 ranks");
+    const AgrsCtrl ctrl{peer_bases, rank};
+    const uint8_t* const srcs[kAgrsGatherBatch] = {src0, src1, src2, src3, src4, src5, src6, src7};
+    const int64_t sizes[kAgrsGatherBatch] = {num_bytes0, num_bytes1, num_bytes2, num_bytes3,
+                                             num_bytes4, num_bytes5, num_bytes6, num_bytes7};
+    const uint64_t regions[kAgrsGatherBatch] = {region_offset0, region_offset1, region_offset2, region_offset3,
+                                                region_offset4, region_offset5, region_offset6, region_offset7};
+    const int64_t tid = static_cast<int64_t>(blockIdx.x) * kAgrsThreads + threadIdx.x;
+    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kAgrsThreads;
+    const int n = num_tensors < kAgrsGatherBatch ? num_tensors : kAgrsGatherBatch;
+    for (int t = 0; t < n; ++t)
+        agrs_copy_slot<kNumRanks>(ctrl, srcs[t], sizes[t], regions[t], (write_local_mask >> t) & 1u, tid,
+                                  num_threads);
+    if (!do_signal || !last_block_done(ctrl.local() + kAgrsTicketGather))
+        return;
+    agrs_publish_gather<kNumRanks>(ctrl, epoch, meta);
 }
 
 // One block of 32 threads on the user's stream: thread p waits for rank p's gather epoch `epoch` and checks its meta.

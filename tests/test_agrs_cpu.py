@@ -29,7 +29,7 @@ MiB = 1 << 20
 def test_agrs_family_specialisations():
     # Compiled for sm_90 with every other shipped specialisation (tests/test_jit.py).
     specs = agrs_kernels.shipped_specs()['agrs']
-    assert len(specs) == 6 * 8 + 5 and len({s.name for s in specs}) == len(specs)      # + 5 of hybrid mode
+    assert len(specs) == 7 * 8 + 5 and len({s.name for s in specs}) == len(specs)      # + 5 of hybrid mode
 
 
 def test_agrs_launch_declarations_match_kernel_signatures():
@@ -302,6 +302,7 @@ class _FakeAGRS(agrs_feature.AGRS):
     def load_kernels(self, n):
         self.log = []
         kernels = {'gather': _FakeKernel(agrs_kernels.gather_spec(n), self.log),
+                   'gather_batch': _FakeKernel(agrs_kernels.gather_batch_spec(n), self.log),
                    'wait': _FakeKernel(agrs_kernels.wait_spec(n), self.log),
                    'unpack': _FakeKernel(agrs_kernels.unpack_spec(n), self.log)}
         for i, s in agrs_kernels.REDUCE_VARIANTS:
@@ -399,26 +400,61 @@ def test_all_gather_launches_and_outputs(fakes):
         out, handle = buf.all_gather(a)
         assert out == ('view', 'cupy', 0, 4 * 4096, 'uint16', (4, 32, 64))
         (g,) = st.log
-        assert g[0] == 'agrs_gather_kernel' and g[4] is buf.comm_stream and not g[5]
-        assert g[3]['region_offset'] == buf.data_offset and g[3]['write_local'] == 1 and g[3]['do_signal'] == 1
+        assert g[0] == 'agrs_gather_batch_kernel' and g[4] is buf.comm_stream and not g[5]
+        assert g[3]['region_offset0'] == buf.data_offset and g[3]['write_local_mask'] == 1 and g[3]['do_signal'] == 1
+        assert g[3]['num_tensors'] == 1 and g[3]['src0'] == a.info.ptr and g[3]['num_bytes0'] == 4096
         assert g[3]['epoch'] == 1 and g[3]['meta'] == 4 * 4096 // 32 and g[3]['rank'] == 2
+        assert g[1] == agrs_plan.gather_grid(4096, True, 32)
         assert fakes.waits == 0 and buf.comm_stream.waits == 1
         handle()
         w = st.log[-1]
         assert w[0] == 'agrs_wait_kernel' and w[4] is fakes and (w[1], w[2]) == (1, 32)
         assert (w[3]['epoch'], w[3]['meta']) == (1, 4 * 4096 // 32)
 
-        # Batched: one launch per tensor, only the last one signals; one epoch and meta for the call.
+        # A list: one launch for the call, one epoch and meta, tensors in order; the grid the largest one needs.
         st.log.clear()
         *outs, handle = buf.all_gather([b, a])
-        assert [o[2] for o in outs] == [4 * 4096, 4 * 4096 + 160] and len(st.log) == 2
-        assert [e[3]['do_signal'] for e in st.log] == [0, 1] and {e[3]['epoch'] for e in st.log} == {2}
-        assert st.log[0][3]['meta'] == st.log[1][3]['meta'] == (4 * 4096 + 160 + 4 * 4096) // 32
+        assert [o[2] for o in outs] == [4 * 4096, 4 * 4096 + 160] and len(st.log) == 1
+        (g,) = st.log
+        assert g[3]['num_tensors'] == 2 and g[3]['do_signal'] == 1 and g[3]['epoch'] == 2
+        assert (g[3]['src0'], g[3]['src1']) == (b.info.ptr, a.info.ptr)
+        assert (g[3]['num_bytes0'], g[3]['num_bytes1']) == (40, 4096)
+        assert (g[3]['region_offset0'], g[3]['region_offset1']) == (buf.data_offset + 4 * 4096,
+                                                                    buf.data_offset + 4 * 4096 + 160)
+        assert g[3]['write_local_mask'] == 3 and g[1] == agrs_plan.gather_grid(4096, True, 32)
+        assert g[3]['meta'] == (4 * 4096 + 160 + 4 * 4096) // 32
         with pytest.raises(ValueError, match='num_max_all_gathers_per_session=4'):
             buf.all_gather([a, a])
     with pytest.raises(RuntimeError, match='destroyed'):
         handle()
     assert buf.barriers == 2
+
+
+def test_all_gather_batches_beyond_capacity_in_place_and_misaligned(fakes):
+    """Ten tensors: two batched launches (8 + 2), only the last signalling; the in-place source's bit is clear in its
+    launch's mask; a source off 16 bytes takes the byte path's grid."""
+    buf = _Buf(num_ranks=2, rank=1)
+    buf.agrs_set_config(8 * MiB, 32)
+    st = buf._agrs
+    n = 64 * 1024                      # bytes per tensor: the grid of the 16-byte path is smaller than the byte path's
+    with buf.agrs_new_session():
+        slot = _FakeArray((n,), 'uint8', ptr=st.data_base + 1 * n)      # rank 1's slot of the first region
+        srcs = [slot] + [_FakeArray((n,), 'uint8') for _ in range(9)]
+        *outs, handle = buf.all_gather(srcs)
+        assert len(outs) == 10 and len(st.log) == 2
+        first, second = (e[3] for e in st.log)
+        assert (first['num_tensors'], second['num_tensors']) == (8, 2)
+        assert (first['do_signal'], second['do_signal']) == (0, 1) and first['epoch'] == second['epoch'] == 1
+        assert first['write_local_mask'] == 0xFE and second['write_local_mask'] == 0x3
+        assert [first[f'src{i}'] for i in range(8)] + [second['src0'], second['src1']] == [t.info.ptr for t in srcs]
+        assert second['region_offset1'] == buf.data_offset + 9 * 2 * n and second['num_bytes1'] == n
+        assert st.log[0][1] == agrs_plan.gather_grid(n, True, 32) < agrs_plan.gather_grid(n, False, 32)
+        st.log.clear()
+        odd = _FakeArray((n,), 'uint8', ptr=_FakeArray((1,)).info.ptr + 1)
+        buf.all_gather([_FakeArray((n,), 'uint8'), odd])
+        (g,) = st.log
+        assert g[1] == agrs_plan.gather_grid(n, False, 32) and g[3]['src1'] % 16 == 1
+    del handle
 
 
 def test_all_gather_in_place_and_overlap_checks(fakes):
@@ -441,12 +477,12 @@ def test_all_gather_in_place_and_overlap_checks(fakes):
             buf.all_gather(_FakeArray((4,), 'float32', device=1))
         assert not st.log and st.plan.used_bytes == 0          # nothing launched or reserved by the failures
         buf.all_gather([first, second])
-        assert [e[3]['write_local'] for e in st.log] == [0, 0]
-        assert [e[3]['src'] for e in st.log] == [base + 128, base + 268]
+        (g,) = st.log
+        assert g[3]['write_local_mask'] == 0 and (g[3]['src0'], g[3]['src1']) == (base + 128, base + 268)
         # Reading an earlier region (a gathered output) is fine and copies.
         st.log.clear()
         buf.all_gather(_FakeArray((8, 4), 'float32', ptr=base))
-        assert st.log[0][3]['write_local'] == 1 and st.log[0][3]['region_offset'] == buf.data_offset + 288
+        assert st.log[0][3]['write_local_mask'] == 1 and st.log[0][3]['region_offset0'] == buf.data_offset + 288
 
 
 def test_reduce_scatter_checks_and_launch(fakes):
@@ -536,6 +572,7 @@ class _HostAGRS(agrs_feature.AGRS):
     def load_kernels(self, n):
         buf = self._buf
         kernels = {'gather': _EmuKernel(agrs_kernels.gather_spec(n), lambda a: self._gather(buf, a)),
+                   'gather_batch': _EmuKernel(agrs_kernels.gather_batch_spec(n), lambda a: self._gather_batch(buf, a)),
                    'wait': _EmuKernel(agrs_kernels.wait_spec(n), lambda a: self._wait(buf, a)),
                    'unpack': _EmuKernel(agrs_kernels.unpack_spec(n), lambda a: self._unpack(buf, a))}
         for i, s in agrs_kernels.REDUCE_VARIANTS:
@@ -555,6 +592,16 @@ class _HostAGRS(agrs_feature.AGRS):
                 buf.mem[offset + r * n:offset + (r + 1) * n] = np.frombuffer(d, np.uint8)
             if signal:
                 st.signal[r], st.meta[(r, epoch % 32)] = epoch, meta
+
+    @classmethod
+    def _gather_batch(cls, buf, a):
+        # agrs_gather_batch_kernel: its tensors one after another, the signal (if any) after the last one.
+        n = a['num_tensors']
+        assert 1 <= n <= agrs_kernels.GATHER_BATCH and a['write_local_mask'] < 1 << n
+        for t in range(n):
+            cls._gather(buf, dict(src=a[f'src{t}'], num_bytes=a[f'num_bytes{t}'],
+                                  region_offset=a[f'region_offset{t}'], write_local=(a['write_local_mask'] >> t) & 1,
+                                  do_signal=a['do_signal'] if t == n - 1 else 0, epoch=a['epoch'], meta=a['meta']))
 
     @staticmethod
     def _wait(buf, a):
@@ -630,13 +677,14 @@ def test_rank_program_stress_on_emulated_kernels(num_ranks, monkeypatch):
         buf = _HostBuffer(group, ElasticBuffer.get_agrs_buffer_size_hint(group, session, reduce_bytes))
         buf.agrs_set_config(session, 4)
         checked = sum(prog.run_stress(buf, args, it) for it in range(2))
+        checked += prog.test_many_tensors(buf, args, session)
         tried = prog.test_errors(buf, args)
         return checked, tried
 
     with ThreadPoolExecutor(num_ranks) as pool:
         results = list(pool.map(rank_main, range(num_ranks)))
     for checked, tried in results:
-        assert checked == 2 * (12 + 10)
+        assert checked == 2 * (12 + 10) + 11 + 9 + 1
         assert len(tried) >= 15 and all(': ' in line for line in tried)
 
 

@@ -259,12 +259,17 @@ class _EmuAGRS(agrs_feature.AGRS):
 
     def load_kernels(self, n):
         k = {'gather': buffer_fakes.RecordingKernel(agrs_kernels.gather_spec(n), run=self._gather),
+             'gather_batch': buffer_fakes.RecordingKernel(agrs_kernels.gather_batch_spec(n), run=self._no_batch),
              'wait': buffer_fakes.RecordingKernel(agrs_kernels.wait_spec(n), run=self._wait),
              'unpack': buffer_fakes.RecordingKernel(agrs_kernels.unpack_spec(n), run=self._unpack)}
         for i, s in agrs_kernels.REDUCE_VARIANTS:
             k[('reduce', i, s)] = buffer_fakes.RecordingKernel(agrs_kernels.reduce_spec(n, i, s),
                                                                run=lambda a, i=i, s=s: self._reduce(a, i, s))
         return k
+
+    @staticmethod
+    def _no_batch(a):
+        raise AssertionError('hybrid mode launches agrs_gather_kernel per tensor and step, not the batched kernel')
 
     # kernels/agrs.cu, on host memory
     def _gather(self, a):
@@ -539,6 +544,7 @@ def test_a_gpu_timeout_aborts_the_rails(emulated, monkeypatch):
         def timed_out():
             raise TimeoutError('deepep_cupy rank 0: GPU wait timed out after 1 s in hybrid rail exchange (all-gather)')
         buf.check_usable = timed_out
+        buf.error_record[0] = 1         # (what a kernel's timeout report writes; calls check the record first)
         transport = buf._agrs.rails.transport
         out = []
         for _ in range(2):

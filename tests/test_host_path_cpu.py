@@ -27,16 +27,16 @@ PINNED = {
     'dispatch fp8 no-sync': dict(launch=2, alloc=3, event=1, event_new=0, record_stream=0),
     'combine': dict(launch=1, alloc=1, event=1, event_new=0, record_stream=0),
     'combine weights': dict(launch=1, alloc=2, event=1, event_new=0, record_stream=0),
-    'all_gather 4 x 1 MiB (+ session)': dict(launch=4, alloc=0, event=2, event_new=0, record_stream=4),
-    'all_gather 4 x 1 MiB (+ wait)': dict(launch=5, alloc=0, event=2, event_new=0, record_stream=4),
+    'all_gather 4 x 1 MiB (+ session)': dict(launch=1, alloc=0, event=2, event_new=0, record_stream=4),
+    'all_gather 4 x 1 MiB (+ wait)': dict(launch=2, alloc=0, event=2, event_new=0, record_stream=0),
     'reduce_scatter 4 MiB': dict(launch=1, alloc=1, event=3, event_new=0, record_stream=2),
-    'reduce_scatter 4 MiB (+ wait)': dict(launch=1, alloc=1, event=4, event_new=0, record_stream=2),
+    'reduce_scatter 4 MiB (+ wait)': dict(launch=1, alloc=1, event=4, event_new=0, record_stream=0),
     'all_reduce 4 MiB': dict(launch=1, alloc=0, event=3, event_new=0, record_stream=1),
-    'all_reduce 4 MiB (+ wait)': dict(launch=1, alloc=0, event=4, event_new=0, record_stream=1),
+    'all_reduce 4 MiB (+ wait)': dict(launch=1, alloc=0, event=4, event_new=0, record_stream=0),
     'pp_send 1 MiB': dict(launch=1, alloc=0, event=1, event_new=0, record_stream=0),
     'pp_recv 1 MiB': dict(launch=1, alloc=0, event=1, event_new=0, record_stream=0),
     'engram_fetch 128 x 4': dict(launch=2, alloc=0, event=3, event_new=0, record_stream=1),
-    'engram_fetch 128 x 4 (+ hook)': dict(launch=2, alloc=0, event=4, event_new=0, record_stream=1),
+    'engram_fetch 128 x 4 (+ hook)': dict(launch=2, alloc=0, event=4, event_new=0, record_stream=0),
 }
 
 
@@ -207,6 +207,25 @@ assert ag.plan.used_bytes == 0 and h.API['launch'] == launches and ag._gather_en
 slot = torch.from_numpy(buf.sym.local_view(ag.area_offset, 1 << 20).view(np.float32))
 *_, wait = ag.all_gather([slot, tensors[1]])
 assert wait._keep_alive == (tensors[1],)            # the in-place source is neither kept nor recorded
+ag.plan.close()
+# Sources are marked as used on the communication stream only when the handle cannot order their last use: called on
+# the stream of the call, nothing; on another stream, or dropped uncalled, each kept (not in-place) source once.
+ag.create_session()
+del wait                                            # (the handle above, dropped uncalled: its source marked now)
+marked = h.API['record_stream']
+*_, wait = ag.all_gather(tensors)
+wait()
+assert h.API['record_stream'] == marked and wait._keep_alive == ()
+*_, wait = ag.all_gather(tensors)
+same = h.interop.current_stream
+h.interop.current_stream = lambda like=None: h.CountingStream('other')
+wait()
+h.interop.current_stream = same
+assert h.API['record_stream'] == marked + 2
+slot = torch.from_numpy(buf.sym.local_view(ag.area_offset + ag.plan.used_bytes, 1 << 20).view(np.float32))
+*_, wait = ag.all_gather([slot, tensors[0]])
+del wait
+assert h.API['record_stream'] == marked + 3        # dropped uncalled: the copied source only
 ag.plan.close()
 ag.set_config(8 << 20, 32)                          # a new plan: the entries of the old one go
 assert ag._gather_entries == {}

@@ -22,7 +22,7 @@ Joining a stream during a torch graph capture (an eager tail folded into the com
 thread-local or relaxed mode) was checked on 1xH200 with torch 2.11: the capture and its replay succeed.
 """
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from .. import envs
 from . import interop
@@ -133,6 +133,15 @@ class StreamOrder:
                 t.record_stream(s)
         return EventOverlap(EventHandle(self.comm), extra_tensors=tuple(keep))
 
+    def scoped_event(self, kind: str, current, record: Sequence[Any] = (), keep: Sequence[Any] = ()) -> EventOverlap:
+        """`event`, for a call that `begin` ordered after `current` (or after a `previous_event`): torch tensors of
+        `record` are marked as used on the communication stream only if the event is waited on another stream than
+        `current`, or dropped unwaited (`DeferredRecord`); `keep` must hold them."""
+        if kind == 'torch' and record:
+            return DeferredRecordOverlap(EventHandle(self.comm), keep,
+                                         DeferredRecord(tuple(record), current, self.comm))
+        return EventOverlap(EventHandle(self.comm), extra_tensors=tuple(keep))
+
     def finish(self, kind: str, current, async_with_compute_stream: bool, tensors: Sequence[Any]) -> EventOverlap:
         """DeepEP's end of a call: with `async_with_compute_stream`, an event holding (and recorded on) `tensors`
         (None entries skipped); else the current stream waits and the event is empty."""
@@ -141,3 +150,69 @@ class StreamOrder:
             return self.event(kind, live, live)
         self.end(current)
         return EventOverlap(None)
+
+
+class DeferredRecord:
+    """Torch tensors that a call used on the communication stream `comm`, between the caller's stream `current` and
+    a completion the caller waits for later (an event, a wait kernel), held until then.
+
+    Waited for on `current`, their last use on `comm` is ordered before everything `current` does afterwards, which is
+    where torch's allocator reuses memory freed on `current` (the stream a caller's tensors are normally allocated
+    on): no `record_stream` is needed, as for any kernel of `current`. Waited for on another stream, or dropped
+    without a wait, they are marked as used on `comm` then (`record_stream` only takes effect when the memory is
+    freed, so marking late is as good as at the launch, as long as they are alive, which this object ensures).
+    A tensor allocated on a third stream is the caller's to order, as for any use on `current`; so is freeing a
+    tensor's storage explicitly (`untyped_storage().resize_(0)`) before the wait, which `record_stream` at the launch
+    would have covered."""
+
+    __slots__ = ('tensors', 'current', 'comm')
+
+    def __init__(self, tensors: Tuple[Any, ...], current, comm):
+        self.tensors, self.current, self.comm = tensors, current, comm
+
+    def waited_on(self, stream) -> None:
+        """The completion was made a dependency of `stream` (a CuPy stream object)."""
+        if self.tensors:
+            current = self.current
+            if stream is not current and stream.ptr != current.ptr:
+                self.mark()
+            self.tensors = ()
+
+    def mark(self) -> None:
+        tensors, self.tensors = self.tensors, ()
+        if tensors:
+            s = interop.torch_stream(self.comm.ptr)
+            for t in tensors:
+                t.record_stream(s)
+
+    def __del__(self):
+        if self.tensors:
+            try:
+                self.mark()
+            except Exception:       # interpreter shutdown: nothing left to protect
+                pass
+
+
+class DeferredRecordOverlap(EventOverlap):
+    """An `EventOverlap` whose tensors' `record_stream` is a `DeferredRecord` (`StreamOrder.scoped_event`)."""
+
+    def __init__(self, event, extra_tensors: Sequence[Any], deferred: DeferredRecord):
+        super().__init__(event, extra_tensors)
+        self._deferred = deferred
+
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
+        deferred = self._deferred
+        if deferred is None or self.event is None:
+            return super().current_stream_wait(release_handle)
+        stream = interop.current_stream()
+        deferred.waited_on(stream)
+        self._deferred = None
+        self.event.stream_wait(stream)
+        result = None
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            result = hook()
+        if release_handle:
+            self.event = None
+            self.extra_tensors = None
+        return result

@@ -258,6 +258,66 @@ def test_cupy(buf, args):
           f'rank {rank}: CuPy all_reduce mismatch')
 
 
+def _many_input(k: int, rank: int, n: int, dtype) -> torch.Tensor:
+    """Tensor k of `rank` in `test_many_tensors` (on the host: the reference needs every rank's)."""
+    return (torch.arange(n, dtype=torch.int64) * (k + 3) + rank * 11 + k).remainder(251).to(dtype)
+
+
+def test_many_tensors(buf, args, session_bytes: int) -> int:
+    """All-gathers of more tensors than one batched launch holds (agrs_gather_batch_kernel takes 8): 11 tensors in one
+    call (the first in place, one of an odd size, one 16-byte aligned in size but not in address: the byte path),
+    then 9 (8 + 1) waited on a side stream, and a reduce-scatter waited on a side stream (the sources and outputs
+    marked as used on the communication stream then). Every output checked bit for bit; returns the number checked."""
+    rank, num_ranks = buf.rank_idx, buf.num_ranks
+    buf.agrs_set_config(session_bytes, 24, num_sms=args.num_sms)
+    kinds = [(256, torch.float32), (1001, torch.uint8), (256, torch.uint8), (64, torch.bfloat16), (300, torch.int32),
+             (16, torch.uint8), (77, torch.bfloat16), (512, torch.uint8), (1, torch.float32), (410, torch.int32),
+             (2, torch.uint8)]        # (about 8 KiB per rank with the second call: fits the stress session)
+    checked = 0
+    with buf.agrs_new_session():
+        srcs = [_many_input(k, rank, n, dt).to(DEVICE) for k, (n, dt) in enumerate(kinds)]
+        view = buf.agrs_get_inplace_tensor((kinds[0][0],), kinds[0][1])
+        view.copy_(srcs[0])
+        srcs[0] = view
+        shifted = torch.zeros(kinds[2][0] + 16, dtype=torch.uint8, device=DEVICE)
+        shifted[1:1 + kinds[2][0]].copy_(srcs[2])
+        srcs[2] = shifted[1:1 + kinds[2][0]]          # 256 bytes at an odd address
+        *outs, handle = buf.all_gather(srcs)
+        handle()
+        second = [_many_input(20 + k, rank, 16 + 16 * k, torch.float32).to(DEVICE) for k in range(9)]
+        *outs2, handle2 = buf.all_gather(second)
+        side = torch.cuda.Stream() if DEVICE == 'cuda' else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                handle2()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            handle2()
+        del second, handle2
+        for k, ((n, dt), out) in enumerate(zip(kinds, outs)):
+            want = torch.stack([_many_input(k, r, n, dt) for r in range(num_ranks)])
+            check_bits(out.cpu(), want, f'rank {rank}: 11-tensor all_gather, tensor {k} ({n} x {dt})')
+        for k, out in enumerate(outs2):
+            want = torch.stack([_many_input(20 + k, r, 16 + 16 * k, torch.float32) for r in range(num_ranks)])
+            check_bits(out.cpu(), want, f'rank {rank}: 9-tensor all_gather waited on a side stream, tensor {k}')
+        checked += len(outs) + len(outs2)
+    inputs = [reduce_input(args.seed, 0, 77, r, num_ranks * 2048, False) for r in range(num_ranks)]
+    event = buf.reduce_scatter(to_device(inputs[rank]))
+    if DEVICE == 'cuda':
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            got = event.wait().clone()
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        got = event.wait().clone()
+    del event
+    check_bits(got, to_device(rs_reference(buf, inputs, rank, 'fp32', 1.0)),
+               f'rank {rank}: reduce_scatter waited on a side stream')
+    buf.agrs_set_config(session_bytes, args.num_max_inflight_agrs, num_sms=args.num_sms)
+    return checked + 1
+
+
 def test_errors(buf, args) -> list:
     """Invalid calls must raise before any kernel runs and leave the buffer usable."""
     tried = []
@@ -485,6 +545,9 @@ def main(argv=None) -> int:
                         f'({time.perf_counter() - t0:.1f} s)')
                 test_cupy(buf, args)
                 log('[check] CuPy arrays in, CuPy arrays out: bitwise equal')
+                n = test_many_tensors(buf, args, session)
+                log(f'[check] all-gathers of 11 and 9 tensors (batched launches of 8), a side-stream wait: {n} results '
+                    f'bitwise equal')
                 tried = test_errors(buf, args)
                 log(f'[errors] {len(tried)} invalid calls raised before any kernel ran; the buffer still works:')
                 for line in tried:

@@ -25,7 +25,9 @@ from ...jit.launch import load_kernels
 from ...runtime import checks, dtypes, interop
 from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.sizes import ceil_div
+from ...runtime.streams import DeferredRecord
 from .gather_entry import gather_entry
+from .gather_launch import GatherLaunches
 from .hybrid import HybridSteps
 from .kernels import (
     COMM_PRECISIONS,
@@ -37,6 +39,7 @@ from .kernels import (
     REDUCE_VARIANTS,
     THREADS,
     all_specs,
+    gather_batch_spec,
     gather_spec,
     reduce_spec,
     unpack_spec,
@@ -53,7 +56,7 @@ from .wait_handle import AGRSWaitHandle
 DATA_REGION_OWNER = 'all-gather / reduce-scatter'
 
 
-class AGRS(HybridSteps):
+class AGRS(GatherLaunches, HybridSteps):
     """The all-gather / reduction feature of one buffer: kernels, the session plan, epochs and views of the data
     region. Creating it claims the data region.
 
@@ -79,7 +82,8 @@ class AGRS(HybridSteps):
         self._bytes: Dict[str, Any] = {}
         self._typed: Dict[str, Any] = {}          # torch views of the whole data region, per dtype
         self._infos: Dict[Any, Tuple[str, int, str, Tuple[int, ...]]] = {}    # signature -> checked tensor facts
-        self._gather_launch = None                  # the gather kernel's bound launch (every argument patched)
+        self._gather_launch = None                  # hybrid: the gather kernel's bound launch (every argument patched)
+        self._batch_launch = None                   # the batched gather kernel's (sources, mask, epoch, meta patched)
         self._wait_launch, self._wait_idx = None, (0, 0)     # the wait kernel's (epoch and meta patched)
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
@@ -89,6 +93,7 @@ class AGRS(HybridSteps):
     def load_kernels(num_ranks: int) -> Dict[Any, Any]:
         loaded = load_kernels(all_specs(num_ranks))
         kernels = {'gather': loaded[gather_spec(num_ranks).name], 'wait': loaded[wait_spec(num_ranks).name],
+                   'gather_batch': loaded[gather_batch_spec(num_ranks).name],
                    'unpack': loaded[unpack_spec(num_ranks).name]}
         for i, s in REDUCE_VARIANTS:
             kernels[('reduce', i, s)] = loaded[reduce_spec(num_ranks, i, s).name]
@@ -236,60 +241,60 @@ class AGRS(HybridSteps):
         plan = self.plan
         if plan is None or not plan.is_open:
             raise RuntimeError('all_gather needs an open session: use create_agrs_session() or agrs_new_session()')
-        self._check_usable()
+        buf = self._buf
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            self._check_usable()        # (its three conditions read here first: the call costs ~1 us)
         single = not isinstance(tensors, (list, tuple))
         items = (tensors,) if single else tuple(tensors)
-        # Per call: the signatures and pointers; what the signatures and the session's state (bytes and gathers used)
-        # decide (the checks, regions, grids, output views) is looked up, computed once by `gather_entry`.
-        metas = [interop.meta(t) for t in items]
-        key = (single, tuple([m[0] for m in metas]), plan.used_bytes, plan.num_gathers)
-        e = self._gather_entries.get(key)
+        # Per call: the signatures and pointers (`interop.meta`, inlined for torch tensors); what the signatures and the
+        # session's state (bytes and gathers used) decide (the checks, regions, grids, packed launch arguments, output
+        # views) is looked up, computed once by `gather_entry`.
+        tensor_type = interop.TORCH_TENSOR[0]
+        sigs, ptrs = [], []
+        for t in items:
+            if type(t) is tensor_type:
+                sigs.append((t.shape, t.stride(), t.dtype, t.get_device()))
+                ptrs.append(t.data_ptr())
+            else:
+                sig, ptr = interop.meta(t)
+                sigs.append(sig)
+                ptrs.append(ptr)
+        e = self._gather_entries.get((single, tuple(sigs), plan.used_bytes, plan.num_gathers))
         if e is None:
-            e = gather_entry(self, items, single, metas, key)
-        kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions = e
-        # A source inside the not yet gathered part of the session area must be its own in-place slot.
-        inplace = []
-        for i, ((_, ptr), f) in enumerate(zip(metas, per)):
+            metas = list(zip(sigs, ptrs))
+            e = gather_entry(self, items, single, metas, (single, tuple(sigs), plan.used_bytes, plan.num_gathers))
+            ptrs = [m[1] for m in metas]
+        kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions, batches = e
+        # A source inside the not yet gathered part of the session area must be its own in-place slot (bit i of
+        # `mask` clear: no local copy, the source neither kept nor marked).
+        mask, bits = 0, 0
+        for i, (ptr, f) in enumerate(zip(ptrs, per)):
             nbytes = f[1]
-            exact = nbytes > 0 and ptr == f[0]
-            if not exact and nbytes > 0 and ptr < free_end and ptr + nbytes > free_start:
-                raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later gather '
-                                 f'writes; pass the views of agrs_get_inplace_tensor in order, or another tensor')
-            inplace.append(exact)
+            bits |= ptr
+            if ptr != f[0] or not nbytes:
+                mask |= 1 << i
+                if nbytes and ptr < free_end and ptr + nbytes > free_start:
+                    raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later '
+                                     f'gather writes; pass the views of agrs_get_inplace_tensor in order, or another '
+                                     f'tensor')
         plan.used_bytes, plan.num_gathers = end, num_gathers         # `plan.reserve` of these regions
         self.gather_epoch = epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
-        buf = self._buf
-        comm = buf.stream_order.begin(interop.current_stream(items[0]))
-        g = self._gather_launch
-        if g is None:
-            g = self._gather_launch = self.kernels['gather'].bind(
-                1, THREADS, src=0, num_bytes=0, region_offset=0, peer_bases=buf.sym.peer_bases_ptr,
-                rank=buf.sym.local_idx, write_local=0, do_signal=0, epoch=0, meta=0, meta_word=0)
-            self._gather_launch_idx = tuple(g.index(n) for n in ('src', 'num_bytes', 'region_offset',
-                                                                 'write_local', 'do_signal', 'epoch', 'meta'))
-        # One bound launch re-patched per tensor: kernels copy their arguments at launch.
-        i_src, i_bytes, i_region, i_local, i_signal, i_epoch, i_meta = self._gather_launch_idx
-        u32, u64, i64, i32 = g.u32, g.u64, g.i64, g.i32
-        u32[i_epoch], u32[i_meta] = epoch, meta
-        ptrs = [m[1] for m in metas]
+        current = interop.current_stream(items[0])
+        comm = buf.stream_order.begin(current)
         if self.hybrid:
-            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions, inplace, meta)
+            g = self._single_gather_launch()
+            g.u32[self._gather_launch_idx[5]], g.u32[self._gather_launch_idx[6]] = epoch, meta
+            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions,
+                                [not mask >> i & 1 for i in range(len(per))], meta)
         else:
-            last = len(per) - 1
-            for i, (ptr, f, exact) in enumerate(zip(ptrs, per, inplace)):
-                u64[i_src], i64[i_bytes], u64[i_region] = ptr, f[1], f[2]
-                i32[i_local], i32[i_signal] = 0 if exact else 1, 1 if i == last else 0
-                g.grid = f[3] if f[5] and not ptr & 15 else f[4]
-                g(comm)
-        if True in inplace:
-            keep = tuple([t for t, exact in zip(items, inplace) if not exact])
-        else:
-            keep = items
+            self._gather_batches(comm, batches, per, ptrs, mask, bits & 15, epoch, meta)
+        keep = items if mask == (1 << len(items)) - 1 else tuple([t for i, t in enumerate(items) if mask >> i & 1])
+        deferred = None
         if kind == 'torch' and keep:
-            s = interop.torch_stream(comm.ptr)
-            for t in keep:
-                t.record_stream(s)
-        return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep))
+            deferred = DeferredRecord(keep, current, comm)
+            if self.hybrid:     # (a rail timeout skips the signal that the wait kernel's return would stand for)
+                deferred.mark()
+        return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep, deferred))
 
     # ---- reductions ----------------------------------------------------------------------------------------------
     def _reduce_area(self, layout) -> int:
@@ -303,10 +308,11 @@ class AGRS(HybridSteps):
                              f'session_bytes, get_agrs_reduce_num_bytes(...))')
         return self.area_offset + start
 
-    def _result(self, kind: str, tensors, result, record: bool = True) -> EventOverlap:
+    def _result(self, kind: str, current, tensors, result, record: bool = True) -> EventOverlap:
         """The call's event on the communication stream, keeping `tensors` alive (and, with `record`, marking torch
-        ones as used there); `wait()` returns `result`."""
-        event = self._buf.stream_order.event(kind, tensors if record else (), tensors)
+        ones as used there unless the event is waited on `current`, the call's stream: `StreamOrder.scoped_event`);
+        `wait()` returns `result`."""
+        event = self._buf.stream_order.scoped_event(kind, current, tensors if record else (), tensors)
         event.register_hook_after_wait(lambda: result)
         return event
 
@@ -364,7 +370,8 @@ class AGRS(HybridSteps):
             `[shape[0] / R, ...]` otherwise (`[...]` when shape[0] == R and x has 2+ dims), dtype of `x`.
         """
         buf = self._buf
-        self._check_usable()
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            self._check_usable()
         sig, ptr = interop.meta(x)
         key = (sig, comm_precision, num_sms, type(num_sms))
         checked = self._reduce_checked.get(key)
@@ -406,7 +413,8 @@ class AGRS(HybridSteps):
         if type(scale) is not float or scale - scale != 0.0:      # (a finite float passes as it is)
             scale = checks.check_finite('scale', scale)
         event = as_event_handle(previous_event)
-        comm = buf.stream_order.begin(interop.current_stream(x), event)
+        current = interop.current_stream(x)
+        comm = buf.stream_order.begin(current, event)
         # With previous_event the communication stream does not wait for the current stream, so memory just freed on
         # the current stream (still in use by its queued kernels) must not become `out`: allocate on the
         # communication stream then, and let torch's allocator also wait for the current stream's uses of `out`.
@@ -420,7 +428,7 @@ class AGRS(HybridSteps):
             self._hybrid_reduce_scatter(kernel_key, ptr, out_ptr, out_dtype == 'bfloat16', layout, scale, area, comm)
         else:
             self._launch_reduce(kernel_key, ptr, out_ptr, layout, scale, area, False, comm, bound)
-        return self._result(kind, (x, out), out)
+        return self._result(kind, current, (x, out), out)
 
     def all_reduce(self, x, scale: float = 1.0, num_sms: int = 0, previous_event=None):
         """Sum every rank's `x` in place (FP32, rank order 0..R-1 per element, deterministic), times `scale`.
@@ -433,7 +441,8 @@ class AGRS(HybridSteps):
             `EventOverlap`; `wait()` makes the current stream wait and returns `x`.
         """
         buf = self._buf
-        self._check_usable()
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            self._check_usable()
         sig, ptr = interop.meta(x)
         key = ('all_reduce', sig, num_sms, type(num_sms))
         checked = self._reduce_checked.get(key)
@@ -456,9 +465,10 @@ class AGRS(HybridSteps):
         if ptr % 16:
             raise ValueError(f'x must be 16-byte aligned, got address {ptr:#x}')
         num_ranks, rank = buf.num_scaleup_ranks, buf.sym.local_idx
-        comm = buf.stream_order.begin(interop.current_stream(x), as_event_handle(previous_event))
+        current = interop.current_stream(x)
+        comm = buf.stream_order.begin(current, as_event_handle(previous_event))
         if numel == 0:
-            return self._result(kind, (x,), x, record=False)
+            return self._result(kind, current, (x,), x, record=False)
         outer, inner_scale = None, scale
         if self.hybrid:         # the in-domain all-reduce first (scale 1), then the rails
             outer, layout, inner_scale = layout, layout.inner, 1.0
@@ -473,4 +483,4 @@ class AGRS(HybridSteps):
         if outer is not None:
             self._hybrid_all_reduce_rails(ptr, numel, outer, scale, area, comm)
             self._publish_done(epoch, comm)
-        return self._result(kind, (x,), x)
+        return self._result(kind, current, (x,), x)

@@ -1,16 +1,37 @@
 """What an all-gather call's tensor signatures decide in the session's state (features/agrs/feature.py looks it up
-per call): the argument checks, the regions, the grids and the output views."""
+per call): the argument checks, the regions, the grids, the packed launch arguments and the output views."""
+
+import struct
 
 from ...runtime import checks
+from .kernels import GATHER_BATCH
 from .plan import gather_grid, gather_meta
+
+# agrs_gather_batch_kernel's num_bytes0..7, region_offset0..7 and num_tensors: one contiguous run of its argument block
+# (features/agrs/kernels.py `gather_batch_spec`; the feature checks the layout when it binds the launch).
+BATCH_PACK = struct.Struct(f'={GATHER_BATCH}q{GATHER_BATCH}Qi')
+
+
+def gather_batches(per) -> tuple:
+    """The launches of a call's tensors `per` (as in `gather_entry`): `(first, end, packed sizes, offsets and count,
+    grid for 16-byte aligned sources)` per GATHER_BATCH tensors; the grid is the largest any of them needs."""
+    out = []
+    for lo in range(0, len(per), GATHER_BATCH):
+        chunk = per[lo:lo + GATHER_BATCH]
+        pad = [0] * (GATHER_BATCH - len(chunk))
+        pack = BATCH_PACK.pack(*[f[1] for f in chunk], *pad, *[f[2] for f in chunk], *pad, len(chunk))
+        grid = (max([(f[3] if f[5] else f[4])[0] for f in chunk]), 1, 1)
+        out.append((lo, lo + len(chunk), pack, grid))
+    return tuple(out)
 
 
 def gather_entry(feature, items, single: bool, metas, key):
     """What an `all_gather` call of `feature` (the AGRS feature) with these signatures decides in the session's
     current state (`key`): its argument checks (raising before anything runs) and `(kind, per tensor (in-place
     address, bytes, region offset, grid if 16-byte aligned, grid else, size aligned), free area start, end, the
-    session's bytes and gathers after it, meta, outputs, regions)`; remembered when every signature is one
-    (`interop.meta`). Sets the pointers of `metas` that `interop.meta` could not read."""
+    session's bytes and gathers after it, meta, outputs, regions, the launches (`gather_batches`; None in hybrid
+    mode))`; remembered when every signature is one (`interop.meta`). Sets the pointers of `metas` that `interop.meta`
+    could not read."""
     buf, plan = feature._buf, feature.plan
     if not items:
         raise ValueError('tensors must be a tensor or a non-empty list of tensors')
@@ -41,7 +62,7 @@ def gather_entry(feature, items, single: bool, metas, key):
                      for f, r in zip(facts, regions)])
     end = regions[-1].end
     e = (kind, per, base + plan.used_bytes, base + plan.capacity, end, plan.num_gathers + len(sizes),
-         gather_meta(end), outputs, regions)
+         gather_meta(end), outputs, regions, None if feature.hybrid else gather_batches(per))
     if not any(type(m[0]) is object for m in metas):
         entries = feature._gather_entries
         if len(entries) >= 256:

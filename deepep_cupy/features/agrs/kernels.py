@@ -15,6 +15,7 @@ GATHER_UNROLL = 4               # kAgrsGatherUnroll
 REGION_ALIGNMENT = 32           # each gather region is align(R * num_bytes, 32)
 REDUCE_AREA_ALIGNMENT = 4096    # the reduction area starts at align(num_max_session_bytes, 4096)
 MAX_GATHERS_PER_SESSION = 32    # kAgrsMetaSlots: a session never spans more gather epochs than meta slots
+GATHER_BATCH = 8                # kAgrsGatherBatch: tensors per agrs_gather_batch_kernel launch
 MAX_SENDERS = 32                # kAgrsMaxSenders
 MAX_ROUNDS = 65535              # rounds per sender block (chunk flags hold (epoch << 32) + round + 1)
 GROUP_ELEMS = 8                 # reductions work on groups of 8 elements; shards start at multiples of 8
@@ -48,6 +49,18 @@ def gather_spec(num_ranks: int) -> KernelSpec:
         _P('src', PTR), _P('num_bytes', np.int64), _P('region_offset', np.uint64), _P('peer_bases', PTR),
         _P('rank', np.int32), _P('write_local', np.int32), _P('do_signal', np.int32), _P('epoch', np.uint32),
         _P('meta', np.uint32), _P('meta_word', PTR)))
+
+
+def gather_batch_spec(num_ranks: int) -> KernelSpec:
+    """Up to GATHER_BATCH tensors per launch: the descriptor table (src, num_bytes, region_offset per slot) by value,
+    one scalar parameter per field, grouped by field so that the sizes and offsets of a call are one contiguous run
+    of the argument block (features/agrs/feature.py copies them in one slice)."""
+    slots = range(GATHER_BATCH)
+    return KernelSpec('agrs', f'deepep::agrs_gather_batch_kernel<{num_ranks}>', (
+        *[_P(f'src{i}', PTR) for i in slots], *[_P(f'num_bytes{i}', np.int64) for i in slots],
+        *[_P(f'region_offset{i}', np.uint64) for i in slots], _P('num_tensors', np.int32),
+        _P('write_local_mask', np.uint32), _P('peer_bases', PTR), _P('rank', np.int32), _P('do_signal', np.int32),
+        _P('epoch', np.uint32), _P('meta', np.uint32)))
 
 
 def wait_spec(num_ranks: int) -> KernelSpec:
@@ -96,7 +109,7 @@ def hybrid_specs() -> List[KernelSpec]:
 
 def all_specs(num_ranks: int) -> List[KernelSpec]:
     """Every specialisation a buffer of `num_ranks` scale-up ranks may request."""
-    return ([gather_spec(num_ranks), wait_spec(num_ranks)]
+    return ([gather_spec(num_ranks), gather_batch_spec(num_ranks), wait_spec(num_ranks)]
             + [reduce_spec(num_ranks, i, s) for i, s in REDUCE_VARIANTS] + [unpack_spec(num_ranks)])
 
 

@@ -16,6 +16,7 @@ from ...runtime import checks, interop
 from ...runtime.event import EventHandle
 from ...runtime.host_range import HostRange
 from ...runtime.sizes import align
+from ...runtime.streams import DeferredRecord
 from .plan import (
     HOST_RANGE_OFFSET,
     RANGE_SPEC,
@@ -56,14 +57,23 @@ class _Fetch:
 class EngramFetchHook:
     """What a fetch returns per layer: calling it makes the current stream wait for the fetch and returns the layer's
     result (`(data, sf)` for DeepEP V2.0's `engram_fetch`; `data`, or `(data, sf)` with scale factors, for V2.5's
-    `EngramBuffer.fetch`). May be called more than once, in any order across layers."""
+    `EngramBuffer.fetch`). May be called more than once, in any order across layers.
 
-    def __init__(self, event: Optional[EventHandle], like: Any, result: Any, keep_alive: Tuple):
+    `deferred`: the fetch's torch tensors used on the communication stream (`DeferredRecord`, shared by the layers'
+    hooks): marked as used there only when a hook is called on another stream than the fetch's, or when every hook
+    was dropped uncalled."""
+
+    def __init__(self, event: Optional[EventHandle], like: Any, result: Any, keep_alive: Tuple,
+                 deferred: Optional[DeferredRecord] = None):
         self._event, self._like, self._result, self._keep_alive = event, like, result, keep_alive
+        self._deferred = deferred
 
     def __call__(self):
         if self._event is not None:
-            self._event.current_stream_wait(self._like)
+            stream = interop.current_stream(self._like)
+            if self._deferred is not None:
+                self._deferred.waited_on(stream)
+            self._event.stream_wait(stream)
         return self._result
 
 
@@ -423,7 +433,7 @@ class Engram:
             if lo < 0 or hi >= layout.num_global_entries:
                 raise ValueError(f'indices must be in [0, {layout.num_global_entries}) (num_ranks x num_entries), '
                                  f'got min {lo}, max {hi}')
-        event, keep = None, ()
+        event, keep, deferred = None, (), None
         if rows:
             if b is None:
                 c.bind(c)
@@ -432,15 +442,12 @@ class Engram:
             if sf_out is not None:
                 b.u64[c.i_sf_out] = sf_out.data_ptr() if kind == 'torch' else sf_out.data.ptr
             b(comm)
-            if kind == 'torch':
-                s = interop.torch_stream(comm.ptr)
-                indices.record_stream(s)
-                if sf_out is not None:
-                    sf_out.record_stream(s)
+            if kind == 'torch':     # (`indices` and `sf_out` are allocated on `current`, used on `comm`)
+                deferred = DeferredRecord((indices,) if sf_out is None else (indices, sf_out), current, comm)
             event, keep = EventHandle(comm), (indices, sf_table, device_arrays)
         if not layered or sf_table is not None:
-            return [EngramFetchHook(event, indices, (data, sf), keep) for data, sf in zip(datas, sf_outs)]
-        return [EngramFetchHook(event, indices, data, keep) for data in datas]
+            return [EngramFetchHook(event, indices, (data, sf), keep, deferred) for data, sf in zip(datas, sf_outs)]
+        return [EngramFetchHook(event, indices, data, keep, deferred) for data in datas]
 
     def _sf_outputs(self, kind: str, num_layers: int, num_tokens: int, n: int, col_major: bool):
         """Per layer `[num_tokens, n * num_sf]` scale-factor outputs in one allocation, that allocation and its

@@ -1,0 +1,68 @@
+"""The launches of an all-gather call (features/agrs/feature.py `AGRS.all_gather`): agrs_gather_batch_kernel's bound
+launch per GATHER_BATCH tensors in a single domain, agrs_gather_kernel's for hybrid mode's steps (hybrid.py)."""
+
+import struct
+
+from .gather_entry import BATCH_PACK
+from .kernels import GATHER_BATCH, THREADS
+
+
+class GatherLaunches:
+    """Mixed into `AGRS` (uses `_buf`, `kernels`, `_gather_launch`, `_batch_launch`)."""
+
+    def _single_gather_launch(self):
+        """agrs_gather_kernel's bound launch (hybrid mode: one launch per tensor and step, re-patched each time)."""
+        g = self._gather_launch
+        if g is None:
+            buf = self._buf
+            g = self._gather_launch = self.kernels['gather'].bind(
+                1, THREADS, src=0, num_bytes=0, region_offset=0, peer_bases=buf.sym.peer_bases_ptr,
+                rank=buf.sym.local_idx, write_local=0, do_signal=0, epoch=0, meta=0, meta_word=0)
+            self._gather_launch_idx = tuple(g.index(n) for n in ('src', 'num_bytes', 'region_offset',
+                                                                 'write_local', 'do_signal', 'epoch', 'meta'))
+        return g
+
+    def _gather_batches(self, comm, batches, per, ptrs, mask: int, misaligned: int, epoch: int, meta: int) -> None:
+        """The launches of one all-gather call (single domain): agrs_gather_batch_kernel per GATHER_BATCH tensors
+        (`batches`: `gather_entry`'s (first tensor, end, packed sizes / offsets / count, grid) each), the last one
+        signalling. Per call only the sources, the in-place mask, the epoch and meta are patched."""
+        b = self._batch_launch
+        if b is None:
+            buf = self._buf
+            table = {f'{f}{i}': 0 for i in range(GATHER_BATCH) for f in ('src', 'num_bytes', 'region_offset')}
+            b = self.kernels['gather_batch'].bind(
+                1, THREADS, **table, num_tensors=0, write_local_mask=0, peer_bases=buf.sym.peer_bases_ptr,
+                rank=buf.sym.local_idx, do_signal=0, epoch=0, meta=0)
+            start = b.index('num_bytes0') * 8
+            # The packed run `gather_entry` makes: the sizes, the offsets, then the count, contiguous in the block.
+            assert b.index('region_offset0') * 8 == start + 8 * GATHER_BATCH and \
+                b.index('num_tensors') * 4 == start + 16 * GATHER_BATCH, 'agrs_gather_batch_kernel argument layout'
+            assert b.index('src0') == 0, 'agrs_gather_batch_kernel: the sources come first'
+            src_pack = [struct.Struct(f'={n}Q') for n in range(GATHER_BATCH + 1)]     # the first n sources
+            self._batch_idx = (src_pack, slice(start, start + BATCH_PACK.size), b.index('write_local_mask'),
+                               b.index('do_signal'), b.index('epoch'), b.index('meta'))
+            self._batch_bytes = memoryview(b.data).cast('B')
+            self._batch_launch = b
+        src_pack, packed, i_mask, i_signal, i_epoch, i_meta = self._batch_idx
+        u32, data = b.u32, b.data
+        u32[i_epoch], u32[i_meta] = epoch, meta
+        if len(batches) == 1:       # (every call of up to GATHER_BATCH tensors)
+            _, n, pack, grid = batches[0]
+            src_pack[n].pack_into(data, 0, *ptrs)
+            self._batch_bytes[packed] = pack
+            u32[i_mask], b.i32[i_signal] = mask, 1
+            b.grid = grid if not misaligned else self._misaligned_grid(per, ptrs, 0, n)
+            b(comm)
+            return
+        last = len(batches) - 1
+        for j, (lo, hi, pack, grid) in enumerate(batches):
+            src_pack[hi - lo].pack_into(data, 0, *ptrs[lo:hi])
+            self._batch_bytes[packed] = pack
+            u32[i_mask], b.i32[i_signal] = (mask >> lo) & 0xFF, 1 if j == last else 0
+            b.grid = grid if not misaligned else self._misaligned_grid(per, ptrs, lo, hi)
+            b(comm)
+
+    @staticmethod
+    def _misaligned_grid(per, ptrs, lo: int, hi: int):
+        """The grid of tensors lo..hi-1 when a source is off 16 bytes (it takes the byte path, with its own grid)."""
+        return (max([(f[3] if f[5] and not ptr & 15 else f[4])[0] for ptr, f in zip(ptrs[lo:hi], per[lo:hi])]), 1, 1)
