@@ -518,6 +518,10 @@ if want mps && command -v nvidia-cuda-mps-control > /dev/null; then
     if CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d; then
         step "hybrid P2 vs P1 perf/hybrid_pipeline.py 2x1 np=2 (loopback, MPS)" 240 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/hybrid_pipeline.py --out "$OUT/mps"
+        # EP2 decode with both ranks' kernels concurrent (HBM stands in for NVLink): a proxy of the two-GPU graph
+        # spans (issue #11's EP2 decode figures), default and fused notify.
+        step "ep_profile np=2 128 tokens (MPS, sharing GPU 0)" 240 $ONE $R 2 $PY perf/ep_profile.py --tokens 128 \
+            --variants default,fused --skip-features
         echo quit | nvidia-cuda-mps-control
     else
         echo "MPS daemon did not start" >> "$SUMMARY"
