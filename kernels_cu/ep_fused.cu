@@ -209,7 +209,8 @@ fused_notify_and_dispatch(
     // There the notify blocks, which finish last (expert positions, then block 0's layout), leave the copy to the
     // other receivers when those are at least 3/4 of the receivers (they then copy at most 4/3 of their share): a
     // static share of the rows (dispatch_recv_blocks deals them out by block) would start only after the notify
-    // work, the others start on the slots. recv_block < 0: no receive.
+    // work, the others start on the slots. recv_block < 0: no receive. (features/ep/fused.py
+    // fused_notify_blocks_receive states the same rule for the tests.)
     const int num_receivers = static_cast<int>(gridDim.x) - num_send_blocks;
     const int num_idle = (!needs_layout && num_receivers >= 4 * num_notify_blocks) ? num_notify_blocks : 0;
     const int recv_block = block - num_send_blocks - num_idle;
