@@ -8,24 +8,36 @@
 //   blocks [0, num_send_blocks) send, the others receive, exactly as in ep_dispatch.cu;
 //   the first num_notify_blocks receiving blocks, [num_send_blocks, num_send_blocks + num_notify_blocks), first run
 //     notify_body with one token per thread (512 tokens per block: positions are counts of earlier tokens, so every
-//     output is the notify kernel's, bit for bit). Receivers wait for the layout anyway (with several ranks), so the
-//     count exchange of notify block 0 delays no sender.
-// Two local flags inside the launch (control words of common/ep.cuh), each set to this dispatch's data epoch e (the
+//     output is the notify kernel's, bit for bit), then receive. Receivers wait for the layout anyway (with several
+//     ranks), so the count exchange of notify block 0 delays no sender. At one rank without expansion the notify
+//     blocks receive nothing when the other receivers are at least 3/4 of them: those start on the slots, long
+//     before the notify blocks are done, and take the whole copy (a share dealt to a notify block would end after
+//     its notify work).
+// Three local flags inside the launch (control words of common/ep.cuh), each set to this dispatch's data epoch e (the
 // flags only grow with the epoch: nothing to reset between launches):
+//   slots ready (kCtrlFusedSlots): at one rank without expansion notify_body runs split (kSplitSlots: the
+//     destination keys first, then the experts; elsewhere the single pass releases it with the positions); the last
+//     notify block to arrive at its slots (ticket kCtrlFusedSlotArrivals, reset by it) releases e
+//     once every notify block wrote its tokens' slots (send_pos, token_of_slot) and block 0 send_count and, at one
+//     rank, the receive count. At one rank without expansion the receivers need no more (a received row is its
+//     slot): they wait for this flag only and copy while the notify blocks still compute the expert positions.
 //   positions ready (kCtrlFusedPositions): the last notify block to arrive (ticket kCtrlFusedArrivals, reset by it)
-//     releases e once every notify block wrote its tokens' slots and positions and block 0 wrote send_count. The
-//     senders need no more: they send while block 0 still exchanges the counts with the peers.
+//     releases e once every notify block also wrote its tokens' expert positions. The senders need no more: they
+//     send while block 0 still exchanges the counts with the peers.
 //   layout ready (kCtrlFusedLayout): block 0 releases e once the receive layout is written (after the exchange).
-//     The receivers wait for both flags; at one rank without expansion, for the positions only (they need just the
-//     receive count there, which notify_body writes into the layout before the positions).
+//     The other receivers (several ranks, or expanded) wait for the positions and the layout.
+// At one rank block 0 publishes the data epoch without the ticket and its system-scope fences (as ep_dispatch.cu):
+// only later kernels of the stream read it. Every block counts itself in kCtrlFusedStarted right after reading the
+// epoch (released at GPU scope), and block 0 stores the epoch only once the count is the grid, so that no block of
+// this launch can read the new epoch (it would wait for flags one epoch ahead); block 0 resets the count.
 // Before the flags, the blocks without notify work do what needs no layout: they prefetch their share of x into L2
 // (at most kFusedPrefetchBytes), and the senders wait for their destinations' data_consumed (ep_dispatch.cu's
 // senders do that first; they then find it done).
 // Every wait is bounded (timeout.cuh): a notify block that timed out never raises a flag, and the blocks waiting for
 // it give up once its record is written. They wait twice as long as a wait on a peer, so that a missing peer is
 // reported as such (by the notify block that waited for it) rather than as a flag of this rank that never came; only a
-// notify block stuck without a record makes them report (phase dispatch, peer = this rank, aux kAuxFusedPositions /
-// kAuxFusedLayout).
+// notify block stuck without a record makes them report (phase dispatch, peer = this rank, aux kAuxFusedSlots /
+// kAuxFusedPositions / kAuxFusedLayout; kAuxFusedStarted: block 0's count of started blocks, at one rank).
 // With the peers the protocol is the two kernels' (notify epoch and signals, data epoch, chunk signals, data_consumed
 // published by the last block). Sending before the count exchange ends changes nothing for them: ep_dispatch.cu's
 // senders, too, need only data_consumed[d] >= e - 1 before writing into d's slots and releasing its chunk signals.
@@ -39,25 +51,37 @@
 
 namespace deepep {
 
+// The prefetch ends (~1.4 us at 4096 tokens of 7168 BF16) before even the slots are ready, so it takes nothing from
+// the copy and saves its first rows an HBM read: kept as is. Notify blocks of 512 tokens (one per thread) rather than
+// 256: smaller ones would leave half of each block idle in notify_body (its loops and barriers span the block) and
+// double the blocks of each cross-block prefix; what they would save, half the warps of each per-key block scan, is
+// off the critical path at one rank (the receivers start on the slots) and is spent again on the prefix elsewhere.
 constexpr int64_t kFusedPrefetchBytes = 8 << 20;
 
-// notify_body's hook here: the last notify block to arrive releases "positions ready".
+// notify_body's hooks here: the last notify block to arrive (ticket ctrl[ticket], reset by it) releases
+// ctrl[flag] = epoch. "slots ready" and "positions ready" each have their own ticket.
 struct FusedArrival {
     uint32_t* ctrl;
+    int ticket, flag;
     uint32_t epoch;
     uint32_t num_notify_blocks;
     __device__ __forceinline__ void operator()() const {
         __syncthreads();
         if (threadIdx.x == 0) {
             __threadfence();
-            if (atomicAdd(ctrl + kCtrlFusedArrivals, 1u) == num_notify_blocks - 1) {
-                *reinterpret_cast<volatile uint32_t*>(ctrl + kCtrlFusedArrivals) = 0;
+            if (atomicAdd(ctrl + ticket, 1u) == num_notify_blocks - 1) {
+                *reinterpret_cast<volatile uint32_t*>(ctrl + ticket) = 0;
                 __threadfence();
-                st_release_gpu(ctrl + kCtrlFusedPositions, epoch);
+                st_release_gpu(ctrl + flag, epoch);
             }
         }
         __syncthreads();
     }
+};
+
+template <bool kSplit>
+struct SplitSlots {
+    static constexpr bool value = kSplit;
 };
 
 __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
@@ -122,20 +146,39 @@ fused_notify_and_dispatch(
     const Peers peers{peer_bases, rank};
     uint32_t* ctrl = peers.local_ctrl();
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
-    // Read by every block before any block can store it (the last block, after every block passed its waits).
-    const uint32_t epoch = read_local(ctrl + kCtrlDataEpoch) + 1;
+    // Read by every block before any block can store it: with several ranks the last block stores it, after every
+    // block passed its waits; at one rank block 0 stores it once every block counted itself in kCtrlFusedStarted
+    // (each block's count is released after its read: the read cannot see the store).
+    __shared__ uint32_t s_epoch;
+    if (threadIdx.x == 0) {
+        s_epoch = read_local(ctrl + kCtrlDataEpoch) + 1;
+        if (kNumRanks == 1)
+            red_add_release_gpu(ctrl + kCtrlFusedStarted, 1u);
+    }
+    __syncthreads();
+    const uint32_t epoch = s_epoch;
     const int block = blockIdx.x;
     const bool sender = block < num_send_blocks;
     const int notify_block = block - num_send_blocks;      // this block's index among the notify blocks
     bool ok = true;
     if (notify_block >= 0 && notify_block < num_notify_blocks) {
-        ok = notify_body<kNumRanks, kMaxTopk, kDispatchThreads>(
-            topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases, rank,
-            error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert,
-            do_expand, cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts,
-            num_channels, channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot,
-            send_count, notify_block, num_notify_blocks, smem,
-            FusedArrival{ctrl, epoch, static_cast<uint32_t>(num_notify_blocks)});
+        const auto n = static_cast<uint32_t>(num_notify_blocks);
+        // The slots in a pass of their own only where a receiver starts on them (one rank, not expanded): elsewhere
+        // nobody waits for them alone, and the split would cost a grid barrier before the positions.
+        auto run_notify = [&](auto split) {
+            return notify_body<kNumRanks, kMaxTopk, kDispatchThreads, decltype(split)::value>(
+                topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases,
+                rank, error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert,
+                do_expand, cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts,
+                num_channels, channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot,
+                send_count, notify_block, num_notify_blocks, smem,
+                FusedArrival{ctrl, kCtrlFusedSlotArrivals, kCtrlFusedSlots, epoch, n},
+                FusedArrival{ctrl, kCtrlFusedArrivals, kCtrlFusedPositions, epoch, n});
+        };
+        if (kNumRanks == 1 && !do_expand)
+            ok = run_notify(SplitSlots<kNumRanks == 1>{});     // one instantiation only at several ranks
+        else
+            ok = run_notify(SplitSlots<false>{});
         if (notify_block == 0) {
             // Every thread's layout words are written: release them to the receivers.
             __syncthreads();
@@ -158,12 +201,25 @@ fused_notify_and_dispatch(
             ok = wait_all_peers(peers, kSigDataConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseDispatch);
     }
     // `ok` is uniform over the block here (every failure above is a block's).
-    if (ok)
-        ok = wait_fused_flag(ctrl + kCtrlFusedPositions, epoch, timeout_ns, sink, rank, kAuxFusedPositions);
-    // One rank, not expanded: the receivers read only the receive count of the layout, which notify_body writes
-    // before the positions (the row of a received token is its slot).
+    // One rank, not expanded: the receivers read only the slots (the row of a received token is its slot; its token
+    // from token_of_slot, its expert ids from topk_idx) and the receive count of the layout, which notify_body writes
+    // before the slots are released. The senders need the expert positions (in their messages), the other receivers
+    // the layout.
     const bool needs_layout = kNumRanks > 1 || do_expand;
-    if (ok && !sender && needs_layout)
+    // There the notify blocks, which finish last (expert positions, then block 0's layout), leave the copy to the
+    // other receivers when those are at least 3/4 of the receivers (they then copy at most 4/3 of their share): a
+    // static share of the rows (dispatch_recv_blocks deals them out by block) would start only after the notify
+    // work, the others start on the slots. recv_block < 0: no receive. (features/ep/fused.py
+    // fused_notify_blocks_receive states the same rule for the tests.)
+    const int num_receivers = static_cast<int>(gridDim.x) - num_send_blocks;
+    const int num_idle = (!needs_layout && num_receivers >= 4 * num_notify_blocks) ? num_notify_blocks : 0;
+    const int recv_block = block - num_send_blocks - num_idle;
+    const bool receives = !sender && recv_block >= 0;
+    if (ok && receives && !needs_layout)
+        ok = wait_fused_flag(ctrl + kCtrlFusedSlots, epoch, timeout_ns, sink, rank, kAuxFusedSlots);
+    else if (ok && (sender || receives))
+        ok = wait_fused_flag(ctrl + kCtrlFusedPositions, epoch, timeout_ns, sink, rank, kAuxFusedPositions);
+    if (ok && receives && needs_layout)
         ok = wait_fused_flag(ctrl + kCtrlFusedLayout, epoch, timeout_ns, sink, rank, kAuxFusedLayout);
 
     const MessageLayout msg(num_topk, num_sf, hidden_bytes);
@@ -173,14 +229,43 @@ fused_notify_and_dispatch(
             x, x_row_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_idx, topk_weights, send_expert_pos,
             token_of_slot, send_count, num_tokens, num_topk, num_max_tokens_per_rank, msg, num_chunks, peers, rank,
             recv_offset, sink, timeout_ns, epoch, block, num_send_blocks, chunk_rows, chunk_stride);
-    } else if (ok) {
+    } else if (ok && receives) {
         ok = dispatch_recv_blocks<kNumRanks, kMaxTopk>(
             x, x_row_bytes, hidden_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_idx, topk_weights,
             send_expert_pos, token_of_slot, recv_layout, num_tokens, num_topk, num_experts, num_max_tokens_per_rank,
             do_expand, do_zero_padding, num_out_rows, num_meta_rows, recv_x, recv_sf, recv_sf_stride_row,
             recv_sf_stride_col, recv_topk_idx, recv_topk_weights, recv_src_metadata, recv_src_idx, msg, num_chunks,
-            peers, rank, recv_offset, sink, timeout_ns, epoch, block - num_send_blocks, gridDim.x - num_send_blocks,
-            chunk_rows, chunk_stride);
+            peers, rank, recv_offset, sink, timeout_ns, epoch, recv_block, num_receivers - num_idle, chunk_rows,
+            chunk_stride);
+    }
+    if (kNumRanks == 1) {
+        // One rank (as in ep_dispatch.cu): only later kernels of this stream read the two words, no receiver waits
+        // for an epoch: block 0 publishes without the ticket and its system-scope fences, once every block read the
+        // epoch (or the next launch's late reader would wait for a flag one epoch ahead). Block 0 resets the count
+        // even after a timeout (every block counted itself first thing); the wait is bounded all the same.
+        const bool block_ok = !__syncthreads_or(!ok);
+        if (block == 0 && threadIdx.x == 0) {
+            const uint32_t target = gridDim.x;
+            uint32_t seen = ld_acquire_gpu(ctrl + kCtrlFusedStarted);
+            const uint64_t start = global_timer_ns();
+            bool started = true;
+            for (uint32_t iter = 0; seen < target; ++iter) {
+                if ((iter & 255) == 255 && global_timer_ns() - start > timeout_ns) {
+                    report_timeout(sink, kPhaseDispatch, rank, rank, target, seen, kAuxFusedStarted);
+                    started = false;
+                    break;
+                }
+                seen = ld_acquire_gpu(ctrl + kCtrlFusedStarted);
+            }
+            if (started) {
+                *reinterpret_cast<volatile uint32_t*>(ctrl + kCtrlFusedStarted) = 0;
+                if (block_ok) {
+                    ctrl[kCtrlDataEpoch] = epoch;
+                    ctrl[kSigDataConsumed + rank] = epoch;
+                }
+            }
+        }
+        return;
     }
     // As in ep_dispatch.cu: a timed-out wait leaves the epoch unpublished (the buffer is unusable after a timeout).
     if (__syncthreads_or(!ok))

@@ -43,6 +43,26 @@ def test_sizes_and_grid():
                 assert send + max(1, nb) <= g <= 132
 
 
+def test_who_receives_at_one_rank():
+    """The notify blocks leave the copy to the others at one rank without expansion when those are >= 3/4 of the
+    receivers: so at issue #11's sizes (hidden 7168 BF16, decode and 4096 tokens); the GPU lane's 17000 tokens of
+    hidden 128 (launch/gpu_suite.sh, fuse_lane) keep them receiving."""
+    sms = 132
+
+    def grid(tokens, hidden):
+        return fused.fused_grid(0, ep_tests.ep_plan.epilogue_blocks(tokens, 2 * hidden, sms),
+                                fused.fused_notify_blocks(tokens), sms)
+
+    for tokens in (128, 4096):
+        g, nb = grid(tokens, 7168), fused.fused_notify_blocks(tokens)
+        assert not fused.fused_notify_blocks_receive(g, 0, nb, 1, False)
+        assert fused.fused_notify_blocks_receive(g, 0, nb, 1, True)        # expanded: every receiver waits anyway
+        assert fused.fused_notify_blocks_receive(g, 4, nb, 2, False)       # several ranks: the layout
+    assert (grid(17000, 128), fused.fused_notify_blocks(17000)) == (132, 34)
+    assert fused.fused_notify_blocks_receive(132, 0, 34, 1, False)
+    assert fused.fused_notify_blocks_receive(1, 0, 1, 1, False)            # no other receiver (0 tokens)
+
+
 @pytest.mark.parametrize('case, reason', [
     (dict(cached=True), 'cached'),
     (dict(cpu_sync=True), 'CPU-sync'),

@@ -8,7 +8,9 @@
 //     [8] grid barrier arrivals  [9] grid barrier generation
 //     ep_fused.cu (the notify and the dispatch in one launch): [10] notify blocks arrived, [11] positions ready
 //     (data epoch: every notify block wrote its tokens' slots and positions), [12] layout ready (data epoch: the
-//     receive layout is written)
+//     receive layout is written), [13] notify blocks arrived at their slots, [14] slots ready (data epoch: every
+//     notify block wrote its tokens' slots at every destination, block 0 send_count and, at one rank, the receive
+//     count), [15] blocks that read the data epoch (one rank: block 0 publishes the epoch once every block read it)
 //   signals, written by peers (index = the peer's scale-up rank), epochs that only grow:
 //     notify_signal[src]     at +256: src published its counts for notify epoch e into our notify area
 //     data_signal[src]       at +384: src finished writing its dispatch messages of data epoch e into our slots
@@ -53,11 +55,13 @@ constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
 constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;
 constexpr int kCtrlGridCount = 8, kCtrlGridGen = 9;
 constexpr int kCtrlFusedArrivals = 10, kCtrlFusedPositions = 11, kCtrlFusedLayout = 12;
+constexpr int kCtrlFusedSlotArrivals = 13, kCtrlFusedSlots = 14, kCtrlFusedStarted = 15;
 // Auxiliary words of error records (timeout.cuh) for waits on this rank's own blocks (peer = this rank).
-constexpr int kAuxGridBarrier = 1000, kAuxFusedPositions = 1001, kAuxFusedLayout = 1002;
+constexpr int kAuxGridBarrier = 1000, kAuxFusedPositions = 1001, kAuxFusedLayout = 1002, kAuxFusedSlots = 1003;
+constexpr int kAuxFusedStarted = 1004;
 constexpr int kSigNotify = 64, kSigData = 96, kSigDataConsumed = 128, kSigCombine = 160, kSigCombineConsumed = 192;
 static_assert((kSigCombineConsumed + 32) * 4 <= kWsEPCtrlBytes, "EP control words overflow their workspace region");
-static_assert(kCtrlFusedLayout < kSigNotify, "the local control words overlap the signals");
+static_assert(kCtrlFusedStarted < kSigNotify, "the local control words overlap the signals");
 
 struct Peers {
     const uint64_t* bases;   // device table of peer base addresses
@@ -84,6 +88,12 @@ struct Peers {
 
 // Read a local epoch counter (written by earlier kernels on the stream).
 __device__ __forceinline__ uint32_t read_local(const uint32_t* p) { return *reinterpret_cast<const volatile uint32_t*>(p); }
+
+// Add to a counter of this launch's blocks, after this thread's earlier reads and writes (release at GPU scope; no
+// return value: a reduction, not a round trip).
+__device__ __forceinline__ void red_add_release_gpu(uint32_t* ptr, uint32_t v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(ptr), "r"(v) : "memory");
+}
 
 // The last block of a launch to finish gets `true` (after every block published its writes at system scope).
 // The ticket is reset by the last block, so launches with different grid sizes can follow each other.

@@ -48,3 +48,12 @@ def fused_grid(num_send_blocks: int, epilogue_grid: int, num_notify_blocks: int,
     SM), at least as many as the notify blocks (the first receivers; `fused_refusal` keeps them within the SMs)."""
     grid = num_send_blocks + min(epilogue_grid, num_device_sms - num_send_blocks)
     return min(num_device_sms, max(grid, num_send_blocks + num_notify_blocks))
+
+
+def fused_notify_blocks_receive(grid: int, num_send_blocks: int, num_notify_blocks: int, num_ranks: int,
+                                do_expand: bool) -> bool:
+    """Whether the notify blocks of a fused launch also receive (kernels_cu/ep_fused.cu's rule, here for the tests
+    and the GPU lanes' choice of sizes). At one rank without expansion the other receivers start on the slots, long
+    before the notify blocks are done; they take the whole copy when they are at least 3/4 of the receivers."""
+    num_receivers = grid - num_send_blocks
+    return num_ranks > 1 or do_expand or num_receivers < 4 * num_notify_blocks
