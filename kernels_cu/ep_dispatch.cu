@@ -198,7 +198,9 @@ dispatch_recv_blocks(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, co
             if (lane < num_topk) {
                 e = static_cast<int32_t>(topk_idx[static_cast<int64_t>(t) * num_topk + lane]);
                 w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.f;
-                pos = send_expert_pos[static_cast<int64_t>(t) * num_topk + lane];
+                // Only the expanded layout reads the expert position (the fused kernel's receivers of a non-expanded
+                // one-rank dispatch run while its notify blocks still write them).
+                pos = do_expand ? send_expert_pos[static_cast<int64_t>(t) * num_topk + lane] : 0;
             }
             hidden_src = x + t * x_row_bytes;
             sf_src = reinterpret_cast<const uint32_t*>(sf) + t * sf_stride_token;
