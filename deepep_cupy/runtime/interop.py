@@ -377,11 +377,15 @@ class Carver:
     def ptr(self, x) -> int:
         return x.data_ptr() if self.kind == 'torch' else x.data.ptr
 
-    def view(self, base, dtype: str, shape: Tuple[int, ...], word_offset: int):
-        """A C-contiguous `[*shape]` view of `dtype` (4 or 8 bytes; 8 at an even `word_offset`) into `base` from
-        int32 word `word_offset`."""
+    def view(self, base, dtype: str, shape: Tuple[int, ...], word_offset: int,
+             strides: Optional[Tuple[int, ...]] = None):
+        """A `[*shape]` view of `dtype` (1, 2, 4 or 8 bytes; 8 at an even `word_offset`) into `base` (a `words`
+        allocation) from int32 word `word_offset`; `strides` in elements (None: C-contiguous)."""
         size = _ITEMSIZE[dtype]
+        if strides is None:
+            strides = contiguous_strides(shape)
         if self.kind == 'torch':
             typed = base if dtype == 'int32' else base.view(self._dtype(dtype))
-            return typed.as_strided(shape, contiguous_strides(shape), word_offset * 4 // size)
-        return self._cupy.ndarray(shape, dtype=dtypes.cupy_storage(dtype), memptr=base.data + word_offset * 4)
+            return typed.as_strided(shape, strides, word_offset * 4 // size)
+        return self._cupy.ndarray(shape, dtype=dtypes.cupy_storage(dtype), memptr=base.data + word_offset * 4,
+                                  strides=tuple(s * size for s in strides))

@@ -11,9 +11,19 @@ pointers into the blocks and launches.
 Why the blocks are patched positionally: a named launch binds and packs every argument on each call (~25 per kernel,
 three kernels per dispatch); a dispatch changes about ten pointers. The indices are resolved by name when binding.
 
-Outputs: a call's small arrays (the handle's workspace, recv_src_metadata, recv_topk_idx, recv_topk_weights) are
-views of one int32 allocation (`interop.Carver`); recv_x (and recv_sf) are allocations of their own, so that the
-large output's memory goes back as soon as the caller drops it, whatever happens to the handle.
+Outputs: a call's small arrays (recv_src_metadata, recv_topk_idx, recv_topk_weights; without a CPU sync also the
+handle's workspace, first) are views of one int32 allocation (`interop.Carver`). recv_x and recv_sf go there too when
+together they are at most `CARVED_RECV_MAX_BYTES` (16 MiB: decode sizes, e.g. BF16 at 8 ranks x 128 tokens x hidden
+7168), each at a 256-byte boundary of the allocation (16-byte rows; recv_sf's TMA-aligned column-major storage keeps
+its padded columns), so that a no-sync or cached dispatch makes ONE allocation (each costs microseconds of host time
+on the GPU host). Such a view keeps the whole allocation alive, and so does the handle (its metadata and workspace
+live there): that memory returns once both are dropped, which at these sizes is cheap. Larger recv_x / recv_sf are
+allocations of their own, so that the large output's memory goes back as soon as the caller drops it, whatever
+happens to the handle.
+
+Order: without a CPU sync every allocation, view and patch of the call's launches comes before the first launch, and
+the launches (notify, send, receive; whichever the structure has) follow back to back, so that the GPU sees no host
+gap between them. With a CPU sync the host must wait for the counts between the send and the receive launch.
 
 DeepEP V1 calls (a `LegacyLayout`) are bound too: the key holds its inputs (channels, reported token count, the
 expert counts' signature), so the matrices' sizes and the notify scalars are fixed per bound dispatch; per call the
@@ -46,6 +56,10 @@ from .patch import patcher as _patcher
 from .patch import strides as _strides
 
 _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
+# recv_x and recv_sf together up to this size are carved out of the small outputs' allocation (see the module
+# docstring): 16 MiB holds a decode step's BF16 recv_x at 8 ranks x 128 tokens x hidden 7168 (14 MiB).
+CARVED_RECV_MAX_BYTES = 16 << 20
+_CARVE_ALIGN_WORDS = 64     # recv_x / recv_sf start at 256-byte boundaries of the allocation (16 B rows, TMA)
 # Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
 _INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
            'recv_layout')
@@ -151,16 +165,22 @@ class BoundDispatch:
                               p.num_tokens, K, p.hidden, p.kind, s.owner_id, do_cpu_sync, R, L, self.offsets)
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
+        # Where the outputs start in their allocation: after the workspace (and V1's matrices) without a CPU sync, at
+        # word 0 of an allocation of their own otherwise.
+        self._out_base = 0 if (p.cached or p.do_cpu_sync) else self.ws_words + self.v1_words
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
         self.worst_expanded = ep_plan.worst_expanded_rows(R, p.num_max_tokens_per_rank, K, L, p.expert_alignment)
         # int32 words of a non-cached call's workspace allocation (with the worst-case outputs without a CPU sync)
         self.ws_alloc_words = self.ws_words + self.v1_words + (self.fixed.words if self.fixed is not None else 0)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
+        # torch: (int64, float32, recv_x's dtype, recv_sf's: None for int32, the allocation's own) resolved once
         self._torch_dtypes = None
+        self._x_per_word = 4 // interop.itemsize(self.x_dtype)       # recv_x elements per int32 word
         if self.kind == 'torch':
             import torch
-            self._torch_dtypes = (torch.int64, torch.float32)
+            self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.x_dtype),
+                                  None if self.sf_dtype in (None, 'int32') else getattr(torch, self.sf_dtype))
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -234,10 +254,23 @@ class BoundDispatch:
             for d in o.topk_weights_shape:
                 n *= d
             offset += n
-        out = _Outputs(num_recv, num_expanded, o.num_out_rows, offset, meta, src_idx, topk, weights,
-                       (o.num_out_rows, p.hidden),
+        # recv_x and recv_sf's storage after the small outputs when they are small (CARVED_RECV_MAX_BYTES), each at a
+        # 256-byte boundary of the allocation (`_out_base`: where the outputs start in it).
+        rows = o.num_out_rows
+        x_words = rows * p.hidden_bytes // 4        # (hidden_bytes: a multiple of 16)
+        sf_words = 0 if o.sf_shape is None else o.sf_shape[0] * o.sf_shape[1]
+        x_at = sf_at = -1
+        if 4 * (x_words + sf_words) <= CARVED_RECV_MAX_BYTES:
+            b = self._out_base
+            x_at = align(b + offset, _CARVE_ALIGN_WORDS) - b
+            offset = x_at + x_words
+            if sf_words:
+                sf_at = align(b + offset, _CARVE_ALIGN_WORDS) - b
+                offset = sf_at + sf_words
+        out = _Outputs(num_recv, num_expanded, rows, offset, meta, src_idx, topk, weights, (rows, p.hidden),
                        o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
-                       o.epilogue_blocks, _strides(o.topk_idx_shape), _strides(o.topk_weights_shape))
+                       o.epilogue_blocks, _strides(o.topk_idx_shape), _strides(o.topk_weights_shape), x_at, sf_at,
+                       (p.hidden, 1), None if o.sf_shape is None else (rows, p.num_sf))
         if len(self._sizes) >= _MAX_SIZES:
             self._sizes.clear()
         self._sizes[(num_recv, num_expanded)] = out
@@ -248,28 +281,27 @@ class BoundDispatch:
                  tp: int, wp: int, cp: int, legacy: Any = None, ecp: int = 0):
         """Run the dispatch for this call's arrays (`x_in` as given; the pointers come from `interop.meta`) on the EP
         feature `ep`. `legacy`: the call's `LegacyLayout` (V1; its outputs are filled), `ecp` its expert counts'
-        address (0: none)."""
+        address (0: none).
+
+        Without a CPU sync (worst-case sizes, or a cached dispatch's known ones) every allocation, view and patch of
+        the call's launches comes first and the launches follow back to back, so that the GPU sees no host gap
+        between the notify and the dispatch (tests/test_ep_bound_cpu.py pins the order). With a CPU sync the notify
+        and the send go first, the host waits for the counts, allocates exact outputs and launches the receive."""
         if xp & 15:
             raise ValueError('x rows must start at 16-byte aligned addresses')
         # Hybrid P2's readiness guard (`EP.ready_guard`: (counter address, rows modulo, SMs left free) or None): checked
         # before any launch, patched into the launches on every call (they are shared by calls with and without it).
         guard = ep.ready_guard
         if guard is not None:
-            if self.fused or self.legacy_kernels:
-                raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
-                                 'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
-            if self.recv_extra + guard[2] >= self.num_device_sms:
-                raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {self.recv_extra} sending '
-                                 f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
+            self._check_guard(guard)
         carver = self.carver
         current = self.stream()
-        cpu_sync, cached, torch_kind = self.cpu_sync, self.cached, self._torch_dtypes is not None
+        cpu_sync, cached = self.cpu_sync, self.cached
         if cpu_sync:
             # The range check needs the GPU: start it first, do the host work that needs no check meanwhile.
             wait_range = ep._start_range(topk_idx, tp, self.num_topk_values, self.num_topk, current)
         comm = ep._order.enter(current, event, self.local)
         alloc_stream = comm if self.alloc_on_comm else None
-        out = self.fixed
         psum_expert = None
         if cached:
             h = handle
@@ -281,7 +313,7 @@ class BoundDispatch:
         else:
             user_topk = topk_idx if self.user_topk else None
             ws = carver.words(self.ws_alloc_words, alloc_stream)
-            ws_ptr = ws.data_ptr() if torch_kind else carver.ptr(ws)
+            ws_ptr = ws.data_ptr() if self._torch_dtypes is not None else carver.ptr(ws)
         if cpu_sync:
             lo, hi = wait_range()
             if lo < -1 or hi >= self.num_experts:
@@ -293,24 +325,24 @@ class BoundDispatch:
             self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.v1_channels is not None:
                 self._v1_matrices(legacy, ws, ws_ptr, n.u64, ecp)
-            if cpu_sync:
-                seq = ep._next_host_seq()
-                n.i32[self.notify_seq] = seq
-            if not self.fused:        # fused: the notify's pointers are the launch's, below
-                n(comm)
         snd = self.send
         if snd is not None:
             self.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.send_guard_idx is not None and (guard is not None or self._send_guarded):
                 _patch_guard(snd, self.send_guard_idx, guard)
                 self._send_guarded = guard is not None
-            snd(comm)
 
+        out = self.fixed
         if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
-            group, base = ws, self.ws_words + self.v1_words
-            counts = []
+            group, counts = ws, []
         else:
             if cpu_sync:
+                seq = ep._next_host_seq()
+                n.i32[self.notify_seq] = seq
+                if not self.fused:    # (never with a CPU sync: features/ep/fused.py)
+                    n(comm)
+                if snd is not None:
+                    snd(comm)
                 num_recv, num_expanded, counts = ep._wait_host_counts(seq, self.num_local_experts)
                 if legacy is not None:
                     legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
@@ -323,42 +355,9 @@ class BoundDispatch:
                 # else the numpy counts of a CPU-sync dispatch, written by nobody: shared, each handle makes its own
                 # list on first access (EPHandle.num_recv_tokens_per_expert_list)
             out = self.outputs(num_recv, num_expanded)
-            group, base = carver.words(out.words, alloc_stream), 0
-        recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
-        recv_sf = None
-        if out.sf_shape is not None:
-            storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
-            if self.p.use_tma_aligned_col_major_sf:
-                rows = out.num_out_rows
-                recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
-            else:
-                recv_sf = storage
-        # recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view then.
-        recv_topk_idx = recv_topk_weights = None
-        if torch_kind:     # Carver.view's torch views with the strides and dtypes resolved once
-            i64, f32 = self._torch_dtypes
-            if out.topk_shape is not None:
-                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides,
-                                                           (base + out.topk_offset) >> 1)
-            if out.weights_shape is not None:
-                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides,
-                                                               base + out.weights_offset)
-        else:
-            if out.topk_shape is not None:
-                recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
-            if out.weights_shape is not None:
-                recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
-        if torch_kind:
-            gp, xo = group.data_ptr() + 4 * base, recv_x.data_ptr()
-        else:
-            gp, xo = carver.ptr(group) + 4 * base, carver.ptr(recv_x)
-        if legacy is not None:
-            legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), base + out.src_idx_offset)
-        # _OUTPUTS' pointers in order.
-        outs = (xo, carver.ptr(recv_sf) if recv_sf is not None else 0,
-                gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
-                gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset,
-                gp + 4 * out.src_idx_offset if legacy is not None else 0)
+            group = carver.words(out.words, alloc_stream)
+        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, outs = self._carve(group, out, alloc_stream, legacy)
+        gp = outs[6]
         r = self.recv
         u = r.u64
         self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
@@ -368,19 +367,17 @@ class BoundDispatch:
             self._recv_guarded = guard is not None
         free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
         if out is not self._recv_sized or free != self._recv_free:     # these sizes' words and grid stay in the block
-            r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
-            r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
-            # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
-            if self.fused:
-                r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
-                                              self.num_device_sms), 1, 1)
-            else:
-                r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
-            self._recv_sized, self._recv_free = out, free
+            self._size_recv(out, free)
+        if not cpu_sync:              # the launches back to back: nothing but the launch calls between them
+            if not cached and not self.fused:
+                n(comm)
+            if snd is not None:
+                snd(comm)
         r(comm)
 
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
-                                   gp + 4 * out.meta_offset, (carver, group, out.meta_shape, base + out.meta_offset),
+                                   gp + 4 * out.meta_offset, (carver, group, out.meta_shape, self._out_base +
+                                                              out.meta_offset),
                                    ws, ws_ptr, user_topk, psum_expert)
         if self.async_:
             sf = x_in[1] if self.fp8 else None
@@ -393,6 +390,86 @@ class BoundDispatch:
             event_out = ep._order.leave(self.kind, current, comm, False)
         out_x = (recv_x, recv_sf) if self.fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event_out
+
+    def _check_guard(self, guard) -> None:
+        """Hybrid P2's readiness guard fits this dispatch (before any launch)."""
+        if self.fused or self.legacy_kernels:
+            raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
+                             'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
+        if self.recv_extra + guard[2] >= self.num_device_sms:
+            raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {self.recv_extra} sending '
+                             f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
+
+    def _size_recv(self, out: _Outputs, free: int) -> None:
+        """The receive launch's words and grid for the sizes `out` (and `free` SMs left to hybrid P2's side stream)."""
+        r = self.recv
+        r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
+        r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
+        # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
+        if self.fused:
+            r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
+                                          self.num_device_sms), 1, 1)
+        else:
+            r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
+        self._recv_sized, self._recv_free = out, free
+
+    def _carve(self, group, out: _Outputs, alloc_stream, legacy):
+        """This call's outputs: views of `group` (the small outputs' allocation, from word `_out_base`) and recv_x /
+        recv_sf there too where `out` carves them, else allocations of their own. Returns `(recv_x, recv_sf,
+        recv_topk_idx, recv_topk_weights, pointers)`: the `_OUTPUTS`' pointers in order, then the outputs' address
+        in `group`. recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view."""
+        carver, base = self.carver, self._out_base
+        recv_sf = recv_topk_idx = recv_topk_weights = None
+        td = self._torch_dtypes
+        if td is not None:      # torch: Carver.view inline, the dtypes and strides resolved once
+            gp = group.data_ptr() + 4 * base
+            i64, f32, x_dtype, sf_dtype = td
+            if out.topk_shape is not None:
+                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides,
+                                                           (base + out.topk_offset) >> 1)
+            if out.weights_shape is not None:
+                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides,
+                                                               base + out.weights_offset)
+            if out.x_offset >= 0:
+                recv_x = group.view(x_dtype).as_strided(out.x_shape, out.x_strides,
+                                                        (base + out.x_offset) * self._x_per_word)
+                if out.sf_offset >= 0:
+                    typed = group if sf_dtype is None else group.view(sf_dtype)
+                    recv_sf = typed.as_strided(out.sf_view_shape, out.sf_strides, base + out.sf_offset)
+        else:
+            gp = carver.ptr(group) + 4 * base
+            if out.topk_shape is not None:
+                recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
+            if out.weights_shape is not None:
+                recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
+            if out.x_offset >= 0:
+                recv_x = carver.view(group, self.x_dtype, out.x_shape, base + out.x_offset)
+                if out.sf_offset >= 0:
+                    recv_sf = carver.view(group, self.sf_dtype, out.sf_view_shape, base + out.sf_offset,
+                                          out.sf_strides)
+        if out.x_offset >= 0:
+            xo = gp + 4 * out.x_offset
+            sfo = gp + 4 * out.sf_offset if recv_sf is not None else 0
+        else:       # large: allocations of their own (their memory goes back when the caller drops them)
+            recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
+            xo = carver.ptr(recv_x)
+            sfo = 0
+            if out.sf_shape is not None:
+                storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
+                sfo = carver.ptr(storage)
+                if self.p.use_tma_aligned_col_major_sf:
+                    rows = out.num_out_rows
+                    recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
+                else:
+                    recv_sf = storage
+        src_idx = 0
+        if legacy is not None:
+            legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), base + out.src_idx_offset)
+            src_idx = gp + 4 * out.src_idx_offset
+        return (recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
+                (xo, sfo, gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
+                 gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset,
+                 src_idx, gp))
 
 
     def _v1_matrices(self, legacy, ws, ws_ptr: int, u, ecp: int) -> None:

@@ -52,3 +52,7 @@ class Outputs(NamedTuple):
     grid: int
     topk_strides: Optional[Tuple[int, int]]         # C-contiguous strides of recv_topk_idx / recv_topk_weights
     weights_strides: Optional[Tuple[int, ...]]
+    x_offset: int               # word offset of recv_x in the small outputs' allocation (-1: an allocation of its own)
+    sf_offset: int              # of recv_sf's storage (-1: an allocation of its own, or no recv_sf)
+    x_strides: Tuple[int, int]  # C-contiguous strides of recv_x
+    sf_view_shape: Optional[Tuple[int, int]]        # recv_sf's shape (rows, num_sf), strides `sf_strides`
