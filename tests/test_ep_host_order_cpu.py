@@ -24,7 +24,7 @@ BOUND_FILE = ep_bound.__file__
 LAUNCH_CODE = jit_launch.BoundLaunch.__call__.__code__
 ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc'}
 # bound.py's per-call functions (a first call also binds: `__init__` and what it calls are not recorded)
-PER_CALL = {'__call__', '_carve', '_size_recv', '_v1_matrices', '_patch_guard', '_check_guard'}
+PER_CALL = {'__call__', '_carve', '_allocate_x', '_size_recv', '_v1_matrices', '_patch_guard', '_check_guard'}
 
 
 def record_host_calls(fn):

@@ -360,10 +360,11 @@ class Carver:
         """`[*shape]` of `dtype` (canonical name); `stream`: order the allocation on it (None: the current stream)."""
         if self.kind == 'torch':
             torch = self._torch
+            dt = self._dtypes.get(dtype) or self._dtype(dtype)
             if stream is None:
-                return torch.empty(shape, dtype=self._dtype(dtype), device=self._device)
+                return torch.empty(shape, dtype=dt, device=self._device)
             with torch.cuda.stream(torch_stream(stream.ptr)):
-                return torch.empty(shape, dtype=self._dtype(dtype), device=self._device)
+                return torch.empty(shape, dtype=dt, device=self._device)
         cupy = self._cupy
         if stream is None:
             return cupy.empty(shape, dtype=dtypes.cupy_storage(dtype))

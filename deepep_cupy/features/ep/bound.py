@@ -151,6 +151,7 @@ class BoundDispatch:
             ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6])),
             'notify')
         self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
+        self.topk_copy_bytes = 4 * o[4]            # where the workspace keeps its topk_idx copy (if it has one)
         r = self.recv
         guarded = not (self.fused or self.legacy_kernels)
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
@@ -165,6 +166,7 @@ class BoundDispatch:
                               p.num_tokens, K, p.hidden, p.kind, s.owner_id, do_cpu_sync, R, L, self.offsets)
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
+        self._x_per_word = 4 // interop.itemsize(self.x_dtype)       # recv_x elements per int32 word
         # Where the outputs start in their allocation: after the workspace (and V1's matrices) without a CPU sync, at
         # word 0 of an allocation of their own otherwise.
         self._out_base = 0 if (p.cached or p.do_cpu_sync) else self.ws_words + self.v1_words
@@ -172,11 +174,11 @@ class BoundDispatch:
         self.worst_expanded = ep_plan.worst_expanded_rows(R, p.num_max_tokens_per_rank, K, L, p.expert_alignment)
         # int32 words of a non-cached call's workspace allocation (with the worst-case outputs without a CPU sync)
         self.ws_alloc_words = self.ws_words + self.v1_words + (self.fixed.words if self.fixed is not None else 0)
+        self.ws_alloc_shape = (max(2, self.ws_alloc_words),)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         # torch: (int64, float32, recv_x's dtype, recv_sf's: None for int32, the allocation's own) resolved once
         self._torch_dtypes = None
-        self._x_per_word = 4 // interop.itemsize(self.x_dtype)       # recv_x elements per int32 word
         if self.kind == 'torch':
             import torch
             self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.x_dtype),
@@ -267,10 +269,17 @@ class BoundDispatch:
             if sf_words:
                 sf_at = align(b + offset, _CARVE_ALIGN_WORDS) - b
                 offset = sf_at + sf_words
+        b = self._out_base
+        has_topk, has_weights = o.topk_idx_shape is not None, o.topk_weights_shape is not None
+        at = ((b + topk) >> 1 if has_topk else -1, b + weights if has_weights else -1,
+              (b + x_at) * self._x_per_word if x_at >= 0 else -1, b + sf_at if sf_at >= 0 else -1)
+        byte_at = tuple(4 * (b + w) if w >= 0 else -1 for w in (
+            x_at, sf_at, topk if has_topk else -1, weights if has_weights else -1, meta, src_idx))
         out = _Outputs(num_recv, num_expanded, rows, offset, meta, src_idx, topk, weights, (rows, p.hidden),
                        o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
                        o.epilogue_blocks, _strides(o.topk_idx_shape), _strides(o.topk_weights_shape), x_at, sf_at,
-                       (p.hidden, 1), None if o.sf_shape is None else (rows, p.num_sf))
+                       (p.hidden, 1), None if o.sf_shape is None else (rows, p.num_sf), (max(2, offset),), at,
+                       byte_at)
         if len(self._sizes) >= _MAX_SIZES:
             self._sizes.clear()
         self._sizes[(num_recv, num_expanded)] = out
@@ -305,14 +314,16 @@ class BoundDispatch:
         psum_expert = None
         if cached:
             h = handle
-            ws, ws_ptr, user_topk, tp = h.workspace, h.workspace_ptr, h._topk_idx, h.topk_idx_ptr
+            ws, ws_ptr, user_topk = h.workspace, h.workspace_ptr, h._topk_idx
+            # (`h.topk_idx_ptr` inline: the handle's origin, and so its workspace offsets, are this call's key's)
+            tp = ws_ptr + self.topk_copy_bytes if user_topk is None else h.topk_idx_ptr
             psum_expert = h._psum_expert
             if self.p.do_expand != h.do_expand:
                 psum_expert = _psum_expert_from_layout(h.recv_layout, h.num_ranks, self.num_local_experts,
                                                        h.expert_alignment, self.p.do_expand, self.kind, comm)
         else:
             user_topk = topk_idx if self.user_topk else None
-            ws = carver.words(self.ws_alloc_words, alloc_stream)
+            ws = carver.empty(self.ws_alloc_shape, 'int32', alloc_stream)
             ws_ptr = ws.data_ptr() if self._torch_dtypes is not None else carver.ptr(ws)
         if cpu_sync:
             lo, hi = wait_range()
@@ -334,7 +345,7 @@ class BoundDispatch:
 
         out = self.fixed
         if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
-            group, counts = ws, []
+            group, g0, counts = ws, ws_ptr, []
         else:
             if cpu_sync:
                 seq = ep._next_host_seq()
@@ -355,9 +366,9 @@ class BoundDispatch:
                 # else the numpy counts of a CPU-sync dispatch, written by nobody: shared, each handle makes its own
                 # list on first access (EPHandle.num_recv_tokens_per_expert_list)
             out = self.outputs(num_recv, num_expanded)
-            group = carver.words(out.words, alloc_stream)
-        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, outs = self._carve(group, out, alloc_stream, legacy)
-        gp = outs[6]
+            group = carver.empty(out.alloc_shape, 'int32', alloc_stream)
+            g0 = group.data_ptr() if self._torch_dtypes is not None else carver.ptr(group)
+        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, outs = self._carve(group, g0, out, alloc_stream, legacy)
         r = self.recv
         u = r.u64
         self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
@@ -375,10 +386,9 @@ class BoundDispatch:
                 snd(comm)
         r(comm)
 
-        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
-                                   gp + 4 * out.meta_offset, (carver, group, out.meta_shape, self._out_base +
-                                                              out.meta_offset),
-                                   ws, ws_ptr, user_topk, psum_expert)
+        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, outs[4],
+                                   (carver, group, out.meta_shape, self._out_base + out.meta_offset), ws, ws_ptr,
+                                   user_topk, psum_expert)
         if self.async_:
             sf = x_in[1] if self.fp8 else None
             xa = x_in[0] if self.fp8 else x_in
@@ -413,64 +423,59 @@ class BoundDispatch:
             r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
         self._recv_sized, self._recv_free = out, free
 
-    def _carve(self, group, out: _Outputs, alloc_stream, legacy):
-        """This call's outputs: views of `group` (the small outputs' allocation, from word `_out_base`) and recv_x /
-        recv_sf there too where `out` carves them, else allocations of their own. Returns `(recv_x, recv_sf,
-        recv_topk_idx, recv_topk_weights, pointers)`: the `_OUTPUTS`' pointers in order, then the outputs' address
-        in `group`. recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view."""
-        carver, base = self.carver, self._out_base
+    def _carve(self, group, g0: int, out: _Outputs, alloc_stream, legacy):
+        """This call's outputs: views of `group` (the small outputs' allocation at address `g0`; the outputs from word
+        `_out_base`) and recv_x / recv_sf there too where `out` carves them, else allocations of their own. Returns
+        `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, pointers)`: `pointers` are `_OUTPUTS`' in order.
+        recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view."""
         recv_sf = recv_topk_idx = recv_topk_weights = None
+        topk_at, weights_at, x_at, sf_at = out.at
         td = self._torch_dtypes
-        if td is not None:      # torch: Carver.view inline, the dtypes and strides resolved once
-            gp = group.data_ptr() + 4 * base
+        if td is not None:      # torch: Carver.view inline, the dtypes, strides and offsets resolved once
             i64, f32, x_dtype, sf_dtype = td
-            if out.topk_shape is not None:
-                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides,
-                                                           (base + out.topk_offset) >> 1)
-            if out.weights_shape is not None:
-                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides,
-                                                               base + out.weights_offset)
-            if out.x_offset >= 0:
-                recv_x = group.view(x_dtype).as_strided(out.x_shape, out.x_strides,
-                                                        (base + out.x_offset) * self._x_per_word)
-                if out.sf_offset >= 0:
-                    typed = group if sf_dtype is None else group.view(sf_dtype)
-                    recv_sf = typed.as_strided(out.sf_view_shape, out.sf_strides, base + out.sf_offset)
+            if topk_at >= 0:
+                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides, topk_at)
+            if weights_at >= 0:
+                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides, weights_at)
+            if x_at >= 0:
+                recv_x = group.view(x_dtype).as_strided(out.x_shape, out.x_strides, x_at)
+            if sf_at >= 0:
+                recv_sf = (group if sf_dtype is None else group.view(sf_dtype)).as_strided(
+                    out.sf_view_shape, out.sf_strides, sf_at)
         else:
-            gp = carver.ptr(group) + 4 * base
-            if out.topk_shape is not None:
+            carver, base = self.carver, self._out_base
+            if topk_at >= 0:
                 recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
-            if out.weights_shape is not None:
+            if weights_at >= 0:
                 recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
-            if out.x_offset >= 0:
+            if x_at >= 0:
                 recv_x = carver.view(group, self.x_dtype, out.x_shape, base + out.x_offset)
-                if out.sf_offset >= 0:
-                    recv_sf = carver.view(group, self.sf_dtype, out.sf_view_shape, base + out.sf_offset,
-                                          out.sf_strides)
-        if out.x_offset >= 0:
-            xo = gp + 4 * out.x_offset
-            sfo = gp + 4 * out.sf_offset if recv_sf is not None else 0
+            if sf_at >= 0:
+                recv_sf = carver.view(group, self.sf_dtype, out.sf_view_shape, base + out.sf_offset, out.sf_strides)
+        xb, sb, tb, wb, mb, ib = out.byte_at
+        if xb >= 0:
+            xo, sfo = g0 + xb, g0 + sb if sb >= 0 else 0
         else:       # large: allocations of their own (their memory goes back when the caller drops them)
-            recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
-            xo = carver.ptr(recv_x)
-            sfo = 0
-            if out.sf_shape is not None:
-                storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
-                sfo = carver.ptr(storage)
-                if self.p.use_tma_aligned_col_major_sf:
-                    rows = out.num_out_rows
-                    recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
-                else:
-                    recv_sf = storage
-        src_idx = 0
+            (recv_x, recv_sf), (xo, sfo) = self._allocate_x(out, alloc_stream)
         if legacy is not None:
-            legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), base + out.src_idx_offset)
-            src_idx = gp + 4 * out.src_idx_offset
+            legacy.recv_src_idx = self.carver.view(group, 'int32', (out.num_recv,), self._out_base + out.src_idx_offset)
         return (recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
-                (xo, sfo, gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
-                 gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset,
-                 src_idx, gp))
+                (xo, sfo, g0 + tb if tb >= 0 else 0, g0 + wb if wb >= 0 else 0, g0 + mb, g0 + ib if ib >= 0 else 0))
 
+    def _allocate_x(self, out: _Outputs, alloc_stream):
+        """`((recv_x, recv_sf), (their addresses))` in allocations of their own."""
+        carver = self.carver
+        recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
+        recv_sf, sfo = None, 0
+        if out.sf_shape is not None:
+            storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
+            sfo = carver.ptr(storage)
+            if self.p.use_tma_aligned_col_major_sf:
+                rows = out.num_out_rows
+                recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
+            else:
+                recv_sf = storage
+        return (recv_x, recv_sf), (carver.ptr(recv_x), sfo)
 
     def _v1_matrices(self, legacy, ws, ws_ptr: int, u, ecp: int) -> None:
         """DeepEP V1's matrices of this call: views of `ws` after the workspace proper, set on `legacy`; their
@@ -510,6 +515,9 @@ class BoundCombine:
             chunk_rows=COMBINE_CHUNK_ROWS, chunk_stride=p.chunk_stride,
             peer_bases=sym.peer_bases_ptr, rank=sym.local_idx, combine_offset=ep.layout.combine_recv_offset,
             error_record=ep._host_ptr, timeout_ns=ep._buf.timeout_ns)
+        # The workspace parts' byte offsets (the handle's origin, and so its offsets, are part of the call's key)
+        o = h.offsets
+        self.ws_at = (4 * o[2], 4 * o[0], 4 * o[4])
         self.idx = tuple(self.launch.index(n) for n in (
             'x', 'topk_weights', 'recv_src_metadata', 'recv_layout', 'send_pos', 'topk_idx', 'bias0', 'bias1',
             'combined_x', 'combined_topk_weights'))
@@ -531,9 +539,9 @@ class BoundCombine:
             combined_w = carver.empty((self.num_tokens, self.num_topk), 'float32', alloc_stream)
         b, i = self.launch, self.idx
         u = b.u64
-        ws = h.workspace_ptr
-        u[i[0]], u[i[1]], u[i[2]], u[i[3]] = xp, wp, h._meta_ptr, ws + 4 * h.offsets[2]
-        u[i[4]], u[i[5]] = ws + 4 * h.offsets[0], h.topk_idx_ptr
+        ws, (layout_at, send_pos_at, topk_at) = h.workspace_ptr, self.ws_at
+        u[i[0]], u[i[1]], u[i[2]], u[i[3]] = xp, wp, h._meta_ptr, ws + layout_at
+        u[i[4]], u[i[5]] = ws + send_pos_at, ws + topk_at if h._topk_idx is None else h.topk_idx_ptr
         u[i[6]] = bias_ptrs[0] if self.num_biases else 0
         u[i[7]] = bias_ptrs[1] if self.num_biases > 1 else 0
         u[i[8]] = carver.ptr(combined_x)

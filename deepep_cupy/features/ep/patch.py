@@ -56,3 +56,9 @@ class Outputs(NamedTuple):
     sf_offset: int              # of recv_sf's storage (-1: an allocation of its own, or no recv_sf)
     x_strides: Tuple[int, int]  # C-contiguous strides of recv_x
     sf_view_shape: Optional[Tuple[int, int]]        # recv_sf's shape (rows, num_sf), strides `sf_strides`
+    alloc_shape: Tuple[int]     # of the small outputs' allocation when it is theirs alone (CPU sync, cached)
+    # From the start of the allocation (the outputs begin at the bound dispatch's `_out_base` word in it): the torch
+    # storage offsets (elements of the view's dtype) of recv_topk_idx, recv_topk_weights, recv_x, recv_sf (-1: none /
+    # not carved), and the byte offsets of `bound._OUTPUTS` (-1: none / not carved).
+    at: Tuple[int, int, int, int]
+    byte_at: Tuple[int, int, int, int, int, int]
