@@ -162,6 +162,13 @@ ep_lane_shared() {
     step "ep np=2 LEGACY_DISPATCH=1 (sharing)" 300 env DEEPEP_CUPY_EP_LEGACY_DISPATCH=1 $ONE $R 2 $EP \
         --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
 }
+ephost_lane() {
+    # The EP dispatch host path (issue #11): decode-sized recv_x / recv_sf carved out of the call's one allocation,
+    # bitwise equal to separate allocations (torch and CuPy; BF16, FP8, TMA-aligned scales; CPU sync, no sync,
+    # expanded, cached) and outliving the handle. The host-side order (everything before the launches, launches back
+    # to back) is pinned on the CPU (tests/test_ep_host_order_cpu.py); perf1's ep_profile shows the gap it closes.
+    step "ep host: carved dispatch outputs (GPU pytest)" 300 $ONE $PY -m pytest -q -x tests/gpu/test_gpu_ep_carve.py
+}
 hybrid_lane() {
     # Several scale-up domains on GPU 0: DEEPEP_CUPY_SCALEUP_SIZE cuts the ranks into domains, the rails between
     # them go through the IPC loopback transport (NCCL refuses two ranks of a communicator on one GPU).
@@ -454,6 +461,7 @@ fuse_lane_shared() {
 if want ep; then
     lane ep_lane_topk
     lane ep_lane_shared
+    lane ephost_lane
 fi
 want hybrid && lane hybrid_lane
 want hybrid && lane hybrid_pipeline_lane
