@@ -10,7 +10,8 @@
 #   jit        cold and warm JIT timing
 #   perf1      one rank alone on the GPU: the EP and low-latency rank programs with their perf lines, perf/ep_profile.py,
 #              and the same for the pre-refactor snapshot in .baseline/ when it exists (side by side, same run)
-#   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure
+#   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure;
+#              the carved dispatch outputs' GPU pytest (ephost_lane)
 #   hybrid     EP across scale-up domains (hybrid mode), ranks sharing GPU 0, rails through the IPC loopback:
 #              2x1, 2x2, 2x4, 4x1 (domains x ranks, DEEPEP_CUPY_SCALEUP_SIZE), pressure, CUDA graph, timeout, errors
 #              (launch/scaleout_nccl.sh runs NCCL rails across two GPUs); the same with the pipelined dispatch (P2,
