@@ -24,7 +24,7 @@ BOUND_FILE = ep_bound.__file__
 LAUNCH_CODE = jit_launch.BoundLaunch.__call__.__code__
 ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc'}
 # bound.py's per-call functions (a first call also binds: `__init__` and what it calls are not recorded)
-PER_CALL = {'__call__', '_carve', '_allocate_x', '_size_recv', '_v1_matrices', '_patch_guard', '_check_guard'}
+PER_CALL = {'__call__', '_cupy_views', '_allocate_x', '_size_recv', '_v1_matrices', '_patch_guard', '_check_guard'}
 
 
 def record_host_calls(fn):
@@ -65,7 +65,7 @@ def assert_launches_back_to_back(seen, num_launches):
     last = len(seen) - 1 - seen[::-1].index('launch')
     assert seen[first:last + 1] == ['launch'] * num_launches, seen
     after = seen[last + 1:]
-    assert not {'alloc', 'view', 'as_strided', 'patch()', '_carve()'} & set(after), after
+    assert not {'alloc', 'view', 'as_strided', 'patch()', '_cupy_views()'} & set(after), after
     assert 'alloc' in seen[:first] and 'as_strided' in seen[:first], seen
 
 

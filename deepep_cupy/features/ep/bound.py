@@ -78,6 +78,7 @@ class BoundDispatch:
     def __init__(self, ep, p: ep_plan.DispatchPlan, allocate_on_comm_stream: bool, async_with_compute_stream: bool):
         s = ep.settings
         self.kind, self.fp8, self.cached, self.cpu_sync = p.kind, p.fp8, p.cached, p.do_cpu_sync
+        self.do_expand = p.do_expand
         # DeepEP V1 (`p.legacy`): channels of its matrices, else None; its matrices' int32 words after the workspace
         # (even, so that the outputs carved after them keep 8-byte alignment).
         R = s.num_ranks
@@ -272,7 +273,7 @@ class BoundDispatch:
         b = self._out_base
         has_topk, has_weights = o.topk_idx_shape is not None, o.topk_weights_shape is not None
         at = ((b + topk) >> 1 if has_topk else -1, b + weights if has_weights else -1,
-              (b + x_at) * self._x_per_word if x_at >= 0 else -1, b + sf_at if sf_at >= 0 else -1)
+              (b + x_at) * self._x_per_word if x_at >= 0 else -1, b + sf_at if sf_at >= 0 else -1, b + meta)
         byte_at = tuple(4 * (b + w) if w >= 0 else -1 for w in (
             x_at, sf_at, topk if has_topk else -1, weights if has_weights else -1, meta, src_idx))
         out = _Outputs(num_recv, num_expanded, rows, offset, meta, src_idx, topk, weights, (rows, p.hidden),
@@ -318,9 +319,9 @@ class BoundDispatch:
             # (`h.topk_idx_ptr` inline: the handle's origin, and so its workspace offsets, are this call's key's)
             tp = ws_ptr + self.topk_copy_bytes if user_topk is None else h.topk_idx_ptr
             psum_expert = h._psum_expert
-            if self.p.do_expand != h.do_expand:
+            if self.do_expand != h.do_expand:
                 psum_expert = _psum_expert_from_layout(h.recv_layout, h.num_ranks, self.num_local_experts,
-                                                       h.expert_alignment, self.p.do_expand, self.kind, comm)
+                                                       h.expert_alignment, self.do_expand, self.kind, comm)
         else:
             user_topk = topk_idx if self.user_topk else None
             ws = carver.empty(self.ws_alloc_shape, 'int32', alloc_stream)
@@ -359,7 +360,7 @@ class BoundDispatch:
                     legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
             else:       # cached: `plan.dispatch_counts` inline, the counts' copy deferred
                 num_recv, num_expanded, counts = h.num_recv_tokens, h.num_expanded_tokens, h._counts
-                if self.p.do_expand and not h.do_expand and not h.do_cpu_sync:
+                if self.do_expand and not h.do_expand and not h.do_cpu_sync:
                     num_expanded = self.worst_expanded
                 if type(counts) is list:    # (the handle's list, which its caller may hold: copied now)
                     counts = list(counts)
@@ -368,11 +369,37 @@ class BoundDispatch:
             out = self.outputs(num_recv, num_expanded)
             group = carver.empty(out.alloc_shape, 'int32', alloc_stream)
             g0 = group.data_ptr() if self._torch_dtypes is not None else carver.ptr(group)
-        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, outs = self._carve(group, g0, out, alloc_stream, legacy)
+        # The outputs: views of `group` (the outputs from its word `_out_base`), recv_x / recv_sf too where `out`
+        # carves them, else allocations of their own. recv_src_metadata stays a (pointer, place) until someone reads
+        # it: the handle makes the view then.
+        recv_sf = recv_topk_idx = recv_topk_weights = None
+        topk_at, weights_at, x_at, sf_at, meta_at = out.at
+        td = self._torch_dtypes
+        if td is not None:      # torch: Carver.view inline, the dtypes, strides and offsets resolved once
+            i64, f32, x_dtype, sf_dtype = td
+            if topk_at >= 0:
+                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides, topk_at)
+            if weights_at >= 0:
+                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides, weights_at)
+            if x_at >= 0:
+                recv_x = group.view(x_dtype).as_strided(out.x_shape, out.x_strides, x_at)
+            if sf_at >= 0:
+                recv_sf = (group if sf_dtype is None else group.view(sf_dtype)).as_strided(
+                    out.sf_view_shape, out.sf_strides, sf_at)
+        else:
+            recv_topk_idx, recv_topk_weights, recv_x, recv_sf = self._cupy_views(group, out)
+        xb, sb, tb, wb, mb, ib = out.byte_at
+        if xb >= 0:
+            xo, sfo = g0 + xb, g0 + sb if sb >= 0 else 0
+        else:       # large: allocations of their own (their memory goes back when the caller drops them)
+            (recv_x, recv_sf), (xo, sfo) = self._allocate_x(out, alloc_stream)
+        if legacy is not None:
+            legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), ib >> 2)
         r = self.recv
         u = r.u64
         self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
-        self.recv_out_patch(u, outs)
+        self.recv_out_patch(u, (xo, sfo, g0 + tb if tb >= 0 else 0, g0 + wb if wb >= 0 else 0, g0 + mb,
+                                g0 + ib if ib >= 0 else 0))
         if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
             _patch_guard(r, self.recv_guard_idx, guard)
             self._recv_guarded = guard is not None
@@ -386,9 +413,8 @@ class BoundDispatch:
                 snd(comm)
         r(comm)
 
-        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, outs[4],
-                                   (carver, group, out.meta_shape, self._out_base + out.meta_offset), ws, ws_ptr,
-                                   user_topk, psum_expert)
+        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
+                                   (carver, group, out.meta_shape, meta_at), ws, ws_ptr, user_topk, psum_expert)
         if self.async_:
             sf = x_in[1] if self.fp8 else None
             xa = x_in[0] if self.fp8 else x_in
@@ -423,44 +449,15 @@ class BoundDispatch:
             r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
         self._recv_sized, self._recv_free = out, free
 
-    def _carve(self, group, g0: int, out: _Outputs, alloc_stream, legacy):
-        """This call's outputs: views of `group` (the small outputs' allocation at address `g0`; the outputs from word
-        `_out_base`) and recv_x / recv_sf there too where `out` carves them, else allocations of their own. Returns
-        `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, pointers)`: `pointers` are `_OUTPUTS`' in order.
-        recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view."""
-        recv_sf = recv_topk_idx = recv_topk_weights = None
-        topk_at, weights_at, x_at, sf_at = out.at
-        td = self._torch_dtypes
-        if td is not None:      # torch: Carver.view inline, the dtypes, strides and offsets resolved once
-            i64, f32, x_dtype, sf_dtype = td
-            if topk_at >= 0:
-                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides, topk_at)
-            if weights_at >= 0:
-                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides, weights_at)
-            if x_at >= 0:
-                recv_x = group.view(x_dtype).as_strided(out.x_shape, out.x_strides, x_at)
-            if sf_at >= 0:
-                recv_sf = (group if sf_dtype is None else group.view(sf_dtype)).as_strided(
-                    out.sf_view_shape, out.sf_strides, sf_at)
-        else:
-            carver, base = self.carver, self._out_base
-            if topk_at >= 0:
-                recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
-            if weights_at >= 0:
-                recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
-            if x_at >= 0:
-                recv_x = carver.view(group, self.x_dtype, out.x_shape, base + out.x_offset)
-            if sf_at >= 0:
-                recv_sf = carver.view(group, self.sf_dtype, out.sf_view_shape, base + out.sf_offset, out.sf_strides)
-        xb, sb, tb, wb, mb, ib = out.byte_at
-        if xb >= 0:
-            xo, sfo = g0 + xb, g0 + sb if sb >= 0 else 0
-        else:       # large: allocations of their own (their memory goes back when the caller drops them)
-            (recv_x, recv_sf), (xo, sfo) = self._allocate_x(out, alloc_stream)
-        if legacy is not None:
-            legacy.recv_src_idx = self.carver.view(group, 'int32', (out.num_recv,), self._out_base + out.src_idx_offset)
-        return (recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
-                (xo, sfo, g0 + tb if tb >= 0 else 0, g0 + wb if wb >= 0 else 0, g0 + mb, g0 + ib if ib >= 0 else 0))
+    def _cupy_views(self, group, out: _Outputs):
+        """(recv_topk_idx, recv_topk_weights, recv_x, recv_sf) views of `group` where `out` has them (else None)."""
+        carver, base = self.carver, self._out_base
+        topk_at, weights_at, x_at, sf_at, _ = out.at
+        return (None if topk_at < 0 else carver.view(group, 'int64', out.topk_shape, base + out.topk_offset),
+                None if weights_at < 0 else carver.view(group, 'float32', out.weights_shape, base + out.weights_offset),
+                None if x_at < 0 else carver.view(group, self.x_dtype, out.x_shape, base + out.x_offset),
+                None if sf_at < 0 else carver.view(group, self.sf_dtype, out.sf_view_shape, base + out.sf_offset,
+                                                   out.sf_strides))
 
     def _allocate_x(self, out: _Outputs, alloc_stream):
         """`((recv_x, recv_sf), (their addresses))` in allocations of their own."""

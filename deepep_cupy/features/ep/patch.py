@@ -59,6 +59,6 @@ class Outputs(NamedTuple):
     alloc_shape: Tuple[int]     # of the small outputs' allocation when it is theirs alone (CPU sync, cached)
     # From the start of the allocation (the outputs begin at the bound dispatch's `_out_base` word in it): the torch
     # storage offsets (elements of the view's dtype) of recv_topk_idx, recv_topk_weights, recv_x, recv_sf (-1: none /
-    # not carved), and the byte offsets of `bound._OUTPUTS` (-1: none / not carved).
-    at: Tuple[int, int, int, int]
+    # not carved) and recv_src_metadata (int32), and the byte offsets of `bound._OUTPUTS` (-1: none / not carved).
+    at: Tuple[int, int, int, int, int]
     byte_at: Tuple[int, int, int, int, int, int]
