@@ -16,6 +16,7 @@ torch = pytest.importorskip('torch')
 import test_ep_checks_cpu as ep_tests  # noqa: E402
 
 from deepep_cupy.features.ep import bound as ep_bound  # noqa: E402
+from deepep_cupy.features.ep import patch as ep_patch  # noqa: E402
 from deepep_cupy.jit import launch as jit_launch  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
 
@@ -23,24 +24,26 @@ R, M, H, K, E = ep_tests.R, ep_tests.M, ep_tests.H, ep_tests.K, ep_tests.E
 BOUND_FILE = ep_bound.__file__
 LAUNCH_CODE = jit_launch.BoundLaunch.__call__.__code__
 ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc'}
-# bound.py's per-call functions (a first call also binds: `__init__` and what it calls are not recorded)
-PER_CALL = {'__call__', '_cupy_views', '_allocate_x', '_size_recv', '_v1_matrices', '_patch_guard', '_check_guard'}
+# The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
+# recorded)
+PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv', '_v1_matrices', '_check_guard')} | \
+    {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard')}
 
 
 def record_host_calls(fn):
-    """`fn()`'s result and the calls made from bound.py's per-call frames, in order: 'launch' (a `BoundLaunch`
-    call), 'alloc' (`Carver.words` / `.empty`), else the called function's name: 'name()' for Python functions (the
-    argument patchers' 'patch()', the host's 'wait_host_counts()'), 'name' for C functions (torch's `view`,
-    `as_strided`, `data_ptr`...)."""
+    """`fn()`'s result and the calls made from the per-call frames of bound.py and patch.py, in order: 'launch' (a
+    `BoundLaunch` call), 'alloc' (`Carver.words` / `.empty`), else the called function's name: 'name()' for Python
+    functions (the argument patchers' 'patch()', the host's 'wait_host_counts()'), 'name' for C functions (torch's
+    `view`, `as_strided`, `data_ptr`...)."""
     seen = []
 
     def profiler(frame, event, arg):
         if event == 'call':
             caller = frame.f_back
-            if caller is not None and caller.f_code.co_filename == BOUND_FILE and caller.f_code.co_name in PER_CALL:
+            if caller is not None and (caller.f_code.co_filename, caller.f_code.co_name) in PER_CALL:
                 code = frame.f_code
                 seen.append('launch' if code is LAUNCH_CODE else ALLOC_CODES.get(code, code.co_name + '()'))
-        elif event == 'c_call' and frame.f_code.co_filename == BOUND_FILE and frame.f_code.co_name in PER_CALL:
+        elif event == 'c_call' and (frame.f_code.co_filename, frame.f_code.co_name) in PER_CALL:
             seen.append(getattr(arg, '__name__', repr(arg)))
     sys.setprofile(profiler)
     try:
@@ -65,7 +68,7 @@ def assert_launches_back_to_back(seen, num_launches):
     last = len(seen) - 1 - seen[::-1].index('launch')
     assert seen[first:last + 1] == ['launch'] * num_launches, seen
     after = seen[last + 1:]
-    assert not {'alloc', 'view', 'as_strided', 'patch()', '_cupy_views()'} & set(after), after
+    assert not {'alloc', 'view', 'as_strided', 'patch()', 'cupy_views()', 'allocate_x()'} & set(after), after
     assert 'alloc' in seen[:first] and 'as_strided' in seen[:first], seen
 
 
@@ -194,3 +197,41 @@ def test_large_recv_x_stays_an_allocation_of_its_own(monkeypatch):
                                                                              do_cpu_sync=False))
     assert seen.count('alloc') == 1
     assert recv_x.untyped_storage().data_ptr() == handle.workspace.data_ptr()
+
+
+@pytest.mark.parametrize('cpu_sync', [True, False])
+def test_odd_sizes_keep_the_allocation_viewable_as_int64(monkeypatch, cpu_sync):
+    """Odd receive counts, an odd top-k and one FP8 scale column: the outputs' allocation still has an even number of
+    int32 words (recv_topk_idx is an int64 view of it)."""
+    x, idx, w = ep_tests.make_inputs()
+    idx, w = idx[:, :3].contiguous(), w[:, :3].contiguous()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 1))
+    buf = make_buffer(monkeypatch)
+    monkeypatch.setattr(buf._ep, '_wait_host_counts', lambda seq, n: (5, 7, [1] * n))
+    out = buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=cpu_sync)
+    rows = 5 if cpu_sync else R * M
+    assert out[0][0].shape == (rows, H) and out[0][1].shape == (rows, 1) and out[1].shape == (rows, 3)
+    assert out[1].dtype == torch.int64 and out[3].metadata_owner.numel() % 2 == 0
+
+
+@pytest.mark.parametrize('tma', [False, True])
+def test_cupy_views_sit_where_the_torch_views_do(monkeypatch, tma):
+    """The CuPy path (`patch.cupy_views`, no GPU here: a carver recording its views) carves each output at the byte
+    offset, with the shape, dtype and element strides of the torch path's view."""
+    from deepep_cupy.features.ep import patch
+    x, idx, w = ep_tests.make_inputs()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 1))
+    buf = make_buffer(monkeypatch)
+    out = buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=False, use_tma_aligned_col_major_sf=tma)
+    (b,) = buf._ep._bound.values()
+    group = out[3].workspace
+    torch_views = [out[1], out[2], out[0][0], out[0][1]]
+
+    class Recorder:
+        def view(self, base, dtype, shape, word_offset, strides=None):
+            return dtype, tuple(shape), 4 * word_offset, strides or interop.contiguous_strides(tuple(shape))
+    got = patch.cupy_views(Recorder(), group, b.fixed, 'float8_e4m3fn', 'float32')
+    names = {torch.int64: 'int64', torch.float32: 'float32', torch.float8_e4m3fn: 'float8_e4m3fn'}
+    for view, (dtype, shape, byte_offset, strides) in zip(torch_views, got):
+        assert (names[view.dtype], tuple(view.shape), view.data_ptr() - group.data_ptr(), tuple(view.stride())) == \
+            (dtype, shape, byte_offset, tuple(strides))

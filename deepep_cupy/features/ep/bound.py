@@ -52,14 +52,17 @@ from .kernels import (
 )
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
+from .patch import allocate_x as _allocate_x
+from .patch import cupy_views as _cupy_views
+from .patch import output_layout as _output_layout
+from .patch import patch_guard as _patch_guard
 from .patch import patcher as _patcher
-from .patch import strides as _strides
+from .patch import psum_expert_from_layout as _psum_expert_from_layout
 
 _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
 # recv_x and recv_sf together up to this size are carved out of the small outputs' allocation (see the module
 # docstring): 16 MiB holds a decode step's BF16 recv_x at 8 ranks x 128 tokens x hidden 7168 (14 MiB).
 CARVED_RECV_MAX_BYTES = 16 << 20
-_CARVE_ALIGN_WORDS = 64     # recv_x / recv_sf start at 256-byte boundaries of the allocation (16 B rows, TMA)
 # Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
 _INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
            'recv_layout')
@@ -241,46 +244,9 @@ class BoundDispatch:
         out = self._sizes.get((num_recv, num_expanded))
         if out is not None:
             return out
-        p = self.p
-        o = ep_plan.dispatch_outputs(p, num_recv, num_expanded, [], self.num_device_sms)
-        offset = meta = 0
-        offset += num_recv * (p.num_topk + 2)
-        src_idx = offset if self.v1_channels is not None else -1
-        if src_idx >= 0:
-            offset += num_recv
-        topk = offset = align(offset, 2)
-        if o.topk_idx_shape is not None:
-            offset += 2 * o.topk_idx_shape[0] * o.topk_idx_shape[1]
-        weights = offset
-        if o.topk_weights_shape is not None:
-            n = 1
-            for d in o.topk_weights_shape:
-                n *= d
-            offset += n
-        # recv_x and recv_sf's storage after the small outputs when they are small (CARVED_RECV_MAX_BYTES), each at a
-        # 256-byte boundary of the allocation (`_out_base`: where the outputs start in it).
-        rows = o.num_out_rows
-        x_words = rows * p.hidden_bytes // 4        # (hidden_bytes: a multiple of 16)
-        sf_words = 0 if o.sf_shape is None else o.sf_shape[0] * o.sf_shape[1]
-        x_at = sf_at = -1
-        if 4 * (x_words + sf_words) <= CARVED_RECV_MAX_BYTES:
-            b = self._out_base
-            x_at = align(b + offset, _CARVE_ALIGN_WORDS) - b
-            offset = x_at + x_words
-            if sf_words:
-                sf_at = align(b + offset, _CARVE_ALIGN_WORDS) - b
-                offset = sf_at + sf_words
-        b = self._out_base
-        has_topk, has_weights = o.topk_idx_shape is not None, o.topk_weights_shape is not None
-        at = ((b + topk) >> 1 if has_topk else -1, b + weights if has_weights else -1,
-              (b + x_at) * self._x_per_word if x_at >= 0 else -1, b + sf_at if sf_at >= 0 else -1, b + meta)
-        byte_at = tuple(4 * (b + w) if w >= 0 else -1 for w in (
-            x_at, sf_at, topk if has_topk else -1, weights if has_weights else -1, meta, src_idx))
-        out = _Outputs(num_recv, num_expanded, rows, offset, meta, src_idx, topk, weights, (rows, p.hidden),
-                       o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
-                       o.epilogue_blocks, _strides(o.topk_idx_shape), _strides(o.topk_weights_shape), x_at, sf_at,
-                       (p.hidden, 1), None if o.sf_shape is None else (rows, p.num_sf), (max(2, offset),), at,
-                       byte_at)
+        o = ep_plan.dispatch_outputs(self.p, num_recv, num_expanded, [], self.num_device_sms)
+        out = _output_layout(self.p, o, self.v1_channels is not None, self._out_base, self._x_per_word,
+                             CARVED_RECV_MAX_BYTES)
         if len(self._sizes) >= _MAX_SIZES:
             self._sizes.clear()
         self._sizes[(num_recv, num_expanded)] = out
@@ -387,12 +353,14 @@ class BoundDispatch:
                 recv_sf = (group if sf_dtype is None else group.view(sf_dtype)).as_strided(
                     out.sf_view_shape, out.sf_strides, sf_at)
         else:
-            recv_topk_idx, recv_topk_weights, recv_x, recv_sf = self._cupy_views(group, out)
+            recv_topk_idx, recv_topk_weights, recv_x, recv_sf = _cupy_views(self.carver, group, out, self.x_dtype,
+                                                                             self.sf_dtype)
         xb, sb, tb, wb, mb, ib = out.byte_at
         if xb >= 0:
             xo, sfo = g0 + xb, g0 + sb if sb >= 0 else 0
         else:       # large: allocations of their own (their memory goes back when the caller drops them)
-            (recv_x, recv_sf), (xo, sfo) = self._allocate_x(out, alloc_stream)
+            (recv_x, recv_sf), (xo, sfo) = _allocate_x(self.carver, out, self.x_dtype, self.sf_dtype,
+                                                       self.p.use_tma_aligned_col_major_sf, alloc_stream)
         if legacy is not None:
             legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), ib >> 2)
         r = self.recv
@@ -448,31 +416,6 @@ class BoundDispatch:
         else:
             r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
         self._recv_sized, self._recv_free = out, free
-
-    def _cupy_views(self, group, out: _Outputs):
-        """(recv_topk_idx, recv_topk_weights, recv_x, recv_sf) views of `group` where `out` has them (else None)."""
-        carver, base = self.carver, self._out_base
-        topk_at, weights_at, x_at, sf_at, _ = out.at
-        return (None if topk_at < 0 else carver.view(group, 'int64', out.topk_shape, base + out.topk_offset),
-                None if weights_at < 0 else carver.view(group, 'float32', out.weights_shape, base + out.weights_offset),
-                None if x_at < 0 else carver.view(group, self.x_dtype, out.x_shape, base + out.x_offset),
-                None if sf_at < 0 else carver.view(group, self.sf_dtype, out.sf_view_shape, base + out.sf_offset,
-                                                   out.sf_strides))
-
-    def _allocate_x(self, out: _Outputs, alloc_stream):
-        """`((recv_x, recv_sf), (their addresses))` in allocations of their own."""
-        carver = self.carver
-        recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
-        recv_sf, sfo = None, 0
-        if out.sf_shape is not None:
-            storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
-            sfo = carver.ptr(storage)
-            if self.p.use_tma_aligned_col_major_sf:
-                rows = out.num_out_rows
-                recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
-            else:
-                recv_sf = storage
-        return (recv_x, recv_sf), (carver.ptr(recv_x), sfo)
 
     def _v1_matrices(self, legacy, ws, ws_ptr: int, u, ecp: int) -> None:
         """DeepEP V1's matrices of this call: views of `ws` after the workspace proper, set on `legacy`; their
@@ -551,24 +494,3 @@ class BoundCombine:
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
         return combined_x, combined_w, event_out
-
-
-def _patch_guard(launch, idx: Tuple[int, int], guard) -> None:
-    """The readiness guard's arguments of a dispatch launch (`ep_dispatch.cu`; guard None: off)."""
-    launch.u64[idx[0]] = guard[0] if guard is not None else 0
-    launch.i32[idx[1]] = guard[1] if guard is not None else 0
-
-
-def _psum_expert_from_layout(recv_layout, R: int, L: int, alignment: int, do_expand: bool, kind: str, stream):
-    """psum_num_recv_tokens_per_expert from the layout blob (for a cached dispatch in the other mode)."""
-    counts = recv_layout[R:R + L]
-    if kind == 'torch':
-        import torch
-        with torch.cuda.stream(interop.torch_stream(stream.ptr)):
-            aligned = (counts + alignment - 1) // alignment * alignment
-            return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else torch.cumsum(aligned, 0).to(torch.int32)
-    import cupy
-    import numpy as np
-    with stream:
-        aligned = (counts + alignment - 1) // alignment * alignment
-        return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else cupy.cumsum(aligned).astype(np.int32)
