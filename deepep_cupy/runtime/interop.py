@@ -378,15 +378,24 @@ class Carver:
     def ptr(self, x) -> int:
         return x.data_ptr() if self.kind == 'torch' else x.data.ptr
 
+    def as_words(self, base):
+        """`base` (a 1-D allocation of whole int32 words) as int32 where views need it (torch; CuPy views take the
+        address): several int32 views of one allocation then share one typed view."""
+        if self.kind == 'torch' and base.dtype is not self._torch.int32:
+            return base.view(self._torch.int32)
+        return base
+
     def view(self, base, dtype: str, shape: Tuple[int, ...], word_offset: int,
              strides: Optional[Tuple[int, ...]] = None):
-        """A `[*shape]` view of `dtype` (1, 2, 4 or 8 bytes; 8 at an even `word_offset`) into `base` (a `words`
-        allocation) from int32 word `word_offset`; `strides` in elements (None: C-contiguous)."""
+        """A `[*shape]` view of `dtype` (1, 2, 4 or 8 bytes; 8 at an even `word_offset`) into `base` (a 1-D
+        allocation of any dtype whose size is a whole number of int32 words, e.g. `words`) from int32 word
+        `word_offset`; `strides` in elements (None: C-contiguous)."""
         size = _ITEMSIZE[dtype]
         if strides is None:
             strides = contiguous_strides(shape)
         if self.kind == 'torch':
-            typed = base if dtype == 'int32' else base.view(self._dtype(dtype))
+            dt = self._dtypes.get(dtype) or self._dtype(dtype)
+            typed = base if base.dtype is dt else base.view(dt)
             return typed.as_strided(shape, strides, word_offset * 4 // size)
         return self._cupy.ndarray(shape, dtype=dtypes.cupy_storage(dtype), memptr=base.data + word_offset * 4,
                                   strides=tuple(s * size for s in strides))

@@ -170,7 +170,6 @@ class BoundDispatch:
                               p.num_tokens, K, p.hidden, p.kind, s.owner_id, do_cpu_sync, R, L, self.offsets)
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
-        self._x_per_word = 4 // interop.itemsize(self.x_dtype)       # recv_x elements per int32 word
         # Where the outputs start in their allocation: after the workspace (and V1's matrices) without a CPU sync, at
         # word 0 of an allocation of their own otherwise.
         self._out_base = 0 if (p.cached or p.do_cpu_sync) else self.ws_words + self.v1_words
@@ -178,15 +177,16 @@ class BoundDispatch:
         self.worst_expanded = ep_plan.worst_expanded_rows(R, p.num_max_tokens_per_rank, K, L, p.expert_alignment)
         # int32 words of a non-cached call's workspace allocation (with the worst-case outputs without a CPU sync)
         self.ws_alloc_words = self.ws_words + self.v1_words + (self.fixed.words if self.fixed is not None else 0)
-        self.ws_alloc_shape = (max(2, self.ws_alloc_words),)
+        # (without a CPU sync and recv_x carved: of recv_x's dtype, `Outputs.alloc_dtype`)
+        self.ws_alloc_dtype = 'int32' if self.fixed is None else self.fixed.alloc_dtype
+        self.ws_alloc_shape = (max(2, self.ws_alloc_words) * (4 // interop.itemsize(self.ws_alloc_dtype)),)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
-        # torch: (int64, float32, recv_x's dtype, recv_sf's: None for int32, the allocation's own) resolved once
+        # torch: (int64, float32, recv_sf's dtype) resolved once
         self._torch_dtypes = None
         if self.kind == 'torch':
             import torch
-            self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.x_dtype),
-                                  None if self.sf_dtype in (None, 'int32') else getattr(torch, self.sf_dtype))
+            self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.sf_dtype or 'int32'))
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -245,7 +245,7 @@ class BoundDispatch:
         if out is not None:
             return out
         o = ep_plan.dispatch_outputs(self.p, num_recv, num_expanded, [], self.num_device_sms)
-        out = _output_layout(self.p, o, self.v1_channels is not None, self._out_base, self._x_per_word,
+        out = _output_layout(self.p, o, self.v1_channels is not None, self._out_base, self.x_dtype,
                              CARVED_RECV_MAX_BYTES)
         if len(self._sizes) >= _MAX_SIZES:
             self._sizes.clear()
@@ -290,7 +290,7 @@ class BoundDispatch:
                                                        h.expert_alignment, self.do_expand, self.kind, comm)
         else:
             user_topk = topk_idx if self.user_topk else None
-            ws = carver.empty(self.ws_alloc_shape, 'int32', alloc_stream)
+            ws = carver.empty(self.ws_alloc_shape, self.ws_alloc_dtype, alloc_stream)
             ws_ptr = ws.data_ptr() if self._torch_dtypes is not None else carver.ptr(ws)
         if cpu_sync:
             lo, hi = wait_range()
@@ -333,7 +333,7 @@ class BoundDispatch:
                 # else the numpy counts of a CPU-sync dispatch, written by nobody: shared, each handle makes its own
                 # list on first access (EPHandle.num_recv_tokens_per_expert_list)
             out = self.outputs(num_recv, num_expanded)
-            group = carver.empty(out.alloc_shape, 'int32', alloc_stream)
+            group = carver.empty(out.alloc_shape, out.alloc_dtype, alloc_stream)
             g0 = group.data_ptr() if self._torch_dtypes is not None else carver.ptr(group)
         # The outputs: views of `group` (the outputs from its word `_out_base`), recv_x / recv_sf too where `out`
         # carves them, else allocations of their own. recv_src_metadata stays a (pointer, place) until someone reads
@@ -342,16 +342,15 @@ class BoundDispatch:
         topk_at, weights_at, x_at, sf_at, meta_at = out.at
         td = self._torch_dtypes
         if td is not None:      # torch: Carver.view inline, the dtypes, strides and offsets resolved once
-            i64, f32, x_dtype, sf_dtype = td
+            i64, f32, sf_dtype = td
             if topk_at >= 0:
                 recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides, topk_at)
             if weights_at >= 0:
                 recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides, weights_at)
-            if x_at >= 0:
-                recv_x = group.view(x_dtype).as_strided(out.x_shape, out.x_strides, x_at)
+            if x_at >= 0:       # (the allocation is of recv_x's dtype)
+                recv_x = group.as_strided(out.x_shape, out.x_strides, x_at)
             if sf_at >= 0:
-                recv_sf = (group if sf_dtype is None else group.view(sf_dtype)).as_strided(
-                    out.sf_view_shape, out.sf_strides, sf_at)
+                recv_sf = group.view(sf_dtype).as_strided(out.sf_view_shape, out.sf_strides, sf_at)
         else:
             recv_topk_idx, recv_topk_weights, recv_x, recv_sf = _cupy_views(self.carver, group, out, self.x_dtype,
                                                                              self.sf_dtype)
@@ -421,6 +420,7 @@ class BoundDispatch:
         """DeepEP V1's matrices of this call: views of `ws` after the workspace proper, set on `legacy`; their
         addresses (and the expert counts' `ecp`) patched into the notify launch's argument words `u`."""
         R, C, base, carver = self.num_ranks, self.v1_channels, self.ws_words, self.carver
+        ws = carver.as_words(ws)
         legacy.rank_prefix_matrix = carver.view(ws, 'int32', (R, R), base)
         legacy.channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R)
         legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R + R * C)

@@ -60,6 +60,8 @@ class Outputs(NamedTuple):
     x_strides: Tuple[int, int]  # C-contiguous strides of recv_x
     sf_view_shape: Optional[Tuple[int, int]]        # recv_sf's shape (rows, num_sf), strides `sf_strides`
     alloc_shape: Tuple[int]     # of the small outputs' allocation when it is theirs alone (CPU sync, cached)
+    alloc_dtype: str            # of that allocation (and of the workspace's without a CPU sync): recv_x's when it is
+    #                             carved (recv_x is then a plain as_strided view of it), else int32
     # From the start of the allocation (the outputs begin at the bound dispatch's `_out_base` word in it): the torch
     # storage offsets (elements of the view's dtype) of recv_topk_idx, recv_topk_weights, recv_x, recv_sf (-1: none /
     # not carved) and recv_src_metadata (int32), and the byte offsets of `bound._OUTPUTS` (-1: none / not carved).
@@ -67,11 +69,12 @@ class Outputs(NamedTuple):
     byte_at: Tuple[int, int, int, int, int, int]
 
 
-def output_layout(p, o, v1: bool, base: int, x_per_word: int, carve_max_bytes: int) -> Outputs:
+def output_layout(p, o, v1: bool, base: int, x_dtype: str, carve_max_bytes: int) -> Outputs:
     """Where the outputs of the checked dispatch `p` (a plan without arrays) with the sizes `o`
     (`plan.dispatch_outputs`) go in their int32 allocation, from its word `base`: recv_src_metadata, V1's recv_src_idx
     (`v1`), recv_topk_idx (even word), recv_topk_weights, then recv_x and recv_sf's storage when together they are at
-    most `carve_max_bytes`, each at a 256-byte boundary of the allocation. `x_per_word`: recv_x elements per word."""
+    most `carve_max_bytes`, each at a 256-byte boundary of the allocation (then of recv_x's dtype `x_dtype`)."""
+    x_per_word = 4 // interop.itemsize(x_dtype)
     rows = o.num_out_rows
     offset = meta = 0
     offset += o.num_recv * (p.num_topk + 2)
@@ -107,7 +110,9 @@ def output_layout(p, o, v1: bool, base: int, x_per_word: int, carve_max_bytes: i
     return Outputs(o.num_recv, o.num_expanded, rows, offset, meta, src_idx, topk, weights, (rows, p.hidden),
                    o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
                    o.epilogue_blocks, strides(o.topk_idx_shape), strides(o.topk_weights_shape), x_at, sf_at,
-                   (p.hidden, 1), None if o.sf_shape is None else (rows, p.num_sf), (max(2, offset),), at, byte_at)
+                   (p.hidden, 1), None if o.sf_shape is None else (rows, p.num_sf),
+                   (max(2, offset) * (x_per_word if x_at >= 0 else 1),), x_dtype if x_at >= 0 else 'int32', at,
+                   byte_at)
 
 
 def patch_guard(launch, idx: Tuple[int, int], guard) -> None:
