@@ -12,14 +12,14 @@ Why the blocks are patched positionally: a named launch binds and packs every ar
 three kernels per dispatch); a dispatch changes about ten pointers. The indices are resolved by name when binding.
 
 Outputs: a call's small arrays (recv_src_metadata, recv_topk_idx, recv_topk_weights; without a CPU sync also the
-handle's workspace, first) are views of one int32 allocation (`interop.Carver`). recv_x and recv_sf go there too when
-together they are at most `CARVED_RECV_MAX_BYTES` (16 MiB: decode sizes, e.g. BF16 at 8 ranks x 128 tokens x hidden
-7168), each at a 256-byte boundary of the allocation (16-byte rows; recv_sf's TMA-aligned column-major storage keeps
-its padded columns), so that a no-sync or cached dispatch makes ONE allocation (each costs microseconds of host time
-on the GPU host). Such a view keeps the whole allocation alive, and so does the handle (its metadata and workspace
-live there): that memory returns once both are dropped, which at these sizes is cheap. Larger recv_x / recv_sf are
-allocations of their own, so that the large output's memory goes back as soon as the caller drops it, whatever
-happens to the handle.
+handle's workspace, first) are views of one allocation (`interop.Carver`; int32 words). recv_x and recv_sf go there
+too when together they are at most `CARVED_RECV_MAX_BYTES` (16 MiB: decode sizes, e.g. BF16 at 8 ranks x 128 tokens x
+hidden 7168), each at a 256-byte boundary of the allocation (16-byte rows; recv_sf's TMA-aligned column-major storage
+keeps its padded columns), so that a no-sync or cached dispatch makes ONE allocation (each costs microseconds of host
+time on the GPU host); the allocation is then of recv_x's dtype (recv_x: one `as_strided`; the others: typed views).
+Such a view keeps the whole allocation alive, and so does the handle (its metadata and workspace live there): that
+memory returns once both are dropped, which at these sizes is cheap. Larger recv_x / recv_sf are allocations of their
+own, so that the large output's memory goes back as soon as the caller drops it, whatever happens to the handle.
 
 Order: without a CPU sync every allocation, view and patch of the call's launches comes before the first launch, and
 the launches (notify, send, receive; whichever the structure has) follow back to back, so that the GPU sees no host
