@@ -261,7 +261,7 @@ class BoundDispatch:
 
         Without a CPU sync (worst-case sizes, or a cached dispatch's known ones) every allocation, view and patch of
         the call's launches comes first and the launches follow back to back, so that the GPU sees no host gap
-        between the notify and the dispatch (tests/test_ep_bound_cpu.py pins the order). With a CPU sync the notify
+        between the notify and the dispatch (tests/test_ep_host_order_cpu.py pins it). With a CPU sync the notify
         and the send go first, the host waits for the counts, allocates exact outputs and launches the receive."""
         if xp & 15:
             raise ValueError('x rows must start at 16-byte aligned addresses')
