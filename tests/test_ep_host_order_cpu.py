@@ -26,8 +26,8 @@ LAUNCH_CODE = jit_launch.BoundLaunch.__call__.__code__
 ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc'}
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
-PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv', '_v1_matrices', '_check_guard')} | \
-    {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard')}
+PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv', '_v1_matrices')} | \
+    {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
 
 
 def record_host_calls(fn):
@@ -236,3 +236,28 @@ def test_cupy_views_sit_where_the_torch_views_do(monkeypatch, tma):
     for view, (dtype, shape, byte_offset, strides) in zip(torch_views, got):
         assert (names[view.dtype], tuple(view.shape), view.data_ptr() - group.data_ptr(), tuple(view.stride())) == \
             (dtype, shape, byte_offset, tuple(strides))
+
+
+@pytest.mark.parametrize('env', [{}, {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'}, {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'},
+                                 {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}])
+@pytest.mark.parametrize('fp8', [False, True])
+def test_one_patch_of_a_no_sync_dispatch_writes_what_the_block_patches_do(monkeypatch, env, fp8):
+    """A no-sync dispatch with recv_x carved patches every launch's pointers with one generated function
+    (`BoundDispatch.call_patch`): the same arguments (addresses relative to the workspace) as block by block."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    x, idx, w = ep_tests.make_inputs()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if fp8 else x
+    buf = make_buffer(monkeypatch)
+    runs = []
+    for one in (True, False):
+        buf.launches.clear()
+        out = buf.dispatch(xin, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
+        (b,) = buf._ep._bound.values()
+        assert (b.call_patch is not None) == one
+        ws, size = out[3].workspace_ptr, out[3].workspace.untyped_storage().nbytes()
+        runs.append([(e.name, e.grid, {k: ('ws', v - ws) if type(v) is int and ws <= v < ws + size else v
+                                       for k, v in e.args.items()}) for e in buf.launches])
+        b.call_patch = None         # the next call: block by block
+    assert runs[0] == runs[1]
+    assert any(v[0] == 'ws' for v in runs[0][-1][2].values() if type(v) is tuple)

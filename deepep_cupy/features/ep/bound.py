@@ -21,9 +21,8 @@ Such a view keeps the whole allocation alive, and so does the handle (its metada
 memory returns once both are dropped, which at these sizes is cheap. Larger recv_x / recv_sf are allocations of their
 own, so that the large output's memory goes back as soon as the caller drops it, whatever happens to the handle.
 
-Order: without a CPU sync every allocation, view and patch of the call's launches comes before the first launch, and
-the launches (notify, send, receive; whichever the structure has) follow back to back, so that the GPU sees no host
-gap between them. With a CPU sync the host must wait for the counts between the send and the receive launch.
+Order: without a CPU sync every allocation, view and patch comes before the first launch and the launches follow back
+to back (no host gap on the GPU); with one the host waits for the counts between the send and the receive launch.
 
 DeepEP V1 calls (a `LegacyLayout`) are bound too: the key holds its inputs (channels, reported token count, the
 expert counts' signature), so the matrices' sizes and the notify scalars are fixed per bound dispatch; per call the
@@ -53,6 +52,8 @@ from .kernels import (
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
 from .patch import allocate_x as _allocate_x
+from .patch import call_patcher as _call_patcher
+from .patch import check_guard as _check_guard
 from .patch import cupy_views as _cupy_views
 from .patch import output_layout as _output_layout
 from .patch import patch_guard as _patch_guard
@@ -140,8 +141,7 @@ class BoundDispatch:
             self.notify = None if self.fused else kernels.notify.bind(
                 grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, **notify_args)
         self._bind_dispatch(p, kernels, tail, x_row_bytes, notify_args)
-        # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in,
-        # and the notify's (before it).
+        # Per call, the pointers of `_INPUTS`, `_OUTPUTS` and the notify's are patched in before the launches.
         o = self.offsets
         ws_at = [f'ws + {4 * w}' for w in o]
         inputs = dict(zip(_INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
@@ -149,11 +149,11 @@ class BoundDispatch:
                            if self.send is not None else None)
         self.recv_in_patch = _address_patcher(self.recv, tuple(inputs.items()), 'input')
         self.recv_out_patch = _patcher(self.recv, _OUTPUTS)
-        self.notify_patch = None if p.cached else _address_patcher(self.notify, (
+        notify_exprs = (
             ('topk_idx', 'tp'), ('send_pos', ws_at[0]), ('send_expert_pos', ws_at[1]), ('recv_layout', ws_at[2]),
             ('psum_recv_per_expert', ws_at[3]), ('cumulative_stats', 'cp'),
-            ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6])),
-            'notify')
+            ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6]))
+        self.notify_patch = None if p.cached else _address_patcher(self.notify, notify_exprs, 'notify')
         self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
         self.topk_copy_bytes = 4 * o[4]            # where the workspace keeps its topk_idx copy (if it has one)
         r = self.recv
@@ -180,6 +180,13 @@ class BoundDispatch:
         # (without a CPU sync and recv_x carved: of recv_x's dtype, `Outputs.alloc_dtype`)
         self.ws_alloc_dtype = 'int32' if self.fixed is None else self.fixed.alloc_dtype
         self.ws_alloc_shape = (max(2, self.ws_alloc_words) * (4 // interop.itemsize(self.ws_alloc_dtype)),)
+        # No CPU sync and recv_x carved: every pointer is an input's or the workspace's plus a constant, all patched by
+        # one generated function (None: block by block).
+        self.call_patch = None
+        if self.fixed is not None and self.fixed.x_offset >= 0:
+            outs = tuple((n, f'ws + {b}' if b >= 0 else '0') for n, b in zip(_OUTPUTS, self.fixed.byte_at))
+            blocks = [(self.notify, notify_exprs)] + ([(self.send, tuple(inputs.items()))] if self.send else [])
+            self.call_patch = _call_patcher(blocks + [(self.recv, tuple(inputs.items()) + outs)], 'no-sync dispatch')
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         # torch: (int64, float32, recv_sf's dtype) resolved once
@@ -269,7 +276,7 @@ class BoundDispatch:
         # before any launch, patched into the launches on every call (they are shared by calls with and without it).
         guard = ep.ready_guard
         if guard is not None:
-            self._check_guard(guard)
+            _check_guard(self, guard)
         carver = self.carver
         current = self.stream()
         cpu_sync, cached = self.cpu_sync, self.cached
@@ -298,14 +305,17 @@ class BoundDispatch:
                 raise ValueError(f'topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}')
         if self.claim:
             ep._claim(self)
+        one_patch = self.call_patch         # (no sync, recv_x carved: every block's pointers at once, below)
         if not cached:
             n = self.notify
-            self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
+            if one_patch is None:
+                self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.v1_channels is not None:
                 self._v1_matrices(legacy, ws, ws_ptr, n.u64, ecp)
         snd = self.send
         if snd is not None:
-            self.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
+            if one_patch is None:
+                self.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.send_guard_idx is not None and (guard is not None or self._send_guarded):
                 _patch_guard(snd, self.send_guard_idx, guard)
                 self._send_guarded = guard is not None
@@ -355,18 +365,21 @@ class BoundDispatch:
             recv_topk_idx, recv_topk_weights, recv_x, recv_sf = _cupy_views(self.carver, group, out, self.x_dtype,
                                                                              self.sf_dtype)
         xb, sb, tb, wb, mb, ib = out.byte_at
-        if xb >= 0:
-            xo, sfo = g0 + xb, g0 + sb if sb >= 0 else 0
-        else:       # large: allocations of their own (their memory goes back when the caller drops them)
+        if xb < 0:      # large: allocations of their own (their memory goes back when the caller drops them)
             (recv_x, recv_sf), (xo, sfo) = _allocate_x(self.carver, out, self.x_dtype, self.sf_dtype,
                                                        self.p.use_tma_aligned_col_major_sf, alloc_stream)
         if legacy is not None:
             legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), ib >> 2)
         r = self.recv
-        u = r.u64
-        self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
-        self.recv_out_patch(u, (xo, sfo, g0 + tb if tb >= 0 else 0, g0 + wb if wb >= 0 else 0, g0 + mb,
-                                g0 + ib if ib >= 0 else 0))
+        if one_patch is not None:
+            one_patch(xp, sp, tp, wp, cp, ws_ptr)
+        else:
+            if xb >= 0:
+                xo, sfo = g0 + xb, g0 + sb if sb >= 0 else 0
+            u = r.u64
+            self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
+            self.recv_out_patch(u, (xo, sfo, g0 + tb if tb >= 0 else 0, g0 + wb if wb >= 0 else 0, g0 + mb,
+                                    g0 + ib if ib >= 0 else 0))
         if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
             _patch_guard(r, self.recv_guard_idx, guard)
             self._recv_guarded = guard is not None
@@ -393,15 +406,6 @@ class BoundDispatch:
             event_out = ep._order.leave(self.kind, current, comm, False)
         out_x = (recv_x, recv_sf) if self.fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event_out
-
-    def _check_guard(self, guard) -> None:
-        """Hybrid P2's readiness guard fits this dispatch (before any launch)."""
-        if self.fused or self.legacy_kernels:
-            raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
-                             'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
-        if self.recv_extra + guard[2] >= self.num_device_sms:
-            raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {self.recv_extra} sending '
-                             f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
 
     def _size_recv(self, out: _Outputs, free: int) -> None:
         """The receive launch's words and grid for the sizes `out` (and `free` SMs left to hybrid P2's side stream)."""

@@ -32,6 +32,21 @@ def address_patcher(bound, exprs, what: str):
     return namespace['patch']
 
 
+def call_patcher(blocks, what: str):
+    """`patch(xp, sp, tp, wp, cp, ws)` storing, for each `(bound, exprs)` of `blocks` and each (parameter name,
+    expression) of `exprs` that the bound launch's kernel takes, the expression's value at its word: every pointer of a
+    call's launches in one straight-line function (a call whose pointers are all the inputs' or the workspace's plus
+    constants: a no-sync dispatch with its outputs carved out of the workspace's allocation)."""
+    namespace, body = {}, []
+    for k, (bound, exprs) in enumerate(blocks):
+        namespace[f'u{k}'] = bound.u64
+        taken = set(bound.spec.param_names)
+        body += [f'    u{k}[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken]
+    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws):\n{"".join(body) or "    pass"}\n', f'<{what} patch>', 'exec'),
+         namespace)
+    return namespace['patch']
+
+
 def strides(shape) -> Optional[Tuple[int, ...]]:
     return None if shape is None else interop.contiguous_strides(tuple(shape))
 
@@ -159,3 +174,13 @@ def allocate_x(carver, out: Outputs, x_dtype: str, sf_dtype: Optional[str], col_
         else:
             recv_sf = storage
     return (recv_x, recv_sf), (carver.ptr(recv_x), sfo)
+
+
+def check_guard(bound, guard) -> None:
+    """Hybrid P2's readiness guard fits the bound dispatch `bound` (checked before any launch)."""
+    if bound.fused or bound.legacy_kernels:
+        raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
+                         'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
+    if bound.recv_extra + guard[2] >= bound.num_device_sms:
+        raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {bound.recv_extra} sending '
+                         f'blocks: more than the GPU has ({bound.num_device_sms}); lower num_sms')
