@@ -11,7 +11,8 @@ it does not see the CUDA API calls themselves (`cuLaunchKernel`, the caching all
 `[api]` line counts per call instead (launches, allocations, event records and stream waits, events created,
 `record_stream` calls; tests/test_host_path_cpu.py pins them). This machine's numbers are a lower bound of the GPU
 host's (about 2x slower Python there). `--trace` also counts the Python work per call (bytecodes, Python and C
-calls in deepep_cupy's frames): deterministic, so a change's effect shows where the timings of a loaded machine drift.
+calls in deepep_cupy's frames): deterministic, so a change's effect shows where the timings of a loaded machine drift;
+and the bytecodes between a call's first and last launch (the host gap the GPU sees between its kernels).
 """
 
 import argparse
