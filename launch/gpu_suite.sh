@@ -10,7 +10,8 @@
 #   jit        cold and warm JIT timing
 #   perf1      one rank alone on the GPU: the EP and low-latency rank programs with their perf lines, perf/ep_profile.py,
 #              and the same for the pre-refactor snapshot in .baseline/ when it exists (side by side, same run)
-#   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure
+#   ep         EP rank program: top-k buckets at one rank, 2/4/8 ranks sharing the GPUs, one rank per GPU, pressure;
+#              the carved dispatch outputs' GPU pytest (ephost_lane)
 #   hybrid     EP across scale-up domains (hybrid mode), ranks sharing GPU 0, rails through the IPC loopback:
 #              2x1, 2x2, 2x4, 4x1 (domains x ranks, DEEPEP_CUPY_SCALEUP_SIZE), pressure, CUDA graph, timeout, errors
 #              (launch/scaleout_nccl.sh runs NCCL rails across two GPUs); the same with the pipelined dispatch (P2,
@@ -164,6 +165,13 @@ ep_lane_shared() {
         --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
     step "ep np=2 LEGACY_DISPATCH=1 (sharing)" 300 env DEEPEP_CUPY_EP_LEGACY_DISPATCH=1 $ONE $R 2 $EP \
         --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
+}
+ephost_lane() {
+    # The EP dispatch host path (issue #11): decode-sized recv_x / recv_sf carved out of the call's one allocation,
+    # bitwise equal to separate allocations (torch and CuPy; BF16, FP8, TMA-aligned scales; CPU sync, no sync,
+    # expanded, cached) and outliving the handle. The host-side order (everything before the launches, launches back
+    # to back) is pinned on the CPU (tests/test_ep_host_order_cpu.py); perf1's ep_profile shows the gap it closes.
+    step "ep host: carved dispatch outputs (GPU pytest)" 300 $ONE $PY -m pytest -q -x tests/gpu/test_gpu_ep_carve.py
 }
 hybrid_lane() {
     # Several scale-up domains on GPU 0: DEEPEP_CUPY_SCALEUP_SIZE cuts the ranks into domains, the rails between
@@ -467,6 +475,7 @@ fuse_lane_shared() {
 if want ep; then
     lane ep_lane_topk
     lane ep_lane_shared
+    lane ephost_lane
 fi
 want hybrid && lane hybrid_lane
 want hybrid && lane hybrid_pipeline_lane

@@ -11,7 +11,8 @@ it does not see the CUDA API calls themselves (`cuLaunchKernel`, the caching all
 `[api]` line counts per call instead (launches, allocations, event records and stream waits, events created,
 `record_stream` calls; tests/test_host_path_cpu.py pins them). This machine's numbers are a lower bound of the GPU
 host's (about 2x slower Python there). `--trace` also counts the Python work per call (bytecodes, Python and C
-calls in deepep_cupy's frames): deterministic, so a change's effect shows where the timings of a loaded machine drift.
+calls in deepep_cupy's frames): deterministic, so a change's effect shows where the timings of a loaded machine drift;
+and the bytecodes between a call's first and last launch (the host gap the GPU sees between its kernels).
 """
 
 import argparse
@@ -46,6 +47,8 @@ class FakeDriver:
 
     def launchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):  # noqa: N802 (cupy's name)
         API['launch'] += 1
+        if LAUNCH_MARKS is not None:        # (`traced`: the bytecodes counted so far, at each launch)
+            LAUNCH_MARKS.append(TRACE_COUNT['opcodes'])
         hook = self.on_launch.get(fn)
         if hook is not None:
             hook(args)
@@ -63,6 +66,8 @@ class FakeDriver:
 
 
 DRIVER = FakeDriver()
+LAUNCH_MARKS = None         # while `traced` runs: a list of the bytecode count at each launch of the current call
+TRACE_COUNT = {}
 _NEXT_FN = [0x100]
 
 
@@ -230,9 +235,13 @@ def timed(fn, calls: int):
 def traced(fn, calls: int = 200):
     """Python work per call, counted (deterministic, unlike the timings on a loaded machine): bytecode instructions
     executed in deepep_cupy's frames (and the standard library's they call), Python calls and C calls made from them;
-    this harness's and tests/fakes.py's frames are not counted (they stand in for CUDA)."""
+    this harness's and tests/fakes.py's frames are not counted (they stand in for CUDA). `gap`: the bytecodes between
+    a call's first and last kernel launch (the host gap the GPU sees between them; 0 for one launch)."""
+    global LAUNCH_MARKS
     skip = (os.path.abspath(__file__), os.path.abspath(fakes.__file__))
-    count = {'opcodes': 0, 'py_calls': 0, 'c_calls': 0}
+    count = TRACE_COUNT
+    count.clear()
+    count.update(opcodes=0, py_calls=0, c_calls=0, gap=0)
 
     def tracer(frame, event, arg):
         if frame.f_code.co_filename in skip:
@@ -249,14 +258,19 @@ def traced(fn, calls: int = 200):
             count['c_calls'] += 1
     for _ in range(min(200, calls)):
         fn()
+    LAUNCH_MARKS = marks = []
     sys.settrace(tracer)
     sys.setprofile(profiler)
     try:
         for _ in range(calls):
+            marks.clear()
             fn()
+            if marks:
+                count['gap'] += marks[-1] - marks[0]
     finally:
         sys.settrace(None)
         sys.setprofile(None)
+        LAUNCH_MARKS = None
     return {k: v / calls for k, v in count.items()}
 
 
@@ -394,7 +408,8 @@ def main(argv=None) -> int:
             if args.trace:
                 work = traced(fn)
                 print(f'[trace]    {name:34s} {work["opcodes"]:7.0f} bytecodes, {work["py_calls"]:5.1f} Python calls, '
-                      f'{work["c_calls"]:5.1f} C calls per call', flush=True)
+                      f'{work["c_calls"]:5.1f} C calls per call; {work["gap"]:5.0f} bytecodes between the first and '
+                      f'last launch', flush=True)
             if args.json:
                 print('[json] ' + json.dumps(dict(case=name, us=us, **api, **work)), flush=True)
     return 0

@@ -360,10 +360,11 @@ class Carver:
         """`[*shape]` of `dtype` (canonical name); `stream`: order the allocation on it (None: the current stream)."""
         if self.kind == 'torch':
             torch = self._torch
+            dt = self._dtypes.get(dtype) or self._dtype(dtype)
             if stream is None:
-                return torch.empty(shape, dtype=self._dtype(dtype), device=self._device)
+                return torch.empty(shape, dtype=dt, device=self._device)
             with torch.cuda.stream(torch_stream(stream.ptr)):
-                return torch.empty(shape, dtype=self._dtype(dtype), device=self._device)
+                return torch.empty(shape, dtype=dt, device=self._device)
         cupy = self._cupy
         if stream is None:
             return cupy.empty(shape, dtype=dtypes.cupy_storage(dtype))
@@ -377,11 +378,24 @@ class Carver:
     def ptr(self, x) -> int:
         return x.data_ptr() if self.kind == 'torch' else x.data.ptr
 
-    def view(self, base, dtype: str, shape: Tuple[int, ...], word_offset: int):
-        """A C-contiguous `[*shape]` view of `dtype` (4 or 8 bytes; 8 at an even `word_offset`) into `base` from
-        int32 word `word_offset`."""
+    def as_words(self, base):
+        """`base` (a 1-D allocation of whole int32 words) as int32 where views need it (torch; CuPy views take the
+        address): several int32 views of one allocation then share one typed view."""
+        if self.kind == 'torch' and base.dtype is not self._torch.int32:
+            return base.view(self._torch.int32)
+        return base
+
+    def view(self, base, dtype: str, shape: Tuple[int, ...], word_offset: int,
+             strides: Optional[Tuple[int, ...]] = None):
+        """A `[*shape]` view of `dtype` (1, 2, 4 or 8 bytes; 8 at an even `word_offset`) into `base` (a 1-D
+        allocation of any dtype whose size is a whole number of int32 words, e.g. `words`) from int32 word
+        `word_offset`; `strides` in elements (None: C-contiguous)."""
         size = _ITEMSIZE[dtype]
+        if strides is None:
+            strides = contiguous_strides(shape)
         if self.kind == 'torch':
-            typed = base if dtype == 'int32' else base.view(self._dtype(dtype))
-            return typed.as_strided(shape, contiguous_strides(shape), word_offset * 4 // size)
-        return self._cupy.ndarray(shape, dtype=dtypes.cupy_storage(dtype), memptr=base.data + word_offset * 4)
+            dt = self._dtypes.get(dtype) or self._dtype(dtype)
+            typed = base if base.dtype is dt else base.view(dt)
+            return typed.as_strided(shape, strides, word_offset * 4 // size)
+        return self._cupy.ndarray(shape, dtype=dtypes.cupy_storage(dtype), memptr=base.data + word_offset * 4,
+                                  strides=tuple(s * size for s in strides))

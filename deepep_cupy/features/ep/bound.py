@@ -11,9 +11,18 @@ pointers into the blocks and launches.
 Why the blocks are patched positionally: a named launch binds and packs every argument on each call (~25 per kernel,
 three kernels per dispatch); a dispatch changes about ten pointers. The indices are resolved by name when binding.
 
-Outputs: a call's small arrays (the handle's workspace, recv_src_metadata, recv_topk_idx, recv_topk_weights) are
-views of one int32 allocation (`interop.Carver`); recv_x (and recv_sf) are allocations of their own, so that the
-large output's memory goes back as soon as the caller drops it, whatever happens to the handle.
+Outputs: a call's small arrays (recv_src_metadata, recv_topk_idx, recv_topk_weights; without a CPU sync also the
+handle's workspace, first) are views of one allocation (`interop.Carver`; int32 words). recv_x and recv_sf go there
+too when together they are at most `CARVED_RECV_MAX_BYTES` (16 MiB: decode sizes, e.g. BF16 at 8 ranks x 128 tokens x
+hidden 7168), each at a 256-byte boundary of the allocation (16-byte rows; recv_sf's TMA-aligned column-major storage
+keeps its padded columns), so that a no-sync or cached dispatch makes ONE allocation (each costs microseconds of host
+time on the GPU host); the allocation is then of recv_x's dtype (recv_x: one `as_strided`; the others: typed views).
+Such a view keeps the whole allocation alive, and so does the handle (its metadata and workspace live there): that
+memory returns once both are dropped, which at these sizes is cheap. Larger recv_x / recv_sf are allocations of their
+own, so that the large output's memory goes back as soon as the caller drops it, whatever happens to the handle.
+
+Order: without a CPU sync every allocation, view and patch comes before the first launch and the launches follow back
+to back (no host gap on the GPU); with one the host waits for the counts between the send and the receive launch.
 
 DeepEP V1 calls (a `LegacyLayout`) are bound too: the key holds its inputs (channels, reported token count, the
 expert counts' signature), so the matrices' sizes and the notify scalars are fixed per bound dispatch; per call the
@@ -42,10 +51,19 @@ from .kernels import (
 )
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
+from .patch import allocate_x as _allocate_x
+from .patch import call_patcher as _call_patcher
+from .patch import check_guard as _check_guard
+from .patch import cupy_views as _cupy_views
+from .patch import output_layout as _output_layout
+from .patch import patch_guard as _patch_guard
 from .patch import patcher as _patcher
-from .patch import strides as _strides
+from .patch import psum_expert_from_layout as _psum_expert_from_layout
 
 _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
+# recv_x and recv_sf together up to this size are carved out of the small outputs' allocation (see the module
+# docstring): 16 MiB holds a decode step's BF16 recv_x at 8 ranks x 128 tokens x hidden 7168 (14 MiB).
+CARVED_RECV_MAX_BYTES = 16 << 20
 # Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
 _INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
            'recv_layout')
@@ -64,6 +82,7 @@ class BoundDispatch:
     def __init__(self, ep, p: ep_plan.DispatchPlan, allocate_on_comm_stream: bool, async_with_compute_stream: bool):
         s = ep.settings
         self.kind, self.fp8, self.cached, self.cpu_sync = p.kind, p.fp8, p.cached, p.do_cpu_sync
+        self.do_expand = p.do_expand
         # DeepEP V1 (`p.legacy`): channels of its matrices, else None; its matrices' int32 words after the workspace
         # (even, so that the outputs carved after them keep 8-byte alignment).
         R = s.num_ranks
@@ -122,8 +141,7 @@ class BoundDispatch:
             self.notify = None if self.fused else kernels.notify.bind(
                 grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, **notify_args)
         self._bind_dispatch(p, kernels, tail, x_row_bytes, notify_args)
-        # Per call, the pointers of `_INPUTS` (before the send) and `_OUTPUTS` (before the receive) are patched in,
-        # and the notify's (before it).
+        # Per call, the pointers of `_INPUTS`, `_OUTPUTS` and the notify's are patched in before the launches.
         o = self.offsets
         ws_at = [f'ws + {4 * w}' for w in o]
         inputs = dict(zip(_INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
@@ -131,12 +149,13 @@ class BoundDispatch:
                            if self.send is not None else None)
         self.recv_in_patch = _address_patcher(self.recv, tuple(inputs.items()), 'input')
         self.recv_out_patch = _patcher(self.recv, _OUTPUTS)
-        self.notify_patch = None if p.cached else _address_patcher(self.notify, (
+        notify_exprs = (
             ('topk_idx', 'tp'), ('send_pos', ws_at[0]), ('send_expert_pos', ws_at[1]), ('recv_layout', ws_at[2]),
             ('psum_recv_per_expert', ws_at[3]), ('cumulative_stats', 'cp'),
-            ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6])),
-            'notify')
+            ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6]))
+        self.notify_patch = None if p.cached else _address_patcher(self.notify, notify_exprs, 'notify')
         self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
+        self.topk_copy_bytes = 4 * o[4]            # where the workspace keeps its topk_idx copy (if it has one)
         r = self.recv
         guarded = not (self.fused or self.legacy_kernels)
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
@@ -151,16 +170,30 @@ class BoundDispatch:
                               p.num_tokens, K, p.hidden, p.kind, s.owner_id, do_cpu_sync, R, L, self.offsets)
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
+        # Where the outputs start in their allocation: after the workspace (and V1's matrices) without a CPU sync, at
+        # word 0 of an allocation of their own otherwise.
+        self._out_base = 0 if (p.cached or p.do_cpu_sync) else self.ws_words + self.v1_words
         self.fixed = None if (p.cached or p.do_cpu_sync) else self.outputs(*ep_plan.dispatch_counts(p)[:2])
         self.worst_expanded = ep_plan.worst_expanded_rows(R, p.num_max_tokens_per_rank, K, L, p.expert_alignment)
         # int32 words of a non-cached call's workspace allocation (with the worst-case outputs without a CPU sync)
         self.ws_alloc_words = self.ws_words + self.v1_words + (self.fixed.words if self.fixed is not None else 0)
+        # (without a CPU sync and recv_x carved: of recv_x's dtype, `Outputs.alloc_dtype`)
+        self.ws_alloc_dtype = 'int32' if self.fixed is None else self.fixed.alloc_dtype
+        self.ws_alloc_shape = (max(2, self.ws_alloc_words) * (4 // interop.itemsize(self.ws_alloc_dtype)),)
+        # No CPU sync and recv_x carved: every pointer is an input's or the workspace's plus a constant, all patched by
+        # one generated function (None: block by block).
+        self.call_patch = None
+        if self.fixed is not None and self.fixed.x_offset >= 0:
+            outs = tuple((n, f'ws + {b}' if b >= 0 else '0') for n, b in zip(_OUTPUTS, self.fixed.byte_at))
+            blocks = [(self.notify, notify_exprs)] + ([(self.send, tuple(inputs.items()))] if self.send else [])
+            self.call_patch = _call_patcher(blocks + [(self.recv, tuple(inputs.items()) + outs)], 'no-sync dispatch')
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
+        # torch: (int64, float32, recv_sf's dtype) resolved once
         self._torch_dtypes = None
         if self.kind == 'torch':
             import torch
-            self._torch_dtypes = (torch.int64, torch.float32)
+            self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.sf_dtype or 'int32'))
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -218,26 +251,9 @@ class BoundDispatch:
         out = self._sizes.get((num_recv, num_expanded))
         if out is not None:
             return out
-        p = self.p
-        o = ep_plan.dispatch_outputs(p, num_recv, num_expanded, [], self.num_device_sms)
-        offset = meta = 0
-        offset += num_recv * (p.num_topk + 2)
-        src_idx = offset if self.v1_channels is not None else -1
-        if src_idx >= 0:
-            offset += num_recv
-        topk = offset = align(offset, 2)
-        if o.topk_idx_shape is not None:
-            offset += 2 * o.topk_idx_shape[0] * o.topk_idx_shape[1]
-        weights = offset
-        if o.topk_weights_shape is not None:
-            n = 1
-            for d in o.topk_weights_shape:
-                n *= d
-            offset += n
-        out = _Outputs(num_recv, num_expanded, o.num_out_rows, offset, meta, src_idx, topk, weights,
-                       (o.num_out_rows, p.hidden),
-                       o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
-                       o.epilogue_blocks, _strides(o.topk_idx_shape), _strides(o.topk_weights_shape))
+        o = ep_plan.dispatch_outputs(self.p, num_recv, num_expanded, [], self.num_device_sms)
+        out = _output_layout(self.p, o, self.v1_channels is not None, self._out_base, self.x_dtype,
+                             CARVED_RECV_MAX_BYTES)
         if len(self._sizes) >= _MAX_SIZES:
             self._sizes.clear()
         self._sizes[(num_recv, num_expanded)] = out
@@ -248,140 +264,137 @@ class BoundDispatch:
                  tp: int, wp: int, cp: int, legacy: Any = None, ecp: int = 0):
         """Run the dispatch for this call's arrays (`x_in` as given; the pointers come from `interop.meta`) on the EP
         feature `ep`. `legacy`: the call's `LegacyLayout` (V1; its outputs are filled), `ecp` its expert counts'
-        address (0: none)."""
+        address (0: none).
+
+        Without a CPU sync (worst-case sizes, or a cached dispatch's known ones) every allocation, view and patch of
+        the call's launches comes first and the launches follow back to back, so that the GPU sees no host gap
+        between the notify and the dispatch (tests/test_ep_host_order_cpu.py pins it). With a CPU sync the notify
+        and the send go first, the host waits for the counts, allocates exact outputs and launches the receive."""
         if xp & 15:
             raise ValueError('x rows must start at 16-byte aligned addresses')
         # Hybrid P2's readiness guard (`EP.ready_guard`: (counter address, rows modulo, SMs left free) or None): checked
         # before any launch, patched into the launches on every call (they are shared by calls with and without it).
         guard = ep.ready_guard
         if guard is not None:
-            if self.fused or self.legacy_kernels:
-                raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
-                                 'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
-            if self.recv_extra + guard[2] >= self.num_device_sms:
-                raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {self.recv_extra} sending '
-                                 f'blocks: more than the GPU has ({self.num_device_sms}); lower num_sms')
+            _check_guard(self, guard)
         carver = self.carver
         current = self.stream()
-        cpu_sync, cached, torch_kind = self.cpu_sync, self.cached, self._torch_dtypes is not None
+        cpu_sync, cached = self.cpu_sync, self.cached
         if cpu_sync:
             # The range check needs the GPU: start it first, do the host work that needs no check meanwhile.
             wait_range = ep._start_range(topk_idx, tp, self.num_topk_values, self.num_topk, current)
         comm = ep._order.enter(current, event, self.local)
         alloc_stream = comm if self.alloc_on_comm else None
-        out = self.fixed
         psum_expert = None
         if cached:
             h = handle
-            ws, ws_ptr, user_topk, tp = h.workspace, h.workspace_ptr, h._topk_idx, h.topk_idx_ptr
+            ws, ws_ptr, user_topk = h.workspace, h.workspace_ptr, h._topk_idx
+            # (`h.topk_idx_ptr` inline: the handle's origin, and so its workspace offsets, are this call's key's)
+            tp = ws_ptr + self.topk_copy_bytes if user_topk is None else h.topk_idx_ptr
             psum_expert = h._psum_expert
-            if self.p.do_expand != h.do_expand:
+            if self.do_expand != h.do_expand:
                 psum_expert = _psum_expert_from_layout(h.recv_layout, h.num_ranks, self.num_local_experts,
-                                                       h.expert_alignment, self.p.do_expand, self.kind, comm)
+                                                       h.expert_alignment, self.do_expand, self.kind, comm)
         else:
             user_topk = topk_idx if self.user_topk else None
-            ws = carver.words(self.ws_alloc_words, alloc_stream)
-            ws_ptr = ws.data_ptr() if torch_kind else carver.ptr(ws)
+            ws = carver.empty(self.ws_alloc_shape, self.ws_alloc_dtype, alloc_stream)
+            ws_ptr = ws.data_ptr() if self._torch_dtypes is not None else carver.ptr(ws)
         if cpu_sync:
             lo, hi = wait_range()
             if lo < -1 or hi >= self.num_experts:
                 raise ValueError(f'topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}')
         if self.claim:
             ep._claim(self)
+        one_patch = self.call_patch         # (no sync, recv_x carved: every block's pointers at once, below)
         if not cached:
             n = self.notify
-            self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
+            if one_patch is None:
+                self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.v1_channels is not None:
                 self._v1_matrices(legacy, ws, ws_ptr, n.u64, ecp)
-            if cpu_sync:
-                seq = ep._next_host_seq()
-                n.i32[self.notify_seq] = seq
-            if not self.fused:        # fused: the notify's pointers are the launch's, below
-                n(comm)
         snd = self.send
         if snd is not None:
-            self.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
+            if one_patch is None:
+                self.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.send_guard_idx is not None and (guard is not None or self._send_guarded):
                 _patch_guard(snd, self.send_guard_idx, guard)
                 self._send_guarded = guard is not None
-            snd(comm)
 
+        out = self.fixed
         if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
-            group, base = ws, self.ws_words + self.v1_words
-            counts = []
+            group, g0, counts = ws, ws_ptr, []
         else:
             if cpu_sync:
+                seq = ep._next_host_seq()
+                n.i32[self.notify_seq] = seq
+                if not self.fused:    # (never with a CPU sync: features/ep/fused.py)
+                    n(comm)
+                if snd is not None:
+                    snd(comm)
                 num_recv, num_expanded, counts = ep._wait_host_counts(seq, self.num_local_experts)
                 if legacy is not None:
                     legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
             else:       # cached: `plan.dispatch_counts` inline, the counts' copy deferred
                 num_recv, num_expanded, counts = h.num_recv_tokens, h.num_expanded_tokens, h._counts
-                if self.p.do_expand and not h.do_expand and not h.do_cpu_sync:
+                if self.do_expand and not h.do_expand and not h.do_cpu_sync:
                     num_expanded = self.worst_expanded
                 if type(counts) is list:    # (the handle's list, which its caller may hold: copied now)
                     counts = list(counts)
                 # else the numpy counts of a CPU-sync dispatch, written by nobody: shared, each handle makes its own
                 # list on first access (EPHandle.num_recv_tokens_per_expert_list)
             out = self.outputs(num_recv, num_expanded)
-            group, base = carver.words(out.words, alloc_stream), 0
-        recv_x = carver.empty(out.x_shape, self.x_dtype, alloc_stream)
-        recv_sf = None
-        if out.sf_shape is not None:
-            storage = carver.empty(out.sf_shape, self.sf_dtype, alloc_stream)
-            if self.p.use_tma_aligned_col_major_sf:
-                rows = out.num_out_rows
-                recv_sf = storage.t()[:rows] if self.kind == 'torch' else storage.T[:rows]
-            else:
-                recv_sf = storage
-        # recv_src_metadata stays a (pointer, place) until someone reads it: the handle makes the view then.
-        recv_topk_idx = recv_topk_weights = None
-        if torch_kind:     # Carver.view's torch views with the strides and dtypes resolved once
-            i64, f32 = self._torch_dtypes
-            if out.topk_shape is not None:
-                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides,
-                                                           (base + out.topk_offset) >> 1)
-            if out.weights_shape is not None:
-                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides,
-                                                               base + out.weights_offset)
+            group = carver.empty(out.alloc_shape, out.alloc_dtype, alloc_stream)
+            g0 = group.data_ptr() if self._torch_dtypes is not None else carver.ptr(group)
+        # The outputs: views of `group` (the outputs from its word `_out_base`), recv_x / recv_sf too where `out`
+        # carves them, else allocations of their own. recv_src_metadata stays a (pointer, place) until someone reads
+        # it: the handle makes the view then.
+        recv_sf = recv_topk_idx = recv_topk_weights = None
+        topk_at, weights_at, x_at, sf_at, meta_at = out.at
+        td = self._torch_dtypes
+        if td is not None:      # torch: Carver.view inline, the dtypes, strides and offsets resolved once
+            i64, f32, sf_dtype = td
+            if topk_at >= 0:
+                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides, topk_at)
+            if weights_at >= 0:
+                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides, weights_at)
+            if x_at >= 0:       # (the allocation is of recv_x's dtype)
+                recv_x = group.as_strided(out.x_shape, out.x_strides, x_at)
+            if sf_at >= 0:
+                recv_sf = group.view(sf_dtype).as_strided(out.sf_view_shape, out.sf_strides, sf_at)
         else:
-            if out.topk_shape is not None:
-                recv_topk_idx = carver.view(group, 'int64', out.topk_shape, base + out.topk_offset)
-            if out.weights_shape is not None:
-                recv_topk_weights = carver.view(group, 'float32', out.weights_shape, base + out.weights_offset)
-        if torch_kind:
-            gp, xo = group.data_ptr() + 4 * base, recv_x.data_ptr()
-        else:
-            gp, xo = carver.ptr(group) + 4 * base, carver.ptr(recv_x)
+            recv_topk_idx, recv_topk_weights, recv_x, recv_sf = _cupy_views(self.carver, group, out, self.x_dtype,
+                                                                             self.sf_dtype)
+        xb, sb, tb, wb, mb, ib = out.byte_at
+        if xb < 0:      # large: allocations of their own (their memory goes back when the caller drops them)
+            (recv_x, recv_sf), (xo, sfo) = _allocate_x(self.carver, out, self.x_dtype, self.sf_dtype,
+                                                       self.p.use_tma_aligned_col_major_sf, alloc_stream)
         if legacy is not None:
-            legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), base + out.src_idx_offset)
-        # _OUTPUTS' pointers in order.
-        outs = (xo, carver.ptr(recv_sf) if recv_sf is not None else 0,
-                gp + 4 * out.topk_offset if recv_topk_idx is not None else 0,
-                gp + 4 * out.weights_offset if recv_topk_weights is not None else 0, gp + 4 * out.meta_offset,
-                gp + 4 * out.src_idx_offset if legacy is not None else 0)
+            legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), ib >> 2)
         r = self.recv
-        u = r.u64
-        self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
-        self.recv_out_patch(u, outs)
+        if one_patch is not None:
+            one_patch(xp, sp, tp, wp, cp, ws_ptr)
+        else:
+            if xb >= 0:
+                xo, sfo = g0 + xb, g0 + sb if sb >= 0 else 0
+            u = r.u64
+            self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
+            self.recv_out_patch(u, (xo, sfo, g0 + tb if tb >= 0 else 0, g0 + wb if wb >= 0 else 0, g0 + mb,
+                                    g0 + ib if ib >= 0 else 0))
         if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
             _patch_guard(r, self.recv_guard_idx, guard)
             self._recv_guarded = guard is not None
         free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
         if out is not self._recv_sized or free != self._recv_free:     # these sizes' words and grid stay in the block
-            r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
-            r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
-            # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
-            if self.fused:
-                r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
-                                              self.num_device_sms), 1, 1)
-            else:
-                r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
-            self._recv_sized, self._recv_free = out, free
+            self._size_recv(out, free)
+        if not cpu_sync:              # the launches back to back: nothing but the launch calls between them
+            if not cached and not self.fused:
+                n(comm)
+            if snd is not None:
+                snd(comm)
         r(comm)
 
-        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
-                                   gp + 4 * out.meta_offset, (carver, group, out.meta_shape, base + out.meta_offset),
-                                   ws, ws_ptr, user_topk, psum_expert)
+        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
+                                   (carver, group, out.meta_shape, meta_at), ws, ws_ptr, user_topk, psum_expert)
         if self.async_:
             sf = x_in[1] if self.fp8 else None
             xa = x_in[0] if self.fp8 else x_in
@@ -394,11 +407,24 @@ class BoundDispatch:
         out_x = (recv_x, recv_sf) if self.fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event_out
 
+    def _size_recv(self, out: _Outputs, free: int) -> None:
+        """The receive launch's words and grid for the sizes `out` (and `free` SMs left to hybrid P2's side stream)."""
+        r = self.recv
+        r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
+        r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
+        # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
+        if self.fused:
+            r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,
+                                          self.num_device_sms), 1, 1)
+        else:
+            r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
+        self._recv_sized, self._recv_free = out, free
 
     def _v1_matrices(self, legacy, ws, ws_ptr: int, u, ecp: int) -> None:
         """DeepEP V1's matrices of this call: views of `ws` after the workspace proper, set on `legacy`; their
         addresses (and the expert counts' `ecp`) patched into the notify launch's argument words `u`."""
         R, C, base, carver = self.num_ranks, self.v1_channels, self.ws_words, self.carver
+        ws = carver.as_words(ws)
         legacy.rank_prefix_matrix = carver.view(ws, 'int32', (R, R), base)
         legacy.channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R)
         legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R + R * C)
@@ -433,6 +459,9 @@ class BoundCombine:
             chunk_rows=COMBINE_CHUNK_ROWS, chunk_stride=p.chunk_stride,
             peer_bases=sym.peer_bases_ptr, rank=sym.local_idx, combine_offset=ep.layout.combine_recv_offset,
             error_record=ep._host_ptr, timeout_ns=ep._buf.timeout_ns)
+        # The workspace parts' byte offsets (the handle's origin, and so its offsets, are part of the call's key)
+        o = h.offsets
+        self.ws_at = (4 * o[2], 4 * o[0], 4 * o[4])
         self.idx = tuple(self.launch.index(n) for n in (
             'x', 'topk_weights', 'recv_src_metadata', 'recv_layout', 'send_pos', 'topk_idx', 'bias0', 'bias1',
             'combined_x', 'combined_topk_weights'))
@@ -454,9 +483,9 @@ class BoundCombine:
             combined_w = carver.empty((self.num_tokens, self.num_topk), 'float32', alloc_stream)
         b, i = self.launch, self.idx
         u = b.u64
-        ws = h.workspace_ptr
-        u[i[0]], u[i[1]], u[i[2]], u[i[3]] = xp, wp, h._meta_ptr, ws + 4 * h.offsets[2]
-        u[i[4]], u[i[5]] = ws + 4 * h.offsets[0], h.topk_idx_ptr
+        ws, (layout_at, send_pos_at, topk_at) = h.workspace_ptr, self.ws_at
+        u[i[0]], u[i[1]], u[i[2]], u[i[3]] = xp, wp, h._meta_ptr, ws + layout_at
+        u[i[4]], u[i[5]] = ws + send_pos_at, ws + topk_at if h._topk_idx is None else h.topk_idx_ptr
         u[i[6]] = bias_ptrs[0] if self.num_biases else 0
         u[i[7]] = bias_ptrs[1] if self.num_biases > 1 else 0
         u[i[8]] = carver.ptr(combined_x)
@@ -469,24 +498,3 @@ class BoundCombine:
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
         return combined_x, combined_w, event_out
-
-
-def _patch_guard(launch, idx: Tuple[int, int], guard) -> None:
-    """The readiness guard's arguments of a dispatch launch (`ep_dispatch.cu`; guard None: off)."""
-    launch.u64[idx[0]] = guard[0] if guard is not None else 0
-    launch.i32[idx[1]] = guard[1] if guard is not None else 0
-
-
-def _psum_expert_from_layout(recv_layout, R: int, L: int, alignment: int, do_expand: bool, kind: str, stream):
-    """psum_num_recv_tokens_per_expert from the layout blob (for a cached dispatch in the other mode)."""
-    counts = recv_layout[R:R + L]
-    if kind == 'torch':
-        import torch
-        with torch.cuda.stream(interop.torch_stream(stream.ptr)):
-            aligned = (counts + alignment - 1) // alignment * alignment
-            return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else torch.cumsum(aligned, 0).to(torch.int32)
-    import cupy
-    import numpy as np
-    with stream:
-        aligned = (counts + alignment - 1) // alignment * alignment
-        return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else cupy.cumsum(aligned).astype(np.int32)

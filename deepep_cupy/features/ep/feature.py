@@ -146,20 +146,26 @@ class EP:
         expert counts' signature), so V1 calls are bound too."""
         self._check_usable()
         del num_qps, previous_event_before_epilogue     # NVLink-only build: no QPs, single epilogue event
+        tensor = interop.TORCH_TENSOR[0]
         fp8 = type(x) is tuple or type(x) is list
         if fp8 and len(x) == 2:
             xa, sf = x
             (xs, xp), (ss, sp) = meta(xa), meta(sf)
+        elif type(x) is tensor:             # `interop.meta` of a plain torch tensor, inline (two calls fewer)
+            xs, xp, ss, sp = (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr(), None, 0
         else:
             (xs, xp), ss, sp = meta(x), None, 0
-        tensor = interop.TORCH_TENSOR[0]
-        if type(topk_idx) is tensor:        # `interop.meta` of a plain torch tensor, inline (two calls fewer)
+        if type(topk_idx) is tensor:
             ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
+        elif topk_idx is None:              # (a cached dispatch's: `meta(None)` inline)
+            ts, tp = None, 0
         else:
             ts, tp = meta(topk_idx)
         if type(topk_weights) is tensor:
             ws, wp = ((topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device()),
                       topk_weights.data_ptr())
+        elif topk_weights is None:
+            ws, wp = None, 0
         else:
             ws, wp = meta(topk_weights)
         if cumulative_local_expert_recv_stats is None:

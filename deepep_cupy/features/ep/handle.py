@@ -149,6 +149,22 @@ class EPHandle:
         return self.ptr(4)
 
     # ---- views ----------------------------------------------------------------------------------------------------
+    def _workspace_int32(self):
+        """The workspace allocation as int32 (a no-sync dispatch's is of recv_x's dtype when recv_x is carved out of
+        it: features/ep/bound.py)."""
+        ws = self._views.get('int32')
+        if ws is None:
+            ws = self.workspace
+            if self.kind == 'torch':
+                import torch
+                if ws.dtype != torch.int32:
+                    ws = ws.view(torch.int32)
+            elif ws.dtype.itemsize != 4 or ws.dtype.kind != 'i':
+                import cupy
+                ws = ws.view(cupy.int32)
+            self._views['int32'] = ws
+        return ws
+
     def _view(self, part: int, shape: Tuple[int, ...], int64: bool = False, start: int = 0):
         key = (part, shape, start)
         v = self._views.get(key)
@@ -158,7 +174,7 @@ class EPHandle:
                 words *= s
             words *= 2 if int64 else 1
             begin = self.offsets[part] + start
-            ws = self.workspace
+            ws = self._workspace_int32()
             if self.kind == 'torch' and not int64 and ws.storage_offset() == 0:
                 # One as_strided on the 1-D workspace (a slice and a view cost twice as much).
                 steps, step = [], 1

@@ -1,9 +1,12 @@
-"""Parts of the bound dispatch (bound.py): the generated patchers of a launch's argument words and the output
-layout of one (num_recv, num_expanded)."""
+"""Parts of the bound dispatch (bound.py): the generated patchers of a launch's argument words, the output layout of
+one (num_recv, num_expanded) and the per-call helpers of rarer paths."""
 
 from typing import NamedTuple, Optional, Tuple
 
 from ...runtime import interop
+from ...runtime.sizes import align
+
+CARVE_ALIGN_WORDS = 64      # recv_x / recv_sf start at 256-byte boundaries of their allocation (16 B rows, TMA)
 
 
 def patcher(bound, names):
@@ -25,6 +28,21 @@ def address_patcher(bound, exprs, what: str):
     body = ''.join(f'    u[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken) or '    pass\n'
     namespace = {}
     exec(compile(f'def patch(u, xp, sp, tp, wp, cp, ws):\n{body}', f'<{what} patch of {bound.spec.name}>', 'exec'),
+         namespace)
+    return namespace['patch']
+
+
+def call_patcher(blocks, what: str):
+    """`patch(xp, sp, tp, wp, cp, ws)` storing, for each `(bound, exprs)` of `blocks` and each (parameter name,
+    expression) of `exprs` that the bound launch's kernel takes, the expression's value at its word: every pointer of a
+    call's launches in one straight-line function (a call whose pointers are all the inputs' or the workspace's plus
+    constants: a no-sync dispatch with its outputs carved out of the workspace's allocation)."""
+    namespace, body = {}, []
+    for k, (bound, exprs) in enumerate(blocks):
+        namespace[f'u{k}'] = bound.u64
+        taken = set(bound.spec.param_names)
+        body += [f'    u{k}[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken]
+    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws):\n{"".join(body) or "    pass"}\n', f'<{what} patch>', 'exec'),
          namespace)
     return namespace['patch']
 
@@ -52,3 +70,117 @@ class Outputs(NamedTuple):
     grid: int
     topk_strides: Optional[Tuple[int, int]]         # C-contiguous strides of recv_topk_idx / recv_topk_weights
     weights_strides: Optional[Tuple[int, ...]]
+    x_offset: int               # word offset of recv_x in the small outputs' allocation (-1: an allocation of its own)
+    sf_offset: int              # of recv_sf's storage (-1: an allocation of its own, or no recv_sf)
+    x_strides: Tuple[int, int]  # C-contiguous strides of recv_x
+    sf_view_shape: Optional[Tuple[int, int]]        # recv_sf's shape (rows, num_sf), strides `sf_strides`
+    alloc_shape: Tuple[int]     # of the small outputs' allocation when it is theirs alone (CPU sync, cached)
+    alloc_dtype: str            # of that allocation (and of the workspace's without a CPU sync): recv_x's when it is
+    #                             carved (recv_x is then a plain as_strided view of it), else int32
+    # From the start of the allocation (the outputs begin at the bound dispatch's `_out_base` word in it): the torch
+    # storage offsets (elements of the view's dtype) of recv_topk_idx, recv_topk_weights, recv_x, recv_sf (-1: none /
+    # not carved) and recv_src_metadata (int32), and the byte offsets of `bound._OUTPUTS` (-1: none / not carved).
+    at: Tuple[int, int, int, int, int]
+    byte_at: Tuple[int, int, int, int, int, int]
+
+
+def output_layout(p, o, v1: bool, base: int, x_dtype: str, carve_max_bytes: int) -> Outputs:
+    """Where the outputs of the checked dispatch `p` (a plan without arrays) with the sizes `o`
+    (`plan.dispatch_outputs`) go in their int32 allocation, from its word `base`: recv_src_metadata, V1's recv_src_idx
+    (`v1`), recv_topk_idx (even word), recv_topk_weights, then recv_x and recv_sf's storage when together they are at
+    most `carve_max_bytes`, each at a 256-byte boundary of the allocation (then of recv_x's dtype `x_dtype`)."""
+    x_per_word = 4 // interop.itemsize(x_dtype)
+    rows = o.num_out_rows
+    offset = meta = 0
+    offset += o.num_recv * (p.num_topk + 2)
+    src_idx = offset if v1 else -1
+    if src_idx >= 0:
+        offset += o.num_recv
+    topk = offset = align(offset, 2)
+    has_topk, has_weights = o.topk_idx_shape is not None, o.topk_weights_shape is not None
+    if has_topk:
+        offset += 2 * o.topk_idx_shape[0] * o.topk_idx_shape[1]
+    weights = offset
+    if has_weights:
+        n = 1
+        for d in o.topk_weights_shape:
+            n *= d
+        offset += n
+    x_words = rows * p.hidden_bytes // 4        # (hidden_bytes: a multiple of 16)
+    sf_words = 0 if o.sf_shape is None else o.sf_shape[0] * o.sf_shape[1]
+    x_at = sf_at = -1
+    if 4 * (x_words + sf_words) <= carve_max_bytes:
+        x_at = align(base + offset, CARVE_ALIGN_WORDS) - base
+        offset = x_at + x_words
+        if sf_words:
+            sf_at = align(base + offset, CARVE_ALIGN_WORDS) - base
+            offset = sf_at + sf_words
+    # An even number of words: int64 views of the allocation need one (torch views the whole allocation).
+    offset = align(offset, 2)
+    b = base
+    at = ((b + topk) >> 1 if has_topk else -1, b + weights if has_weights else -1,
+          (b + x_at) * x_per_word if x_at >= 0 else -1, b + sf_at if sf_at >= 0 else -1, b + meta)
+    byte_at = tuple(4 * (b + w) if w >= 0 else -1 for w in (
+        x_at, sf_at, topk if has_topk else -1, weights if has_weights else -1, meta, src_idx))
+    return Outputs(o.num_recv, o.num_expanded, rows, offset, meta, src_idx, topk, weights, (rows, p.hidden),
+                   o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
+                   o.epilogue_blocks, strides(o.topk_idx_shape), strides(o.topk_weights_shape), x_at, sf_at,
+                   (p.hidden, 1), None if o.sf_shape is None else (rows, p.num_sf),
+                   (max(2, offset) * (x_per_word if x_at >= 0 else 1),), x_dtype if x_at >= 0 else 'int32', at,
+                   byte_at)
+
+
+def patch_guard(launch, idx: Tuple[int, int], guard) -> None:
+    """The readiness guard's arguments of a dispatch launch (`ep_dispatch.cu`; guard None: off)."""
+    launch.u64[idx[0]] = guard[0] if guard is not None else 0
+    launch.i32[idx[1]] = guard[1] if guard is not None else 0
+
+
+def psum_expert_from_layout(recv_layout, R: int, L: int, alignment: int, do_expand: bool, kind: str, stream):
+    """psum_num_recv_tokens_per_expert from the layout blob (for a cached dispatch in the other mode)."""
+    counts = recv_layout[R:R + L]
+    if kind == 'torch':
+        import torch
+        with torch.cuda.stream(interop.torch_stream(stream.ptr)):
+            aligned = (counts + alignment - 1) // alignment * alignment
+            return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else torch.cumsum(aligned, 0).to(torch.int32)
+    import cupy
+    import numpy as np
+    with stream:
+        aligned = (counts + alignment - 1) // alignment * alignment
+        return (recv_layout[R + L:R + 2 * L] + counts) if do_expand else cupy.cumsum(aligned).astype(np.int32)
+
+
+def cupy_views(carver, group, out: Outputs, x_dtype: str, sf_dtype: Optional[str]):
+    """(recv_topk_idx, recv_topk_weights, recv_x, recv_sf) of a CuPy call: views of `group` where `out` has them
+    (else None; `out.at` holds their offsets from the start of `group`)."""
+    topk_at, weights_at, x_at, sf_at, _ = out.at
+    return (None if topk_at < 0 else carver.view(group, 'int64', out.topk_shape, topk_at * 2),
+            None if weights_at < 0 else carver.view(group, 'float32', out.weights_shape, weights_at),
+            None if x_at < 0 else carver.view(group, x_dtype, out.x_shape, out.byte_at[0] >> 2),
+            None if sf_at < 0 else carver.view(group, sf_dtype, out.sf_view_shape, sf_at, out.sf_strides))
+
+
+def allocate_x(carver, out: Outputs, x_dtype: str, sf_dtype: Optional[str], col_major_sf: bool, stream):
+    """`((recv_x, recv_sf), (their addresses))` in allocations of their own (`stream`: the allocations' or None)."""
+    recv_x = carver.empty(out.x_shape, x_dtype, stream)
+    recv_sf, sfo = None, 0
+    if out.sf_shape is not None:
+        storage = carver.empty(out.sf_shape, sf_dtype, stream)
+        sfo = carver.ptr(storage)
+        if col_major_sf:
+            rows = out.num_out_rows
+            recv_sf = storage.t()[:rows] if carver.kind == 'torch' else storage.T[:rows]
+        else:
+            recv_sf = storage
+    return (recv_x, recv_sf), (carver.ptr(recv_x), sfo)
+
+
+def check_guard(bound, guard) -> None:
+    """Hybrid P2's readiness guard fits the bound dispatch `bound` (checked before any launch)."""
+    if bound.fused or bound.legacy_kernels:
+        raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
+                         'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
+    if bound.recv_extra + guard[2] >= bound.num_device_sms:
+        raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {bound.recv_extra} sending '
+                         f'blocks: more than the GPU has ({bound.num_device_sms}); lower num_sms')

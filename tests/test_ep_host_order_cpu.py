@@ -1,0 +1,263 @@
+"""The host side of a dispatch (features/ep/bound.py) without a GPU, as the GPU timeline sees it (issue #11):
+- order: without a CPU sync every allocation, view and argument patch comes before the first launch and the launches
+  follow back to back (no host gap between the notify and the dispatch), for each launch structure (one launch,
+  send + receive, the legacy kernels, the fused launch, a cached dispatch); a CPU-sync dispatch keeps notify, send,
+  the wait for the counts, the outputs' allocation, then the receive;
+- one allocation: decode-sized recv_x / recv_sf are carved out of the call's small-outputs allocation (no-sync: the
+  workspace's), 256-byte aligned, disjoint from every other output, with the shapes, strides and dtypes (and kernel
+  arguments but for the addresses) of separately allocated ones; above `CARVED_RECV_MAX_BYTES` they are separate."""
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip('torch')
+
+import test_ep_checks_cpu as ep_tests  # noqa: E402
+
+from deepep_cupy.features.ep import bound as ep_bound  # noqa: E402
+from deepep_cupy.features.ep import patch as ep_patch  # noqa: E402
+from deepep_cupy.jit import launch as jit_launch  # noqa: E402
+from deepep_cupy.runtime import interop  # noqa: E402
+
+R, M, H, K, E = ep_tests.R, ep_tests.M, ep_tests.H, ep_tests.K, ep_tests.E
+BOUND_FILE = ep_bound.__file__
+LAUNCH_CODE = jit_launch.BoundLaunch.__call__.__code__
+ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc'}
+# The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
+# recorded)
+PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv', '_v1_matrices')} | \
+    {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
+
+
+def record_host_calls(fn):
+    """`fn()`'s result and the calls made from the per-call frames of bound.py and patch.py, in order: 'launch' (a
+    `BoundLaunch` call), 'alloc' (`Carver.words` / `.empty`), else the called function's name: 'name()' for Python
+    functions (the argument patchers' 'patch()', the host's 'wait_host_counts()'), 'name' for C functions (torch's
+    `view`, `as_strided`, `data_ptr`...)."""
+    seen = []
+
+    def profiler(frame, event, arg):
+        if event == 'call':
+            caller = frame.f_back
+            if caller is not None and (caller.f_code.co_filename, caller.f_code.co_name) in PER_CALL:
+                code = frame.f_code
+                seen.append('launch' if code is LAUNCH_CODE else ALLOC_CODES.get(code, code.co_name + '()'))
+        elif event == 'c_call' and (frame.f_code.co_filename, frame.f_code.co_name) in PER_CALL:
+            seen.append(getattr(arg, '__name__', repr(arg)))
+    sys.setprofile(profiler)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, seen
+
+
+def make_buffer(monkeypatch):
+    buf = ep_tests.make_buffer(monkeypatch)
+
+    def wait_host_counts(seq, n):       # (named: the recorded sequence shows it as 'wait')
+        return R * M, R * M * K, [1] * n
+    monkeypatch.setattr(buf._ep, '_wait_host_counts', wait_host_counts)
+    return buf
+
+
+def assert_launches_back_to_back(seen, num_launches):
+    """Every call before the first launch, the launches consecutive, no allocation or view after them."""
+    first = seen.index('launch')
+    last = len(seen) - 1 - seen[::-1].index('launch')
+    assert seen[first:last + 1] == ['launch'] * num_launches, seen
+    after = seen[last + 1:]
+    assert not {'alloc', 'view', 'as_strided', 'patch()', 'cupy_views()', 'allocate_x()'} & set(after), after
+    assert 'alloc' in seen[:first] and 'as_strided' in seen[:first], seen
+
+
+@pytest.mark.parametrize('structure, env, num_launches', [
+    ('one launch', {}, 2),
+    ('send + receive', {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'}, 3),
+    ('legacy kernels', {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}, 3),
+    ('fused', {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}, 1),
+])
+@pytest.mark.parametrize('fp8', [False, True])
+def test_no_sync_dispatch_prepares_everything_then_launches_back_to_back(monkeypatch, structure, env, num_launches,
+                                                                         fp8):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    x, idx, w = ep_tests.make_inputs()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if fp8 else x
+    buf = make_buffer(monkeypatch)
+    for _ in range(3):           # the first call binds; the bound ones must keep the order too
+        buf.launches.clear()
+        out, seen = record_host_calls(lambda: buf.dispatch(xin, idx, w, num_experts=E, num_sms=4,
+                                                           do_cpu_sync=False))
+        assert len(buf.launches) == num_launches
+        assert_launches_back_to_back(seen, num_launches)
+        assert seen.count('alloc') == 1, seen          # the workspace, recv_x and recv_sf in one allocation
+    if structure == 'fused':
+        assert buf._ep._bound and next(iter(buf._ep._bound.values())).fused
+    # Cached with the handle: the send (if any) and the receive back to back after the one allocation.
+    cached = 2 if structure in ('send + receive', 'legacy kernels') else 1
+    buf.launches.clear()
+    _, seen = record_host_calls(lambda: buf.dispatch(xin, handle=out[3]))
+    assert len(buf.launches) == cached
+    assert_launches_back_to_back(seen, cached)
+    assert seen.count('alloc') == 1, seen
+
+
+def test_cpu_sync_dispatch_waits_for_the_counts_between_send_and_receive(monkeypatch):
+    x, idx, w = ep_tests.make_inputs()
+    buf = make_buffer(monkeypatch)
+    for _ in range(2):
+        _, seen = record_host_calls(lambda: buf.dispatch(x, idx, w, num_experts=E, num_sms=4))
+        order = [s for s in seen if s in ('launch', 'alloc', 'wait_host_counts()')]
+        assert order == ['alloc', 'launch', 'launch', 'wait_host_counts()', 'alloc', 'launch'], seen
+
+
+def _outputs(buf, xin, idx, w, **kw):
+    out = buf.dispatch(xin, idx, w, num_experts=E, num_sms=4, **kw)
+    recv = [e for e in buf.launches if 'recv_x' in e.args][-1]
+    return out, recv
+
+
+def _span(t):
+    """[first byte, end) of what a view reaches."""
+    end = t.data_ptr() + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+    return t.data_ptr(), end
+
+
+@pytest.mark.parametrize('mode', ['no-sync', 'cpu-sync', 'cached', 'expand'])
+@pytest.mark.parametrize('fp8, tma', [(False, False), (True, False), (True, True)])
+def test_small_recv_x_is_carved_like_an_allocation_of_its_own(monkeypatch, mode, fp8, tma):
+    x, idx, w = ep_tests.make_inputs()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if fp8 else x
+    kw = dict(use_tma_aligned_col_major_sf=tma)
+    if mode != 'cpu-sync':
+        kw['do_cpu_sync'] = False
+    if mode == 'expand':
+        kw.update(do_expand=True, expert_alignment=4)
+    results, carve = {}, ep_bound.CARVED_RECV_MAX_BYTES
+    for limit in (carve, 0):       # carved, then separate allocations
+        monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', limit)
+        buf = make_buffer(monkeypatch)
+        out, recv = _outputs(buf, xin, idx.clone(), w.clone(), **kw)
+        if mode == 'cached':
+            buf.launches.clear()
+            out = buf.dispatch(xin, handle=out[3], use_tma_aligned_col_major_sf=tma)
+            recv = [e for e in buf.launches if 'recv_x' in e.args][-1]
+        results[limit] = out, recv
+    (carved, recv_c), (alone, recv_a) = results[carve], results[0]
+    pairs = [(carved[0][0], alone[0][0]), (carved[0][1], alone[0][1])] if fp8 else [(carved[0], alone[0])]
+    for c, a in pairs + [(carved[1], alone[1]), (carved[2], alone[2])]:
+        if a is None:
+            assert c is None
+            continue
+        assert (c.shape, c.stride(), c.dtype, c.is_contiguous()) == (a.shape, a.stride(), a.dtype, a.is_contiguous())
+    pointers = {'recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx', 'x',
+                'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
+                'recv_layout'}
+    assert {k: v for k, v in recv_c.args.items() if k not in pointers} == \
+        {k: v for k, v in recv_a.args.items() if k not in pointers}
+    recv_x, recv_sf = carved[0] if fp8 else (carved[0], None)
+    handle = carved[3]
+    group = handle.metadata_owner        # the small outputs' allocation (no-sync: the workspace's)
+    if mode == 'no-sync' or mode == 'expand':
+        assert group is handle.workspace
+    assert recv_c.args['recv_x'] == recv_x.data_ptr()
+    assert recv_x.untyped_storage().data_ptr() == group.data_ptr()
+    assert (recv_x.data_ptr() - group.data_ptr()) % 256 == 0
+    alone_x = alone[0][0] if fp8 else alone[0]
+    assert alone_x.untyped_storage().data_ptr() != alone[3].metadata_owner.data_ptr()
+    views = [recv_x, carved[1], carved[2], handle.recv_src_metadata]
+    if recv_sf is not None:
+        assert recv_c.args['recv_sf'] == recv_sf.data_ptr()
+        assert recv_sf.untyped_storage().data_ptr() == group.data_ptr()
+        assert (recv_sf.data_ptr() - group.data_ptr()) % 256 == 0
+        if tma:
+            assert recv_sf.stride() == (1, ep_tests.ep_plan.align(recv_sf.shape[0], 4))
+        views.append(recv_sf)
+    if mode in ('no-sync', 'expand'):
+        views += [handle.dst_buffer_slot_idx, handle.send_expert_pos, handle.recv_layout, handle.topk_idx]
+    spans = sorted(_span(v) for v in views if v is not None)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans       # disjoint
+    assert spans[-1][1] <= group.data_ptr() + group.untyped_storage().nbytes()
+    assert group.dtype == recv_x.dtype          # the allocation is of recv_x's dtype: recv_x is one as_strided
+
+
+def test_large_recv_x_stays_an_allocation_of_its_own(monkeypatch):
+    x, idx, w = ep_tests.make_inputs()
+    recv_bytes = R * M * H * 2
+    monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', recv_bytes - 1)
+    buf = make_buffer(monkeypatch)
+    (recv_x, _, _, handle, _), seen = record_host_calls(lambda: buf.dispatch(x, idx, w, num_experts=E,
+                                                                             do_cpu_sync=False))
+    assert seen.count('alloc') == 2
+    assert recv_x.untyped_storage().data_ptr() != handle.workspace.data_ptr()
+    monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', recv_bytes)
+    buf = make_buffer(monkeypatch)
+    (recv_x, _, _, handle, _), seen = record_host_calls(lambda: buf.dispatch(x, idx, w, num_experts=E,
+                                                                             do_cpu_sync=False))
+    assert seen.count('alloc') == 1
+    assert recv_x.untyped_storage().data_ptr() == handle.workspace.data_ptr()
+
+
+@pytest.mark.parametrize('cpu_sync', [True, False])
+def test_odd_sizes_keep_the_allocation_viewable_as_int64(monkeypatch, cpu_sync):
+    """Odd receive counts, an odd top-k and one FP8 scale column: the outputs' allocation still has an even number of
+    int32 words (recv_topk_idx is an int64 view of it)."""
+    x, idx, w = ep_tests.make_inputs()
+    idx, w = idx[:, :3].contiguous(), w[:, :3].contiguous()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 1))
+    buf = make_buffer(monkeypatch)
+    monkeypatch.setattr(buf._ep, '_wait_host_counts', lambda seq, n: (5, 7, [1] * n))
+    out = buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=cpu_sync)
+    rows = 5 if cpu_sync else R * M
+    assert out[0][0].shape == (rows, H) and out[0][1].shape == (rows, 1) and out[1].shape == (rows, 3)
+    assert out[1].dtype == torch.int64 and out[3].metadata_owner.untyped_storage().nbytes() % 8 == 0
+
+
+@pytest.mark.parametrize('tma', [False, True])
+def test_cupy_views_sit_where_the_torch_views_do(monkeypatch, tma):
+    """The CuPy path (`patch.cupy_views`, no GPU here: a carver recording its views) carves each output at the byte
+    offset, with the shape, dtype and element strides of the torch path's view."""
+    from deepep_cupy.features.ep import patch
+    x, idx, w = ep_tests.make_inputs()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 1))
+    buf = make_buffer(monkeypatch)
+    out = buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=False, use_tma_aligned_col_major_sf=tma)
+    (b,) = buf._ep._bound.values()
+    group = out[3].workspace
+    torch_views = [out[1], out[2], out[0][0], out[0][1]]
+
+    class Recorder:
+        def view(self, base, dtype, shape, word_offset, strides=None):
+            return dtype, tuple(shape), 4 * word_offset, strides or interop.contiguous_strides(tuple(shape))
+    got = patch.cupy_views(Recorder(), group, b.fixed, 'float8_e4m3fn', 'float32')
+    names = {torch.int64: 'int64', torch.float32: 'float32', torch.float8_e4m3fn: 'float8_e4m3fn'}
+    for view, (dtype, shape, byte_offset, strides) in zip(torch_views, got):
+        assert (names[view.dtype], tuple(view.shape), view.data_ptr() - group.data_ptr(), tuple(view.stride())) == \
+            (dtype, shape, byte_offset, tuple(strides))
+
+
+@pytest.mark.parametrize('env', [{}, {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'}, {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'},
+                                 {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}])
+@pytest.mark.parametrize('fp8', [False, True])
+def test_one_patch_of_a_no_sync_dispatch_writes_what_the_block_patches_do(monkeypatch, env, fp8):
+    """A no-sync dispatch with recv_x carved patches every launch's pointers with one generated function
+    (`BoundDispatch.call_patch`): the same arguments (addresses relative to the workspace) as block by block."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    x, idx, w = ep_tests.make_inputs()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if fp8 else x
+    buf = make_buffer(monkeypatch)
+    runs = []
+    for one in (True, False):
+        buf.launches.clear()
+        out = buf.dispatch(xin, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
+        (b,) = buf._ep._bound.values()
+        assert (b.call_patch is not None) == one
+        ws, size = out[3].workspace_ptr, out[3].workspace.untyped_storage().nbytes()
+        runs.append([(e.name, e.grid, {k: ('ws', v - ws) if type(v) is int and ws <= v < ws + size else v
+                                       for k, v in e.args.items()}) for e in buf.launches])
+        b.call_patch = None         # the next call: block by block
+    assert runs[0] == runs[1]
+    assert any(v[0] == 'ws' for v in runs[0][-1][2].values() if type(v) is tuple)
