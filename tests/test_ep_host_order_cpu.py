@@ -215,6 +215,22 @@ def test_odd_sizes_keep_the_allocation_viewable_as_int64(monkeypatch, cpu_sync):
     assert out[1].dtype == torch.int64 and out[3].metadata_owner.untyped_storage().nbytes() % 8 == 0
 
 
+
+@pytest.mark.parametrize('tma', [False, True])
+def test_no_received_rows_still_give_fp8_scales(monkeypatch, tma):
+    """A CPU-sync FP8 dispatch that receives no token: recv_x and recv_sf are empty tensors, not None (the carved
+    layout once skipped a scale storage of zero words; DeepEP's 0-token-rank cases caught it on the GPU)."""
+    x, idx, w = ep_tests.make_inputs()
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2))
+    buf = make_buffer(monkeypatch)
+    monkeypatch.setattr(buf._ep, '_wait_host_counts', lambda seq, n: (0, 0, [0] * n))
+    out = buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=True, use_tma_aligned_col_major_sf=tma)
+    recv_x, recv_sf = out[0]
+    assert recv_x.shape == (0, H) and recv_sf is not None and recv_sf.shape == (0, 2)
+    assert recv_sf.dtype == torch.float32 and out[1].shape == (0, K)
+    cached = buf.dispatch(xin, handle=out[3])
+    assert cached[0][1] is not None and cached[0][1].shape == (0, 2)
+
 @pytest.mark.parametrize('tma', [False, True])
 def test_cupy_views_sit_where_the_torch_views_do(monkeypatch, tma):
     """The CuPy path (`patch.cupy_views`, no GPU here: a carver recording its views) carves each output at the byte

@@ -112,7 +112,7 @@ def output_layout(p, o, v1: bool, base: int, x_dtype: str, carve_max_bytes: int)
     if 4 * (x_words + sf_words) <= carve_max_bytes:
         x_at = align(base + offset, CARVE_ALIGN_WORDS) - base
         offset = x_at + x_words
-        if sf_words:
+        if o.sf_shape is not None:      # (also with no rows: an FP8 dispatch always returns its scales)
             sf_at = align(base + offset, CARVE_ALIGN_WORDS) - base
             offset = sf_at + sf_words
     # An even number of words: int64 views of the allocation need one (torch views the whole allocation).
