@@ -104,6 +104,10 @@ class EventOverlap:
         if self.event is None:
             raise ValueError('current_stream_wait: this EventOverlap holds no event (it was released or is empty)')
         self.event.current_stream_wait()
+        return self._after_wait(release_handle)
+
+    def _after_wait(self, release_handle: bool) -> Any:
+        """What follows the stream wait: the registered hook (run once; its result returned), then the release."""
         result = None
         if self.hook_after_wait is not None:
             hook, self.hook_after_wait = self.hook_after_wait, None

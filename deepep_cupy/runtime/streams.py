@@ -208,11 +208,4 @@ class DeferredRecordOverlap(EventOverlap):
         deferred.waited_on(stream)
         self._deferred = None
         self.event.stream_wait(stream)
-        result = None
-        if self.hook_after_wait is not None:
-            hook, self.hook_after_wait = self.hook_after_wait, None
-            result = hook()
-        if release_handle:
-            self.event = None
-            self.extra_tensors = None
-        return result
+        return self._after_wait(release_handle)
