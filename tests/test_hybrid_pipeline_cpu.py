@@ -191,16 +191,41 @@ def test_loopback_calls_the_hook_after_each_chunks_copies():
     assert copies[1][1] - copies[0][1] == 4 * rows.payload_bytes
 
 
+
+def test_rails_exchange_sets_the_chunk_hook_for_one_exchange_only():
+    """`HybridRails.exchange(plan, stream, after_chunk)`: the transport holds the hook during that exchange only, also
+    when the exchange raises; without a hook the transport's is left as it is (None)."""
+    seen = []
+
+    class Transport:
+        after_chunk = None
+
+        def exchange(self, plan, stream):
+            seen.append(self.after_chunk)
+            if plan == 'bad':
+                raise RuntimeError('rail failed')
+
+    rails_ = object.__new__(hfeature.HybridRails)
+    rails_.transport = t = Transport()
+    hook = lambda c, s: None  # noqa: E731
+    rails_.exchange('plan', 'stream', after_chunk=hook)
+    assert seen == [hook] and t.after_chunk is None
+    rails_.exchange('plan', 'stream')
+    assert seen == [hook, None] and t.after_chunk is None
+    with pytest.raises(RuntimeError, match='rail failed'):
+        rails_.exchange('bad', 'stream', after_chunk=hook)
+    assert seen[-1] is hook and t.after_chunk is None
+
 # ---- the feature's call sequence -------------------------------------------------------------------------------------
 class HookRails(hf.FakeRails):
-    """FakeRails whose exchanges call the transport's per-chunk hook, as both transports do."""
+    """FakeRails whose exchanges call the per-chunk hook after each chunk, as `HybridRails.exchange` has both
+    transports do."""
 
-    def exchange(self, plan, stream):
+    def exchange(self, plan, stream, after_chunk=None):
         self.plans.append((plan, stream))
-        hook = getattr(self.transport, 'after_chunk', None)
         for c in range(plan.num_chunks):
-            if hook is not None:
-                hook(c, stream)
+            if after_chunk is not None:
+                after_chunk(c, stream)
 
 
 class GuardInner(hf.FakeInner):
@@ -242,7 +267,6 @@ def make_pipelined(monkeypatch, rank=3, counts=None, rows=0):
     buf = fakes.make_buffer(num_ranks=hf.N * hf.R, rank=rank, num_scaleup_ranks=hf.R, num_scaleout_ranks=hf.N,
                             scaleup_rank_idx=rank % hf.R, scaleout_rank_idx=rank // hf.R, num_cpu_timeout_secs=0.3)
     inner, rails_ = GuardInner(), HookRails(rank)
-    rails_.transport.after_chunk = None
     feat = hfeature.HybridEP(buf, inner, hf.M, hf.H, hf.K, rails=rails_, kernels_of=lambda k: kernels, host=host)
     side = fakes.FakeStream('side')
     feat._side = side

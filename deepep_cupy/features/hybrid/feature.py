@@ -87,8 +87,18 @@ class HybridRails:
         peers = self.rails.peer_domains
         self.barrier_plan = plan_exchange(self.rails, area, 'barrier', {m: 0 for m in peers}, {m: 0 for m in peers})
 
-    def exchange(self, plan, stream) -> None:
-        self.transport.exchange(plan, stream)
+    def exchange(self, plan, stream, after_chunk=None) -> None:
+        """Enqueue `plan` on `stream`; `after_chunk(c, stream)`, when given, runs after chunk c's group is enqueued
+        (the transport's hook, set for this exchange only)."""
+        transport = self.transport
+        if after_chunk is None:
+            transport.exchange(plan, stream)
+            return
+        transport.after_chunk = after_chunk
+        try:
+            transport.exchange(plan, stream)
+        finally:
+            transport.after_chunk = None
 
     def barrier(self, stream) -> None:
         self.transport.exchange(self.barrier_plan, stream)
@@ -342,12 +352,7 @@ class HybridEP:
                                     region_bytes=area.region_bytes, union_x=union_x, union_sf=_ptr(union_sf))
             k.ready.launch(1, 1, stream=stream, ready=ready, value=end)
 
-        transport = self.rails.transport
-        transport.after_chunk = landed
-        try:
-            self.rails.exchange(plan, side)
-        finally:
-            transport.after_chunk = None
+        self.rails.exchange(plan, side, after_chunk=landed)
 
     def _notify(self, k, counts, stream):
         """CPU sync: the header-only rail exchange, then the send / receive counts on the host (bounded wait)."""
@@ -427,12 +432,9 @@ class HybridEP:
                     k.combine_final.launch(end - done[0], THREADS, stream=side, token_begin=done[0], **fargs)
                     done[0] = end
 
-            transport = self.rails.transport
-            transport.after_chunk = landed
             try:
-                self.rails.exchange(plan, stream)
+                self.rails.exchange(plan, stream, after_chunk=landed)
             finally:
-                transport.after_chunk = None
                 _stream_after(stream, side)
         else:
             self.rails.exchange(plan, stream)
