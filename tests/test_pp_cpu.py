@@ -593,30 +593,39 @@ def test_rank_program_stress_and_back_pressure_on_the_emulated_protocol(monkeypa
             assert gpu.ctrl[r]['num_sent'][pp.neighbour_slot_idx(r, peer, num_ranks)] == n
 
 
+def mismatch_and_reconfiguration(buf, rank: int, mismatch: str):
+    """Ranks 0 and 1 of a PP pair (each calls it): a receive larger than its send is reported by the next call
+    (`mismatch`: the expected message) and copies nothing; pp_set_config refuses while a message is in flight, then
+    takes new slots whose cursors wrap alike on both sides. Returns a 100-byte tensor for the caller's next receive."""
+    peer = 1 - rank
+    buf.pp_set_config(8192, 2)
+    buf.pp_send(torch.full((4096,), 7, dtype=torch.uint8), peer)
+    poisoned = torch.full((8192,), 0xAB, dtype=torch.uint8)
+    buf.pp_recv(poisoned, peer)
+    with pytest.raises(RuntimeError, match=mismatch):
+        buf.pp_send(poisoned, peer)
+    assert bool((poisoned == 0xAB).all())
+    x = torch.arange(100, dtype=torch.uint8) + rank
+    buf.pp_send(x, peer)
+    with pytest.raises(RuntimeError, match='still in flight'):
+        buf.pp_set_config(4096, 3)
+    out = torch.zeros(100, dtype=torch.uint8)
+    buf.pp_recv(out, peer)
+    assert torch.equal(out, torch.arange(100, dtype=torch.uint8) + peer)
+    buf.pp_set_config(4096, 3)
+    for k in range(7):              # cursors wrap under the new slot count, on both sides alike
+        buf.pp_send(torch.full((k + 1,), k, dtype=torch.uint8), peer)
+        got = torch.zeros(k + 1, dtype=torch.uint8)
+        buf.pp_recv(got, peer)
+        assert bool((got == k).all())
+    buf.group.barrier()
+    return out
+
+
 def test_emulated_mismatch_reconfiguration_and_timeout(monkeypatch):
     def body(buf, rank):
         peer = 1 - rank
-        buf.pp_set_config(8192, 2)
-        buf.pp_send(torch.full((4096,), 7, dtype=torch.uint8), peer)
-        poisoned = torch.full((8192,), 0xAB, dtype=torch.uint8)
-        buf.pp_recv(poisoned, peer)
-        with pytest.raises(RuntimeError, match='8192 bytes but the matching pp_send sent 4096 bytes'):
-            buf.pp_send(poisoned, peer)
-        assert bool((poisoned == 0xAB).all())
-        x = torch.arange(100, dtype=torch.uint8) + rank
-        buf.pp_send(x, peer)
-        with pytest.raises(RuntimeError, match='still in flight'):
-            buf.pp_set_config(4096, 3)
-        out = torch.zeros(100, dtype=torch.uint8)
-        buf.pp_recv(out, peer)
-        assert torch.equal(out, torch.arange(100, dtype=torch.uint8) + peer)
-        buf.pp_set_config(4096, 3)
-        for k in range(7):              # cursors wrap under the new slot count, on both sides alike
-            buf.pp_send(torch.full((k + 1,), k, dtype=torch.uint8), peer)
-            got = torch.zeros(k + 1, dtype=torch.uint8)
-            buf.pp_recv(got, peer)
-            assert bool((got == k).all())
-        buf.group.barrier()
+        out = mismatch_and_reconfiguration(buf, rank, '8192 bytes but the matching pp_send sent 4096 bytes')
         if rank == 0:                   # nobody sends: a bounded wait, diagnosed
             buf.num_gpu_timeout_secs = 0.2
             buf.pp_recv(out, peer)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import fakes
 import numpy as np
 import pytest
-from test_pp_cpu import ThreadGroup, _CPUTorch, _rank_program
+from test_pp_cpu import ThreadGroup, _CPUTorch, _rank_program, mismatch_and_reconfiguration
 
 from deepep_cupy.buffers.base import WORKSPACE_BYTES
 from deepep_cupy.features.pp import feature as pp_feature
@@ -397,28 +397,8 @@ def test_rank_program_stress_and_back_pressure_across_domains(monkeypatch, num_d
 def test_mismatch_reconfiguration_and_timeout_across_domains(monkeypatch, setting):
     def body(buf, rank):
         peer = 1 - rank
-        buf.pp_set_config(8192, 2)
-        buf.pp_send(torch.full((4096,), 7, dtype=torch.uint8), peer)
-        poisoned = torch.full((8192,), 0xAB, dtype=torch.uint8)
-        buf.pp_recv(poisoned, peer)
-        with pytest.raises(RuntimeError, match=f'from rank {peer} got a tensor of 8192 bytes but the matching '
-                                               f'pp_send sent 4096 bytes'):
-            buf.pp_send(poisoned, peer)
-        assert bool((poisoned == 0xAB).all())
-        x = torch.arange(100, dtype=torch.uint8) + rank
-        buf.pp_send(x, peer)
-        with pytest.raises(RuntimeError, match='still in flight'):
-            buf.pp_set_config(4096, 3)
-        out = torch.zeros(100, dtype=torch.uint8)
-        buf.pp_recv(out, peer)
-        assert torch.equal(out, torch.arange(100, dtype=torch.uint8) + peer)
-        buf.pp_set_config(4096, 3)
-        for k in range(7):              # cursors wrap under the new slot count, on both sides alike
-            buf.pp_send(torch.full((k + 1,), k, dtype=torch.uint8), peer)
-            got = torch.zeros(k + 1, dtype=torch.uint8)
-            buf.pp_recv(got, peer)
-            assert bool((got == k).all())
-        buf.group.barrier()
+        out = mismatch_and_reconfiguration(buf, rank, f'from rank {peer} got a tensor of 8192 bytes but the matching '
+                                                      f'pp_send sent 4096 bytes')
         if rank == 1:                   # nobody sends to rank 1: a bounded wait naming rank 0, then the abort
             buf.num_gpu_timeout_secs = 0.2
             buf._pp._bound.clear()      # the kernels bind the timeout once: rebind with the short one
