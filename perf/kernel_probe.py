@@ -103,7 +103,6 @@ def main():
             torch.cuda.synchronize()
             text, span, _ = timeline(graph.replay, args.calls)
             print(f'[graph] {num_tokens:5d} tokens, buffer M={m:5d}: {text}')
-            probe(buf, num_tokens, m)
             text, span_e, _ = timeline(lambda b=buf, x=x, kw=kw: b.dispatch(x, **kw), args.calls)
             print(f'[eager] {num_tokens:5d} tokens, buffer M={m:5d}: {text}')
             received = out[0].shape[0] * out[0].shape[1] * 2
@@ -124,67 +123,6 @@ def main():
         finally:
             torch.cuda.synchronize()
             buf.destroy()
-
-
-def _read_u64(var, n):
-    import cupy
-    import numpy as np
-    ptr = int(var.ptr) if hasattr(var, 'ptr') else int(var)
-    host = np.zeros(n, np.uint64)
-    cupy.cuda.runtime.deviceSynchronize()
-    cupy.cuda.runtime.memcpy(host.ctypes.data, ptr, host.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
-    return host.astype(np.int64)
-
-
-def probe(buf, num_tokens, m):
-    """Phase timestamps of the last replay, when the kernels were built with the probe globals (probe_tmp/)."""
-    import numpy as np
-    ep = buf._ep_feature()
-    k = ep.kernels(8)
-    if ep.fused_notify:
-        try:
-            f = k.fused_dispatch()._module.get_global_var('_ZN6deepep8g_fprobeE')
-        except Exception as e:
-            print(f'[probe] none: {e}')
-            return
-        c = _read_u64(f, 8 * 160).reshape(160, 8)
-        used = c[c[:, 0] > 0]
-        t0 = used[:, 0].min()
-        rel = used[:, :5] - t0
-        names = ('entry', 'notify/prefetch done', 'flags waited', 'role done', 'end')
-        print(f'[probe] fused {num_tokens} tokens M={m}: {len(used)} blocks; ns after the first entry, '
-              'min / median / max over blocks: ' + '; '.join(
-                  f'{n} {rel[:, i].min()} / {int(np.median(rel[:, i]))} / {rel[:, i].max()}'
-                  for i, n in enumerate(names)))
-        print('[probe] fused first 10 blocks (notify blocks first): ' +
-              ' '.join(str(list(r)) for r in rel[:10, :4]))
-        return
-    try:
-        g = k.notify._module.get_global_var('_ZN6deepep7g_probeE')
-    except Exception as e:
-        print(f'[probe] none: {e}')
-        return
-    a = _read_u64(g, 64)
-    marks = [i for i in range(11) if a[i]]
-    print(f'[probe] notify {num_tokens} tokens M={m}: cycles since entry ' +
-          ' '.join(f'P{i}={a[i] - a[0]}' for i in marks))
-    try:
-        d = k.dispatch._module.get_global_var('_ZN6deepep8g_dprobeE')
-    except Exception as e:
-        print(f'[probe] none: {e}')
-        return
-    b = _read_u64(d, 8 * 160).reshape(160, 8)
-    used = b[b[:, 4] > 0]
-    if not len(used):
-        return
-    t0 = used[:, 4].min()
-    starts, ends = used[:, 4] - t0, used[:, 6] - t0
-    work = used[:, 1] - used[:, 0]
-    tail = used[:, 2] - used[:, 1]
-    print(f'[probe] dispatch {num_tokens} tokens M={m}: {len(used)} blocks; start spread {starts.max()} ns; '
-          f'end (globaltimer) min {ends.min()} max {ends.max()} ns; cycles of role min {work.min()} median '
-          f'{int(np.median(work))} max {work.max()}; end tail (last_block_done) median {int(np.median(tail))} max '
-          f'{tail.max()}')
 
 
 if __name__ == '__main__':
