@@ -17,6 +17,9 @@ Hybrid mode (several scale-up domains): hybrid.py.
 
 import contextlib
 import math
+import operator
+import struct
+from functools import reduce
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -25,7 +28,6 @@ from ...jit.launch import load_kernels
 from ...runtime import checks, dtypes, interop
 from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.sizes import ceil_div
-from ...runtime.streams import DeferredRecord
 from .gather_entry import gather_entry
 from .gather_launch import GatherLaunches
 from .hybrid import HybridSteps
@@ -54,6 +56,9 @@ from .plan import (
 from .wait_handle import AGRSWaitHandle
 
 DATA_REGION_OWNER = 'all-gather / reduce-scatter'
+_SHAPE_DTYPE = operator.attrgetter('shape', 'dtype')
+# agrs_gather_batch_kernel's do_signal, epoch and meta: one contiguous run of its block (checked when binding).
+_SIGNAL_EPOCH_META = struct.Struct('=iII')
 
 
 class AGRS(GatherLaunches, HybridSteps):
@@ -84,7 +89,8 @@ class AGRS(GatherLaunches, HybridSteps):
         self._infos: Dict[Any, Tuple[str, int, str, Tuple[int, ...]]] = {}    # signature -> checked tensor facts
         self._gather_launch = None                  # hybrid: the gather kernel's bound launch (every argument patched)
         self._batch_launch = None                   # the batched gather kernel's (sources, mask, epoch, meta patched)
-        self._wait_launch, self._wait_idx = None, (0, 0)     # the wait kernel's (epoch and meta patched)
+        self._batch_tail = 0                        # (its do_signal's byte offset)
+        self._wait_launch, self._wait_idx = None, 0     # the wait kernel's (epoch and meta patched; their offset)
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
         self._gather_entries: Dict[Any, Any] = {}   # all_gather (signatures, session state) -> `gather_entry`
@@ -176,10 +182,13 @@ class AGRS(GatherLaunches, HybridSteps):
 
     def create_session(self) -> None:
         """Open a session: gathers reserve regions of the session area one after another (collective in order)."""
-        if self.plan is None:
+        plan = self.plan
+        if plan is None:
             raise RuntimeError('call agrs_set_config(num_max_session_bytes, ...) before creating a session')
-        self._check_usable()
-        self.plan.open()
+        buf = self._buf
+        if buf._destroyed or buf._failed is not None or buf.error_record[0]:
+            self._check_usable()        # (its three conditions read here first)
+        plan.open()
         self.session_idx += 1
 
     def destroy_session(self) -> None:
@@ -246,55 +255,82 @@ class AGRS(GatherLaunches, HybridSteps):
             self._check_usable()        # (its three conditions read here first: the call costs ~1 us)
         single = not isinstance(tensors, (list, tuple))
         items = (tensors,) if single else tuple(tensors)
-        # Per call: the signatures and pointers (`interop.meta`, inlined for torch tensors); what the signatures and the
-        # session's state (bytes and gathers used) decide (the checks, regions, grids, packed launch arguments, output
-        # views) is looked up, computed once by `gather_entry`.
-        tensor_type = interop.TORCH_TENSOR[0]
-        sigs, ptrs = [], []
-        for t in items:
-            if type(t) is tensor_type:
-                sigs.append((t.shape, t.stride(), t.dtype, t.get_device()))
-                ptrs.append(t.data_ptr())
-            else:
-                sig, ptr = interop.meta(t)
-                sigs.append(sig)
-                ptrs.append(ptr)
-        e = self._gather_entries.get((single, tuple(sigs), plan.used_bytes, plan.num_gathers))
+        # Per call: the signatures and pointers; what the signatures and the session's state (bytes and gathers used)
+        # decide (the checks, regions, grids, packed launch arguments, output views) is looked up, computed once by
+        # `gather_entry`. Torch tensors (subclasses too) are read field by field across the list (a C call per field,
+        # not per tensor; the descriptors raise TypeError for anything else, and before `interop.meta` saw a torch
+        # tensor the placeholder class has none); other arrays through `interop.meta`.
+        try:
+            tensor_type = interop.TORCH_TENSOR[0]
+            ptrs = list(map(tensor_type.data_ptr, items))
+            key = (single, tuple(map(_SHAPE_DTYPE, items)), tuple(map(tensor_type.stride, items)),
+                   tuple(map(tensor_type.get_device, items)), plan.used_bytes, plan.num_gathers)
+        except (TypeError, AttributeError):
+            key, ptrs = self._gather_key(items, single)
+        e = self._gather_entries.get(key)
         if e is None:
-            metas = list(zip(sigs, ptrs))
-            e = gather_entry(self, items, single, metas, (single, tuple(sigs), plan.used_bytes, plan.num_gathers))
+            metas = [interop.meta(t) for t in items]
+            e = gather_entry(self, items, single, metas, key)
             ptrs = [m[1] for m in metas]
-        kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions, batches = e
-        # A source inside the not yet gathered part of the session area must be its own in-place slot (bit i of
-        # `mask` clear: no local copy, the source neither kept nor marked).
-        mask, bits = 0, 0
+        kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions, batches, one, mask, below = e
+        if not ptrs or (max(ptrs) > below and min(ptrs) < free_end):
+            mask = self._copy_mask(ptrs, per, free_start, free_end)
+        misaligned = reduce(operator.or_, ptrs, 0) & 15
+        plan.used_bytes, plan.num_gathers = end, num_gathers         # `plan.reserve` of these regions
+        self.gather_epoch = epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
+        current = interop.current_stream(items[0])
+        comm = buf.stream_order.begin(current)
+        if one is not None:         # (single domain, up to GATHER_BATCH tensors: one launch, two packs)
+            b = self._batch_launch or self._bind_batch_launch()
+            pack, consts, grid = one
+            data = b.data
+            pack.pack_into(data, 0, *ptrs, *consts, mask)
+            _SIGNAL_EPOCH_META.pack_into(data, self._batch_tail, 1, epoch, meta)
+            b.grid = grid if not misaligned else self._misaligned_grid(per, ptrs, 0, len(ptrs))
+            b(comm)
+        elif self.hybrid:
+            g = self._single_gather_launch()
+            g.u32[self._gather_launch_idx[5]], g.u32[self._gather_launch_idx[6]] = epoch, meta
+            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions,
+                                [not mask >> i & 1 for i in range(len(per))], meta)
+        else:
+            self._gather_batches(comm, batches, per, ptrs, mask, misaligned, epoch, meta)
+        keep = items if mask == (1 << len(items)) - 1 else tuple([t for i, t in enumerate(items) if mask >> i & 1])
+        handle = AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep,
+                                kind == 'torch' and keep, current, comm)
+        if self.hybrid:     # (a rail timeout skips the signal that the wait kernel's return would stand for)
+            handle.mark()
+        return (*outputs, handle)
+
+    def _gather_key(self, items, single: bool):
+        """`all_gather`'s `(key, pointers)` for anything but a list of torch tensors (CuPy arrays, mixed or unknown
+        inputs), or before `interop.meta` saw a torch tensor: then the torch key, so that the first call's entry is
+        found again."""
+        plan = self.plan
+        metas = [interop.meta(t) for t in items]
+        tensor_type = interop.TORCH_TENSOR[0]
+        try:
+            ptrs = list(map(tensor_type.data_ptr, items))
+            return (single, tuple(map(_SHAPE_DTYPE, items)), tuple(map(tensor_type.stride, items)),
+                    tuple(map(tensor_type.get_device, items)), plan.used_bytes, plan.num_gathers), ptrs
+        except (TypeError, AttributeError):
+            return (single, tuple([m[0] for m in metas]), plan.used_bytes, plan.num_gathers), [m[1] for m in metas]
+
+    @staticmethod
+    def _copy_mask(ptrs, per, free_start: int, free_end: int) -> int:
+        """The in-place mask of an all-gather call whose sources come near its free area (bit i clear: source i is its
+        own in-place slot, neither copied, kept nor marked); a source inside the not yet gathered part of the session
+        area must be its own in-place slot."""
+        mask = 0
         for i, (ptr, f) in enumerate(zip(ptrs, per)):
             nbytes = f[1]
-            bits |= ptr
             if ptr != f[0] or not nbytes:
                 mask |= 1 << i
                 if nbytes and ptr < free_end and ptr + nbytes > free_start:
                     raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later '
                                      f'gather writes; pass the views of agrs_get_inplace_tensor in order, or another '
                                      f'tensor')
-        plan.used_bytes, plan.num_gathers = end, num_gathers         # `plan.reserve` of these regions
-        self.gather_epoch = epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
-        current = interop.current_stream(items[0])
-        comm = buf.stream_order.begin(current)
-        if self.hybrid:
-            g = self._single_gather_launch()
-            g.u32[self._gather_launch_idx[5]], g.u32[self._gather_launch_idx[6]] = epoch, meta
-            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions,
-                                [not mask >> i & 1 for i in range(len(per))], meta)
-        else:
-            self._gather_batches(comm, batches, per, ptrs, mask, bits & 15, epoch, meta)
-        keep = items if mask == (1 << len(items)) - 1 else tuple([t for i, t in enumerate(items) if mask >> i & 1])
-        deferred = None
-        if kind == 'torch' and keep:
-            deferred = DeferredRecord(keep, current, comm)
-            if self.hybrid:     # (a rail timeout skips the signal that the wait kernel's return would stand for)
-                deferred.mark()
-        return (*outputs, AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep, deferred))
+        return mask
 
     # ---- reductions ----------------------------------------------------------------------------------------------
     def _reduce_area(self, layout) -> int:

@@ -22,38 +22,40 @@ class GatherLaunches:
                                                                  'write_local', 'do_signal', 'epoch', 'meta'))
         return g
 
+    def _bind_batch_launch(self):
+        """agrs_gather_batch_kernel's bound launch (packed by name once; calls patch the sources, sizes, offsets,
+        count, mask, signal, epoch and meta by position, checked here)."""
+        buf = self._buf
+        table = {f'{f}{i}': 0 for i in range(GATHER_BATCH) for f in ('src', 'num_bytes', 'region_offset')}
+        b = self.kernels['gather_batch'].bind(
+            1, THREADS, **table, num_tensors=0, write_local_mask=0, peer_bases=buf.sym.peer_bases_ptr,
+            rank=buf.sym.local_idx, do_signal=0, epoch=0, meta=0)
+        start = b.index('num_bytes0') * 8
+        # The packed runs `gather_entry` makes: the sources, the sizes, the offsets, the count and the mask,
+        # contiguous from the start of the block; the signal flag, epoch and meta, contiguous too.
+        assert b.index('src0') == 0 and start == 8 * GATHER_BATCH, 'agrs_gather_batch_kernel: the sources come first'
+        assert b.index('region_offset0') * 8 == start + 8 * GATHER_BATCH and \
+            b.index('num_tensors') * 4 == start + 16 * GATHER_BATCH and \
+            b.index('write_local_mask') == b.index('num_tensors') + 1, 'agrs_gather_batch_kernel argument layout'
+        tail = b.index('do_signal')
+        assert b.index('epoch') == tail + 1 and b.index('meta') == tail + 2, 'agrs_gather_batch_kernel argument layout'
+        src_pack = [struct.Struct(f'={n}Q') for n in range(GATHER_BATCH + 1)]     # the first n sources
+        self._batch_idx = (src_pack, slice(start, start + BATCH_PACK.size), b.index('write_local_mask'), tail,
+                           tail + 1, tail + 2)
+        self._batch_tail = 4 * tail         # (byte offset of do_signal)
+        self._batch_bytes = memoryview(b.data).cast('B')
+        self._batch_launch = b
+        return b
+
     def _gather_batches(self, comm, batches, per, ptrs, mask: int, misaligned: int, epoch: int, meta: int) -> None:
-        """The launches of one all-gather call (single domain): agrs_gather_batch_kernel per GATHER_BATCH tensors
-        (`batches`: `gather_entry`'s (first tensor, end, packed sizes / offsets / count, grid) each), the last one
-        signalling. Per call only the sources, the in-place mask, the epoch and meta are patched."""
-        b = self._batch_launch
-        if b is None:
-            buf = self._buf
-            table = {f'{f}{i}': 0 for i in range(GATHER_BATCH) for f in ('src', 'num_bytes', 'region_offset')}
-            b = self.kernels['gather_batch'].bind(
-                1, THREADS, **table, num_tensors=0, write_local_mask=0, peer_bases=buf.sym.peer_bases_ptr,
-                rank=buf.sym.local_idx, do_signal=0, epoch=0, meta=0)
-            start = b.index('num_bytes0') * 8
-            # The packed run `gather_entry` makes: the sizes, the offsets, then the count, contiguous in the block.
-            assert b.index('region_offset0') * 8 == start + 8 * GATHER_BATCH and \
-                b.index('num_tensors') * 4 == start + 16 * GATHER_BATCH, 'agrs_gather_batch_kernel argument layout'
-            assert b.index('src0') == 0, 'agrs_gather_batch_kernel: the sources come first'
-            src_pack = [struct.Struct(f'={n}Q') for n in range(GATHER_BATCH + 1)]     # the first n sources
-            self._batch_idx = (src_pack, slice(start, start + BATCH_PACK.size), b.index('write_local_mask'),
-                               b.index('do_signal'), b.index('epoch'), b.index('meta'))
-            self._batch_bytes = memoryview(b.data).cast('B')
-            self._batch_launch = b
+        """The launches of one all-gather call of more than GATHER_BATCH tensors (single domain; fewer take
+        `AGRS.all_gather`'s one-launch path): agrs_gather_batch_kernel per GATHER_BATCH tensors (`batches`:
+        `gather_entry`'s (first tensor, end, packed sizes / offsets / count, grid) each), the last one signalling. Per
+        call only the sources, the in-place mask, the epoch and meta are patched."""
+        b = self._batch_launch or self._bind_batch_launch()
         src_pack, packed, i_mask, i_signal, i_epoch, i_meta = self._batch_idx
         u32, data = b.u32, b.data
         u32[i_epoch], u32[i_meta] = epoch, meta
-        if len(batches) == 1:       # (every call of up to GATHER_BATCH tensors)
-            _, n, pack, grid = batches[0]
-            src_pack[n].pack_into(data, 0, *ptrs)
-            self._batch_bytes[packed] = pack
-            u32[i_mask], b.i32[i_signal] = mask, 1
-            b.grid = grid if not misaligned else self._misaligned_grid(per, ptrs, 0, n)
-            b(comm)
-            return
         last = len(batches) - 1
         for j, (lo, hi, pack, grid) in enumerate(batches):
             src_pack[hi - lo].pack_into(data, 0, *ptrs[lo:hi])

@@ -1,25 +1,33 @@
 """The wait handle `all_gather` returns (features/agrs/feature.py)."""
 
-from typing import Any, Optional, Tuple
+import struct
+from typing import Any, Tuple
 
 from ...runtime import interop
-from ...runtime.streams import DeferredRecord
+
+# agrs_wait_kernel's epoch and meta: adjacent uint32 parameters (checked when the launch is bound).
+_EPOCH_META = struct.Struct('=II')
 
 
 class AGRSWaitHandle:
     """Returned by `all_gather`: call it (on the stream that will read the outputs) before using the outputs. It
     launches one small kernel that waits, bounded, until every rank's bytes of that call have arrived.
 
-    The handle keeps the call's sources alive until it is called. `deferred`: the torch sources the gather kernels
-    read on the communication stream (`runtime/streams.py` `DeferredRecord`): the wait kernel returns only after
-    this rank's own gather signalled, i.e. after the gather kernels finished reading the sources, so called on the
-    stream of the call the handle orders their last use there and no `record_stream` is needed; called on another
-    stream, or dropped uncalled, it marks them as used on the communication stream."""
+    The handle keeps the call's sources alive until it is called. With `record`, the torch sources the gather kernels
+    read on the communication stream `comm` are tracked as a `runtime/streams.py` `DeferredRecord` would (inline here:
+    one object per call): the wait kernel returns only after this rank's own gather signalled, i.e. after the gather
+    kernels finished reading the sources, so called on the call's stream `current` the handle orders their last use
+    there and no `record_stream` is needed; called on another stream, or dropped uncalled, it marks them as used on
+    the communication stream."""
+
+    __slots__ = ('_feature', '_session_idx', '_epoch', '_meta', '_like', '_keep_alive', '_record', '_current', '_comm')
 
     def __init__(self, feature: Any, session_idx: int, epoch: int, meta: int, like: Any,
-                 keep_alive: Tuple[Any, ...], deferred: Optional[DeferredRecord] = None):
+                 keep_alive: Tuple[Any, ...], record: bool = False, current: Any = None, comm: Any = None):
         self._feature, self._session_idx, self._epoch, self._meta = feature, session_idx, epoch, meta
-        self._like, self._keep_alive, self._deferred = like, keep_alive, deferred
+        self._like, self._keep_alive = like, keep_alive
+        self._record = keep_alive if record else ()
+        self._current, self._comm = current, comm
 
     def __call__(self) -> None:
         st = self._feature
@@ -30,15 +38,39 @@ class AGRSWaitHandle:
         if buf._destroyed or buf._failed is not None or buf.error_record[0]:
             st._check_usable()
         stream = interop.current_stream(self._like)
-        if self._deferred is not None:
-            self._deferred.waited_on(stream)
-        w = st._wait_launch
-        if w is None:       # bound by name once; per call the epoch and meta change
-            w = st._wait_launch = st.kernels['wait'].bind(
-                1, 32, peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx, epoch=0, meta=0,
-                error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
-            st._wait_idx = (w.index('epoch'), w.index('meta'))
-        w.u32[st._wait_idx[0]], w.u32[st._wait_idx[1]] = self._epoch, self._meta
+        if self._record:
+            current = self._current
+            if stream is not current and stream.ptr != current.ptr:
+                self.mark()
+            self._record = ()
+        w = st._wait_launch or self._bind(st)
+        _EPOCH_META.pack_into(w.data, st._wait_idx, self._epoch, self._meta)
         w(stream)
-        self._deferred = None
         self._keep_alive = ()
+
+    @staticmethod
+    def _bind(st):
+        """The wait kernel's bound launch (by name, once per feature; per call the epoch and meta change)."""
+        buf = st._buf
+        w = st._wait_launch = st.kernels['wait'].bind(
+            1, 32, peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx, epoch=0, meta=0,
+            error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
+        i = w.index('epoch')
+        assert w.index('meta') == i + 1, 'agrs_wait_kernel: epoch and meta adjacent'
+        st._wait_idx = 4 * i        # (byte offset of epoch)
+        return w
+
+    def mark(self) -> None:
+        """Mark the tracked sources as used on the communication stream (once)."""
+        tensors, self._record = self._record, ()
+        if tensors:
+            s = interop.torch_stream(self._comm.ptr)
+            for t in tensors:
+                t.record_stream(s)
+
+    def __del__(self):
+        if self._record:
+            try:
+                self.mark()
+            except Exception:       # interpreter shutdown: nothing left to protect
+                pass
