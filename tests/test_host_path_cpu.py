@@ -271,3 +271,74 @@ def test_no_sync_dispatch_launches_back_to_back():
     assert set(rows) == {'dispatch no-sync', 'dispatch fp8 no-sync', 'V1 dispatch num_worst_tokens'}
     for case, r in rows.items():
         assert r['launch'] == 2 and 0 < r['gap'] <= 100, (case, r)
+
+
+_REDUCE_SCRIPT = r'''
+import torch
+import host_path_cpu as h
+h.install()
+buf = h.make_buffer(1, 0, 64 << 20)
+ag = buf._agrs_feature()
+ag.set_config(8 << 20, 32)
+x = torch.zeros(1 << 20)
+ev = buf.reduce_scatter(x)
+out = ev.wait()
+assert out.shape == (1 << 20,) and ev.wait() is None        # the result once, as the hook it replaces
+ev.register_hook_after_wait(lambda: 'hook')                 # (a hook may follow the result, none precede it)
+assert ev.wait() == 'hook'
+ev = buf.reduce_scatter(x)
+try:
+    ev.register_hook_after_wait(lambda: None)
+    raise AssertionError('no ValueError')
+except ValueError as e:
+    assert 'already registered' in str(e), e
+assert ev.current_stream_wait(release_handle=True) is not None and ev.event is None and ev.extra_tensors is None
+assert len(ag._reduce_checked) == 1                         # one signature, checked once
+((*_, bound, _, _, _, _, rest),) = ag._reduce_checked.values()
+area = bound.values()['recv_offset']
+assert area == ag.area_offset + (8 << 20) and rest[2] == area
+# A hit still checks the address (same signature, off 16 bytes) and the scale, before any launch.
+big = torch.zeros((1 << 20) + 4)
+launches = h.API['launch']
+for bad, kwargs, match in ((big[1:(1 << 20) + 1], {}, '16-byte'), (x, dict(scale=float('nan')), 'scale')):
+    try:
+        buf.reduce_scatter(bad, **kwargs)
+        raise AssertionError('no error')
+    except ValueError as e:
+        assert match in str(e), e
+assert h.API['launch'] == launches
+# The tensors used on the communication stream are marked there only when the wait cannot order them: waited on the
+# call's stream, nothing; on another stream, or dropped unwaited, x and out (all_reduce: x) once.
+marked = h.API['record_stream']
+buf.reduce_scatter(x).wait()
+buf.all_reduce(x).wait()
+assert h.API['record_stream'] == marked
+ev = buf.reduce_scatter(x)
+same = h.interop.current_stream
+h.interop.current_stream = lambda like=None: h.CountingStream('other')
+ev.wait()
+h.interop.current_stream = same
+assert h.API['record_stream'] == marked + 2
+buf.reduce_scatter(x)
+buf.all_reduce(x)
+assert h.API['record_stream'] == marked + 5
+# A new session size moves the reduction area: the checked signatures and their launches go with the old one.
+ag.set_config(16 << 20, 32)
+assert not ag._reduce_checked
+buf.reduce_scatter(x).wait()
+((*_, bound, _, _, _, _, rest),) = ag._reduce_checked.values()
+assert bound.values()['recv_offset'] == ag.area_offset + (16 << 20)
+print('OK')
+'''
+
+
+def test_reductions_reuse_checked_signatures_and_track_their_tensors():
+    """reduce_scatter / all_reduce with real (CPU) torch tensors (the feature's own CPU tests use fake arrays, which
+    have no signature): a signature is checked once, its address and the scale per call; the returned event gives the
+    result once and orders the tensors it used without `record_stream` when waited on the call's stream; a new session
+    size drops the checked signatures (their reduction area moved)."""
+    pytest.importorskip('torch')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / 'perf'), str(ROOT / 'tests')]))
+    proc = subprocess.run([sys.executable, '-c', _REDUCE_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and 'OK' in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

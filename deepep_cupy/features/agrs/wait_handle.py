@@ -1,15 +1,47 @@
-"""The wait handle `all_gather` returns (features/agrs/feature.py)."""
+"""What the collectives return (features/agrs/feature.py): the wait handle of `all_gather`, the `EventOverlap` of
+`reduce_scatter` / `all_reduce`. Both track the torch tensors a call used on the communication stream as
+`runtime/streams.py` `DeferredRecord` does (inline: one object per call instead of three)."""
 
 import struct
 from typing import Any, Tuple
 
 from ...runtime import interop
+from ...runtime.event import EventOverlap
 
 # agrs_wait_kernel's epoch and meta: adjacent uint32 parameters (checked when the launch is bound).
 _EPOCH_META = struct.Struct('=II')
 
 
-class AGRSWaitHandle:
+class _Deferred:
+    """`DeferredRecord`'s protocol on the object a call returns (its `_record`: torch tensors used on `_comm`, not yet
+    ordered; `_current`: the call's stream): waited on `_current`, nothing to do; on another stream, or dropped
+    unwaited, `record_stream` on the communication stream then."""
+
+    __slots__ = ()
+
+    def _waited_on(self, stream) -> None:
+        current = self._current
+        if stream is not current and stream.ptr != current.ptr:
+            self.mark()
+        self._record = ()
+
+    def mark(self) -> None:
+        """Mark the tracked tensors as used on the communication stream (once)."""
+        tensors, self._record = self._record, ()
+        if tensors:
+            s = interop.torch_stream(self._comm.ptr)
+            for t in tensors:
+                t.record_stream(s)
+
+    def __del__(self):
+        if self._record:
+            try:
+                self.mark()
+            except Exception:       # interpreter shutdown: nothing left to protect
+                pass
+
+
+class AGRSWaitHandle(_Deferred):
     """Returned by `all_gather`: call it (on the stream that will read the outputs) before using the outputs. It
     launches one small kernel that waits, bounded, until every rank's bytes of that call have arrived.
 
@@ -39,10 +71,7 @@ class AGRSWaitHandle:
             st._check_usable()
         stream = interop.current_stream(self._like)
         if self._record:
-            current = self._current
-            if stream is not current and stream.ptr != current.ptr:
-                self.mark()
-            self._record = ()
+            self._waited_on(stream)
         w = st._wait_launch or self._bind(st)
         _EPOCH_META.pack_into(w.data, st._wait_idx, self._epoch, self._meta)
         w(stream)
@@ -60,17 +89,46 @@ class AGRSWaitHandle:
         st._wait_idx = 4 * i        # (byte offset of epoch)
         return w
 
-    def mark(self) -> None:
-        """Mark the tracked sources as used on the communication stream (once)."""
-        tensors, self._record = self._record, ()
-        if tensors:
-            s = interop.torch_stream(self._comm.ptr)
-            for t in tensors:
-                t.record_stream(s)
 
-    def __del__(self):
-        if self._record:
-            try:
+class ReductionOverlap(_Deferred, EventOverlap):
+    """The `EventOverlap` of a `reduce_scatter` / `all_reduce`: waiting on it returns the result (the first time, as
+    a hook registered with `register_hook_after_wait` would, which is why another hook cannot be registered before).
+    `record`: the torch tensors the call used on the communication stream `comm`, ordered by a wait on `current`.
+
+    Args:
+        event: the `EventHandle` recorded on the communication stream after the call's kernels.
+        keep: arrays kept alive until the wait; result: what the wait returns.
+    """
+
+    hook_after_wait = None              # (`EventOverlap`'s per-instance defaults, here per class: set when used)
+    _release_handle_by_call = False
+
+    def __init__(self, event, keep: Tuple[Any, ...], result: Any, record: Tuple[Any, ...], current, comm):
+        self.event, self.extra_tensors, self._result = event, keep, result
+        self._record, self._current, self._comm = record, current, comm
+
+    def register_hook_after_wait(self, hook_after_wait) -> None:
+        if self._result is not None:
+            raise ValueError('register_hook_after_wait: a hook is already registered on this event')
+        super().register_hook_after_wait(hook_after_wait)
+
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
+        event = self.event
+        if event is None:
+            raise ValueError('current_stream_wait: this EventOverlap holds no event (it was released or is empty)')
+        stream = interop.current_stream()
+        if self._record:            # (`_waited_on` inline)
+            current = self._current
+            if stream is not current and stream.ptr != current.ptr:
                 self.mark()
-            except Exception:       # interpreter shutdown: nothing left to protect
-                pass
+            self._record = ()
+        event.stream_wait(stream)
+        result = self._result
+        if result is None:          # (waited before: a hook registered since then runs)
+            return self._after_wait(release_handle)
+        self._result = None
+        if release_handle:
+            self.event = self.extra_tensors = None
+        return result
+
+    wait = current_stream_wait      # (`EventOverlap.wait` without its extra frame: the result, None after the first)
