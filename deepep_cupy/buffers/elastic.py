@@ -276,14 +276,14 @@ class ElasticBuffer(BufferBase):
     @_doc(PP.send)
     def pp_send(self, x, dst_rank_idx: int, num_sms: int = 0, previous_event=None,
                 async_with_compute_stream: bool = False):
-        return (self._pp or self._pp_feature()).send(x, dst_rank_idx, num_sms, previous_event,
-                                                     async_with_compute_stream)
+        return (self._pp or self._pp_feature())._transfer(True, x, dst_rank_idx, num_sms, previous_event,
+                                                          async_with_compute_stream)     # (`PP.send`'s body)
 
     @_doc(PP.recv)
     def pp_recv(self, x, src_rank_idx: int, num_sms: int = 0, previous_event=None,
                 async_with_compute_stream: bool = False):
-        return (self._pp or self._pp_feature()).recv(x, src_rank_idx, num_sms, previous_event,
-                                                     async_with_compute_stream)
+        return (self._pp or self._pp_feature())._transfer(False, x, src_rank_idx, num_sms, previous_event,
+                                                          async_with_compute_stream)     # (`PP.recv`'s body)
 
     # ---- all-gather sessions, reduce-scatter, all-reduce -------------------------------------------------------
     @staticmethod

@@ -16,7 +16,7 @@ protocol, or NCCL point-to-point on a 2-rank communicator per directed pair, wit
 communication stream and the transfers on side streams (kernels_cu/pp.cu). Same API, FIFO and slot semantics.
 """
 
-import dataclasses
+import struct
 import time
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -57,6 +57,8 @@ from .plan import (
     unmatched_messages,
 )
 
+_X_BYTES = struct.Struct('=QQ')     # the send / receive kernels' x and num_bytes (their first parameters)
+
 
 class PPCall(NamedTuple):
     """A checked `pp_send` / `pp_recv`: the tensor, the peer and both sides' neighbour indices of the pair, the grid,
@@ -95,7 +97,7 @@ class PP:
         self.num_recv: Dict[int, int] = {}
         self.error_ptr = buf.host_mapped.ptr + ERROR_RECORD_OFFSET
         self.error = buf.host_mapped.view('int32', ERROR_WORDS, ERROR_RECORD_OFFSET)
-        self._bound: Dict[Any, Any] = {}     # (send?, peer) -> bound launch, its patched words, its layout
+        self._bound: Dict[Any, Any] = {}     # call signature -> its checked entry with its bound launch (`_entry`)
         self.hybrid: Optional[HybridPeers] = None     # several domains: links, peer table (links.py)
         self._send_cursor: Dict[int, int] = {}       # NCCL neighbours: the host's mirror of the device send cursor
 
@@ -261,55 +263,65 @@ class PP:
         grid = max(1, min(num_sms, ceil_div(num_bytes // 16, THREADS * UNROLL)))
         return PPCall(info, peer, my_slot_for_peer, peer_slot_for_me, grid, layout, event)
 
-    def _planned(self, is_send: bool, x, peer: int, num_sms: int, previous_event):
-        """`(plan, x's address)`: `plan` once per call signature (x's kind, shape, strides, dtype and device, the peer,
-        num_sms and the layout); a repeated call re-checks only what is per call (usability, x's alignment,
-        previous_event)."""
-        sig, ptr = interop.meta(x)
-        key = (is_send, sig, peer, type(peer), num_sms, type(num_sms))
-        calls = self.__dict__.setdefault('_planned_calls', {})
-        c = calls.get(key)
-        if c is None or c.layout is not self.layout:
-            c = self.plan(is_send, x, peer, num_sms, previous_event)
-            if type(sig) is not object:
-                if len(calls) >= 64:
-                    calls.clear()
-                calls[key] = c._replace(info=dataclasses.replace(c.info, ptr=0, obj=None), event=None)   # x not kept
-            return c, c.info.ptr
-        self.check_usable()
-        if ptr % 16 and c.info.nbytes:
-            raise ValueError(f'x must start at a 16-byte aligned address, got {ptr:#x} (a view at an offset?)')
-        return c._replace(event=as_event_handle(previous_event)), ptr
-
     def _transfer(self, is_send: bool, x, peer: int, num_sms: int, previous_event,
                   async_with_compute_stream: bool) -> EventOverlap:
-        c, ptr = self._planned(is_send, x, peer, num_sms, previous_event)
-        buf, lay, info = self._buf, c.layout, c.info
+        buf = self._buf
+        if buf._destroyed or buf._failed is not None or buf.error_record[0] or self.error[0]:
+            self.check_usable()         # (its conditions read here first)
+        # Per call signature (x's kind, shape, strides, dtype and device, the peer, num_sms; `interop.meta`, inlined
+        # for a plain torch tensor) `plan` runs once and the launch is bound (`_entry`); a repeated call re-checks only
+        # what is per call (usability, x's alignment, previous_event) and patches x's address.
+        if type(x) is interop.TORCH_TENSOR[0]:
+            key = (is_send, x.shape, x.stride(), x.dtype, x.get_device(), peer, type(peer), num_sms, type(num_sms))
+            ptr = x.data_ptr()
+        else:
+            sig, ptr = interop.meta(x)       # (a torch signature spliced in: the key above, once meta saw torch)
+            key = (is_send, *sig, peer, type(peer), num_sms, type(num_sms)) if type(sig) is tuple else \
+                (is_send, sig, peer, type(peer), num_sms, type(num_sms))
+        e = self._bound.get(key)
+        if e is None or e[0] is not self.layout:
+            e, ptr = self._entry(key, is_send, x, peer, num_sms, previous_event)
+        lay, b, num_bytes, grid, kind, peer, nb = e
+        if ptr % 16 and num_bytes:
+            raise ValueError(f'x must start at a 16-byte aligned address, got {ptr:#x} (a view at an offset?)')
+        event = None if previous_event is None else as_event_handle(previous_event)
         order = buf.stream_order
         current = interop.current_stream(x)
-        comm = order.enter(current, c.event, local=not async_with_compute_stream)
-        key = (is_send, c.peer)
-        bound = self._bound.get(key)
-        if bound is None or bound[3] is not lay:    # bound by name once per (direction, peer) and layout; per call
-            # x, its size and the grid change
-            b = self._bind(is_send, c, lay)
-            bound = self._bound[key] = (b, b.index('x'), b.index('num_bytes'), lay)
-        b, i_x, i_bytes, _ = bound
-        nb = self.hybrid.neighbours[c.peer] if self.hybrid is not None else None
-        over_nccl = nb is not None and nb.kind == LINK_NCCL
-        if over_nccl and not is_send:
-            # The receive goes into slot [k_s][0] once the previous message of the pair was copied out of it.
-            self._post_nccl_recv(nb, lay, comm.record())
-        if over_nccl:
+        comm = order.enter(current, event, local=not async_with_compute_stream)
+        if nb is None:          # (NVLink or a loopback mapping)
+            _X_BYTES.pack_into(b.data, 0, ptr, num_bytes)
+            b.grid = grid
+            b(comm)
+        else:                   # (an NCCL neighbour)
+            if not is_send:
+                # The receive goes into slot [k_s][0] once the previous message of the pair was copied out of it.
+                self._post_nccl_recv(nb, lay, comm.record())
             self._wait(comm, nb, is_send, lay)
-        b.u64[i_x], b.u64[i_bytes] = ptr, info.nbytes
-        b.grid = (c.grid, 1, 1)
-        b(comm)
-        if over_nccl and is_send:
-            self._post_nccl_send(nb, lay, comm.record())
+            _X_BYTES.pack_into(b.data, 0, ptr, num_bytes)
+            b.grid = grid
+            b(comm)
+            if is_send:
+                self._post_nccl_send(nb, lay, comm.record())
         counts = self.num_sent if is_send else self.num_recv
-        counts[c.peer] = counts.get(c.peer, 0) + 1
-        return order.leave(info.kind, current, comm, async_with_compute_stream, (x,))
+        counts[peer] = counts.get(peer, 0) + 1
+        return order.leave(kind, current, comm, async_with_compute_stream, (x,))
+
+    def _entry(self, key, is_send: bool, x, peer: int, num_sms: int, previous_event):
+        """`(entry, x's address)`: `plan` of the call, and what its signature fixes: `(layout, the bound send or
+        receive launch, x's bytes, grid, x's kind, the peer, its NCCL `Neighbour` or None)`, remembered by `key`
+        unless x is of an unknown type (nothing of x is kept)."""
+        c = self.plan(is_send, x, peer, num_sms, previous_event)
+        lay = c.layout
+        b = self._bind(is_send, c, lay)
+        assert (b.index('x'), b.index('num_bytes')) == (0, 1), 'pp kernels: x and num_bytes come first'   # `_X_BYTES`
+        nb = self.hybrid.neighbours[c.peer] if self.hybrid is not None else None
+        e = (lay, b, c.info.nbytes, (c.grid, 1, 1), c.info.kind, c.peer,
+             nb if nb is not None and nb.kind == LINK_NCCL else None)
+        if type(key[1]) is not object:
+            if len(self._bound) >= 64:
+                self._bound.clear()
+            self._bound[key] = e
+        return e, c.info.ptr
 
     def _bind(self, is_send: bool, c: PPCall, lay: PPLayout):
         """The bound send or receive kernel of one neighbour: over NVLink or a loopback mapping, the protocol of
