@@ -101,7 +101,8 @@ def _field(kernel, name, fmt):
 
     def read(args):
         address = ctypes.c_uint64.from_address(args + 8 * i).value
-        return struct.unpack(fmt, ctypes.string_at(address, size))[0]
+        # (C calls only: `ctypes.string_at` is a Python function, which `traced` would count as deepep_cupy's work)
+        return struct.unpack(fmt, (ctypes.c_char * size).from_address(address).raw)[0]
     return read
 
 

@@ -43,15 +43,20 @@ class _Fetch:
     scale factors' layout, layered), valid while the tables (layout, scale factors, device arrays) stay. The launch
     is bound by the first call that passes the index range check (`bind`)."""
 
-    __slots__ = ('tables', 'kind', 'stream', 'num_layers', 'num_tokens', 'n', 'rows', 'numel', 'bind', 'launch',
-                 'i_indices', 'i_sf_out')
+    __slots__ = ('layout', 'sf', 'device', 'kind', 'stream', 'num_layers', 'num_tokens', 'n', 'rows',
+                 'numel', 'bind', 'launch', 'i_indices', 'i_sf_out', 'outputs', 'no_sf', 'num_global_entries',
+                 'col_major', 'layered')
 
     def __init__(self, tables: tuple, kind: str, stream, num_layers: int, num_tokens: int, n: int, rows: int,
                  numel: int, bind):
-        self.tables = tables        # (layout, sf, device arrays) it was bound for, compared by identity
+        self.layout, self.sf, self.device = tables      # what it was bound for, compared by identity
         self.kind, self.stream = kind, stream
         self.num_layers, self.num_tokens, self.n, self.rows, self.numel = num_layers, num_tokens, n, rows, numel
         self.bind, self.launch, self.i_indices, self.i_sf_out = bind, None, 0, 0
+        self.outputs = None         # the layers' output views (`Engram._output`), made by the first call
+        self.no_sf = [None] * num_layers
+        self.num_global_entries = tables[0].num_global_entries
+        self.col_major = self.layered = False      # (the call's flags, set by `Engram._plan_fetch`)
 
 
 class EngramFetchHook:
@@ -62,6 +67,8 @@ class EngramFetchHook:
     `deferred`: the fetch's torch tensors used on the communication stream (`DeferredRecord`, shared by the layers'
     hooks): marked as used there only when a hook is called on another stream than the fetch's, or when every hook
     was dropped uncalled."""
+
+    __slots__ = ('_event', '_like', '_result', '_keep_alive', '_deferred')
 
     def __init__(self, event: Optional[EventHandle], like: Any, result: Any, keep_alive: Tuple,
                  deferred: Optional[DeferredRecord] = None):
@@ -75,6 +82,43 @@ class EngramFetchHook:
                 self._deferred.waited_on(stream)
             self._event.stream_wait(stream)
         return self._result
+
+
+class _SoleFetchHook(EngramFetchHook):
+    """The hook of a one-layer fetch: its torch tensors' deferred `record_stream` tracked here (`record`, the fetch's
+    stream `current` and the communication stream `comm`: `DeferredRecord`'s protocol, one object per fetch instead
+    of two)."""
+
+    __slots__ = ('_record', '_current', '_comm')
+
+    def __init__(self, event, like: Any, result: Any, keep_alive: Tuple, record: Tuple, current, comm):
+        self._event, self._like, self._result, self._keep_alive, self._deferred = event, like, result, keep_alive, None
+        self._record, self._current, self._comm = record, current, comm
+
+    def __call__(self):
+        if self._event is not None:
+            stream = interop.current_stream(self._like)
+            if self._record:
+                current = self._current
+                if stream is not current and stream.ptr != current.ptr:
+                    self._mark()
+                self._record = ()
+            self._event.stream_wait(stream)
+        return self._result
+
+    def _mark(self) -> None:
+        tensors, self._record = self._record, ()
+        if tensors:
+            s = interop.torch_stream(self._comm.ptr)
+            for t in tensors:
+                t.record_stream(s)
+
+    def __del__(self):
+        if self._record:
+            try:
+                self._mark()
+            except Exception:       # interpreter shutdown: nothing left to protect
+                pass
 
 
 class Engram:
@@ -332,13 +376,17 @@ class Engram:
     def _index_range(self, indices, ptr: int, numel: int, stream):
         """Start reading (min, max) of `indices` (at `ptr`, `numel` values) back to the host (`HostRange`: one small
         kernel on `stream`, no stream synchronisation); returns a function that waits for them."""
+        host_range = self._host_range or self._start_range()
+        return host_range.start(self._range_kernel, ptr, numel, stream, self._buf.num_cpu_timeout_secs,
+                                self._range_what)
+
+    def _start_range(self) -> HostRange:
+        """The index range check's `HostRange` and kernel (made by the first checked fetch)."""
         buf = self._buf
-        if self._host_range is None:
-            self._host_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
-            self._range_kernel = self._kernels()[RANGE_SPEC.name]
-            self._range_what = f'engram fetch on rank {buf.rank_idx} (indices)'
-        return self._host_range.start(self._range_kernel, ptr, numel, stream, buf.num_cpu_timeout_secs,
-                                      self._range_what)
+        self._host_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
+        self._range_kernel = self._kernels()[RANGE_SPEC.name]
+        self._range_what = f'engram fetch on rank {buf.rank_idx} (indices)'
+        return self._host_range
 
     def _plan_fetch(self, indices, num_qps: int, col_major: bool, layered: bool, tables: tuple) -> _Fetch:
         """The checks of a fetch that depend on its signature only, and its launch bound by name."""
@@ -370,8 +418,10 @@ class Engram:
                              int(dev['table_bases'].data.ptr), buf.sym.base + layout.out_offset, self.sf, self.num_sf,
                              None, sf_strides))
             c.i_indices, c.i_sf_out = c.launch.index('indices'), c.launch.index('sf_out')
-        return _Fetch(tables, ii.kind, interop.stream_getter(ii.kind, ii.device), num_layers, num_tokens, n, rows,
-                      ii.numel, bind)
+        c = _Fetch(tables, ii.kind, interop.stream_getter(ii.kind, ii.device), num_layers, num_tokens, n, rows,
+                   ii.numel, bind)
+        c.col_major, c.layered = col_major, layered
+        return c
 
     def fetch(self, indices, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False,
               check_indices: bool = True, layered: bool = False) -> List[EngramFetchHook]:
@@ -401,28 +451,39 @@ class Engram:
         buf = self._buf
         if buf._destroyed or buf._failed is not None or buf.error_record[0]:
             buf.check_usable()          # (its three conditions read here first: the call costs ~1 us)
-        layout = self.layout
-        if layout is None or not self.written:
-            raise RuntimeError('engram fetch: write the tables first (no table was written on this buffer)')
-        sig, iptr = interop.meta(indices)
-        col_major = bool(use_tma_aligned_col_major_sf)
-        c = self._fetch_calls.get((sig, num_qps, type(num_qps), col_major, bool(layered)))
-        sf_table, device_arrays = self.sf, self._device
-        if c is None or c.tables[0] is not layout or c.tables[1] is not sf_table or c.tables[2] is not device_arrays:
-            c = self._plan_fetch(indices, num_qps, col_major, layered, (layout, sf_table, device_arrays))
-            if type(sig) is not object:
+        # (the flags enter the key as given: values that compare equal have equal truth values)
+        if type(indices) is interop.TORCH_TENSOR[0]:      # (`interop.meta` inline; its signature spliced in below)
+            key = (indices.shape, indices.stride(), indices.dtype, indices.get_device(), num_qps, type(num_qps),
+                   use_tma_aligned_col_major_sf, layered)
+            iptr = indices.data_ptr()
+        else:
+            sig, iptr = interop.meta(indices)
+            key = (*sig, num_qps, type(num_qps), use_tma_aligned_col_major_sf, layered) if type(sig) is tuple else \
+                (sig, num_qps, type(num_qps), use_tma_aligned_col_major_sf, layered)
+        c = self._fetch_calls.get(key)
+        layout, sf_table, device_arrays = self.layout, self.sf, self._device
+        if c is None or c.layout is not layout or c.sf is not sf_table or c.device is not device_arrays:
+            # (a written layout comes with new device arrays, so a remembered call is never one of unwritten tables)
+            if layout is None or not self.written:
+                raise RuntimeError('engram fetch: write the tables first (no table was written on this buffer)')
+            c = self._plan_fetch(indices, num_qps, bool(use_tma_aligned_col_major_sf), bool(layered),
+                                 (layout, sf_table, device_arrays))
+            if type(key[0]) is not object:
                 if len(self._fetch_calls) >= 64:
                     self._fetch_calls.clear()
-                self._fetch_calls[(sig, num_qps, type(num_qps), col_major, bool(layered))] = c
-        kind, num_layers, rows = c.kind, c.num_layers, c.rows
+                self._fetch_calls[key] = c
+        kind, rows = c.kind, c.rows
         current = c.stream()
         # The range check needs the GPU: start it first, do the host work that launches nothing meanwhile (the
         # outputs, the communication stream's wait for this stream, the indices' address); raise before the launch.
         wait_range = self._index_range(indices, iptr, c.numel, current) if check_indices and rows else None
-        datas = self._output(kind, num_layers, c.num_tokens, c.n * layout.hidden)
-        sf_outs, sf_out = [None] * num_layers, None
-        if sf_table is not None:
-            sf_outs, sf_out, _ = self._sf_outputs(kind, num_layers, c.num_tokens, c.n, col_major)
+        datas = c.outputs
+        if datas is None:
+            datas = c.outputs = self._output(kind, c.num_layers, c.num_tokens, c.n * layout.hidden)
+        if sf_table is None:
+            sf_outs, sf_out = c.no_sf, None
+        else:
+            sf_outs, sf_out, _ = self._sf_outputs(kind, c.num_layers, c.num_tokens, c.n, c.col_major)
         b = c.launch        # (bound by the first call that passed the range check)
         if rows:
             comm = buf.stream_order.begin(current)
@@ -430,10 +491,10 @@ class Engram:
                 b.u64[c.i_indices] = iptr
         if wait_range is not None:
             lo, hi = wait_range()
-            if lo < 0 or hi >= layout.num_global_entries:
-                raise ValueError(f'indices must be in [0, {layout.num_global_entries}) (num_ranks x num_entries), '
+            if lo < 0 or hi >= c.num_global_entries:
+                raise ValueError(f'indices must be in [0, {c.num_global_entries}) (num_ranks x num_entries), '
                                  f'got min {lo}, max {hi}')
-        event, keep, deferred = None, (), None
+        event, keep, record = None, (), ()
         if rows:
             if b is None:
                 c.bind(c)
@@ -443,9 +504,13 @@ class Engram:
                 b.u64[c.i_sf_out] = sf_out.data_ptr() if kind == 'torch' else sf_out.data.ptr
             b(comm)
             if kind == 'torch':     # (`indices` and `sf_out` are allocated on `current`, used on `comm`)
-                deferred = DeferredRecord((indices,) if sf_out is None else (indices, sf_out), current, comm)
+                record = (indices,) if sf_out is None else (indices, sf_out)
             event, keep = EventHandle(comm), (indices, sf_table, device_arrays)
-        if not layered or sf_table is not None:
+        if len(datas) == 1:
+            result = datas[0] if c.layered and sf_table is None else (datas[0], sf_outs[0])
+            return [_SoleFetchHook(event, indices, result, keep, record, current, comm if rows else None)]
+        deferred = DeferredRecord(record, current, comm) if record else None
+        if not c.layered or sf_table is not None:
             return [EngramFetchHook(event, indices, (data, sf), keep, deferred) for data, sf in zip(datas, sf_outs)]
         return [EngramFetchHook(event, indices, data, keep, deferred) for data in datas]
 
