@@ -17,6 +17,7 @@ from ...runtime.event import EventHandle
 from ...runtime.host_range import HostRange
 from ...runtime.sizes import align
 from ...runtime.streams import DeferredRecord
+from .hooks import EngramFetchHook, SoleFetchHook
 from .plan import (
     HOST_RANGE_OFFSET,
     RANGE_SPEC,
@@ -57,68 +58,6 @@ class _Fetch:
         self.no_sf = [None] * num_layers
         self.num_global_entries = tables[0].num_global_entries
         self.col_major = self.layered = False      # (the call's flags, set by `Engram._plan_fetch`)
-
-
-class EngramFetchHook:
-    """What a fetch returns per layer: calling it makes the current stream wait for the fetch and returns the layer's
-    result (`(data, sf)` for DeepEP V2.0's `engram_fetch`; `data`, or `(data, sf)` with scale factors, for V2.5's
-    `EngramBuffer.fetch`). May be called more than once, in any order across layers.
-
-    `deferred`: the fetch's torch tensors used on the communication stream (`DeferredRecord`, shared by the layers'
-    hooks): marked as used there only when a hook is called on another stream than the fetch's, or when every hook
-    was dropped uncalled."""
-
-    __slots__ = ('_event', '_like', '_result', '_keep_alive', '_deferred')
-
-    def __init__(self, event: Optional[EventHandle], like: Any, result: Any, keep_alive: Tuple,
-                 deferred: Optional[DeferredRecord] = None):
-        self._event, self._like, self._result, self._keep_alive = event, like, result, keep_alive
-        self._deferred = deferred
-
-    def __call__(self):
-        if self._event is not None:
-            stream = interop.current_stream(self._like)
-            if self._deferred is not None:
-                self._deferred.waited_on(stream)
-            self._event.stream_wait(stream)
-        return self._result
-
-
-class _SoleFetchHook(EngramFetchHook):
-    """The hook of a one-layer fetch: its torch tensors' deferred `record_stream` tracked here (`record`, the fetch's
-    stream `current` and the communication stream `comm`: `DeferredRecord`'s protocol, one object per fetch instead
-    of two)."""
-
-    __slots__ = ('_record', '_current', '_comm')
-
-    def __init__(self, event, like: Any, result: Any, keep_alive: Tuple, record: Tuple, current, comm):
-        self._event, self._like, self._result, self._keep_alive, self._deferred = event, like, result, keep_alive, None
-        self._record, self._current, self._comm = record, current, comm
-
-    def __call__(self):
-        if self._event is not None:
-            stream = interop.current_stream(self._like)
-            if self._record:
-                current = self._current
-                if stream is not current and stream.ptr != current.ptr:
-                    self._mark()
-                self._record = ()
-            self._event.stream_wait(stream)
-        return self._result
-
-    def _mark(self) -> None:
-        tensors, self._record = self._record, ()
-        if tensors:
-            s = interop.torch_stream(self._comm.ptr)
-            for t in tensors:
-                t.record_stream(s)
-
-    def __del__(self):
-        if self._record:
-            try:
-                self._mark()
-            except Exception:       # interpreter shutdown: nothing left to protect
-                pass
 
 
 class Engram:
@@ -508,7 +447,7 @@ class Engram:
             event, keep = EventHandle(comm), (indices, sf_table, device_arrays)
         if len(datas) == 1:
             result = datas[0] if c.layered and sf_table is None else (datas[0], sf_outs[0])
-            return [_SoleFetchHook(event, indices, result, keep, record, current, comm if rows else None)]
+            return [SoleFetchHook(event, indices, result, keep, record, current, comm if rows else None)]
         deferred = DeferredRecord(record, current, comm) if record else None
         if not c.layered or sf_table is not None:
             return [EngramFetchHook(event, indices, (data, sf), keep, deferred) for data, sf in zip(datas, sf_outs)]
