@@ -26,7 +26,8 @@ LAUNCH_CODE = jit_launch.BoundLaunch.__call__.__code__
 ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc'}
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
-PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv', '_v1_matrices')} | \
+PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_run_cached', '_run_no_sync', '_views', '_size_recv',
+                                       '_v1_matrices')} | \
     {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
 
 
@@ -274,6 +275,6 @@ def test_one_patch_of_a_no_sync_dispatch_writes_what_the_block_patches_do(monkey
         ws, size = out[3].workspace_ptr, out[3].workspace.untyped_storage().nbytes()
         runs.append([(e.name, e.grid, {k: ('ws', v - ws) if type(v) is int and ws <= v < ws + size else v
                                        for k, v in e.args.items()}) for e in buf.launches])
-        b.call_patch = None         # the next call: block by block
+        b.call_patch, b.run = None, ep_bound.BoundDispatch.__call__     # the next call: block by block
     assert runs[0] == runs[1]
     assert any(v[0] == 'ws' for v in runs[0][-1][2].values() if type(v) is tuple)

@@ -52,6 +52,7 @@ from .kernels import (
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
 from .patch import allocate_x as _allocate_x
+from .patch import cached_patcher as _cached_patcher
 from .patch import call_patcher as _call_patcher
 from .patch import check_guard as _check_guard
 from .patch import cupy_views as _cupy_views
@@ -194,6 +195,20 @@ class BoundDispatch:
         if self.kind == 'torch':
             import torch
             self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.sf_dtype or 'int32'))
+        # `run`: what `EP.dispatch` calls (a plain function of this class, kept on the instance without a cycle): a lean
+        # path specialised at binding for the common cached / no-sync calls (`_run_cached`, `_run_no_sync`), else
+        # `__call__`. A lean path falls back to `__call__` while `_lean_blocked` (the data region not yet claimed, or a
+        # readiness guard left in a block) or when hybrid P2 sets a guard.
+        self._lean_blocked = self.claim
+        self._lean_sizes: Dict[Tuple[int, int], Tuple[_Outputs, Any]] = {}   # cached: (out, its output patcher)
+        self._lean_patchers: Dict[Tuple[bool, ...], Any] = {}
+        plain = self.v1_channels is None and self.send is None
+        if p.cached and plain and p.do_expand == p.handle.do_expand:
+            self.run = BoundDispatch._run_cached
+        elif self.call_patch is not None and plain:
+            self.run = BoundDispatch._run_no_sync
+        else:
+            self.run = BoundDispatch.__call__
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -383,6 +398,7 @@ class BoundDispatch:
         if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
             _patch_guard(r, self.recv_guard_idx, guard)
             self._recv_guarded = guard is not None
+        self._lean_blocked = self.claim or self._send_guarded or self._recv_guarded
         free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
         if out is not self._recv_sized or free != self._recv_free:     # these sizes' words and grid stay in the block
             self._size_recv(out, free)
@@ -396,16 +412,138 @@ class BoundDispatch:
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
                                    (carver, group, out.meta_shape, meta_at), ws, ws_ptr, user_topk, psum_expert)
         if self.async_:
-            sf = x_in[1] if self.fp8 else None
-            xa = x_in[0] if self.fp8 else x_in
-            event_out = ep._order.finish(self.kind, current, True,
-                                         (xa, sf, topk_idx, topk_weights, stats, recv_x, recv_sf, recv_topk_idx,
-                                          recv_topk_weights, ws, group, user_topk,
-                                          None if legacy is None else legacy.expert_counts))
+            event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
+                                          recv_topk_idx, recv_topk_weights, ws, group, user_topk,
+                                          None if legacy is None else legacy.expert_counts)
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
         out_x = (recv_x, recv_sf) if self.fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event_out
+
+    def _async_event(self, ep, current, x_in, *tensors):
+        """The `EventOverlap` of an asynchronous call, holding (and recorded on) x, its scales and `tensors`."""
+        sf = x_in[1] if self.fp8 else None
+        xa = x_in[0] if self.fp8 else x_in
+        return ep._order.finish(self.kind, current, True, (xa, sf) + tensors)
+
+    # ---- the lean paths (`run`) --------------------------------------------------------------------------------------
+    def _run_cached(self, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, event, xp: int, sp: int, tp: int,
+                    wp: int, cp: int):
+        """`__call__` of a cached dispatch bound without V1 matrices, with one launch, in its handle's mode (no
+        psum to recompute): its per-call work only. The sizes come from the handle (its origin is this call's key's,
+        so its constants are this bound dispatch's); a size met for the first time, or one whose recv_x is not carved
+        (large), goes through `__call__`."""
+        if xp & 15:
+            raise ValueError('x rows must start at 16-byte aligned addresses')
+        h = handle
+        lean = self._lean_sizes.get((h.num_recv_tokens, h.num_expanded_tokens))
+        if lean is None or self._lean_blocked or ep.ready_guard is not None:
+            if lean is None:
+                self._learn_size(h.num_recv_tokens, h.num_expanded_tokens)
+            return self(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
+        out, patch = lean
+        current = self.stream()
+        comm = ep._order.enter(current, event, self.local)
+        ws, ws_ptr, user_topk = h.workspace, h.workspace_ptr, h._topk_idx
+        tp = ws_ptr + self.topk_copy_bytes if user_topk is None else h.topk_idx_ptr
+        counts = h._counts
+        if type(counts) is list:    # (the handle's list, which its caller may hold: copied now; numpy: shared)
+            counts = list(counts)
+        carver = self.carver
+        group = carver.empty(out.alloc_shape, out.alloc_dtype, comm if self.alloc_on_comm else None)
+        td = self._torch_dtypes
+        if td is not None and out.at[1] < 0 and out.at[3] < 0:     # torch, no weights, BF16: the views inline
+            g0 = group.data_ptr()
+            recv_x, recv_sf, recv_topk_weights = group.as_strided(out.x_shape, out.x_strides, out.at[2]), None, None
+            topk_at = out.at[0]
+            recv_topk_idx = None if topk_at < 0 else group.view(td[0]).as_strided(out.topk_shape, out.topk_strides,
+                                                                                  topk_at)
+        else:
+            recv_x, recv_sf, recv_topk_idx, recv_topk_weights, g0 = self._views(group, out)
+        patch(xp, sp, tp, wp, cp, ws_ptr, g0, out.byte_at)
+        if out is not self._recv_sized or self._recv_free:
+            self._size_recv(out, 0)
+        self.recv(comm)
+        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
+                                   g0 + out.byte_at[4], (carver, group, out.meta_shape, out.at[4]), ws, ws_ptr,
+                                   user_topk, h._psum_expert)
+        if self.async_:
+            event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
+                                          recv_topk_idx, recv_topk_weights, ws, group, user_topk)
+        else:
+            event_out = ep._order.leave(self.kind, current, comm, False)
+        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, new_handle, event_out
+
+    def _run_no_sync(self, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
+                     cp: int):
+        """`__call__` of a dispatch without CPU sync whose outputs are carved out of its workspace (`call_patch`), bound
+        without V1 matrices and with no separate send launch: its per-call work only; the launches back to back."""
+        if xp & 15:
+            raise ValueError('x rows must start at 16-byte aligned addresses')
+        if self._lean_blocked or ep.ready_guard is not None:
+            return self(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
+        current = self.stream()
+        comm = ep._order.enter(current, event, self.local)
+        out = self.fixed
+        ws = self.carver.empty(self.ws_alloc_shape, self.ws_alloc_dtype, comm if self.alloc_on_comm else None)
+        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, ws_ptr = self._views(ws, out)
+        self.call_patch(xp, sp, tp, wp, cp, ws_ptr)
+        if out is not self._recv_sized or self._recv_free:
+            self._size_recv(out, 0)
+        r = self.recv
+        if r is not self.notify:      # (fused: one launch)
+            self.notify(comm)
+        r(comm)
+        user_topk = topk_idx if self.user_topk else None
+        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, [],
+                                   ws_ptr + out.byte_at[4], (self.carver, ws, out.meta_shape, out.at[4]), ws, ws_ptr,
+                                   user_topk, None)
+        if self.async_:
+            event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
+                                          recv_topk_idx, recv_topk_weights, ws, ws, user_topk)
+        else:
+            event_out = ep._order.leave(self.kind, current, comm, False)
+        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, new_handle, event_out
+
+    def _views(self, group, out: _Outputs):
+        """(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the allocation's address) of a lean path: views of
+        `group` (recv_x carved; the others None where `out` has none)."""
+        td = self._torch_dtypes
+        if td is None:
+            recv_topk_idx, recv_topk_weights, recv_x, recv_sf = _cupy_views(self.carver, group, out, self.x_dtype,
+                                                                             self.sf_dtype)
+            return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, self.carver.ptr(group)
+        topk_at, weights_at, x_at, sf_at, _ = out.at
+        return (group.as_strided(out.x_shape, out.x_strides, x_at),
+                None if sf_at < 0 else group.view(td[2]).as_strided(out.sf_view_shape, out.sf_strides, sf_at),
+                None if topk_at < 0 else group.view(td[0]).as_strided(out.topk_shape, out.topk_strides, topk_at),
+                None if weights_at < 0 else group.view(td[1]).as_strided(out.weights_shape, out.weights_strides,
+                                                                          weights_at),
+                group.data_ptr())
+
+    def _learn_size(self, num_recv: int, num_expanded: int) -> None:
+        """Remember the outputs of a cached call's sizes for `_run_cached` (with the patcher of their pointers), when
+        recv_x is carved out of their allocation."""
+        out = self.outputs(num_recv, num_expanded)
+        if out.byte_at[0] < 0:
+            return
+        present = tuple(b >= 0 for b in out.byte_at)
+        patch = self._lean_patchers.get(present)
+        if patch is None:
+            # Pointers that are 0 on every call of this bound dispatch stay as bound (0): the scales without FP8, the
+            # weights when none are given (both part of the key), and the outputs this layout has none of (all but
+            # recv_x / recv_sf, which are either carved or allocations of their own, depend on the key alone).
+            ws_at = [f'ws + {4 * w}' for w in self.offsets]
+            inputs = dict(zip(_INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
+            if not self.fp8:
+                del inputs['sf']
+            if self.p.topk_weights is None:
+                del inputs['topk_weights']
+            outs = tuple((n, f'g0 + b[{k}]') for k, (n, here) in enumerate(zip(_OUTPUTS, present)) if here)
+            patch = self._lean_patchers[present] = _cached_patcher(self.recv, tuple(inputs.items()) + outs)
+        if len(self._lean_sizes) >= _MAX_SIZES:
+            self._lean_sizes.clear()
+        self._lean_sizes[(num_recv, num_expanded)] = (out, patch)
 
     def _size_recv(self, out: _Outputs, free: int) -> None:
         """The receive launch's words and grid for the sizes `out` (and `free` SMs left to hybrid P2's side stream)."""

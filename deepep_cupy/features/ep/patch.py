@@ -47,6 +47,17 @@ def call_patcher(blocks, what: str):
     return namespace['patch']
 
 
+def cached_patcher(bound, exprs):
+    """`patch(xp, sp, tp, wp, cp, ws, g0, b)` storing, for each (parameter name, expression) of `exprs` that
+    `bound`'s kernel takes, the expression's value at its word: a cached dispatch's pointers, of the call's inputs, its
+    handle's workspace `ws` and its outputs' allocation `g0` (`b`: the outputs' byte offsets, `Outputs.byte_at`)."""
+    namespace, taken = {'u': bound.u64}, set(bound.spec.param_names)
+    body = ''.join(f'    u[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken) or '    pass\n'
+    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws, g0, b):\n{body}', f'<cached patch of {bound.spec.name}>', 'exec'),
+         namespace)
+    return namespace['patch']
+
+
 def strides(shape) -> Optional[Tuple[int, ...]]:
     return None if shape is None else interop.contiguous_strides(tuple(shape))
 
