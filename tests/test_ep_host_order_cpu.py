@@ -278,3 +278,64 @@ def test_one_patch_of_a_no_sync_dispatch_writes_what_the_block_patches_do(monkey
         b.call_patch, b.run = None, ep_bound.BoundDispatch.__call__     # the next call: block by block
     assert runs[0] == runs[1]
     assert any(v[0] == 'ws' for v in runs[0][-1][2].values() if type(v) is tuple)
+
+
+def _relative(args, bases):
+    """A launch's arguments with each address inside one of `bases` ((name, address, bytes)) made (name, offset)."""
+    out = {}
+    for k, v in args.items():
+        for name, base, size in bases:
+            if type(v) is int and base <= v < base + size:
+                v = (name, v - base)
+                break
+        out[k] = v
+    return out
+
+
+HANDLE_SLOTS = ('_c', '_origin', 'num_recv_tokens', 'num_expanded_tokens', '_counts', '_meta', '_psum_expert')
+
+
+@pytest.mark.parametrize('case', ['no-sync', 'no-sync fp8', 'cached', 'cached expanded', 'cached from cpu-sync',
+                                  'cached no handle copy'])
+def test_lean_paths_match_the_general_call(monkeypatch, case):
+    """`BoundDispatch.run`'s lean paths (`_run_cached`, `_run_no_sync`) launch what `__call__` launches (every argument;
+    addresses relative to the workspace and the outputs' allocation), return outputs of the same shapes, strides and
+    dtypes, and make a handle with the same slots (they set `EPHandle._new`'s slots inline)."""
+    x, idx, w = ep_tests.make_inputs()
+    buf = make_buffer(monkeypatch)
+    expand = case == 'cached expanded'
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if case == 'no-sync fp8' else x
+    sync = case == 'cached from cpu-sync'
+    first = buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=sync, do_expand=expand,
+                         do_handle_copy=case != 'cached no handle copy')
+    handle = first[3]
+
+    def call():
+        if case.startswith('cached'):
+            return buf.dispatch(x, handle=handle, do_expand=expand)
+        return buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=False)
+    call()          # binds (and a cached call learns its sizes)
+    runs = []
+    for lean in (True, False):
+        b = [v for v in buf._ep._bound.values() if v.run is not ep_bound.BoundDispatch.__call__ or not lean][-1]
+        assert b.run is (ep_bound.BoundDispatch._run_cached if case.startswith('cached')
+                         else ep_bound.BoundDispatch._run_no_sync)
+        if not lean:
+            b.run = ep_bound.BoundDispatch.__call__
+        buf.launches.clear()
+        out = call()
+        h = out[3]
+        group = h._meta_of[1]
+        bases = [('ws', h.workspace_ptr, h.workspace.untyped_storage().nbytes()),
+                 ('out', group.data_ptr(), group.untyped_storage().nbytes()), ('x', xin[0].data_ptr() if
+                                                                                  type(xin) is tuple else x.data_ptr(),
+                                                                                  x.untyped_storage().nbytes())]
+        tensors = [t for t in (out[0] if type(out[0]) is tuple else (out[0],)) + out[1:3]]
+        runs.append(([(e.name, e.grid, _relative(e.args, bases)) for e in buf.launches],
+                     [None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() - group.data_ptr())
+                      for t in tensors],
+                     {s: getattr(h, s) for s in HANDLE_SLOTS}, h._meta_ptr - group.data_ptr(),
+                     h.recv_src_metadata.shape, h.topk_idx.shape, type(out[4]).__name__, out[4].event))
+        b.run = ep_bound.BoundDispatch._run_cached if case.startswith('cached') else \
+            ep_bound.BoundDispatch._run_no_sync
+    assert runs[0][0] and runs[0] == runs[1]

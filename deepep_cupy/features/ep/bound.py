@@ -30,6 +30,7 @@ expert counts' pointer and the matrices' pointers are patched. V1's matrices are
 allocation (after the workspace proper), recv_src_idx from the outputs' allocation (after the metadata).
 """
 
+import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...runtime import interop
@@ -69,6 +70,17 @@ CARVED_RECV_MAX_BYTES = 16 << 20
 _INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
            'recv_layout')
 _OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx')
+
+
+# A handle without `__init__` (the lean paths set its slots as `EPHandle._new` does)
+_new_handle = functools.partial(EPHandle.__new__, EPHandle)
+
+
+def _constant_zeros(p: ep_plan.DispatchPlan) -> Tuple[str, ...]:
+    """The pointer arguments that are 0 on every call of a bound dispatch (the signature says the array is absent):
+    bound as 0, a generated patcher leaves them."""
+    return tuple(n for n, absent in (('sf', p.sfi is None), ('topk_weights', p.topk_weights is None),
+                                     ('cumulative_stats', p.stats is None)) if absent)
 
 
 class BoundDispatch:
@@ -184,10 +196,27 @@ class BoundDispatch:
         # No CPU sync and recv_x carved: every pointer is an input's or the workspace's plus a constant, all patched by
         # one generated function (None: block by block).
         self.call_patch = None
+        self._zeros = _constant_zeros(p)
         if self.fixed is not None and self.fixed.x_offset >= 0:
-            outs = tuple((n, f'ws + {b}' if b >= 0 else '0') for n, b in zip(_OUTPUTS, self.fixed.byte_at))
-            blocks = [(self.notify, notify_exprs)] + ([(self.send, tuple(inputs.items()))] if self.send else [])
-            self.call_patch = _call_patcher(blocks + [(self.recv, tuple(inputs.items()) + outs)], 'no-sync dispatch')
+            # (pointers that are 0 on every call with this key stay as bound: `_constant_zeros`)
+            zero = self._zeros
+            outs = tuple((n, f'ws + {b}') for n, b in zip(_OUTPUTS, self.fixed.byte_at) if b >= 0)
+            ins = tuple((n, e) for n, e in inputs.items() if n not in zero)
+            blocks = [(self.notify, tuple((n, e) for n, e in notify_exprs if n not in zero))]
+            blocks += [(self.send, ins)] if self.send else []
+            self.call_patch = _call_patcher(blocks + [(self.recv, ins + outs)], 'no-sync dispatch')
+        # no CPU sync, torch: the views' arguments of the fixed layout (recv_x, recv_sf, recv_topk_idx,
+        # recv_topk_weights; None: none), for `_run_no_sync`
+        self._fixed_views = None
+        f = self.fixed
+        if f is not None:
+            topk_at, weights_at, x_at, sf_at, _ = f.at
+            self._fixed_views = ((f.x_shape, f.x_strides, x_at) if x_at >= 0 else None,
+                                 (f.sf_view_shape, f.sf_strides, sf_at) if sf_at >= 0 else None,
+                                 (f.topk_shape, f.topk_strides, topk_at) if topk_at >= 0 else None,
+                                 (f.weights_shape, f.weights_strides, weights_at) if weights_at >= 0 else None)
+        # no CPU sync: the handles' slots fixed per bound dispatch (`_run_no_sync`)
+        self._handle_const = None if f is None else (self.handle_fields, f.num_recv, f.num_expanded, None, None)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         # torch: (int64, float32, recv_sf's dtype) resolved once
@@ -203,6 +232,8 @@ class BoundDispatch:
         self._lean_sizes: Dict[Tuple[int, int], Tuple[_Outputs, Any]] = {}   # cached: (out, its output patcher)
         self._lean_patchers: Dict[Tuple[bool, ...], Any] = {}
         plain = self.v1_channels is None and self.send is None
+        # cached: whether the handles of this key keep their top-k ids in the workspace (the origin's do_handle_copy)
+        self.topk_in_ws = p.cached and p.handle._topk_idx is None
         if p.cached and plain and p.do_expand == p.handle.do_expand:
             self.run = BoundDispatch._run_cached
         elif self.call_patch is not None and plain:
@@ -441,38 +472,38 @@ class BoundDispatch:
             if lean is None:
                 self._learn_size(h.num_recv_tokens, h.num_expanded_tokens)
             return self(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
-        out, patch = lean
+        out, patch, x_view, topk_view, fixed = lean
         current = self.stream()
         comm = ep._order.enter(current, event, self.local)
-        ws, ws_ptr, user_topk = h.workspace, h.workspace_ptr, h._topk_idx
-        tp = ws_ptr + self.topk_copy_bytes if user_topk is None else h.topk_idx_ptr
-        counts = h._counts
+        ws, ws_ptr, user_topk, counts = h.workspace, h.workspace_ptr, h._topk_idx, h._counts
+        if user_topk is not None:   # (else the patch takes the workspace's copy)
+            tp = h.topk_idx_ptr
         if type(counts) is list:    # (the handle's list, which its caller may hold: copied now; numpy: shared)
             counts = list(counts)
         carver = self.carver
         group = carver.empty(out.alloc_shape, out.alloc_dtype, comm if self.alloc_on_comm else None)
-        td = self._torch_dtypes
-        if td is not None and out.at[1] < 0 and out.at[3] < 0:     # torch, no weights, BF16: the views inline
+        if x_view is not None:      # torch, BF16, no weights: the views inline (`_learn_size`)
             g0 = group.data_ptr()
-            recv_x, recv_sf, recv_topk_weights = group.as_strided(out.x_shape, out.x_strides, out.at[2]), None, None
-            topk_at = out.at[0]
-            recv_topk_idx = None if topk_at < 0 else group.view(td[0]).as_strided(out.topk_shape, out.topk_strides,
-                                                                                  topk_at)
+            recv_x, recv_sf, recv_topk_weights = group.as_strided(*x_view), None, None
+            recv_topk_idx = None if topk_view is None else group.view(self._torch_dtypes[0]).as_strided(*topk_view)
         else:
             recv_x, recv_sf, recv_topk_idx, recv_topk_weights, g0 = self._views(group, out)
         patch(xp, sp, tp, wp, cp, ws_ptr, g0, out.byte_at)
         if out is not self._recv_sized or self._recv_free:
             self._size_recv(out, 0)
         self.recv(comm)
-        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts,
-                                   g0 + out.byte_at[4], (carver, group, out.meta_shape, out.at[4]), ws, ws_ptr,
-                                   user_topk, h._psum_expert)
+        # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
+        nh = _new_handle()
+        nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta = fixed
+        nh._origin, nh._counts, nh._meta_ptr, nh._meta_of = self, counts, g0 + out.byte_at[4], (carver, group,
+                                                                                              out.meta_shape, out.at[4])
+        nh.workspace, nh.workspace_ptr, nh._topk_idx, nh._psum_expert = ws, ws_ptr, user_topk, h._psum_expert
         if self.async_:
             event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
                                           recv_topk_idx, recv_topk_weights, ws, group, user_topk)
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
-        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, new_handle, event_out
+        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
 
     def _run_no_sync(self, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
                      cp: int):
@@ -486,7 +517,16 @@ class BoundDispatch:
         comm = ep._order.enter(current, event, self.local)
         out = self.fixed
         ws = self.carver.empty(self.ws_alloc_shape, self.ws_alloc_dtype, comm if self.alloc_on_comm else None)
-        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, ws_ptr = self._views(ws, out)
+        td = self._torch_dtypes
+        if td is not None:          # torch: the views inline (the layout is fixed: their arguments too)
+            ws_ptr = ws.data_ptr()
+            x_view, sf_view, topk_view, weights_view = self._fixed_views
+            recv_x = ws.as_strided(*x_view)
+            recv_sf = None if sf_view is None else ws.view(td[2]).as_strided(*sf_view)
+            recv_topk_idx = None if topk_view is None else ws.view(td[0]).as_strided(*topk_view)
+            recv_topk_weights = None if weights_view is None else ws.view(td[1]).as_strided(*weights_view)
+        else:
+            recv_x, recv_sf, recv_topk_idx, recv_topk_weights, ws_ptr = self._views(ws, out)
         self.call_patch(xp, sp, tp, wp, cp, ws_ptr)
         if out is not self._recv_sized or self._recv_free:
             self._size_recv(out, 0)
@@ -495,15 +535,19 @@ class BoundDispatch:
             self.notify(comm)
         r(comm)
         user_topk = topk_idx if self.user_topk else None
-        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, [],
-                                   ws_ptr + out.byte_at[4], (self.carver, ws, out.meta_shape, out.at[4]), ws, ws_ptr,
-                                   user_topk, None)
+        # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
+        nh = _new_handle()
+        nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta, nh._psum_expert = self._handle_const
+        nh._origin = self
+        nh._counts, nh._meta_ptr, nh._meta_of = [], ws_ptr + out.byte_at[4], (self.carver, ws, out.meta_shape,
+                                                                              out.at[4])
+        nh.workspace, nh.workspace_ptr, nh._topk_idx = ws, ws_ptr, user_topk
         if self.async_:
             event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
                                           recv_topk_idx, recv_topk_weights, ws, ws, user_topk)
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
-        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, new_handle, event_out
+        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
 
     def _views(self, group, out: _Outputs):
         """(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the allocation's address) of a lean path: views of
@@ -535,15 +579,21 @@ class BoundDispatch:
             # recv_x / recv_sf, which are either carved or allocations of their own, depend on the key alone).
             ws_at = [f'ws + {4 * w}' for w in self.offsets]
             inputs = dict(zip(_INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
-            if not self.fp8:
-                del inputs['sf']
-            if self.p.topk_weights is None:
-                del inputs['topk_weights']
+            for n in self._zeros:
+                inputs.pop(n, None)
+            if self.topk_in_ws:     # (the handle's copy: `tp` is not looked up per call)
+                inputs['topk_idx'] = f'ws + {self.topk_copy_bytes}'
             outs = tuple((n, f'g0 + b[{k}]') for k, (n, here) in enumerate(zip(_OUTPUTS, present)) if here)
             patch = self._lean_patchers[present] = _cached_patcher(self.recv, tuple(inputs.items()) + outs)
+        # torch, BF16, no weights: the views' arguments (else `_views` makes them)
+        x_view = topk_view = None
+        if self._torch_dtypes is not None and out.at[1] < 0 and out.at[3] < 0:
+            x_view = (out.x_shape, out.x_strides, out.at[2])
+            topk_view = None if out.at[0] < 0 else (out.topk_shape, out.topk_strides, out.at[0])
         if len(self._lean_sizes) >= _MAX_SIZES:
             self._lean_sizes.clear()
-        self._lean_sizes[(num_recv, num_expanded)] = (out, patch)
+        fixed = (self.handle_fields, out.num_recv, out.num_expanded, None)     # the new handles' slots of these sizes
+        self._lean_sizes[(num_recv, num_expanded)] = (out, patch, x_view, topk_view, fixed)
 
     def _size_recv(self, out: _Outputs, free: int) -> None:
         """The receive launch's words and grid for the sizes `out` (and `free` SMs left to hybrid P2's side stream)."""

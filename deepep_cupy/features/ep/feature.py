@@ -158,17 +158,17 @@ class EP:
                 (xs, xp), (ss, sp) = meta(xa), meta(sf)
             else:
                 (xs, xp), ss, sp = meta(x), None, 0
-        if type(topk_idx) is tensor:
-            ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
-        elif topk_idx is None:              # (a cached dispatch's: `meta(None)` inline)
+        if topk_idx is None:                # (a cached dispatch's: `meta(None)` inline)
             ts, tp = None, 0
+        elif type(topk_idx) is tensor:
+            ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
         else:
             ts, tp = meta(topk_idx)
-        if type(topk_weights) is tensor:
+        if topk_weights is None:
+            ws, wp = None, 0
+        elif type(topk_weights) is tensor:
             ws, wp = ((topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device()),
                       topk_weights.data_ptr())
-        elif topk_weights is None:
-            ws, wp = None, 0
         else:
             ws, wp = meta(topk_weights)
         if cumulative_local_expert_recv_stats is None:

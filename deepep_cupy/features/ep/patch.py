@@ -37,11 +37,18 @@ def call_patcher(blocks, what: str):
     expression) of `exprs` that the bound launch's kernel takes, the expression's value at its word: every pointer of a
     call's launches in one straight-line function (a call whose pointers are all the inputs' or the workspace's plus
     constants: a no-sync dispatch with its outputs carved out of the workspace's allocation)."""
-    namespace, body = {}, []
+    namespace, body, stores = {}, [], []
     for k, (bound, exprs) in enumerate(blocks):
         namespace[f'u{k}'] = bound.u64
         taken = set(bound.spec.param_names)
-        body += [f'    u{k}[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken]
+        stores += [(k, bound.index(n), e) for n, e in exprs if n in taken]
+    # An expression stored in several blocks is computed once (a workspace part both the notify and the dispatch take)
+    uses = {}
+    for _, _, e in stores:
+        uses[e] = uses.get(e, 0) + 1
+    shared = {e: f'a{i}' for i, e in enumerate(e for e, n in uses.items() if n > 1 and not e.isidentifier())}
+    body += [f'    {name} = {e}\n' for e, name in shared.items()]
+    body += [f'    u{k}[{i}] = {shared.get(e, e)}\n' for k, i, e in stores]
     exec(compile(f'def patch(xp, sp, tp, wp, cp, ws):\n{"".join(body) or "    pass"}\n', f'<{what} patch>', 'exec'),
          namespace)
     return namespace['patch']
