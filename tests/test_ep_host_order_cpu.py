@@ -325,7 +325,7 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
         buf.launches.clear()
         out = call()
         h = out[3]
-        group = h._meta_of[1]
+        group = h._meta_of[0]
         bases = [('ws', h.workspace_ptr, h.workspace.untyped_storage().nbytes()),
                  ('out', group.data_ptr(), group.untyped_storage().nbytes()), ('x', xin[0].data_ptr() if
                                                                                   type(xin) is tuple else x.data_ptr(),

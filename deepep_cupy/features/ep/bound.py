@@ -217,8 +217,12 @@ class BoundDispatch:
                                  (f.weights_shape, f.weights_strides, weights_at) if weights_at >= 0 else None)
         # no CPU sync: the handles' slots fixed per bound dispatch (`_run_no_sync`)
         self._handle_const = None if f is None else (self.handle_fields, f.num_recv, f.num_expanded, None, None)
+        self._meta_byte, self._meta_of = (0, None) if f is None else (f.byte_at[4], (self.carver, f.meta_shape,
+                                                                                     f.at[4]))
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
+        if self.fixed is not None:  # (sized now: `_run_no_sync` relies on it, `__call__` re-sizes after a guard)
+            self._size_recv(self.fixed, 0)
         # torch: (int64, float32, recv_sf's dtype) resolved once
         self._torch_dtypes = None
         if self.kind == 'torch':
@@ -441,7 +445,7 @@ class BoundDispatch:
         r(comm)
 
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
-                                   (carver, group, out.meta_shape, meta_at), ws, ws_ptr, user_topk, psum_expert)
+                                   (group, (carver, out.meta_shape, meta_at)), ws, ws_ptr, user_topk, psum_expert)
         if self.async_:
             event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
                                           recv_topk_idx, recv_topk_weights, ws, group, user_topk,
@@ -472,7 +476,7 @@ class BoundDispatch:
             if lean is None:
                 self._learn_size(h.num_recv_tokens, h.num_expanded_tokens)
             return self(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
-        out, patch, x_view, topk_view, fixed = lean
+        out, patch, x_view, topk_view, fixed, meta_byte, meta_of = lean
         current = self.stream()
         comm = ep._order.enter(current, event, self.local)
         ws, ws_ptr, user_topk, counts = h.workspace, h.workspace_ptr, h._topk_idx, h._counts
@@ -495,8 +499,7 @@ class BoundDispatch:
         # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
         nh = _new_handle()
         nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta = fixed
-        nh._origin, nh._counts, nh._meta_ptr, nh._meta_of = self, counts, g0 + out.byte_at[4], (carver, group,
-                                                                                              out.meta_shape, out.at[4])
+        nh._origin, nh._counts, nh._meta_ptr, nh._meta_of = self, counts, g0 + meta_byte, (group, meta_of)
         nh.workspace, nh.workspace_ptr, nh._topk_idx, nh._psum_expert = ws, ws_ptr, user_topk, h._psum_expert
         if self.async_:
             event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
@@ -528,8 +531,8 @@ class BoundDispatch:
         else:
             recv_x, recv_sf, recv_topk_idx, recv_topk_weights, ws_ptr = self._views(ws, out)
         self.call_patch(xp, sp, tp, wp, cp, ws_ptr)
-        if out is not self._recv_sized or self._recv_free:
-            self._size_recv(out, 0)
+        # (the receive block holds the fixed sizes: sized at binding, and after a guarded call `_lean_blocked` sends
+        # the next one through `__call__`, which sizes it back)
         r = self.recv
         if r is not self.notify:      # (fused: one launch)
             self.notify(comm)
@@ -539,8 +542,7 @@ class BoundDispatch:
         nh = _new_handle()
         nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta, nh._psum_expert = self._handle_const
         nh._origin = self
-        nh._counts, nh._meta_ptr, nh._meta_of = [], ws_ptr + out.byte_at[4], (self.carver, ws, out.meta_shape,
-                                                                              out.at[4])
+        nh._counts, nh._meta_ptr, nh._meta_of = [], ws_ptr + self._meta_byte, (ws, self._meta_of)
         nh.workspace, nh.workspace_ptr, nh._topk_idx = ws, ws_ptr, user_topk
         if self.async_:
             event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
@@ -593,7 +595,8 @@ class BoundDispatch:
         if len(self._lean_sizes) >= _MAX_SIZES:
             self._lean_sizes.clear()
         fixed = (self.handle_fields, out.num_recv, out.num_expanded, None)     # the new handles' slots of these sizes
-        self._lean_sizes[(num_recv, num_expanded)] = (out, patch, x_view, topk_view, fixed)
+        self._lean_sizes[(num_recv, num_expanded)] = (out, patch, x_view, topk_view, fixed, out.byte_at[4],
+                                                      (self.carver, out.meta_shape, out.at[4]))
 
     def _size_recv(self, out: _Outputs, free: int) -> None:
         """The receive launch's words and grid for the sizes `out` (and `free` SMs left to hybrid P2's side stream)."""

@@ -87,8 +87,9 @@ class EPHandle:
         """A handle from a bound dispatch (`origin`) without keyword binding: `fields` is `origin.handle_fields`,
         (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk, hidden,
         kind, buffer_id, do_cpu_sync, num_ranks, num_local_experts, offsets), kept as the handle's `_c`.
-        recv_src_metadata is made on first access from `meta_of` = (allocator, allocation, shape, int32 word offset);
-        the kernels take `meta_ptr`."""
+        recv_src_metadata is made on first access from `meta_of` = (allocation, (allocator, shape, int32 word
+        offset)): the inner tuple is fixed per output layout, so that a call builds a pair; the kernels take
+        `meta_ptr`."""
         h = cls.__new__(cls)
         h._c, h._origin = fields, origin
         h.num_recv_tokens, h.num_expanded_tokens, h._counts = num_recv_tokens, num_expanded_tokens, counts
@@ -126,14 +127,14 @@ class EPHandle:
     def recv_src_metadata(self):
         """`[rows, num_topk + 2]` int32 (see the class docstring); a view made on first access."""
         if self._meta is None:
-            carver, base, shape, offset = self._meta_of
+            base, (carver, shape, offset) = self._meta_of
             self._meta = carver.view(base, 'int32', shape, offset)
         return self._meta
 
     @property
     def metadata_owner(self) -> Any:
         """The allocation holding recv_src_metadata (what an asynchronous combine keeps alive)."""
-        return self._meta if self._meta_of is None else self._meta_of[1]
+        return self._meta if self._meta_of is None else self._meta_of[0]
 
     # ---- addresses for the kernels ---------------------------------------------------------------------------------
     def ptr(self, part: int) -> int:
