@@ -155,7 +155,11 @@ class EP:
             fp8 = type(x) is tuple or type(x) is list
             if fp8 and len(x) == 2:
                 xa, sf = x
-                (xs, xp), (ss, sp) = meta(xa), meta(sf)
+                if type(xa) is tensor and type(sf) is tensor:       # (`interop.meta` inline, as above)
+                    xs, xp = (xa.shape, xa.stride(), xa.dtype, xa.get_device()), xa.data_ptr()
+                    ss, sp = (sf.shape, sf.stride(), sf.dtype, sf.get_device()), sf.data_ptr()
+                else:
+                    (xs, xp), (ss, sp) = meta(xa), meta(sf)
             else:
                 (xs, xp), ss, sp = meta(x), None, 0
         if topk_idx is None:                # (a cached dispatch's: `meta(None)` inline)
