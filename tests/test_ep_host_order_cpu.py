@@ -7,6 +7,7 @@
   workspace's), 256-byte aligned, disjoint from every other output, with the shapes, strides and dtypes (and kernel
   arguments but for the addresses) of separately allocated ones; above `CARVED_RECV_MAX_BYTES` they are separate."""
 
+import functools
 import sys
 
 import pytest
@@ -16,6 +17,8 @@ torch = pytest.importorskip('torch')
 import test_ep_checks_cpu as ep_tests  # noqa: E402
 
 from deepep_cupy.features.ep import bound as ep_bound  # noqa: E402
+from deepep_cupy.features.ep import lean as ep_lean  # noqa: E402
+from deepep_cupy.features.ep import legacy as ep_legacy  # noqa: E402
 from deepep_cupy.features.ep import patch as ep_patch  # noqa: E402
 from deepep_cupy.jit import launch as jit_launch  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
@@ -23,11 +26,20 @@ from deepep_cupy.runtime import interop  # noqa: E402
 R, M, H, K, E = ep_tests.R, ep_tests.M, ep_tests.H, ep_tests.K, ep_tests.E
 BOUND_FILE = ep_bound.__file__
 LAUNCH_CODE = jit_launch.BoundLaunch.__call__.__code__
-ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc'}
+
+
+def _allocate(carver, shape, dtype):
+    """What `Carver.allocator`'s function does, as a Python frame the profiler sees (the real one is a partial of
+    torch.empty: no frame; test_carver_allocator_makes_what_empty_makes checks it)."""
+    return carver.empty(shape, dtype)
+
+
+ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc',
+               _allocate.__code__: 'alloc'}
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
-PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_run_cached', '_run_no_sync', '_views', '_size_recv',
-                                       '_v1_matrices')} | \
+PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv')} | \
+    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'views')} | {(ep_legacy.__file__, 'v1_matrices')} | \
     {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
 
 
@@ -55,6 +67,8 @@ def record_host_calls(fn):
 
 
 def make_buffer(monkeypatch):
+    monkeypatch.setattr(interop.Carver, 'allocator',
+                        lambda self, shape, dtype: functools.partial(_allocate, self, shape, dtype))
     buf = ep_tests.make_buffer(monkeypatch)
 
     def wait_host_counts(seq, n):       # (named: the recorded sequence shows it as 'wait')
@@ -318,8 +332,8 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
     runs = []
     for lean in (True, False):
         b = [v for v in buf._ep._bound.values() if v.run is not ep_bound.BoundDispatch.__call__ or not lean][-1]
-        assert b.run is (ep_bound.BoundDispatch._run_cached if case.startswith('cached')
-                         else ep_bound.BoundDispatch._run_no_sync)
+        assert b.run is (ep_lean.run_cached if case.startswith('cached')
+                         else ep_lean.run_no_sync)
         if not lean:
             b.run = ep_bound.BoundDispatch.__call__
         buf.launches.clear()
@@ -336,6 +350,18 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
                       for t in tensors],
                      {s: getattr(h, s) for s in HANDLE_SLOTS}, h._meta_ptr - group.data_ptr(),
                      h.recv_src_metadata.shape, h.topk_idx.shape, type(out[4]).__name__, out[4].event))
-        b.run = ep_bound.BoundDispatch._run_cached if case.startswith('cached') else \
-            ep_bound.BoundDispatch._run_no_sync
+        b.run = ep_lean.run_cached if case.startswith('cached') else \
+            ep_lean.run_no_sync
     assert runs[0][0] and runs[0] == runs[1]
+
+
+@pytest.mark.parametrize('shape, dtype', [((3, 5), 'bfloat16'), ((7,), 'int32'), ((2, 4), 'float8_e4m3fn')])
+def test_carver_allocator_makes_what_empty_makes(shape, dtype):
+    """`Carver.allocator(shape, dtype)` (the lean paths' allocation, a partial of torch.empty) makes what
+    `Carver.empty(shape, dtype)` makes: shape, dtype, device; a new array per call."""
+    carver = interop.Carver('torch', -1)
+    make = carver.allocator(shape, dtype)
+    a, b, ref = make(), make(), carver.empty(shape, dtype)
+    assert isinstance(make, functools.partial)
+    assert (a.shape, a.dtype, a.device) == (ref.shape, ref.dtype, ref.device) == (b.shape, b.dtype, b.device)
+    assert a.data_ptr() != b.data_ptr() or a.numel() == 0

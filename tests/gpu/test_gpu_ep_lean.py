@@ -1,4 +1,4 @@
-"""The lean dispatch paths (`BoundDispatch.run`: `_run_cached`, `_run_no_sync`; features/ep/bound.py, issue #11) on a
+"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`; issue #11) on a
 GPU, one rank: for torch and CuPy arrays, BF16 and FP8, no-sync and cached dispatches (handles from no-sync, CPU-sync
 and expanded dispatches), the outputs, the new handle's metadata and layout, and the combine of its rows are bitwise
 equal to those of the general `__call__` on the same inputs. Skipped without a GPU."""
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 def test_lean_paths_equal_the_general_call(kind, fp8, mode):
     pytest.importorskip('torch')
     from deepep_cupy import ElasticBuffer
+    from deepep_cupy.features.ep import lean
     from deepep_cupy.features.ep.bound import BoundDispatch
     x, idx, w = _inputs(kind, fp8)
     expand = mode == 'cached expanded'
@@ -26,7 +27,7 @@ def test_lean_paths_equal_the_general_call(kind, fp8, mode):
         first_kw.update(do_expand=True, expert_alignment=4)
     buf = ElasticBuffer(num_max_tokens_per_rank=M, hidden=H, num_topk=K, explicitly_destroy=True)
     cached = mode.startswith('cached')
-    lean_run = BoundDispatch._run_cached if cached else BoundDispatch._run_no_sync
+    lean_run = lean.run_cached if cached else lean.run_no_sync
     try:
         first = buf.dispatch(x, idx, w, **first_kw)
 
@@ -36,10 +37,10 @@ def test_lean_paths_equal_the_general_call(kind, fp8, mode):
             return buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)
         call()          # binds (a cached call learns its sizes)
         got = []
-        for lean in (True, False):
+        for is_lean in (True, False):
             b = [v for v in buf._ep._bound.values() if v.run is lean_run]
             assert len(b) == 1, 'the call must be bound to its lean path'
-            if not lean:
+            if not is_lean:
                 b[0].run = BoundDispatch.__call__
             out = call()
             handle = out[3]

@@ -30,12 +30,12 @@ expert counts' pointer and the matrices' pointers are patched. V1's matrices are
 allocation (after the workspace proper), recv_src_idx from the outputs' allocation (after the metadata).
 """
 
-import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...runtime import interop
 from ...runtime.sizes import align, ceil_div
 from . import fused as ep_fused
+from . import lean as ep_lean
 from . import plan as ep_plan
 from .handle import EPHandle, workspace_layout
 from .kernels import (
@@ -50,10 +50,10 @@ from .kernels import (
     SEND_THREADS,
     dispatch_chunk_rows,
 )
+from .legacy import v1_matrices
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
 from .patch import allocate_x as _allocate_x
-from .patch import cached_patcher as _cached_patcher
 from .patch import call_patcher as _call_patcher
 from .patch import check_guard as _check_guard
 from .patch import cupy_views as _cupy_views
@@ -67,20 +67,7 @@ _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync cou
 # docstring): 16 MiB holds a decode step's BF16 recv_x at 8 ranks x 128 tokens x hidden 7168 (14 MiB).
 CARVED_RECV_MAX_BYTES = 16 << 20
 # Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
-_INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
-           'recv_layout')
-_OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx')
-
-
-# A handle without `__init__` (the lean paths set its slots as `EPHandle._new` does)
-_new_handle = functools.partial(EPHandle.__new__, EPHandle)
-
-
-def _constant_zeros(p: ep_plan.DispatchPlan) -> Tuple[str, ...]:
-    """The pointer arguments that are 0 on every call of a bound dispatch (the signature says the array is absent):
-    bound as 0, a generated patcher leaves them."""
-    return tuple(n for n, absent in (('sf', p.sfi is None), ('topk_weights', p.topk_weights is None),
-                                     ('cumulative_stats', p.stats is None)) if absent)
+_INPUTS, _OUTPUTS = ep_lean.INPUTS, ep_lean.OUTPUTS
 
 
 class BoundDispatch:
@@ -196,54 +183,26 @@ class BoundDispatch:
         # No CPU sync and recv_x carved: every pointer is an input's or the workspace's plus a constant, all patched by
         # one generated function (None: block by block).
         self.call_patch = None
-        self._zeros = _constant_zeros(p)
+        self._zeros = ep_lean.constant_zeros(p)
         if self.fixed is not None and self.fixed.x_offset >= 0:
-            # (pointers that are 0 on every call with this key stay as bound: `_constant_zeros`)
+            # (pointers that are 0 on every call with this key stay as bound: `lean.constant_zeros`)
             zero = self._zeros
             outs = tuple((n, f'ws + {b}') for n, b in zip(_OUTPUTS, self.fixed.byte_at) if b >= 0)
             ins = tuple((n, e) for n, e in inputs.items() if n not in zero)
             blocks = [(self.notify, tuple((n, e) for n, e in notify_exprs if n not in zero))]
             blocks += [(self.send, ins)] if self.send else []
             self.call_patch = _call_patcher(blocks + [(self.recv, ins + outs)], 'no-sync dispatch')
-        # no CPU sync, torch: the views' arguments of the fixed layout (recv_x, recv_sf, recv_topk_idx,
-        # recv_topk_weights; None: none), for `_run_no_sync`
-        self._fixed_views = None
-        f = self.fixed
-        if f is not None:
-            topk_at, weights_at, x_at, sf_at, _ = f.at
-            self._fixed_views = ((f.x_shape, f.x_strides, x_at) if x_at >= 0 else None,
-                                 (f.sf_view_shape, f.sf_strides, sf_at) if sf_at >= 0 else None,
-                                 (f.topk_shape, f.topk_strides, topk_at) if topk_at >= 0 else None,
-                                 (f.weights_shape, f.weights_strides, weights_at) if weights_at >= 0 else None)
-        # no CPU sync: the handles' slots fixed per bound dispatch (`_run_no_sync`)
-        self._handle_const = None if f is None else (self.handle_fields, f.num_recv, f.num_expanded, None, None)
-        self._meta_byte, self._meta_of = (0, None) if f is None else (f.byte_at[4], (self.carver, f.meta_shape,
-                                                                                     f.at[4]))
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
-        if self.fixed is not None:  # (sized now: `_run_no_sync` relies on it, `__call__` re-sizes after a guard)
+        if self.fixed is not None:  # (sized now: lean.run_no_sync relies on it, `__call__` re-sizes after a guard)
             self._size_recv(self.fixed, 0)
         # torch: (int64, float32, recv_sf's dtype) resolved once
         self._torch_dtypes = None
         if self.kind == 'torch':
             import torch
             self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.sf_dtype or 'int32'))
-        # `run`: what `EP.dispatch` calls (a plain function of this class, kept on the instance without a cycle): a lean
-        # path specialised at binding for the common cached / no-sync calls (`_run_cached`, `_run_no_sync`), else
-        # `__call__`. A lean path falls back to `__call__` while `_lean_blocked` (the data region not yet claimed, or a
-        # readiness guard left in a block) or when hybrid P2 sets a guard.
-        self._lean_blocked = self.claim
-        self._lean_sizes: Dict[Tuple[int, int], Tuple[_Outputs, Any]] = {}   # cached: (out, its output patcher)
-        self._lean_patchers: Dict[Tuple[bool, ...], Any] = {}
-        plain = self.v1_channels is None and self.send is None
-        # cached: whether the handles of this key keep their top-k ids in the workspace (the origin's do_handle_copy)
-        self.topk_in_ws = p.cached and p.handle._topk_idx is None
-        if p.cached and plain and p.do_expand == p.handle.do_expand:
-            self.run = BoundDispatch._run_cached
-        elif self.call_patch is not None and plain:
-            self.run = BoundDispatch._run_no_sync
-        else:
-            self.run = BoundDispatch.__call__
+        # `run`: what `EP.dispatch` calls, the lean path chosen for this binding or `__call__` (lean.py)
+        ep_lean.bind(self, p)
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -361,7 +320,7 @@ class BoundDispatch:
             if one_patch is None:
                 self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.v1_channels is not None:
-                self._v1_matrices(legacy, ws, ws_ptr, n.u64, ecp)
+                v1_matrices(self, legacy, ws, ws_ptr, n.u64, ecp)
         snd = self.send
         if snd is not None:
             if one_patch is None:
@@ -447,156 +406,13 @@ class BoundDispatch:
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
                                    (group, (carver, out.meta_shape, meta_at)), ws, ws_ptr, user_topk, psum_expert)
         if self.async_:
-            event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
+            event_out = ep_lean.async_event(self, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
                                           recv_topk_idx, recv_topk_weights, ws, group, user_topk,
                                           None if legacy is None else legacy.expert_counts)
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
         out_x = (recv_x, recv_sf) if self.fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event_out
-
-    def _async_event(self, ep, current, x_in, *tensors):
-        """The `EventOverlap` of an asynchronous call, holding (and recorded on) x, its scales and `tensors`."""
-        sf = x_in[1] if self.fp8 else None
-        xa = x_in[0] if self.fp8 else x_in
-        return ep._order.finish(self.kind, current, True, (xa, sf) + tensors)
-
-    # ---- the lean paths (`run`) --------------------------------------------------------------------------------------
-    def _run_cached(self, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, event, xp: int, sp: int, tp: int,
-                    wp: int, cp: int):
-        """`__call__` of a cached dispatch bound without V1 matrices, with one launch, in its handle's mode (no
-        psum to recompute): its per-call work only. The sizes come from the handle (its origin is this call's key's,
-        so its constants are this bound dispatch's); a size met for the first time, or one whose recv_x is not carved
-        (large), goes through `__call__`."""
-        if xp & 15:
-            raise ValueError('x rows must start at 16-byte aligned addresses')
-        h = handle
-        lean = self._lean_sizes.get((h.num_recv_tokens, h.num_expanded_tokens))
-        if lean is None or self._lean_blocked or ep.ready_guard is not None:
-            if lean is None:
-                self._learn_size(h.num_recv_tokens, h.num_expanded_tokens)
-            return self(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
-        out, patch, x_view, topk_view, fixed, meta_byte, meta_of = lean
-        current = self.stream()
-        comm = ep._order.enter(current, event, self.local)
-        ws, ws_ptr, user_topk, counts = h.workspace, h.workspace_ptr, h._topk_idx, h._counts
-        if user_topk is not None:   # (else the patch takes the workspace's copy)
-            tp = h.topk_idx_ptr
-        if type(counts) is list:    # (the handle's list, which its caller may hold: copied now; numpy: shared)
-            counts = list(counts)
-        carver = self.carver
-        group = carver.empty(out.alloc_shape, out.alloc_dtype, comm if self.alloc_on_comm else None)
-        if x_view is not None:      # torch, BF16, no weights: the views inline (`_learn_size`)
-            g0 = group.data_ptr()
-            recv_x, recv_sf, recv_topk_weights = group.as_strided(*x_view), None, None
-            recv_topk_idx = None if topk_view is None else group.view(self._torch_dtypes[0]).as_strided(*topk_view)
-        else:
-            recv_x, recv_sf, recv_topk_idx, recv_topk_weights, g0 = self._views(group, out)
-        patch(xp, sp, tp, wp, cp, ws_ptr, g0, out.byte_at)
-        if out is not self._recv_sized or self._recv_free:
-            self._size_recv(out, 0)
-        self.recv(comm)
-        # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
-        nh = _new_handle()
-        nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta = fixed
-        nh._origin, nh._counts, nh._meta_ptr, nh._meta_of = self, counts, g0 + meta_byte, (group, meta_of)
-        nh.workspace, nh.workspace_ptr, nh._topk_idx, nh._psum_expert = ws, ws_ptr, user_topk, h._psum_expert
-        if self.async_:
-            event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
-                                          recv_topk_idx, recv_topk_weights, ws, group, user_topk)
-        else:
-            event_out = ep._order.leave(self.kind, current, comm, False)
-        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
-
-    def _run_no_sync(self, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
-                     cp: int):
-        """`__call__` of a dispatch without CPU sync whose outputs are carved out of its workspace (`call_patch`), bound
-        without V1 matrices and with no separate send launch: its per-call work only; the launches back to back."""
-        if xp & 15:
-            raise ValueError('x rows must start at 16-byte aligned addresses')
-        if self._lean_blocked or ep.ready_guard is not None:
-            return self(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
-        current = self.stream()
-        comm = ep._order.enter(current, event, self.local)
-        out = self.fixed
-        ws = self.carver.empty(self.ws_alloc_shape, self.ws_alloc_dtype, comm if self.alloc_on_comm else None)
-        td = self._torch_dtypes
-        if td is not None:          # torch: the views inline (the layout is fixed: their arguments too)
-            ws_ptr = ws.data_ptr()
-            x_view, sf_view, topk_view, weights_view = self._fixed_views
-            recv_x = ws.as_strided(*x_view)
-            recv_sf = None if sf_view is None else ws.view(td[2]).as_strided(*sf_view)
-            recv_topk_idx = None if topk_view is None else ws.view(td[0]).as_strided(*topk_view)
-            recv_topk_weights = None if weights_view is None else ws.view(td[1]).as_strided(*weights_view)
-        else:
-            recv_x, recv_sf, recv_topk_idx, recv_topk_weights, ws_ptr = self._views(ws, out)
-        self.call_patch(xp, sp, tp, wp, cp, ws_ptr)
-        # (the receive block holds the fixed sizes: sized at binding, and after a guarded call `_lean_blocked` sends
-        # the next one through `__call__`, which sizes it back)
-        r = self.recv
-        if r is not self.notify:      # (fused: one launch)
-            self.notify(comm)
-        r(comm)
-        user_topk = topk_idx if self.user_topk else None
-        # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
-        nh = _new_handle()
-        nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta, nh._psum_expert = self._handle_const
-        nh._origin = self
-        nh._counts, nh._meta_ptr, nh._meta_of = [], ws_ptr + self._meta_byte, (ws, self._meta_of)
-        nh.workspace, nh.workspace_ptr, nh._topk_idx = ws, ws_ptr, user_topk
-        if self.async_:
-            event_out = self._async_event(ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
-                                          recv_topk_idx, recv_topk_weights, ws, ws, user_topk)
-        else:
-            event_out = ep._order.leave(self.kind, current, comm, False)
-        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
-
-    def _views(self, group, out: _Outputs):
-        """(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the allocation's address) of a lean path: views of
-        `group` (recv_x carved; the others None where `out` has none)."""
-        td = self._torch_dtypes
-        if td is None:
-            recv_topk_idx, recv_topk_weights, recv_x, recv_sf = _cupy_views(self.carver, group, out, self.x_dtype,
-                                                                             self.sf_dtype)
-            return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, self.carver.ptr(group)
-        topk_at, weights_at, x_at, sf_at, _ = out.at
-        return (group.as_strided(out.x_shape, out.x_strides, x_at),
-                None if sf_at < 0 else group.view(td[2]).as_strided(out.sf_view_shape, out.sf_strides, sf_at),
-                None if topk_at < 0 else group.view(td[0]).as_strided(out.topk_shape, out.topk_strides, topk_at),
-                None if weights_at < 0 else group.view(td[1]).as_strided(out.weights_shape, out.weights_strides,
-                                                                          weights_at),
-                group.data_ptr())
-
-    def _learn_size(self, num_recv: int, num_expanded: int) -> None:
-        """Remember the outputs of a cached call's sizes for `_run_cached` (with the patcher of their pointers), when
-        recv_x is carved out of their allocation."""
-        out = self.outputs(num_recv, num_expanded)
-        if out.byte_at[0] < 0:
-            return
-        present = tuple(b >= 0 for b in out.byte_at)
-        patch = self._lean_patchers.get(present)
-        if patch is None:
-            # Pointers that are 0 on every call of this bound dispatch stay as bound (0): the scales without FP8, the
-            # weights when none are given (both part of the key), and the outputs this layout has none of (all but
-            # recv_x / recv_sf, which are either carved or allocations of their own, depend on the key alone).
-            ws_at = [f'ws + {4 * w}' for w in self.offsets]
-            inputs = dict(zip(_INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
-            for n in self._zeros:
-                inputs.pop(n, None)
-            if self.topk_in_ws:     # (the handle's copy: `tp` is not looked up per call)
-                inputs['topk_idx'] = f'ws + {self.topk_copy_bytes}'
-            outs = tuple((n, f'g0 + b[{k}]') for k, (n, here) in enumerate(zip(_OUTPUTS, present)) if here)
-            patch = self._lean_patchers[present] = _cached_patcher(self.recv, tuple(inputs.items()) + outs)
-        # torch, BF16, no weights: the views' arguments (else `_views` makes them)
-        x_view = topk_view = None
-        if self._torch_dtypes is not None and out.at[1] < 0 and out.at[3] < 0:
-            x_view = (out.x_shape, out.x_strides, out.at[2])
-            topk_view = None if out.at[0] < 0 else (out.topk_shape, out.topk_strides, out.at[0])
-        if len(self._lean_sizes) >= _MAX_SIZES:
-            self._lean_sizes.clear()
-        fixed = (self.handle_fields, out.num_recv, out.num_expanded, None)     # the new handles' slots of these sizes
-        self._lean_sizes[(num_recv, num_expanded)] = (out, patch, x_view, topk_view, fixed, out.byte_at[4],
-                                                      (self.carver, out.meta_shape, out.at[4]))
 
     def _size_recv(self, out: _Outputs, free: int) -> None:
         """The receive launch's words and grid for the sizes `out` (and `free` SMs left to hybrid P2's side stream)."""
@@ -610,19 +426,6 @@ class BoundDispatch:
         else:
             r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
         self._recv_sized, self._recv_free = out, free
-
-    def _v1_matrices(self, legacy, ws, ws_ptr: int, u, ecp: int) -> None:
-        """DeepEP V1's matrices of this call: views of `ws` after the workspace proper, set on `legacy`; their
-        addresses (and the expert counts' `ecp`) patched into the notify launch's argument words `u`."""
-        R, C, base, carver = self.num_ranks, self.v1_channels, self.ws_words, self.carver
-        ws = carver.as_words(ws)
-        legacy.rank_prefix_matrix = carver.view(ws, 'int32', (R, R), base)
-        legacy.channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R)
-        legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R + R * C)
-        mp = ws_ptr + 4 * base
-        i = self.notify_v1_idx
-        u[i[0]], u[i[1]] = ecp, mp
-        u[i[2]], u[i[3]] = (mp + 4 * R * R, mp + 4 * (R * R + R * C)) if C else (0, 0)
 
 
 class BoundCombine:

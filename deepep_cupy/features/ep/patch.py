@@ -46,7 +46,9 @@ def call_patcher(blocks, what: str):
     uses = {}
     for _, _, e in stores:
         uses[e] = uses.get(e, 0) + 1
-    shared = {e: f'a{i}' for i, e in enumerate(e for e, n in uses.items() if n > 1 and not e.isidentifier())}
+    shared = {e: f'a{i}' for i, e in enumerate(e for e, n in uses.items() if n > 1 and not e.isidentifier()
+                                               and not e.endswith(' + 0'))}
+    shared.update((e, e[:-4]) for e in uses if e.endswith(' + 0'))     # ('ws + 0': the workspace's address itself)
     body += [f'    {name} = {e}\n' for e, name in shared.items()]
     body += [f'    u{k}[{i}] = {shared.get(e, e)}\n' for k, i, e in stores]
     exec(compile(f'def patch(xp, sp, tp, wp, cp, ws):\n{"".join(body) or "    pass"}\n', f'<{what} patch>', 'exec'),
