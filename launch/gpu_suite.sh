@@ -172,6 +172,8 @@ ephost_lane() {
     # expanded, cached) and outliving the handle. The host-side order (everything before the launches, launches back
     # to back) is pinned on the CPU (tests/test_ep_host_order_cpu.py); perf1's ep_profile shows the gap it closes.
     step "ep host: carved dispatch outputs (GPU pytest)" 300 $ONE $PY -m pytest -q -x tests/gpu/test_gpu_ep_carve.py
+    # The lean dispatch paths chosen at binding (BoundDispatch.run) against the general call, bitwise (issue #11).
+    step "ep host: lean cached / no-sync paths (GPU pytest)" 300 $ONE $PY -m pytest -q -x tests/gpu/test_gpu_ep_lean.py
 }
 hybrid_lane() {
     # Several scale-up domains on GPU 0: DEEPEP_CUPY_SCALEUP_SIZE cuts the ranks into domains, the rails between

@@ -7,6 +7,7 @@
   workspace's), 256-byte aligned, disjoint from every other output, with the shapes, strides and dtypes (and kernel
   arguments but for the addresses) of separately allocated ones; above `CARVED_RECV_MAX_BYTES` they are separate."""
 
+import functools
 import sys
 
 import pytest
@@ -16,6 +17,8 @@ torch = pytest.importorskip('torch')
 import test_ep_checks_cpu as ep_tests  # noqa: E402
 
 from deepep_cupy.features.ep import bound as ep_bound  # noqa: E402
+from deepep_cupy.features.ep import lean as ep_lean  # noqa: E402
+from deepep_cupy.features.ep import legacy as ep_legacy  # noqa: E402
 from deepep_cupy.features.ep import patch as ep_patch  # noqa: E402
 from deepep_cupy.jit import launch as jit_launch  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
@@ -23,10 +26,20 @@ from deepep_cupy.runtime import interop  # noqa: E402
 R, M, H, K, E = ep_tests.R, ep_tests.M, ep_tests.H, ep_tests.K, ep_tests.E
 BOUND_FILE = ep_bound.__file__
 LAUNCH_CODE = jit_launch.BoundLaunch.__call__.__code__
-ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc'}
+
+
+def _allocate(carver, shape, dtype):
+    """What `Carver.allocator`'s function does, as a Python frame the profiler sees (the real one is a partial of
+    torch.empty: no frame; test_carver_allocator_makes_what_empty_makes checks it)."""
+    return carver.empty(shape, dtype)
+
+
+ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__code__: 'alloc',
+               _allocate.__code__: 'alloc'}
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
-PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv', '_v1_matrices')} | \
+PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv')} | \
+    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'views')} | {(ep_legacy.__file__, 'v1_matrices')} | \
     {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
 
 
@@ -54,6 +67,8 @@ def record_host_calls(fn):
 
 
 def make_buffer(monkeypatch):
+    monkeypatch.setattr(interop.Carver, 'allocator',
+                        lambda self, shape, dtype: functools.partial(_allocate, self, shape, dtype))
     buf = ep_tests.make_buffer(monkeypatch)
 
     def wait_host_counts(seq, n):       # (named: the recorded sequence shows it as 'wait')
@@ -274,6 +289,79 @@ def test_one_patch_of_a_no_sync_dispatch_writes_what_the_block_patches_do(monkey
         ws, size = out[3].workspace_ptr, out[3].workspace.untyped_storage().nbytes()
         runs.append([(e.name, e.grid, {k: ('ws', v - ws) if type(v) is int and ws <= v < ws + size else v
                                        for k, v in e.args.items()}) for e in buf.launches])
-        b.call_patch = None         # the next call: block by block
+        b.call_patch, b.run = None, ep_bound.BoundDispatch.__call__     # the next call: block by block
     assert runs[0] == runs[1]
     assert any(v[0] == 'ws' for v in runs[0][-1][2].values() if type(v) is tuple)
+
+
+def _relative(args, bases):
+    """A launch's arguments with each address inside one of `bases` ((name, address, bytes)) made (name, offset)."""
+    out = {}
+    for k, v in args.items():
+        for name, base, size in bases:
+            if type(v) is int and base <= v < base + size:
+                v = (name, v - base)
+                break
+        out[k] = v
+    return out
+
+
+HANDLE_SLOTS = ('_c', '_origin', 'num_recv_tokens', 'num_expanded_tokens', '_counts', '_meta', '_psum_expert')
+
+
+@pytest.mark.parametrize('case', ['no-sync', 'no-sync fp8', 'cached', 'cached expanded', 'cached from cpu-sync',
+                                  'cached no handle copy'])
+def test_lean_paths_match_the_general_call(monkeypatch, case):
+    """`BoundDispatch.run`'s lean paths (`_run_cached`, `_run_no_sync`) launch what `__call__` launches (every argument;
+    addresses relative to the workspace and the outputs' allocation), return outputs of the same shapes, strides and
+    dtypes, and make a handle with the same slots (they set `EPHandle._new`'s slots inline)."""
+    x, idx, w = ep_tests.make_inputs()
+    buf = make_buffer(monkeypatch)
+    expand = case == 'cached expanded'
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if case == 'no-sync fp8' else x
+    sync = case == 'cached from cpu-sync'
+    first = buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=sync, do_expand=expand,
+                         do_handle_copy=case != 'cached no handle copy')
+    handle = first[3]
+
+    def call():
+        if case.startswith('cached'):
+            return buf.dispatch(x, handle=handle, do_expand=expand)
+        return buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=False)
+    call()          # binds (and a cached call learns its sizes)
+    runs = []
+    for lean in (True, False):
+        b = [v for v in buf._ep._bound.values() if v.run is not ep_bound.BoundDispatch.__call__ or not lean][-1]
+        assert b.run is (ep_lean.run_cached if case.startswith('cached')
+                         else ep_lean.run_no_sync)
+        if not lean:
+            b.run = ep_bound.BoundDispatch.__call__
+        buf.launches.clear()
+        out = call()
+        h = out[3]
+        group = h._meta_of[0]
+        bases = [('ws', h.workspace_ptr, h.workspace.untyped_storage().nbytes()),
+                 ('out', group.data_ptr(), group.untyped_storage().nbytes()), ('x', xin[0].data_ptr() if
+                                                                                  type(xin) is tuple else x.data_ptr(),
+                                                                                  x.untyped_storage().nbytes())]
+        tensors = [t for t in (out[0] if type(out[0]) is tuple else (out[0],)) + out[1:3]]
+        runs.append(([(e.name, e.grid, _relative(e.args, bases)) for e in buf.launches],
+                     [None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() - group.data_ptr())
+                      for t in tensors],
+                     {s: getattr(h, s) for s in HANDLE_SLOTS}, h._meta_ptr - group.data_ptr(),
+                     h.recv_src_metadata.shape, h.topk_idx.shape, type(out[4]).__name__, out[4].event))
+        b.run = ep_lean.run_cached if case.startswith('cached') else \
+            ep_lean.run_no_sync
+    assert runs[0][0] and runs[0] == runs[1]
+
+
+@pytest.mark.parametrize('shape, dtype', [((3, 5), 'bfloat16'), ((7,), 'int32'), ((2, 4), 'float8_e4m3fn')])
+def test_carver_allocator_makes_what_empty_makes(shape, dtype):
+    """`Carver.allocator(shape, dtype)` (the lean paths' allocation, a partial of torch.empty) makes what
+    `Carver.empty(shape, dtype)` makes: shape, dtype, device; a new array per call."""
+    carver = interop.Carver('torch', -1)
+    make = carver.allocator(shape, dtype)
+    a, b, ref = make(), make(), carver.empty(shape, dtype)
+    assert isinstance(make, functools.partial)
+    assert (a.shape, a.dtype, a.device) == (ref.shape, ref.dtype, ref.device) == (b.shape, b.dtype, b.device)
+    assert a.data_ptr() != b.data_ptr() or a.numel() == 0

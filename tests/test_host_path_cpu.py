@@ -66,6 +66,28 @@ def test_no_public_call_creates_an_event(api_counts):
     assert not made, f'calls that create a CUDA event per call (the pool should serve them): {made}'
 
 
+# Python work per call (`--trace` bytecodes; deterministic for one CPython version: counted on 3.11, the CI's) of the EP
+# cases, pinned like the API counts: lower a bound when a change saves work, raising one needs a reason. Issue #11 took
+# them from (895 cached, 939 no-sync, 1018 fp8 no-sync, 1399 cpu-sync, 490 combine) to these.
+PINNED_BYTECODES = {'dispatch cached': 540, 'dispatch no-sync': 630, 'dispatch fp8 no-sync': 700,
+                    'dispatch cpu-sync': 1250, 'combine': 450}
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason='bytecode counts are pinned for CPython 3.11')
+def test_ep_python_work_per_call_does_not_grow():
+    pytest.importorskip('torch')
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / 'perf' / 'host_path_cpu.py'), '--calls', '50', '--trace',
+                           '--json', '--only', ','.join(PINNED_BYTECODES)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r['case']: r for r in (json.loads(line[len('[json] '):]) for line in proc.stdout.splitlines()
+                                   if line.startswith('[json] '))}
+    over = {case: (rows[case]['opcodes'], bound) for case, bound in PINNED_BYTECODES.items()
+            if rows[case]['opcodes'] > bound}
+    assert not over, f'bytecodes per call above their pinned bounds (got, bound): {over}'
+
+
 # ---- the event pool ----------------------------------------------------------------------------------------------
 class _Event:
     made = 0

@@ -215,17 +215,19 @@ class BoundLaunch:
     the C type (a negative pointer, an int32 out of range or a float for an integer raise).
 
     Kernels copy their parameters when launched (also into a captured CUDA graph), so a block may be re-patched right
-    after a launch. Not thread-safe (as the buffers are not).
+    after a launch. The grid may be re-set between launches (`grid = (x, y, z)` or `set_grid`); block and shared
+    memory are fixed at binding. Not thread-safe (as the buffers are not).
     """
 
-    __slots__ = ('spec', 'grid', 'block', 'shared_mem', 'cooperative', 'data', 'pointers_addr', 'u64', 'i64', 'i32',
-                 'u32', 'f32', '_index', '_go', '_keep', '_direct', '_coop')
+    __slots__ = ('spec', '_grid', 'block', 'shared_mem', 'cooperative', 'data', 'pointers_addr', 'u64', 'i64', 'i32',
+                 'u32', 'f32', '_index', '_go', '_keep', '_direct', '_coop', '_fast')
 
     def __init__(self, spec: KernelSpec, layout: struct.Struct, offsets: Tuple[int, ...], grid, block,
                  shared_mem: int, cooperative: bool, go: Callable[['BoundLaunch', object], None],
                  direct: Optional[Tuple[Callable, int]] = None):
         self.spec = spec
-        self.grid, self.block = _dim3(grid), _dim3(block)
+        self._fast = None
+        self._grid, self.block = _dim3(grid), _dim3(block)
         self.shared_mem, self.cooperative = shared_mem, cooperative
         buffer = _ArgBuffer(layout, offsets, round_to=8)
         self._keep = buffer
@@ -242,6 +244,7 @@ class BoundLaunch:
         # (cuLaunchKernel's binding, function): a plain launch on a given stream calls it straight from `__call__`
         # (three Python frames fewer per launch); None: every launch goes through `go`.
         self._direct = None if cooperative else direct
+        self._set_fast()
         # Cooperative: [cuLaunchCooperativeKernel's binding, function, (grid, block, shared_mem) last checked by
         # `Kernel._check_launch` or None]; a launch with that very grid and block (`is`) and shared memory calls it
         # straight (the co-residency check is a function of them); None: every launch goes through `go`.
@@ -254,8 +257,28 @@ class BoundLaunch:
         except KeyError:
             raise KeyError(f'{self.spec.name} has no parameter {name!r}') from None
 
+    @property
+    def grid(self) -> Tuple[int, int, int]:
+        return self._grid
+
+    @grid.setter
+    def grid(self, grid) -> None:
+        # (a 3-tuple as the hot paths set it; `set_grid` normalises other forms)
+        self._grid = grid
+        self._set_fast()
+
     def set_grid(self, grid) -> None:
         self.grid = _dim3(grid)
+
+    def _set_fast(self) -> None:
+        """The direct launch with everything but the stream and the argument block bound (a `functools.partial`: a
+        launch then passes three values instead of unpacking the grid and block per call)."""
+        d = self._direct
+        if d is None:
+            self._fast = None
+            return
+        g, b = self._grid, self.block
+        self._fast = functools.partial(d[0], d[1], g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem)
 
     def values(self) -> Dict[str, object]:
         """The packed arguments by name (for tests and fakes)."""
@@ -264,15 +287,14 @@ class BoundLaunch:
 
     def __call__(self, stream) -> None:
         """Launch on `stream` (a stream object with `.ptr`, or None for CuPy's current stream)."""
-        d = self._direct
-        if d is not None and stream is not None:
-            g, b = self.grid, self.block
-            d[0](d[1], g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream.ptr, self.pointers_addr, 0)
+        fast = self._fast
+        if fast is not None and stream is not None:
+            fast(stream.ptr, self.pointers_addr, 0)
             return
         c = self._coop
         if c is not None and stream is not None:
             checked = c[2]
-            g, b = self.grid, self.block
+            g, b = self._grid, self.block
             if checked is not None and g is checked[0] and b is checked[1] and self.shared_mem == checked[2]:
                 c[0](c[1], g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream.ptr, self.pointers_addr)
                 return

@@ -1,5 +1,6 @@
 """CUDA events for compute/communication overlap (DeepEP's `EventHandle` and `EventOverlap`)."""
 
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 from . import interop
@@ -89,6 +90,13 @@ class EventOverlap:
         extra_tensors: arrays kept alive until the wait.
     """
 
+    # Class-level defaults: `empty_overlap()` makes an instance without running `__init__` (the common return of a
+    # synchronous call; the attributes an instance sets later shadow these).
+    event = None
+    extra_tensors = None
+    hook_after_wait = None
+    _release_handle_by_call = False
+
     def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Sequence[Any]] = None):
         self.event = event
         self.extra_tensors = tuple(extra_tensors) if extra_tensors is not None else None
@@ -132,6 +140,10 @@ class EventOverlap:
         if self.event is not None:
             self.current_stream_wait(release_handle=self._release_handle_by_call)
         self._release_handle_by_call = False
+
+
+# `EventOverlap(None)` without the Python-level `__init__` (a C call: the class defaults above hold its state).
+empty_overlap = functools.partial(object.__new__, EventOverlap)
 
 
 def as_event_handle(previous_event) -> Optional[EventHandle]:

@@ -371,6 +371,13 @@ class Carver:
         with stream:
             return cupy.empty(shape, dtype=dtypes.cupy_storage(dtype))
 
+    def allocator(self, shape, dtype: str):
+        """A function of no arguments making what `empty(shape, dtype)` makes (on the current stream): a partial of
+        torch.empty / cupy.empty, so that a hot path with a fixed output layout allocates without a Python frame."""
+        if self.kind == 'torch':
+            return functools.partial(self._torch.empty, shape, dtype=self._dtype(dtype), device=self._device)
+        return functools.partial(self._cupy.empty, shape, dtype=dtypes.cupy_storage(dtype))
+
     def words(self, num_words: int, stream=None):
         """One int32 allocation to carve views from (`view`)."""
         return self.empty((max(2, num_words),), 'int32', stream)

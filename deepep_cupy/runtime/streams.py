@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 from .. import envs
 from . import interop
-from .event import EventHandle, EventOverlap
+from .event import EventHandle, EventOverlap, empty_overlap
 
 
 class StreamOrder:
@@ -115,7 +115,7 @@ class StreamOrder:
             self._mark.record(current)
             self._marked = True
             self._mark_captured = current.is_capturing()
-        return EventOverlap(None)
+        return empty_overlap()
 
     def settle(self):
         """The communication stream, ordered after every kernel the buffer enqueued (on it or on a caller's stream):
@@ -149,7 +149,7 @@ class StreamOrder:
             live = tuple(t for t in tensors if t is not None)
             return self.event(kind, live, live)
         self.end(current)
-        return EventOverlap(None)
+        return empty_overlap()
 
 
 class DeferredRecord:

@@ -23,6 +23,7 @@ own, so that the large output's memory goes back as soon as the caller drops it,
 
 Order: without a CPU sync every allocation, view and patch comes before the first launch and the launches follow back
 to back (no host gap on the GPU); with one the host waits for the counts between the send and the receive launch.
+The common cached and no-sync calls run lean.py's paths (`BoundDispatch.run`), the others `__call__`.
 
 DeepEP V1 calls (a `LegacyLayout`) are bound too: the key holds its inputs (channels, reported token count, the
 expert counts' signature), so the matrices' sizes and the notify scalars are fixed per bound dispatch; per call the
@@ -35,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ...runtime import interop
 from ...runtime.sizes import align, ceil_div
 from . import fused as ep_fused
+from . import lean as ep_lean
 from . import plan as ep_plan
 from .handle import EPHandle, workspace_layout
 from .kernels import (
@@ -49,6 +51,7 @@ from .kernels import (
     SEND_THREADS,
     dispatch_chunk_rows,
 )
+from .legacy import v1_matrices
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
 from .patch import allocate_x as _allocate_x
@@ -65,9 +68,7 @@ _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync cou
 # docstring): 16 MiB holds a decode step's BF16 recv_x at 8 ranks x 128 tokens x hidden 7168 (14 MiB).
 CARVED_RECV_MAX_BYTES = 16 << 20
 # Pointer arguments patched per call: inputs and workspace parts (known before the send), outputs (after the counts).
-_INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
-           'recv_layout')
-_OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx')
+_INPUTS, _OUTPUTS = ep_lean.INPUTS, ep_lean.OUTPUTS
 
 
 class BoundDispatch:
@@ -183,17 +184,26 @@ class BoundDispatch:
         # No CPU sync and recv_x carved: every pointer is an input's or the workspace's plus a constant, all patched by
         # one generated function (None: block by block).
         self.call_patch = None
+        self._zeros = ep_lean.constant_zeros(p)
         if self.fixed is not None and self.fixed.x_offset >= 0:
-            outs = tuple((n, f'ws + {b}' if b >= 0 else '0') for n, b in zip(_OUTPUTS, self.fixed.byte_at))
-            blocks = [(self.notify, notify_exprs)] + ([(self.send, tuple(inputs.items()))] if self.send else [])
-            self.call_patch = _call_patcher(blocks + [(self.recv, tuple(inputs.items()) + outs)], 'no-sync dispatch')
+            # (pointers that are 0 on every call with this key stay as bound: `lean.constant_zeros`)
+            zero = self._zeros
+            outs = tuple((n, f'ws + {b}') for n, b in zip(_OUTPUTS, self.fixed.byte_at) if b >= 0)
+            ins = tuple((n, e) for n, e in inputs.items() if n not in zero)
+            blocks = [(self.notify, tuple((n, e) for n, e in notify_exprs if n not in zero))]
+            blocks += [(self.send, ins)] if self.send else []
+            self.call_patch = _call_patcher(blocks + [(self.recv, ins + outs)], 'no-sync dispatch')
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
+        if self.fixed is not None:  # (sized now: lean.run_no_sync relies on it, `__call__` re-sizes after a guard)
+            self._size_recv(self.fixed, 0)
         # torch: (int64, float32, recv_sf's dtype) resolved once
         self._torch_dtypes = None
         if self.kind == 'torch':
             import torch
             self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.sf_dtype or 'int32'))
+        # `run`: what `EP.dispatch` calls, the lean path chosen for this binding or `__call__` (lean.py)
+        ep_lean.bind(self, p)
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -311,7 +321,7 @@ class BoundDispatch:
             if one_patch is None:
                 self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
             if self.v1_channels is not None:
-                self._v1_matrices(legacy, ws, ws_ptr, n.u64, ecp)
+                v1_matrices(self, legacy, ws, ws_ptr, n.u64, ecp)
         snd = self.send
         if snd is not None:
             if one_patch is None:
@@ -383,6 +393,7 @@ class BoundDispatch:
         if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
             _patch_guard(r, self.recv_guard_idx, guard)
             self._recv_guarded = guard is not None
+        self._lean_blocked = self.claim or self._send_guarded or self._recv_guarded
         free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
         if out is not self._recv_sized or free != self._recv_free:     # these sizes' words and grid stay in the block
             self._size_recv(out, free)
@@ -394,14 +405,11 @@ class BoundDispatch:
         r(comm)
 
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
-                                   (carver, group, out.meta_shape, meta_at), ws, ws_ptr, user_topk, psum_expert)
+                                   (group, (carver, out.meta_shape, meta_at)), ws, ws_ptr, user_topk, psum_expert)
         if self.async_:
-            sf = x_in[1] if self.fp8 else None
-            xa = x_in[0] if self.fp8 else x_in
-            event_out = ep._order.finish(self.kind, current, True,
-                                         (xa, sf, topk_idx, topk_weights, stats, recv_x, recv_sf, recv_topk_idx,
-                                          recv_topk_weights, ws, group, user_topk,
-                                          None if legacy is None else legacy.expert_counts))
+            event_out = ep_lean.async_event(self, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
+                                          recv_topk_idx, recv_topk_weights, ws, group, user_topk,
+                                          None if legacy is None else legacy.expert_counts)
         else:
             event_out = ep._order.leave(self.kind, current, comm, False)
         out_x = (recv_x, recv_sf) if self.fp8 else recv_x
@@ -419,19 +427,6 @@ class BoundDispatch:
         else:
             r.grid = (self.recv_extra + min(out.grid, self.num_device_sms - self.recv_extra - free), 1, 1)
         self._recv_sized, self._recv_free = out, free
-
-    def _v1_matrices(self, legacy, ws, ws_ptr: int, u, ecp: int) -> None:
-        """DeepEP V1's matrices of this call: views of `ws` after the workspace proper, set on `legacy`; their
-        addresses (and the expert counts' `ecp`) patched into the notify launch's argument words `u`."""
-        R, C, base, carver = self.num_ranks, self.v1_channels, self.ws_words, self.carver
-        ws = carver.as_words(ws)
-        legacy.rank_prefix_matrix = carver.view(ws, 'int32', (R, R), base)
-        legacy.channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R)
-        legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R + R * C)
-        mp = ws_ptr + 4 * base
-        i = self.notify_v1_idx
-        u[i[0]], u[i[1]] = ecp, mp
-        u[i[2]], u[i[3]] = (mp + 4 * R * R, mp + 4 * (R * R + R * C)) if C else (0, 0)
 
 
 class BoundCombine:

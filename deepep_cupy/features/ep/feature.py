@@ -144,28 +144,35 @@ class EP:
         `allow_previous_event_alone`, `legacy`; their defaults keep V2's behaviour): see `plan.plan_dispatch`. They are
         part of the call signature like the others (a `LegacyLayout` by its inputs: channels, reported count and the
         expert counts' signature), so V1 calls are bound too."""
-        self._check_usable()
-        del num_qps, previous_event_before_epilogue     # NVLink-only build: no QPs, single epilogue event
+        # (num_qps, previous_event_before_epilogue: unused in this NVLink-only build: no QPs, one epilogue event)
+        buf = self._buf     # (`_check_usable` inline: its three conditions, the full check only when one holds)
+        if buf._destroyed or buf._failed is not None or self._error_state[0]:
+            buf.check_usable()
         tensor = interop.TORCH_TENSOR[0]
-        fp8 = type(x) is tuple or type(x) is list
-        if fp8 and len(x) == 2:
-            xa, sf = x
-            (xs, xp), (ss, sp) = meta(xa), meta(sf)
-        elif type(x) is tensor:             # `interop.meta` of a plain torch tensor, inline (two calls fewer)
-            xs, xp, ss, sp = (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr(), None, 0
+        if type(x) is tensor:               # `interop.meta` of a plain torch tensor, inline (two calls fewer)
+            fp8, xs, xp, ss, sp = False, (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr(), None, 0
         else:
-            (xs, xp), ss, sp = meta(x), None, 0
-        if type(topk_idx) is tensor:
-            ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
-        elif topk_idx is None:              # (a cached dispatch's: `meta(None)` inline)
+            fp8 = type(x) is tuple or type(x) is list
+            if fp8 and len(x) == 2:
+                xa, sf = x
+                if type(xa) is tensor and type(sf) is tensor:       # (`interop.meta` inline, as above)
+                    xs, xp = (xa.shape, xa.stride(), xa.dtype, xa.get_device()), xa.data_ptr()
+                    ss, sp = (sf.shape, sf.stride(), sf.dtype, sf.get_device()), sf.data_ptr()
+                else:
+                    (xs, xp), (ss, sp) = meta(xa), meta(sf)
+            else:
+                (xs, xp), ss, sp = meta(x), None, 0
+        if topk_idx is None:                # (a cached dispatch's: `meta(None)` inline)
             ts, tp = None, 0
+        elif type(topk_idx) is tensor:
+            ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
         else:
             ts, tp = meta(topk_idx)
-        if type(topk_weights) is tensor:
+        if topk_weights is None:
+            ws, wp = None, 0
+        elif type(topk_weights) is tensor:
             ws, wp = ((topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device()),
                       topk_weights.data_ptr())
-        elif topk_weights is None:
-            ws, wp = None, 0
         else:
             ws, wp = meta(topk_weights)
         if cumulative_local_expert_recv_stats is None:
@@ -181,11 +188,13 @@ class EP:
                   type(legacy.reported_num_tokens), es)
         else:
             es, v1 = object(), False        # plan.py raises TypeError
-        key = (fp8, xs, ss, ts, ws, cs, origin, num_experts, type(num_experts), num_max_tokens_per_rank,
-               type(num_max_tokens_per_rank), expert_alignment, type(expert_alignment), num_sms, type(num_sms),
-               previous_event is None, allocate_on_comm_stream, async_with_compute_stream, do_handle_copy, do_cpu_sync,
-               do_expand, do_zero_padding, use_tma_aligned_col_major_sf, num_worst_tokens, type(num_worst_tokens),
-               allow_previous_event_alone, v1)
+        # (the scalars' types too: 1, 1.0 and True are equal keys, and plan.py rejects all but int; `__class__` is
+        # `type()` for them, one global lookup and call fewer)
+        key = (fp8, xs, ss, ts, ws, cs, origin, num_experts, num_experts.__class__, num_max_tokens_per_rank,
+               num_max_tokens_per_rank.__class__, expert_alignment, expert_alignment.__class__, num_sms,
+               num_sms.__class__, previous_event is None, allocate_on_comm_stream, async_with_compute_stream,
+               do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf, num_worst_tokens,
+               num_worst_tokens.__class__, allow_previous_event_alone, v1)
         b = self._bound.get(key)
         if b is None:
             # Full checks (plan.py); the bound call is remembered when every part of the key is a signature.
@@ -200,8 +209,11 @@ class EP:
                 if not b.claim:
                     self._remember(key, b)
         event = None if previous_event is None else as_event_handle(previous_event)
+        if legacy is None:      # (`run`: the bound call's path specialised at binding, bound.py)
+            return b.run(b, self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle, event, xp, sp,
+                         tp, wp, cp)
         return b(self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle, event, xp, sp, tp, wp,
-                 cp, legacy, ecp if legacy is not None else 0)
+                 cp, legacy, ecp)
 
     def _start_range(self, topk_idx, ptr: int, num_values: int, num_topk: int, stream):
         """Start reading topk_idx's (min, max) back: one small kernel on `stream` (the one that made topk_idx) writing

@@ -54,11 +54,11 @@ class EPHandle:
     a dispatch call does not pay for views nobody reads.
     """
 
-    __slots__ = ('do_expand', 'num_experts', 'expert_alignment', 'num_max_tokens_per_rank', 'num_sms',
-                 'num_recv_tokens', 'num_expanded_tokens', '_counts', '_meta', '_meta_ptr',
-                 '_meta_of', 'num_tokens', 'num_topk', 'hidden', 'kind', 'buffer_id', 'do_cpu_sync', 'num_ranks',
-                 'num_local_experts', 'workspace', 'workspace_ptr', 'offsets', '_topk_idx', '_psum_expert', '_views',
-                 '_origin')
+    # Per dispatch: the counts, the metadata, the workspace, the top-k. `_c`: the fields fixed per bound dispatch (one
+    # tuple shared by every handle it makes; read through the properties below), so that making a handle stores a
+    # dozen slots instead of two dozen. `_views` is set on first use.
+    __slots__ = ('_c', 'num_recv_tokens', 'num_expanded_tokens', '_counts', '_meta', '_meta_ptr', '_meta_of',
+                 'workspace', 'workspace_ptr', '_topk_idx', '_psum_expert', '_views', '_origin')
 
     def __init__(self, *, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
                  num_sms: int, num_recv_tokens: int, num_expanded_tokens: int,
@@ -66,33 +66,19 @@ class EPHandle:
                  hidden: int, kind: str, buffer_id: int, do_cpu_sync: bool, num_ranks: int, workspace: Any,
                  workspace_ptr: int, offsets: Tuple[int, ...], topk_idx: Optional[Any] = None,
                  psum_expert: Optional[Any] = None):
-        self.do_expand = do_expand
-        self.num_experts = num_experts
-        self.expert_alignment = expert_alignment
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_sms = num_sms
+        self._c = (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk,
+                   hidden, kind, buffer_id, do_cpu_sync, num_ranks, num_experts // num_ranks, offsets)
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self._counts = num_recv_tokens_per_expert_list
         self._meta, self._meta_of = recv_src_metadata, None
         self._meta_ptr = recv_src_metadata.data_ptr() if kind == 'torch' else recv_src_metadata.data.ptr
-        self.num_tokens = num_tokens
-        self.num_topk = num_topk
-        self.hidden = hidden
-        self.kind = kind
-        self.buffer_id = buffer_id
-        self.do_cpu_sync = do_cpu_sync
-        self.num_ranks = num_ranks
-        self.num_local_experts = num_experts // num_ranks
         self.workspace = workspace
         self.workspace_ptr = workspace_ptr
-        self.offsets = offsets
         self._topk_idx = topk_idx          # the user's tensor (no copy), else a view of the workspace on access
         self._psum_expert = psum_expert    # set when a cached dispatch switched modes
-        self._views = {}
-        # The bound dispatch that made the handle (None for a handle made here): its fields above other than the
-        # per-dispatch ones (counts, metadata, workspace, top-k) are that dispatch's constants, so later calls with
-        # this handle key their cached checks on it (features/ep/bound.py).
+        # The bound dispatch that made the handle (None for a handle made here): its fields in `_c` are that
+        # dispatch's constants, so later calls with this handle key their cached checks on it (features/ep/bound.py).
         self._origin = None
 
     @classmethod
@@ -100,17 +86,32 @@ class EPHandle:
              meta_ptr: int, meta_of: Tuple, workspace: Any, workspace_ptr: int, topk_idx: Any, psum_expert: Any):
         """A handle from a bound dispatch (`origin`) without keyword binding: `fields` is `origin.handle_fields`,
         (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk, hidden,
-        kind, buffer_id, do_cpu_sync, num_ranks, num_local_experts, offsets). recv_src_metadata is made on first
-        access from `meta_of` = (allocator, allocation, shape, int32 word offset); the kernels take `meta_ptr`."""
+        kind, buffer_id, do_cpu_sync, num_ranks, num_local_experts, offsets), kept as the handle's `_c`.
+        recv_src_metadata is made on first access from `meta_of` = (allocation, (allocator, shape, int32 word
+        offset)): the inner tuple is fixed per output layout, so that a call builds a pair; the kernels take
+        `meta_ptr`."""
         h = cls.__new__(cls)
-        (h.do_expand, h.num_experts, h.expert_alignment, h.num_max_tokens_per_rank, h.num_sms, h.num_tokens,
-         h.num_topk, h.hidden, h.kind, h.buffer_id, h.do_cpu_sync, h.num_ranks, h.num_local_experts,
-         h.offsets) = fields
+        h._c, h._origin = fields, origin
         h.num_recv_tokens, h.num_expanded_tokens, h._counts = num_recv_tokens, num_expanded_tokens, counts
         h._meta, h._meta_ptr, h._meta_of = None, meta_ptr, meta_of
-        h.workspace, h.workspace_ptr = workspace, workspace_ptr
-        h._topk_idx, h._psum_expert, h._views, h._origin = topk_idx, psum_expert, {}, origin
+        h.workspace, h.workspace_ptr, h._topk_idx, h._psum_expert = workspace, workspace_ptr, topk_idx, psum_expert
         return h
+
+    # The fields fixed per bound dispatch (DeepEP V2 names; see the class docstring), read-only.
+    do_expand = property(lambda self: self._c[0])
+    num_experts = property(lambda self: self._c[1])
+    expert_alignment = property(lambda self: self._c[2])
+    num_max_tokens_per_rank = property(lambda self: self._c[3])
+    num_sms = property(lambda self: self._c[4])
+    num_tokens = property(lambda self: self._c[5])
+    num_topk = property(lambda self: self._c[6])
+    hidden = property(lambda self: self._c[7])
+    kind = property(lambda self: self._c[8])
+    buffer_id = property(lambda self: self._c[9])
+    do_cpu_sync = property(lambda self: self._c[10])
+    num_ranks = property(lambda self: self._c[11])
+    num_local_experts = property(lambda self: self._c[12])
+    offsets = property(lambda self: self._c[13])
 
     @property
     def num_recv_tokens_per_expert_list(self) -> List[int]:
@@ -126,14 +127,14 @@ class EPHandle:
     def recv_src_metadata(self):
         """`[rows, num_topk + 2]` int32 (see the class docstring); a view made on first access."""
         if self._meta is None:
-            carver, base, shape, offset = self._meta_of
+            base, (carver, shape, offset) = self._meta_of
             self._meta = carver.view(base, 'int32', shape, offset)
         return self._meta
 
     @property
     def metadata_owner(self) -> Any:
         """The allocation holding recv_src_metadata (what an asynchronous combine keeps alive)."""
-        return self._meta if self._meta_of is None else self._meta_of[1]
+        return self._meta if self._meta_of is None else self._meta_of[0]
 
     # ---- addresses for the kernels ---------------------------------------------------------------------------------
     def ptr(self, part: int) -> int:
@@ -145,14 +146,23 @@ class EPHandle:
     def topk_idx_ptr(self) -> int:
         if self._topk_idx is not None:
             t = self._topk_idx
-            return t.data_ptr() if self.kind == 'torch' else t.data.ptr
+            return t.data_ptr() if self._c[8] == 'torch' else t.data.ptr
         return self.ptr(4)
 
     # ---- views ----------------------------------------------------------------------------------------------------
+    def _views_of(self) -> dict:
+        """The views made so far (by key), made on first use."""
+        try:
+            return self._views
+        except AttributeError:
+            views = self._views = {}
+            return views
+
     def _workspace_int32(self):
         """The workspace allocation as int32 (a no-sync dispatch's is of recv_x's dtype when recv_x is carved out of
         it: features/ep/bound.py)."""
-        ws = self._views.get('int32')
+        views = self._views_of()
+        ws = views.get('int32')
         if ws is None:
             ws = self.workspace
             if self.kind == 'torch':
@@ -162,12 +172,13 @@ class EPHandle:
             elif ws.dtype.itemsize != 4 or ws.dtype.kind != 'i':
                 import cupy
                 ws = ws.view(cupy.int32)
-            self._views['int32'] = ws
+            views['int32'] = ws
         return ws
 
     def _view(self, part: int, shape: Tuple[int, ...], int64: bool = False, start: int = 0):
         key = (part, shape, start)
-        v = self._views.get(key)
+        views = self._views_of()
+        v = views.get(key)
         if v is None:
             words = 1
             for s in shape:
@@ -182,7 +193,7 @@ class EPHandle:
                     steps.append(step)
                     step *= n
                 v = ws.as_strided(shape, tuple(reversed(steps)), begin)
-                self._views[key] = v
+                views[key] = v
                 return v
             flat = ws[begin:begin + words]
             if self.kind == 'torch':
@@ -191,7 +202,7 @@ class EPHandle:
             else:
                 import cupy
                 v = (flat.view(cupy.int64) if int64 else flat).reshape(shape)
-            self._views[key] = v
+            views[key] = v
         return v
 
     @property
@@ -238,7 +249,7 @@ class EPHandle:
     @property
     def num_rows(self) -> int:
         """Rows of the dispatch output (and of a matching combine's input)."""
-        return self.num_expanded_tokens if self.do_expand else self.num_recv_tokens
+        return self.num_expanded_tokens if self._c[0] else self.num_recv_tokens
 
     def __repr__(self) -> str:
         return (f'EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, '

@@ -55,3 +55,18 @@ class LegacyLayout:
         checks.check_dtype(ei, 'num_tokens_per_expert', 'int32')
         checks.check_shape(ei, 'num_tokens_per_expert', (num_experts,))
         checks.check_contiguous(ei, 'num_tokens_per_expert')
+
+
+def v1_matrices(b, legacy: LegacyLayout, ws, ws_ptr: int, u, ecp: int) -> None:
+    """DeepEP V1's matrices of one call of the bound dispatch `b` (bound.py): views of its workspace allocation `ws`
+    after the workspace proper, set on `legacy`; their addresses (and the expert counts' `ecp`) patched into the
+    notify launch's argument words `u`."""
+    R, C, base, carver = b.num_ranks, b.v1_channels, b.ws_words, b.carver
+    ws = carver.as_words(ws)
+    legacy.rank_prefix_matrix = carver.view(ws, 'int32', (R, R), base)
+    legacy.channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R)
+    legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R + R * C)
+    mp = ws_ptr + 4 * base
+    i = b.notify_v1_idx
+    u[i[0]], u[i[1]] = ecp, mp
+    u[i[2]], u[i[3]] = (mp + 4 * R * R, mp + 4 * (R * R + R * C)) if C else (0, 0)

@@ -36,14 +36,29 @@ def call_patcher(blocks, what: str):
     """`patch(xp, sp, tp, wp, cp, ws)` storing, for each `(bound, exprs)` of `blocks` and each (parameter name,
     expression) of `exprs` that the bound launch's kernel takes, the expression's value at its word: every pointer of a
     call's launches in one straight-line function (a call whose pointers are all the inputs' or the workspace's plus
-    constants: a no-sync dispatch with its outputs carved out of the workspace's allocation)."""
-    namespace, body = {}, []
+    constants: a no-sync dispatch with its outputs carved out of its workspace's allocation). The blocks' views are
+    default arguments (fast locals); 'ws + 0' is stored as `ws`."""
+    namespace, body, views = {}, [], []
     for k, (bound, exprs) in enumerate(blocks):
-        namespace[f'u{k}'] = bound.u64
+        namespace[f'v{k}'] = bound.u64
+        views.append(f'u{k}=v{k}')
         taken = set(bound.spec.param_names)
-        body += [f'    u{k}[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken]
-    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws):\n{"".join(body) or "    pass"}\n', f'<{what} patch>', 'exec'),
-         namespace)
+        body += [f'    u{k}[{bound.index(n)}] = {e[:-4] if e.endswith(" + 0") else e}\n' for n, e in exprs
+                 if n in taken]
+    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws, {", ".join(views)}):\n{"".join(body) or "    pass"}\n',
+                 f'<{what} patch>', 'exec'), namespace)
+    return namespace['patch']
+
+
+def cached_patcher(bound, exprs):
+    """`patch(xp, sp, tp, wp, cp, ws, g0, b)` storing, for each (parameter name, expression) of `exprs` that
+    `bound`'s kernel takes, the expression's value at its word: a cached dispatch's pointers, of the call's inputs, its
+    handle's workspace `ws` and its outputs' allocation `g0` (`b`: the outputs' byte offsets, `Outputs.byte_at`)."""
+    namespace, taken = {'v': bound.u64}, set(bound.spec.param_names)
+    body = ''.join(f'    u[{bound.index(n)}] = {e[:-4] if e.endswith(" + 0") else e}\n' for n, e in exprs
+                   if n in taken) or '    pass\n'
+    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws, g0, b, u=v):\n{body}', f'<cached patch of {bound.spec.name}>',
+                 'exec'), namespace)
     return namespace['patch']
 
 

@@ -1,0 +1,218 @@
+"""The lean paths of a bound dispatch (bound.py's `BoundDispatch.run`, chosen at binding): a cached dispatch and a
+no-sync one with its outputs carved out of its workspace, in the common case (no V1 matrices, no separate send
+launch, a cached call in its handle's mode), with only their per-call work: the checks that stay per call (x's
+alignment; the handle's type and origin, shapes and flags are the call's key), one allocation, the views, one
+generated patcher of the launch arguments, the launches back to back, the handle's slots, the event. Everything fixed
+per bound dispatch (or per output sizes of a cached one) is precomputed: the patchers, the views' arguments, the
+allocation function, the handles' fixed slots. They fall back to `BoundDispatch.__call__` while it must run (the data
+region not yet claimed, a readiness guard set or left in a block) and for outputs too large to be carved.
+
+Issue #11: the Python host path is what an eager decode-sized dispatch costs on the GPU host
+(tests/test_ep_host_order_cpu.py pins that these paths launch what `__call__` launches, tests/test_host_path_cpu.py
+their bytecodes per call)."""
+
+import functools
+from typing import Optional, Tuple
+
+from . import plan as ep_plan
+from .handle import EPHandle
+from .patch import Outputs as _Outputs
+from .patch import cached_patcher, cupy_views
+
+MAX_SIZES = 64      # output sizes remembered per cached bound dispatch (CPU-sync handles' sizes vary per call)
+# Pointer arguments patched per call: inputs and workspace parts (bound.py's names, in its order), outputs
+INPUTS = ('x', 'sf', 'topk_idx', 'topk_weights', 'send_pos', 'send_expert_pos', 'token_of_slot', 'send_count',
+          'recv_layout')
+OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_metadata', 'recv_src_idx')
+
+# A handle without `__init__` (the lean paths set its slots as `EPHandle._new` does)
+_new_handle = functools.partial(EPHandle.__new__, EPHandle)
+
+
+def constant_zeros(p: ep_plan.DispatchPlan) -> Tuple[str, ...]:
+    """The pointer arguments that are 0 on every call of a bound dispatch (the signature says the array is absent):
+    bound as 0, a generated patcher leaves them."""
+    return tuple(n for n, absent in (('sf', p.sfi is None), ('topk_weights', p.topk_weights is None),
+                                     ('cumulative_stats', p.stats is None)) if absent)
+
+
+def bind(b, p: ep_plan.DispatchPlan) -> None:
+    """Choose the bound dispatch `b`'s `run` for its checked plan `p` (at the end of its binding) and precompute what
+    the lean path takes: `b.run` is a plain function (`run_cached`, `run_no_sync` or `BoundDispatch.__call__`), kept
+    on the instance without a reference cycle; `EP.dispatch` calls `b.run(b, ...)`."""
+    f = b.fixed
+    # no CPU sync, torch: the views' arguments of the fixed layout (recv_x, recv_sf, recv_topk_idx, recv_topk_weights;
+    # None: none); the handles' slots fixed per bound dispatch; the metadata's place; the workspace's allocation as one
+    # call on the caller's stream (None: `Carver.empty` on the comm stream)
+    b._fixed_views = b._handle_const = b._meta_of = None
+    b._meta_byte = 0
+    if f is not None:
+        topk_at, weights_at, x_at, sf_at, _ = f.at
+        b._fixed_views = ((f.x_shape, f.x_strides, x_at) if x_at >= 0 else None,
+                          (f.sf_view_shape, f.sf_strides, sf_at) if sf_at >= 0 else None,
+                          (f.topk_shape, f.topk_strides, topk_at) if topk_at >= 0 else None,
+                          (f.weights_shape, f.weights_strides, weights_at) if weights_at >= 0 else None)
+        b._handle_const = (b.handle_fields, f.num_recv, f.num_expanded, None, None)
+        b._meta_byte, b._meta_of = f.byte_at[4], (b.carver, f.meta_shape, f.at[4])
+    b._ws_alloc = None if b.alloc_on_comm else b.carver.allocator(b.ws_alloc_shape, b.ws_alloc_dtype)
+    # `__call__` runs while `_lean_blocked` (the data region not yet claimed, or a readiness guard left in a block)
+    b._lean_blocked = b.claim
+    b._lean_sizes = {}          # cached: (num_recv, num_expanded) -> `learn_size`'s entry
+    b._lean_patchers = {}       # cached: the outputs' presence -> their patcher
+    plain = b.v1_channels is None and b.send is None
+    # cached: whether the handles of this key keep their top-k ids in the workspace (the origin's do_handle_copy)
+    b.topk_in_ws = p.cached and p.handle._topk_idx is None
+    if p.cached and plain and p.do_expand == p.handle.do_expand:
+        b.run = run_cached
+    elif b.call_patch is not None and plain:
+        b.run = run_no_sync
+    else:
+        b.run = type(b).__call__
+
+
+def run_cached(b, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, event, xp: int, sp: int, tp: int,
+                wp: int, cp: int):
+    """`__call__` of a cached dispatch bound without V1 matrices, with one launch, in its handle's mode (no
+    psum to recompute): its per-call work only. The sizes come from the handle (its origin is this call's key's,
+    so its constants are this bound dispatch's); a size whose recv_x is not carved (large) goes through
+    `__call__`."""
+    if xp & 15:
+        raise ValueError('x rows must start at 16-byte aligned addresses')
+    h = handle
+    lean = b._lean_sizes.get((h.num_recv_tokens, h.num_expanded_tokens))
+    if lean is None:    # (a size met for the first time: CPU-sync handles' sizes vary per call)
+        lean = learn_size(b, h.num_recv_tokens, h.num_expanded_tokens)
+    if lean is None or b._lean_blocked or ep.ready_guard is not None:
+        return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
+    out, patch, x_view, topk_view, fixed, meta_byte, meta_of, alloc = lean
+    current = b.stream()
+    comm = ep._order.enter(current, event, b.local)
+    ws, ws_ptr, user_topk, counts = h.workspace, h.workspace_ptr, h._topk_idx, h._counts
+    if user_topk is not None:   # (else the patch takes the workspace's copy)
+        tp = h.topk_idx_ptr
+    if type(counts) is list:    # (the handle's list, which its caller may hold: copied now; numpy: shared)
+        counts = list(counts)
+    carver = b.carver
+    group = alloc() if alloc is not None else carver.empty(out.alloc_shape, out.alloc_dtype, comm)
+    if x_view is not None:      # torch, BF16, no weights: the views inline (`_learn_size`)
+        g0 = group.data_ptr()
+        recv_x, recv_sf, recv_topk_weights = group.as_strided(*x_view), None, None
+        recv_topk_idx = None if topk_view is None else group.view(b._torch_dtypes[0]).as_strided(*topk_view)
+    else:
+        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, g0 = views(b, group, out)
+    patch(xp, sp, tp, wp, cp, ws_ptr, g0, out.byte_at)
+    if out is not b._recv_sized or b._recv_free:
+        b._size_recv(out, 0)
+    b.recv(comm)
+    # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
+    nh = _new_handle()
+    nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta = fixed
+    nh._origin, nh._counts, nh._meta_ptr, nh._meta_of = b, counts, g0 + meta_byte, (group, meta_of)
+    nh.workspace, nh.workspace_ptr, nh._topk_idx, nh._psum_expert = ws, ws_ptr, user_topk, h._psum_expert
+    if b.async_:
+        event_out = async_event(b, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
+                                      recv_topk_idx, recv_topk_weights, ws, group, user_topk)
+    else:
+        event_out = ep._order.leave(b.kind, current, comm, False)
+    return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
+
+def run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
+                 cp: int):
+    """`__call__` of a dispatch without CPU sync whose outputs are carved out of its workspace (`call_patch`), bound
+    without V1 matrices and with no separate send launch: its per-call work only; the launches back to back."""
+    if xp & 15:
+        raise ValueError('x rows must start at 16-byte aligned addresses')
+    if b._lean_blocked or ep.ready_guard is not None:
+        return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
+    current = b.stream()
+    comm = ep._order.enter(current, event, b.local)
+    out, alloc = b.fixed, b._ws_alloc
+    ws = alloc() if alloc is not None else b.carver.empty(b.ws_alloc_shape, b.ws_alloc_dtype, comm)
+    td = b._torch_dtypes
+    if td is not None:          # torch: the views inline (the layout is fixed: their arguments too)
+        ws_ptr = ws.data_ptr()
+        x_view, sf_view, topk_view, weights_view = b._fixed_views
+        recv_x = ws.as_strided(*x_view)
+        recv_sf = None if sf_view is None else ws.view(td[2]).as_strided(*sf_view)
+        recv_topk_idx = None if topk_view is None else ws.view(td[0]).as_strided(*topk_view)
+        recv_topk_weights = None if weights_view is None else ws.view(td[1]).as_strided(*weights_view)
+    else:
+        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, ws_ptr = views(b, ws, out)
+    b.call_patch(xp, sp, tp, wp, cp, ws_ptr)
+    # (the receive block holds the fixed sizes: sized at binding, and after a guarded call `_lean_blocked` sends
+    # the next one through `__call__`, which sizes it back)
+    r = b.recv
+    if r is not b.notify:      # (fused: one launch)
+        b.notify(comm)
+    r(comm)
+    user_topk = topk_idx if b.user_topk else None
+    # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
+    nh = _new_handle()
+    nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta, nh._psum_expert = b._handle_const
+    nh._origin = b
+    nh._counts, nh._meta_ptr, nh._meta_of = [], ws_ptr + b._meta_byte, (ws, b._meta_of)
+    nh.workspace, nh.workspace_ptr, nh._topk_idx = ws, ws_ptr, user_topk
+    if b.async_:
+        event_out = async_event(b, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
+                                      recv_topk_idx, recv_topk_weights, ws, ws, user_topk)
+    else:
+        event_out = ep._order.leave(b.kind, current, comm, False)
+    return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
+
+def views(b, group, out: _Outputs):
+    """(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the allocation's address) of a lean path: views of
+    `group` (recv_x carved; the others None where `out` has none)."""
+    td = b._torch_dtypes
+    if td is None:
+        recv_topk_idx, recv_topk_weights, recv_x, recv_sf = cupy_views(b.carver, group, out, b.x_dtype,
+                                                                         b.sf_dtype)
+        return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, b.carver.ptr(group)
+    topk_at, weights_at, x_at, sf_at, _ = out.at
+    return (group.as_strided(out.x_shape, out.x_strides, x_at),
+            None if sf_at < 0 else group.view(td[2]).as_strided(out.sf_view_shape, out.sf_strides, sf_at),
+            None if topk_at < 0 else group.view(td[0]).as_strided(out.topk_shape, out.topk_strides, topk_at),
+            None if weights_at < 0 else group.view(td[1]).as_strided(out.weights_shape, out.weights_strides,
+                                                                      weights_at),
+            group.data_ptr())
+
+def learn_size(b, num_recv: int, num_expanded: int) -> Optional[tuple]:
+    """`_run_cached`'s entry for these sizes (remembered): the outputs' layout, the patcher of their pointers, the
+    views' arguments, the new handles' slots fixed by the sizes, the allocation function; None when recv_x is not
+    carved out of the outputs' allocation."""
+    out = b.outputs(num_recv, num_expanded)
+    if out.byte_at[0] < 0:
+        return None
+    present = tuple(at >= 0 for at in out.byte_at)
+    patch = b._lean_patchers.get(present)
+    if patch is None:
+        # Pointers that are 0 on every call of this bound dispatch stay as bound (0): the scales without FP8, the
+        # weights when none are given (both part of the key), and the outputs this layout has none of (all but
+        # recv_x / recv_sf, which are either carved or allocations of their own, depend on the key alone).
+        ws_at = [f'ws + {4 * w}' for w in b.offsets]
+        inputs = dict(zip(INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
+        for n in b._zeros:
+            inputs.pop(n, None)
+        if b.topk_in_ws:     # (the handle's copy: `tp` is not looked up per call)
+            inputs['topk_idx'] = f'ws + {b.topk_copy_bytes}'
+        outs = tuple((n, f'g0 + b[{k}]') for k, (n, here) in enumerate(zip(OUTPUTS, present)) if here)
+        patch = b._lean_patchers[present] = cached_patcher(b.recv, tuple(inputs.items()) + outs)
+    # torch, BF16, no weights: the views' arguments (else `_views` makes them)
+    x_view = topk_view = None
+    if b._torch_dtypes is not None and out.at[1] < 0 and out.at[3] < 0:
+        x_view = (out.x_shape, out.x_strides, out.at[2])
+        topk_view = None if out.at[0] < 0 else (out.topk_shape, out.topk_strides, out.at[0])
+    if len(b._lean_sizes) >= MAX_SIZES:
+        b._lean_sizes.clear()
+    fixed = (b.handle_fields, out.num_recv, out.num_expanded, None)     # the new handles' slots of these sizes
+    lean = b._lean_sizes[(num_recv, num_expanded)] = (
+        out, patch, x_view, topk_view, fixed, out.byte_at[4], (b.carver, out.meta_shape, out.at[4]),
+        None if b.alloc_on_comm else b.carver.allocator(out.alloc_shape, out.alloc_dtype))
+    return lean
+
+
+def async_event(b, ep, current, x_in, *tensors):
+    """The `EventOverlap` of an asynchronous call of the bound dispatch `b` (also `__call__`'s), holding (and recorded
+    on) x, its scales and `tensors`."""
+    sf = x_in[1] if b.fp8 else None
+    xa = x_in[0] if b.fp8 else x_in
+    return ep._order.finish(b.kind, current, True, (xa, sf) + tensors)

@@ -1,0 +1,71 @@
+"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`; issue #11) on a
+GPU, one rank: for torch and CuPy arrays, BF16 and FP8, no-sync and cached dispatches (handles from no-sync, CPU-sync
+and expanded dispatches), the outputs, the new handle's metadata and layout, and the combine of its rows are bitwise
+equal to those of the general `__call__` on the same inputs. Skipped without a GPU."""
+
+import numpy as np
+import pytest
+from test_gpu_ep_carve import E, H, K, M, _defined_rows, _host, _inputs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize('kind', ['torch', 'cupy'])
+@pytest.mark.parametrize('fp8', [False, True])
+@pytest.mark.parametrize('mode', ['no-sync', 'cached', 'cached from cpu-sync', 'cached expanded',
+                                  'cached no handle copy'])
+def test_lean_paths_equal_the_general_call(kind, fp8, mode):
+    pytest.importorskip('torch')
+    from deepep_cupy import ElasticBuffer
+    from deepep_cupy.features.ep import lean
+    from deepep_cupy.features.ep.bound import BoundDispatch
+    x, idx, w = _inputs(kind, fp8)
+    expand = mode == 'cached expanded'
+    first_kw = dict(num_experts=E, do_cpu_sync=mode == 'cached from cpu-sync',
+                    do_handle_copy=mode != 'cached no handle copy')
+    if expand:
+        first_kw.update(do_expand=True, expert_alignment=4)
+    buf = ElasticBuffer(num_max_tokens_per_rank=M, hidden=H, num_topk=K, explicitly_destroy=True)
+    cached = mode.startswith('cached')
+    lean_run = lean.run_cached if cached else lean.run_no_sync
+    try:
+        first = buf.dispatch(x, idx, w, **first_kw)
+
+        def call():
+            if cached:
+                return buf.dispatch(x, handle=first[3], do_expand=expand)
+            return buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)
+        call()          # binds (a cached call learns its sizes)
+        got = []
+        for is_lean in (True, False):
+            b = [v for v in buf._ep._bound.values() if v.run is lean_run]
+            assert len(b) == 1, 'the call must be bound to its lean path'
+            if not is_lean:
+                b[0].run = BoundDispatch.__call__
+            out = call()
+            handle = out[3]
+            meta = _host(handle.recv_src_metadata)
+            rows = _defined_rows(handle, meta, expand)
+            recv_x, recv_sf = out[0] if fp8 else (out[0], None)
+            num_recv = int(_host(handle.psum_num_recv_tokens_per_scaleup_rank)[-1])
+            combined = None
+            if not fp8:
+                combined = _host(buf.combine(recv_x, handle)[0])
+            got.append(dict(x=_host(recv_x)[rows], sf=None if recv_sf is None else _host(recv_sf)[rows],
+                            topk=None if out[1] is None else _host(out[1])[rows],
+                            weights=None if out[2] is None else _host(out[2])[rows], meta=meta[:num_recv],
+                            layout=_host(handle.recv_layout), psum=_host(handle.psum_num_recv_tokens_per_expert),
+                            counts=list(handle.num_recv_tokens_per_expert_list), combined=combined,
+                            sizes=(handle.num_recv_tokens, handle.num_expanded_tokens), rows=rows))
+            b[0].run = lean_run
+    finally:
+        buf.destroy()
+    a, g = got
+    assert len(a['rows']) > 0
+    for name in a:
+        if g[name] is None:
+            assert a[name] is None, name
+        elif isinstance(g[name], np.ndarray):
+            assert np.array_equal(a[name], g[name]), f'{name}: the lean path differs from __call__'
+        else:
+            assert a[name] == g[name], name
