@@ -263,9 +263,11 @@ class BoundLaunch:
 
     @grid.setter
     def grid(self, grid) -> None:
-        # (a 3-tuple as the hot paths set it; `set_grid` normalises other forms)
-        self._grid = grid
-        self._set_fast()
+        # (a 3-tuple as the hot paths set it; `set_grid` normalises other forms). An unchanged grid keeps its partial
+        # (and its object, which the cooperative launch's check compares by identity): some calls set it every time.
+        if grid != self._grid:
+            self._grid = grid
+            self._set_fast()
 
     def set_grid(self, grid) -> None:
         self.grid = _dim3(grid)
