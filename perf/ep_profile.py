@@ -8,7 +8,7 @@ Per variant (default: the dispatch kernel; no-overlap: DEEPEP_CUPY_EP_DISPATCH_O
 DEEPEP_CUPY_EP_LEGACY_DISPATCH=1; fused: DEEPEP_CUPY_EP_FUSED_NOTIFY=1, the no-sync dispatch as one launch), tokens
 and dtype (BF16, FP8):
   [host]      host wall time of one call: median from idle (GPU idle and ranks aligned before each call), and per call
-              back to back
+              back to back (the best of --host-batches batches' means)
   [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
               kernel start to last kernel end (what the GPU sees of one call). CPU-sync calls start with the top-k range
               check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
     p.add_argument('--num-experts', type=int, default=256, help='experts in all')
     p.add_argument('--num-calls', type=int, default=30, help='calls per case')
+    p.add_argument('--host-batches', type=int, default=5,
+                   help='[host] back to back: the best of this many batches of --num-calls calls')
     p.add_argument('--graph-max-tokens', type=int, default=512, help='also CUDA-graph replays up to this size')
     p.add_argument('--variants', default='default,no-overlap,legacy',
                    help=f'dispatch variants, comma separated, of {sorted(VARIANTS)}')
@@ -189,12 +191,16 @@ class Runner:
             host.append(time.perf_counter() - t0)
         self.aligned()
         idle = max(self.group.allgather_object(float(np.median(host)) * 1e6))
-        t0 = time.perf_counter()
-        for _ in range(num_calls):
-            fn()
-        loop = (time.perf_counter() - t0) / num_calls
-        self.aligned()
-        return idle, max(self.group.allgather_object(loop * 1e6))
+        # Back to back: the best of a few batches' means (as `timeit` advises: one batch's mean carries whatever else
+        # the host did meanwhile, which varied by 1.5x between this machine's runs of the same code).
+        loops = []
+        for _ in range(self.args.host_batches):
+            t0 = time.perf_counter()
+            for _ in range(num_calls):
+                fn()
+            loops.append((time.perf_counter() - t0) / num_calls)
+            self.aligned()
+        return idle, max(self.group.allgather_object(min(loops) * 1e6))
 
     def timeline(self, fn, num_calls):
         torch = self.torch
