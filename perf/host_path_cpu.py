@@ -4,7 +4,8 @@ replaced (tests/fakes.py's buffer; kernels are real `jit.launch.Kernel`s that pa
 whose launch is a no-op; CPU torch tensors; streams and events that do nothing). The notify and range kernels'
 fakes write their host-mapped records, so the host's polling runs too.
 
-    PYTHONPATH=. python perf/host_path_cpu.py [--calls 2000] [--tokens 128] [--ranks 1] [--json] [--trace]
+    PYTHONPATH=. python perf/host_path_cpu.py [--calls 2000] [--tokens 128] [--buffer-tokens 4096] [--ranks 1]
+        [--json] [--trace]
 
 What it measures is the Python cost (checks, plans, argument packing, bookkeeping) plus CPU torch's allocations;
 it does not see the CUDA API calls themselves (`cuLaunchKernel`, the caching allocator, event records), which the
@@ -278,8 +279,10 @@ def traced(fn, calls: int = 200):
 
 
 def ep_cases(args):
-    buf = make_buffer(args.ranks, 0, 1 << 30, num_max_tokens_per_rank=args.tokens, hidden=args.hidden,
-                      num_topk=args.topk)
+    # (--buffer-tokens: a buffer for more tokens than the calls send, e.g. perf/ep_profile.py's 4096, whose no-sync
+    # worst-case recv_x is too large to carve out of the workspace's allocation)
+    buf = make_buffer(args.ranks, 0, 1 << 30, num_max_tokens_per_rank=args.buffer_tokens or args.tokens,
+                      hidden=args.hidden, num_topk=args.topk)
     g = torch.Generator().manual_seed(0)
     n = args.tokens
     x = torch.randn(n, args.hidden, generator=g).to(torch.bfloat16)
@@ -388,6 +391,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--calls', type=int, default=2000)
     p.add_argument('--tokens', type=int, default=128)
+    p.add_argument('--buffer-tokens', type=int, default=None,
+                   help='num_max_tokens_per_rank of the dispatch / combine cases\' buffer (default: --tokens)')
     p.add_argument('--hidden', type=int, default=7168)
     p.add_argument('--topk', type=int, default=8)
     p.add_argument('--experts', type=int, default=256)

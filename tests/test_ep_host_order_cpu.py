@@ -5,8 +5,11 @@
   the wait for the counts, the outputs' allocation, then the receive;
 - one allocation: decode-sized recv_x / recv_sf are carved out of the call's small-outputs allocation (no-sync: the
   workspace's), 256-byte aligned, disjoint from every other output, with the shapes, strides and dtypes (and kernel
-  arguments but for the addresses) of separately allocated ones; above `CARVED_RECV_MAX_BYTES` they are separate."""
+  arguments but for the addresses) of separately allocated ones; above `CARVED_RECV_MAX_BYTES` they are separate
+  (also made before the first launch);
+- the lean paths (features/ep/lean.py, carved or not) launch what the general `__call__` launches."""
 
+import contextlib
 import functools
 import sys
 
@@ -39,7 +42,8 @@ ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__co
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
 PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv')} | \
-    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'views')} | {(ep_legacy.__file__, 'v1_matrices')} | \
+    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'run_no_sync_large', 'views')} | \
+    {(ep_legacy.__file__, 'v1_matrices')} | \
     {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
 
 
@@ -93,30 +97,40 @@ def assert_launches_back_to_back(seen, num_launches):
     ('legacy kernels', {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}, 3),
     ('fused', {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}, 1),
 ])
-@pytest.mark.parametrize('fp8', [False, True])
+@pytest.mark.parametrize('fp8, tma', [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize('carved', [True, False])
 def test_no_sync_dispatch_prepares_everything_then_launches_back_to_back(monkeypatch, structure, env, num_launches,
-                                                                         fp8):
+                                                                         fp8, tma, carved):
+    """Also with worst-case outputs too large to carve (`carved` False: recv_x and recv_sf are allocations of their
+    own, made before the first launch too; the lean path `run_no_sync_large` where it applies)."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    if not carved:
+        monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', 0)
     x, idx, w = ep_tests.make_inputs()
     xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if fp8 else x
     buf = make_buffer(monkeypatch)
+    # the workspace, recv_x and recv_sf in one allocation; not carved: recv_x's and recv_sf's own after it
+    allocs = 1 if carved else 2 + fp8
     for _ in range(3):           # the first call binds; the bound ones must keep the order too
         buf.launches.clear()
         out, seen = record_host_calls(lambda: buf.dispatch(xin, idx, w, num_experts=E, num_sms=4,
-                                                           do_cpu_sync=False))
+                                                           do_cpu_sync=False, use_tma_aligned_col_major_sf=tma))
         assert len(buf.launches) == num_launches
         assert_launches_back_to_back(seen, num_launches)
-        assert seen.count('alloc') == 1, seen          # the workspace, recv_x and recv_sf in one allocation
+        assert seen.count('alloc') == allocs, seen
+    (b,) = buf._ep._bound.values()
     if structure == 'fused':
-        assert buf._ep._bound and next(iter(buf._ep._bound.values())).fused
+        assert b.fused
+    if structure in ('one launch', 'fused'):        # (the lean paths: no separate send launch)
+        assert b.run is (ep_lean.run_no_sync if carved else ep_lean.run_no_sync_large)
     # Cached with the handle: the send (if any) and the receive back to back after the one allocation.
     cached = 2 if structure in ('send + receive', 'legacy kernels') else 1
     buf.launches.clear()
-    _, seen = record_host_calls(lambda: buf.dispatch(xin, handle=out[3]))
+    _, seen = record_host_calls(lambda: buf.dispatch(xin, handle=out[3], use_tma_aligned_col_major_sf=tma))
     assert len(buf.launches) == cached
     assert_launches_back_to_back(seen, cached)
-    assert seen.count('alloc') == 1, seen
+    assert seen.count('alloc') == allocs, seen
 
 
 def test_cpu_sync_dispatch_waits_for_the_counts_between_send_and_receive(monkeypatch):
@@ -309,50 +323,70 @@ def _relative(args, bases):
 HANDLE_SLOTS = ('_c', '_origin', 'num_recv_tokens', 'num_expanded_tokens', '_counts', '_meta', '_psum_expert')
 
 
-@pytest.mark.parametrize('case', ['no-sync', 'no-sync fp8', 'cached', 'cached expanded', 'cached from cpu-sync',
-                                  'cached no handle copy'])
+@pytest.mark.parametrize('case', ['no-sync', 'no-sync fp8', 'no-sync large', 'no-sync fp8 large',
+                                  'no-sync fp8 tma large', 'no-sync fp8 large on comm', 'cached', 'cached expanded',
+                                  'cached from cpu-sync', 'cached no handle copy'])
 def test_lean_paths_match_the_general_call(monkeypatch, case):
-    """`BoundDispatch.run`'s lean paths (`_run_cached`, `_run_no_sync`) launch what `__call__` launches (every argument;
-    addresses relative to the workspace and the outputs' allocation), return outputs of the same shapes, strides and
-    dtypes, and make a handle with the same slots (they set `EPHandle._new`'s slots inline)."""
+    """`BoundDispatch.run`'s lean paths (`run_cached`, `run_no_sync`, and `run_no_sync_large` for worst-case outputs
+    too large to carve: 'large') launch what `__call__` launches (every argument; addresses relative to the workspace,
+    the outputs' allocation and recv_x's / recv_sf's own; 'on comm': allocated on the comm stream), return outputs of
+    the same shapes, strides, dtypes and places, and make a handle with the same slots (they set `EPHandle._new`'s
+    slots inline)."""
+    large = 'large' in case
+    if large:
+        monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', 0)
+    if case.endswith('on comm'):    # (no CUDA here: an allocation ordered on a stream is a plain one)
+        monkeypatch.setattr(interop, 'torch_stream', lambda ptr: None)
+        monkeypatch.setattr(torch.cuda, 'stream', lambda stream: contextlib.nullcontext())
     x, idx, w = ep_tests.make_inputs()
     buf = make_buffer(monkeypatch)
     expand = case == 'cached expanded'
-    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if case == 'no-sync fp8' else x
+    xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if 'fp8' in case else x
+    tma = 'tma' in case
     sync = case == 'cached from cpu-sync'
     first = buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=sync, do_expand=expand,
                          do_handle_copy=case != 'cached no handle copy')
     handle = first[3]
+    lean_run = ep_lean.run_cached if case.startswith('cached') else \
+        ep_lean.run_no_sync_large if large else ep_lean.run_no_sync
 
     def call():
         if case.startswith('cached'):
             return buf.dispatch(x, handle=handle, do_expand=expand)
-        return buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=False)
+        return buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=False, use_tma_aligned_col_major_sf=tma,
+                            allocate_on_comm_stream=case.endswith('on comm'))
     call()          # binds (and a cached call learns its sizes)
     runs = []
     for lean in (True, False):
         b = [v for v in buf._ep._bound.values() if v.run is not ep_bound.BoundDispatch.__call__ or not lean][-1]
-        assert b.run is (ep_lean.run_cached if case.startswith('cached')
-                         else ep_lean.run_no_sync)
+        assert b.run is lean_run
         if not lean:
             b.run = ep_bound.BoundDispatch.__call__
         buf.launches.clear()
         out = call()
         h = out[3]
         group = h._meta_of[0]
-        bases = [('ws', h.workspace_ptr, h.workspace.untyped_storage().nbytes()),
-                 ('out', group.data_ptr(), group.untyped_storage().nbytes()), ('x', xin[0].data_ptr() if
-                                                                                  type(xin) is tuple else x.data_ptr(),
-                                                                                  x.untyped_storage().nbytes())]
         tensors = [t for t in (out[0] if type(out[0]) is tuple else (out[0],)) + out[1:3]]
+        # recv_x's and recv_sf's storage when not carved (each its own allocation, at its start)
+        own = [t.untyped_storage() for t in tensors[:2] if t is not None and t.dim() == 2 and
+               t.untyped_storage().data_ptr() != group.untyped_storage().data_ptr()]
+        assert len(own) == (('fp8' in case) + 1 if large else 0)
+        x0 = xin[0] if type(xin) is tuple else xin
+        bases = [('ws', h.workspace_ptr, h.workspace.untyped_storage().nbytes()),
+                 ('out', group.data_ptr(), group.untyped_storage().nbytes()),
+                 ('x', x0.data_ptr(), x0.untyped_storage().nbytes())]
+        bases += [(f'own{k}', s.data_ptr(), s.nbytes()) for k, s in enumerate(own)]
         runs.append(([(e.name, e.grid, _relative(e.args, bases)) for e in buf.launches],
-                     [None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() - group.data_ptr())
-                      for t in tensors],
+                     [None if t is None else (t.shape, t.stride(), t.dtype, t.is_contiguous(),
+                                              _relative({0: t.data_ptr()}, bases)[0]) for t in tensors],
                      {s: getattr(h, s) for s in HANDLE_SLOTS}, h._meta_ptr - group.data_ptr(),
                      h.recv_src_metadata.shape, h.topk_idx.shape, type(out[4]).__name__, out[4].event))
-        b.run = ep_lean.run_cached if case.startswith('cached') else \
-            ep_lean.run_no_sync
+        b.run = lean_run
     assert runs[0][0] and runs[0] == runs[1]
+    if large:       # (the kernel writes recv_x / recv_sf into their own allocations)
+        recv_args = runs[0][0][-1][2]
+        assert recv_args['recv_x'] == ('own0', 0)
+        assert recv_args['recv_sf'] == (('own1', 0) if 'fp8' in case else 0)
 
 
 @pytest.mark.parametrize('shape, dtype', [((3, 5), 'bfloat16'), ((7,), 'int32'), ((2, 4), 'float8_e4m3fn')])

@@ -73,19 +73,42 @@ PINNED_BYTECODES = {'dispatch cached': 540, 'dispatch no-sync': 630, 'dispatch f
                     'dispatch cpu-sync': 1250, 'combine': 450}
 
 
+# The same 128-token calls on perf/ep_profile.py's buffer (num_max_tokens_per_rank 4096: a no-sync dispatch's
+# worst-case recv_x, 4096 x 7168 BF16, is too large to carve, so it is an allocation of its own beside the workspace's;
+# features/ep/lean.py's `run_no_sync_large`, 916 / 995 bytecodes through the general call before): bytecodes and
+# allocations per call.
+PINNED_BYTECODES_4096 = {'dispatch cached': 540, 'dispatch no-sync': 640, 'dispatch fp8 no-sync': 710}
+PINNED_ALLOCS_4096 = {'dispatch cached': 1, 'dispatch no-sync': 2, 'dispatch fp8 no-sync': 3}
+
+
+def _traced_rows(*extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / 'perf' / 'host_path_cpu.py'), '--calls', '50', '--trace',
+                           '--json', *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r['case']: r for r in (json.loads(line[len('[json] '):]) for line in proc.stdout.splitlines()
+                                   if line.startswith('[json] '))}
+
+
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason='bytecode counts are pinned for CPython 3.11')
 def test_ep_python_work_per_call_does_not_grow():
     pytest.importorskip('torch')
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / 'perf' / 'host_path_cpu.py'), '--calls', '50', '--trace',
-                           '--json', '--only', ','.join(PINNED_BYTECODES)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r['case']: r for r in (json.loads(line[len('[json] '):]) for line in proc.stdout.splitlines()
-                                   if line.startswith('[json] '))}
+    rows = _traced_rows('--only', ','.join(PINNED_BYTECODES))
     over = {case: (rows[case]['opcodes'], bound) for case, bound in PINNED_BYTECODES.items()
             if rows[case]['opcodes'] > bound}
     assert not over, f'bytecodes per call above their pinned bounds (got, bound): {over}'
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason='bytecode counts are pinned for CPython 3.11')
+def test_ep_python_work_per_call_on_a_large_buffer_does_not_grow():
+    pytest.importorskip('torch')
+    rows = _traced_rows('--buffer-tokens', '4096', '--only', ','.join(PINNED_BYTECODES_4096))
+    over = {case: (rows[case]['opcodes'], bound) for case, bound in PINNED_BYTECODES_4096.items()
+            if rows[case]['opcodes'] > bound}
+    assert not over, f'bytecodes per call (4096-token buffer) above their pinned bounds (got, bound): {over}'
+    over = {case: (rows[case]['alloc'], bound) for case, bound in PINNED_ALLOCS_4096.items()
+            if rows[case]['alloc'] > bound + 1e-9}
+    assert not over, f'allocations per call (4096-token buffer) above their pinned bounds (got, bound): {over}'
 
 
 # ---- the event pool ----------------------------------------------------------------------------------------------

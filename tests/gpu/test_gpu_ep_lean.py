@@ -1,40 +1,51 @@
-"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`; issue #11) on a
-GPU, one rank: for torch and CuPy arrays, BF16 and FP8, no-sync and cached dispatches (handles from no-sync, CPU-sync
-and expanded dispatches), the outputs, the new handle's metadata and layout, and the combine of its rows are bitwise
-equal to those of the general `__call__` on the same inputs. Skipped without a GPU."""
+"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`,
+`run_no_sync_large`; issue #11) on a GPU, one rank: for torch and CuPy arrays, BF16 and FP8, no-sync dispatches
+(recv_x carved or, too large, not) and cached ones (handles from no-sync, CPU-sync and expanded dispatches), the
+outputs, the new handle's metadata and layout, and the combine of its rows are bitwise equal to those of the general
+`__call__` on the same inputs. Skipped without a GPU."""
 
 import numpy as np
 import pytest
-from test_gpu_ep_carve import E, H, K, M, _defined_rows, _host, _inputs
+from test_gpu_ep_carve import E, H, K, M, _defined_rows, _host, _inputs, _same_allocation
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize('kind', ['torch', 'cupy'])
 @pytest.mark.parametrize('fp8', [False, True])
-@pytest.mark.parametrize('mode', ['no-sync', 'cached', 'cached from cpu-sync', 'cached expanded',
-                                  'cached no handle copy'])
-def test_lean_paths_equal_the_general_call(kind, fp8, mode):
+@pytest.mark.parametrize('mode', ['no-sync', 'no-sync large', 'no-sync large tma', 'cached', 'cached from cpu-sync',
+                                  'cached expanded', 'cached no handle copy'])
+def test_lean_paths_equal_the_general_call(monkeypatch, kind, fp8, mode):
+    """'large': worst-case outputs too large to carve (`CARVED_RECV_MAX_BYTES` 0, as for perf/ep_profile.py's
+    4096-token buffer at hidden 7168): lean.py's `run_no_sync_large`, recv_x / recv_sf allocations of their own; 'tma':
+    with TMA-aligned column-major scales (FP8 only)."""
     pytest.importorskip('torch')
     from deepep_cupy import ElasticBuffer
-    from deepep_cupy.features.ep import lean
+    from deepep_cupy.features.ep import bound, lean
     from deepep_cupy.features.ep.bound import BoundDispatch
+    large, tma = 'large' in mode, mode.endswith('tma')
+    if tma and not fp8:
+        pytest.skip('TMA-aligned scales are FP8 only')
+    if large:
+        monkeypatch.setattr(bound, 'CARVED_RECV_MAX_BYTES', 0)
     x, idx, w = _inputs(kind, fp8)
     expand = mode == 'cached expanded'
     first_kw = dict(num_experts=E, do_cpu_sync=mode == 'cached from cpu-sync',
                     do_handle_copy=mode != 'cached no handle copy')
     if expand:
         first_kw.update(do_expand=True, expert_alignment=4)
+    if tma:
+        first_kw['use_tma_aligned_col_major_sf'] = True
     buf = ElasticBuffer(num_max_tokens_per_rank=M, hidden=H, num_topk=K, explicitly_destroy=True)
     cached = mode.startswith('cached')
-    lean_run = lean.run_cached if cached else lean.run_no_sync
+    lean_run = lean.run_cached if cached else lean.run_no_sync_large if large else lean.run_no_sync
     try:
         first = buf.dispatch(x, idx, w, **first_kw)
 
         def call():
             if cached:
                 return buf.dispatch(x, handle=first[3], do_expand=expand)
-            return buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)
+            return buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False, use_tma_aligned_col_major_sf=tma)
         call()          # binds (a cached call learns its sizes)
         got = []
         for is_lean in (True, False):
@@ -47,6 +58,8 @@ def test_lean_paths_equal_the_general_call(kind, fp8, mode):
             meta = _host(handle.recv_src_metadata)
             rows = _defined_rows(handle, meta, expand)
             recv_x, recv_sf = out[0] if fp8 else (out[0], None)
+            if large:       # (recv_x is not carved out of the handle's allocation)
+                assert not _same_allocation(recv_x, handle)
             num_recv = int(_host(handle.psum_num_recv_tokens_per_scaleup_rank)[-1])
             combined = None
             if not fp8:

@@ -181,18 +181,26 @@ class BoundDispatch:
         # (without a CPU sync and recv_x carved: of recv_x's dtype, `Outputs.alloc_dtype`)
         self.ws_alloc_dtype = 'int32' if self.fixed is None else self.fixed.alloc_dtype
         self.ws_alloc_shape = (max(2, self.ws_alloc_words) * (4 // interop.itemsize(self.ws_alloc_dtype)),)
-        # No CPU sync and recv_x carved: every pointer is an input's or the workspace's plus a constant, all patched by
-        # one generated function (None: block by block).
-        self.call_patch = None
+        # No CPU sync: every pointer is an input's, the workspace's plus a constant, or (recv_x not carved) recv_x's /
+        # recv_sf's, all patched by one generated function: `call_patch(xp, sp, tp, wp, cp, ws)` with recv_x carved,
+        # `call_patch_x(xp, sp, tp, wp, cp, ws, xo, so)` (xo, so: recv_x's and recv_sf's storage addresses) without
+        # (None: block by block; `__call__` uses `call_patch`, lean.py's no-sync paths either).
+        self.call_patch = self.call_patch_x = None
         self._zeros = ep_lean.constant_zeros(p)
-        if self.fixed is not None and self.fixed.x_offset >= 0:
+        if self.fixed is not None:
             # (pointers that are 0 on every call with this key stay as bound: `lean.constant_zeros`)
-            zero = self._zeros
+            zero, carved = self._zeros, self.fixed.x_offset >= 0
             outs = tuple((n, f'ws + {b}') for n, b in zip(_OUTPUTS, self.fixed.byte_at) if b >= 0)
+            if not carved:      # (recv_sf's 0 without FP8 stays as bound, like the other absent outputs)
+                outs = (('recv_x', 'xo'),) + ((('recv_sf', 'so'),) if self.fixed.sf_shape is not None else ()) + outs
             ins = tuple((n, e) for n, e in inputs.items() if n not in zero)
             blocks = [(self.notify, tuple((n, e) for n, e in notify_exprs if n not in zero))]
             blocks += [(self.send, ins)] if self.send else []
-            self.call_patch = _call_patcher(blocks + [(self.recv, ins + outs)], 'no-sync dispatch')
+            one = _call_patcher(blocks + [(self.recv, ins + outs)], 'no-sync dispatch', () if carved else ('xo', 'so'))
+            if carved:
+                self.call_patch = one
+            else:
+                self.call_patch_x = one
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         if self.fixed is not None:  # (sized now: lean.run_no_sync relies on it, `__call__` re-sizes after a guard)

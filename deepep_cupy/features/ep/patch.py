@@ -32,12 +32,13 @@ def address_patcher(bound, exprs, what: str):
     return namespace['patch']
 
 
-def call_patcher(blocks, what: str):
-    """`patch(xp, sp, tp, wp, cp, ws)` storing, for each `(bound, exprs)` of `blocks` and each (parameter name,
+def call_patcher(blocks, what: str, extra: Tuple[str, ...] = ()):
+    """`patch(xp, sp, tp, wp, cp, ws, *extra)` storing, for each `(bound, exprs)` of `blocks` and each (parameter name,
     expression) of `exprs` that the bound launch's kernel takes, the expression's value at its word: every pointer of a
     call's launches in one straight-line function (a call whose pointers are all the inputs' or the workspace's plus
-    constants: a no-sync dispatch with its outputs carved out of its workspace's allocation). The blocks' views are
-    default arguments (fast locals); 'ws + 0' is stored as `ws`."""
+    constants: a no-sync dispatch with its outputs carved out of its workspace's allocation; `extra`: further
+    addresses the expressions may name, e.g. recv_x's own allocation's). The blocks' views are default arguments (fast
+    locals); 'ws + 0' is stored as `ws`."""
     namespace, body, views = {}, [], []
     for k, (bound, exprs) in enumerate(blocks):
         namespace[f'v{k}'] = bound.u64
@@ -45,7 +46,8 @@ def call_patcher(blocks, what: str):
         taken = set(bound.spec.param_names)
         body += [f'    u{k}[{bound.index(n)}] = {e[:-4] if e.endswith(" + 0") else e}\n' for n, e in exprs
                  if n in taken]
-    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws, {", ".join(views)}):\n{"".join(body) or "    pass"}\n',
+    params = ', '.join(('xp', 'sp', 'tp', 'wp', 'cp', 'ws') + tuple(extra) + tuple(views))
+    exec(compile(f'def patch({params}):\n{"".join(body) or "    pass"}\n',
                  f'<{what} patch>', 'exec'), namespace)
     return namespace['patch']
 
