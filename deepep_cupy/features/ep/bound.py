@@ -197,10 +197,7 @@ class BoundDispatch:
             blocks = [(self.notify, tuple((n, e) for n, e in notify_exprs if n not in zero))]
             blocks += [(self.send, ins)] if self.send else []
             one = _call_patcher(blocks + [(self.recv, ins + outs)], 'no-sync dispatch', () if carved else ('xo', 'so'))
-            if carved:
-                self.call_patch = one
-            else:
-                self.call_patch_x = one
+            self.call_patch, self.call_patch_x = (one, None) if carved else (None, one)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         if self.fixed is not None:  # (sized now: lean.run_no_sync relies on it, `__call__` re-sizes after a guard)
