@@ -43,6 +43,13 @@ def join():
     report(rank=rank, size=size, host_backend=pg.backend, group=type(group).__name__, gathered=gathered,
            local_rank=pg.local_rank, local_size=pg.local_size, torch_initialized=torch_ok,
            local_seed=envs.get_local_seed())
+    if torch_ok:
+        # Every rank past its report before rank 0's store goes away, then the process group torn down before the
+        # interpreter exits (else a rank's gloo / store threads can abort it: "terminate called without an active
+        # exception", rc -6, seen once in CI).
+        dist = __import__('torch.distributed').distributed
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def refs():
