@@ -193,6 +193,36 @@ class DeferredRecord:
                 pass
 
 
+class DeferredMarks:
+    """`DeferredRecord`'s protocol as a mixin, for an object a call returns anyway (one object per call instead of
+    two): its `_record` (torch tensors used on `_comm`, not yet ordered) and `_current` (the call's stream), in the
+    subclass's slots. Waited on `_current`: nothing to do; on another stream (`_waited_on`), or dropped unwaited,
+    `record_stream` on the communication stream then (`mark`)."""
+
+    __slots__ = ()
+
+    def _waited_on(self, stream) -> None:
+        current = self._current
+        if stream is not current and stream.ptr != current.ptr:
+            self.mark()
+        self._record = ()
+
+    def mark(self) -> None:
+        """Mark the tracked tensors as used on the communication stream (once)."""
+        tensors, self._record = self._record, ()
+        if tensors:
+            s = interop.torch_stream(self._comm.ptr)
+            for t in tensors:
+                t.record_stream(s)
+
+    def __del__(self):
+        if self._record:
+            try:
+                self.mark()
+            except Exception:       # interpreter shutdown: nothing left to protect
+                pass
+
+
 class DeferredRecordOverlap(EventOverlap):
     """An `EventOverlap` whose tensors' `record_stream` is a `DeferredRecord` (`StreamOrder.scoped_event`)."""
 

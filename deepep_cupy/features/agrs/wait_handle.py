@@ -7,41 +7,13 @@ from typing import Any, Tuple
 
 from ...runtime import interop
 from ...runtime.event import EventOverlap
+from ...runtime.streams import DeferredMarks
 
 # agrs_wait_kernel's epoch and meta: adjacent uint32 parameters (checked when the launch is bound).
 _EPOCH_META = struct.Struct('=II')
 
 
-class _Deferred:
-    """`DeferredRecord`'s protocol on the object a call returns (its `_record`: torch tensors used on `_comm`, not yet
-    ordered; `_current`: the call's stream): waited on `_current`, nothing to do; on another stream, or dropped
-    unwaited, `record_stream` on the communication stream then."""
-
-    __slots__ = ()
-
-    def _waited_on(self, stream) -> None:
-        current = self._current
-        if stream is not current and stream.ptr != current.ptr:
-            self.mark()
-        self._record = ()
-
-    def mark(self) -> None:
-        """Mark the tracked tensors as used on the communication stream (once)."""
-        tensors, self._record = self._record, ()
-        if tensors:
-            s = interop.torch_stream(self._comm.ptr)
-            for t in tensors:
-                t.record_stream(s)
-
-    def __del__(self):
-        if self._record:
-            try:
-                self.mark()
-            except Exception:       # interpreter shutdown: nothing left to protect
-                pass
-
-
-class AGRSWaitHandle(_Deferred):
+class AGRSWaitHandle(DeferredMarks):
     """Returned by `all_gather`: call it (on the stream that will read the outputs) before using the outputs. It
     launches one small kernel that waits, bounded, until every rank's bytes of that call have arrived.
 
@@ -90,7 +62,7 @@ class AGRSWaitHandle(_Deferred):
         return w
 
 
-class ReductionOverlap(_Deferred, EventOverlap):
+class ReductionOverlap(DeferredMarks, EventOverlap):
     """The `EventOverlap` of a `reduce_scatter` / `all_reduce`: waiting on it returns the result (the first time, as
     a hook registered with `register_hook_after_wait` would, which is why another hook cannot be registered before).
     `record`: the torch tensors the call used on the communication stream `comm`, ordered by a wait on `current`.

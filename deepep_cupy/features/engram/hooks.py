@@ -5,7 +5,7 @@ from typing import Any, Optional, Tuple
 
 from ...runtime import interop
 from ...runtime.event import EventHandle
-from ...runtime.streams import DeferredRecord
+from ...runtime.streams import DeferredMarks, DeferredRecord
 
 
 class EngramFetchHook:
@@ -33,7 +33,7 @@ class EngramFetchHook:
         return self._result
 
 
-class SoleFetchHook(EngramFetchHook):
+class SoleFetchHook(EngramFetchHook, DeferredMarks):
     """The hook of a one-layer fetch: its torch tensors' deferred `record_stream` tracked here (`record`, the fetch's
     stream `current` and the communication stream `comm`: `DeferredRecord`'s protocol, one object per fetch instead
     of two)."""
@@ -48,23 +48,6 @@ class SoleFetchHook(EngramFetchHook):
         if self._event is not None:
             stream = interop.current_stream(self._like)
             if self._record:
-                current = self._current
-                if stream is not current and stream.ptr != current.ptr:
-                    self._mark()
-                self._record = ()
+                self._waited_on(stream)
             self._event.stream_wait(stream)
         return self._result
-
-    def _mark(self) -> None:
-        tensors, self._record = self._record, ()
-        if tensors:
-            s = interop.torch_stream(self._comm.ptr)
-            for t in tensors:
-                t.record_stream(s)
-
-    def __del__(self):
-        if self._record:
-            try:
-                self._mark()
-            except Exception:       # interpreter shutdown: nothing left to protect
-                pass
