@@ -152,52 +152,11 @@ class StreamOrder:
         return empty_overlap()
 
 
-class DeferredRecord:
-    """Torch tensors that a call used on the communication stream `comm`, between the caller's stream `current` and
-    a completion the caller waits for later (an event, a wait kernel), held until then.
-
-    Waited for on `current`, their last use on `comm` is ordered before everything `current` does afterwards, which is
-    where torch's allocator reuses memory freed on `current` (the stream a caller's tensors are normally allocated
-    on): no `record_stream` is needed, as for any kernel of `current`. Waited for on another stream, or dropped
-    without a wait, they are marked as used on `comm` then (`record_stream` only takes effect when the memory is
-    freed, so marking late is as good as at the launch, as long as they are alive, which this object ensures).
-    A tensor allocated on a third stream is the caller's to order, as for any use on `current`; so is freeing a
-    tensor's storage explicitly (`untyped_storage().resize_(0)`) before the wait, which `record_stream` at the launch
-    would have covered."""
-
-    __slots__ = ('tensors', 'current', 'comm')
-
-    def __init__(self, tensors: Tuple[Any, ...], current, comm):
-        self.tensors, self.current, self.comm = tensors, current, comm
-
-    def waited_on(self, stream) -> None:
-        """The completion was made a dependency of `stream` (a CuPy stream object)."""
-        if self.tensors:
-            current = self.current
-            if stream is not current and stream.ptr != current.ptr:
-                self.mark()
-            self.tensors = ()
-
-    def mark(self) -> None:
-        tensors, self.tensors = self.tensors, ()
-        if tensors:
-            s = interop.torch_stream(self.comm.ptr)
-            for t in tensors:
-                t.record_stream(s)
-
-    def __del__(self):
-        if self.tensors:
-            try:
-                self.mark()
-            except Exception:       # interpreter shutdown: nothing left to protect
-                pass
-
-
 class DeferredMarks:
-    """`DeferredRecord`'s protocol as a mixin, for an object a call returns anyway (one object per call instead of
-    two): its `_record` (torch tensors used on `_comm`, not yet ordered) and `_current` (the call's stream), in the
-    subclass's slots. Waited on `_current`: nothing to do; on another stream (`_waited_on`), or dropped unwaited,
-    `record_stream` on the communication stream then (`mark`)."""
+    """The deferred `record_stream` of `DeferredRecord` (below, which explains it) as a mixin, also for an object a
+    call returns anyway (one object per call instead of two): its `_record` (torch tensors used on `_comm`, not yet
+    ordered) and `_current` (the call's stream), in the subclass's slots. Waited on `_current`: nothing to do; on
+    another stream (`_waited_on`), or dropped unwaited, `record_stream` on the communication stream then (`mark`)."""
 
     __slots__ = ()
 
@@ -221,6 +180,30 @@ class DeferredMarks:
                 self.mark()
             except Exception:       # interpreter shutdown: nothing left to protect
                 pass
+
+
+class DeferredRecord(DeferredMarks):
+    """Torch tensors that a call used on the communication stream `comm`, between the caller's stream `current` and
+    a completion the caller waits for later (an event, a wait kernel), held until then.
+
+    Waited for on `current`, their last use on `comm` is ordered before everything `current` does afterwards, which is
+    where torch's allocator reuses memory freed on `current` (the stream a caller's tensors are normally allocated
+    on): no `record_stream` is needed, as for any kernel of `current`. Waited for on another stream, or dropped
+    without a wait, they are marked as used on `comm` then (`record_stream` only takes effect when the memory is
+    freed, so marking late is as good as at the launch, as long as they are alive, which this object ensures).
+    A tensor allocated on a third stream is the caller's to order, as for any use on `current`; so is freeing a
+    tensor's storage explicitly (`untyped_storage().resize_(0)`) before the wait, which `record_stream` at the launch
+    would have covered."""
+
+    __slots__ = ('_record', '_current', '_comm')
+
+    def __init__(self, tensors: Tuple[Any, ...], current, comm):
+        self._record, self._current, self._comm = tensors, current, comm
+
+    def waited_on(self, stream) -> None:
+        """The completion was made a dependency of `stream` (a CuPy stream object)."""
+        if self._record:
+            self._waited_on(stream)
 
 
 class DeferredRecordOverlap(EventOverlap):
