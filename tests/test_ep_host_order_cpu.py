@@ -42,7 +42,7 @@ ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__co
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
 PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv')} | \
-    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'run_no_sync_large', 'views')} | \
+    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'views')} | \
     {(ep_legacy.__file__, 'v1_matrices')} | \
     {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
 
@@ -102,7 +102,7 @@ def assert_launches_back_to_back(seen, num_launches):
 def test_no_sync_dispatch_prepares_everything_then_launches_back_to_back(monkeypatch, structure, env, num_launches,
                                                                          fp8, tma, carved):
     """Also with worst-case outputs too large to carve (`carved` False: recv_x and recv_sf are allocations of their
-    own, made before the first launch too; the lean path `run_no_sync_large` where it applies)."""
+    own, made before the first launch too; the lean path `run_no_sync` with `call_patch_x` where it applies)."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     if not carved:
@@ -123,7 +123,7 @@ def test_no_sync_dispatch_prepares_everything_then_launches_back_to_back(monkeyp
     if structure == 'fused':
         assert b.fused
     if structure in ('one launch', 'fused'):        # (the lean paths: no separate send launch)
-        assert b.run is (ep_lean.run_no_sync if carved else ep_lean.run_no_sync_large)
+        assert b.run is ep_lean.run_no_sync and (b.call_patch_x is None) == carved
     # Cached with the handle: the send (if any) and the receive back to back after the one allocation.
     cached = 2 if structure in ('send + receive', 'legacy kernels') else 1
     buf.launches.clear()
@@ -327,11 +327,11 @@ HANDLE_SLOTS = ('_c', '_origin', 'num_recv_tokens', 'num_expanded_tokens', '_cou
                                   'no-sync fp8 tma large', 'no-sync fp8 large on comm', 'cached', 'cached expanded',
                                   'cached from cpu-sync', 'cached no handle copy'])
 def test_lean_paths_match_the_general_call(monkeypatch, case):
-    """`BoundDispatch.run`'s lean paths (`run_cached`, `run_no_sync`, and `run_no_sync_large` for worst-case outputs
-    too large to carve: 'large') launch what `__call__` launches (every argument; addresses relative to the workspace,
-    the outputs' allocation and recv_x's / recv_sf's own; 'on comm': allocated on the comm stream), return outputs of
-    the same shapes, strides, dtypes and places, and make a handle with the same slots (they set `EPHandle._new`'s
-    slots inline)."""
+    """`BoundDispatch.run`'s lean paths (`run_cached`, `run_no_sync`, also for worst-case outputs too large to carve:
+    'large', through `call_patch_x`) launch what `__call__` launches (every argument; addresses relative to the
+    workspace, the outputs' allocation and recv_x's / recv_sf's own; 'on comm': allocated on the comm stream), return
+    outputs of the same shapes, strides, dtypes and places, and make a handle with the same slots (they set
+    `EPHandle._new`'s slots inline)."""
     large = 'large' in case
     if large:
         monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', 0)
@@ -347,8 +347,7 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
     first = buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=sync, do_expand=expand,
                          do_handle_copy=case != 'cached no handle copy')
     handle = first[3]
-    lean_run = ep_lean.run_cached if case.startswith('cached') else \
-        ep_lean.run_no_sync_large if large else ep_lean.run_no_sync
+    lean_run = ep_lean.run_cached if case.startswith('cached') else ep_lean.run_no_sync
 
     def call():
         if case.startswith('cached'):
@@ -360,6 +359,7 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
     for lean in (True, False):
         b = [v for v in buf._ep._bound.values() if v.run is not ep_bound.BoundDispatch.__call__ or not lean][-1]
         assert b.run is lean_run
+        assert case.startswith('cached') or (b.call_patch_x is not None) == large
         if not lean:
             b.run = ep_bound.BoundDispatch.__call__
         buf.launches.clear()

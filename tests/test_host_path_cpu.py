@@ -75,8 +75,8 @@ PINNED_BYTECODES = {'dispatch cached': 540, 'dispatch no-sync': 630, 'dispatch f
 
 # The same 128-token calls on perf/ep_profile.py's buffer (num_max_tokens_per_rank 4096: a no-sync dispatch's
 # worst-case recv_x, 4096 x 7168 BF16, is too large to carve, so it is an allocation of its own beside the workspace's;
-# features/ep/lean.py's `run_no_sync_large`, 916 / 995 bytecodes through the general call before): bytecodes and
-# allocations per call.
+# features/ep/lean.py's `run_no_sync` through `call_patch_x`, 916 / 995 bytecodes through the general call before):
+# bytecodes and allocations per call.
 PINNED_BYTECODES_4096 = {'dispatch cached': 540, 'dispatch no-sync': 640, 'dispatch fp8 no-sync': 710}
 PINNED_ALLOCS_4096 = {'dispatch cached': 1, 'dispatch no-sync': 2, 'dispatch fp8 no-sync': 3}
 

@@ -1,8 +1,7 @@
-"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`,
-`run_no_sync_large`; issue #11) on a GPU, one rank: for torch and CuPy arrays, BF16 and FP8, no-sync dispatches
-(recv_x carved or, too large, not) and cached ones (handles from no-sync, CPU-sync and expanded dispatches), the
-outputs, the new handle's metadata and layout, and the combine of its rows are bitwise equal to those of the general
-`__call__` on the same inputs. Skipped without a GPU."""
+"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`; issue #11) on a GPU,
+one rank: for torch and CuPy arrays, BF16 and FP8, no-sync dispatches (recv_x carved or, too large, not) and cached ones
+(handles from no-sync, CPU-sync and expanded dispatches), the outputs, the new handle's metadata and layout, and the
+combine of its rows are bitwise equal to those of the general `__call__` on the same inputs. Skipped without a GPU."""
 
 import numpy as np
 import pytest
@@ -17,7 +16,8 @@ pytestmark = pytest.mark.gpu
                                   'cached expanded', 'cached no handle copy'])
 def test_lean_paths_equal_the_general_call(monkeypatch, kind, fp8, mode):
     """'large': worst-case outputs too large to carve (`CARVED_RECV_MAX_BYTES` 0, as for perf/ep_profile.py's
-    4096-token buffer at hidden 7168): lean.py's `run_no_sync_large`, recv_x / recv_sf allocations of their own; 'tma':
+    4096-token buffer at hidden 7168): lean.py's `run_no_sync` through `call_patch_x`, recv_x / recv_sf allocations
+    of their own; 'tma':
     with TMA-aligned column-major scales (FP8 only)."""
     pytest.importorskip('torch')
     from deepep_cupy import ElasticBuffer
@@ -38,7 +38,7 @@ def test_lean_paths_equal_the_general_call(monkeypatch, kind, fp8, mode):
         first_kw['use_tma_aligned_col_major_sf'] = True
     buf = ElasticBuffer(num_max_tokens_per_rank=M, hidden=H, num_topk=K, explicitly_destroy=True)
     cached = mode.startswith('cached')
-    lean_run = lean.run_cached if cached else lean.run_no_sync_large if large else lean.run_no_sync
+    lean_run = lean.run_cached if cached else lean.run_no_sync
     try:
         first = buf.dispatch(x, idx, w, **first_kw)
 
@@ -51,6 +51,7 @@ def test_lean_paths_equal_the_general_call(monkeypatch, kind, fp8, mode):
         for is_lean in (True, False):
             b = [v for v in buf._ep._bound.values() if getattr(v, 'run', None) is lean_run]     # (BoundCombines too)
             assert len(b) == 1, 'the call must be bound to its lean path'
+            assert cached or (b[0].call_patch_x is not None) == large, 'carved outputs, or not, as the mode says'
             if not is_lean:
                 b[0].run = BoundDispatch.__call__
             out = call()

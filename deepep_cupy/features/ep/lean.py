@@ -2,7 +2,7 @@
 no-sync one, in the common case (no V1 matrices, no separate send launch, a cached call in its handle's mode), with
 only their per-call work: the checks that stay per call (x's alignment; the handle's type and origin, shapes and
 flags are the call's key), one allocation (a no-sync dispatch whose worst-case recv_x / recv_sf are too large to be
-carved out of its workspace's: also theirs, `run_no_sync_large`), the views, one generated patcher of the launch
+carved out of its workspace's: also theirs), the views, one generated patcher of the launch
 arguments, the launches back to back, the handle's slots, the event. Everything fixed per bound dispatch (or per
 output sizes of a cached one) is precomputed: the patchers, the views' arguments, the allocation functions, the
 handles' fixed slots. They fall back to `BoundDispatch.__call__` while it must run (the data region not yet claimed, a
@@ -75,10 +75,8 @@ def bind(b, p: ep_plan.DispatchPlan) -> None:
         b._x_allocs = (b.carver.allocator(f.x_shape, b.x_dtype), sf_alloc, sf_view)
     if p.cached and plain and p.do_expand == p.handle.do_expand:
         b.run = run_cached
-    elif b.call_patch is not None and plain:
+    elif (b.call_patch is not None or b.call_patch_x is not None) and plain:
         b.run = run_no_sync
-    elif b.call_patch_x is not None and plain:
-        b.run = run_no_sync_large
     else:
         b.run = type(b).__call__
 
@@ -130,28 +128,56 @@ def run_cached(b, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, eve
     return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
 
 def run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
-                 cp: int):
-    """`__call__` of a dispatch without CPU sync whose outputs are carved out of its workspace (`call_patch`), bound
-    without V1 matrices and with no separate send launch: its per-call work only; the launches back to back."""
+                cp: int):
+    """`__call__` of a dispatch without CPU sync, bound without V1 matrices and with no separate send launch: its
+    per-call work only; the launches back to back. Its worst-case outputs are carved out of its workspace
+    (`call_patch`), or, too large for that (`CARVED_RECV_MAX_BYTES`), recv_x (and FP8 recv_sf's storage) are
+    allocations of their own, made after the workspace's as `__call__` makes them (`patch.allocate_x`; torch on the
+    caller's stream: `Carver.allocator`'s partials, bound in `bind`) and patched with it (`call_patch_x`)."""
     if xp & 15:
         raise ValueError('x rows must start at 16-byte aligned addresses')
     if b._lean_blocked or ep.ready_guard is not None:
         return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
     current = b.stream()
     comm = ep._order.enter(current, event, b.local)
-    out, alloc = b.fixed, b._ws_alloc
+    alloc, patch_x = b._ws_alloc, b.call_patch_x
     ws = alloc() if alloc is not None else b.carver.empty(b.ws_alloc_shape, b.ws_alloc_dtype, comm)
     td = b._torch_dtypes
-    if td is not None:          # torch: the views inline (the layout is fixed: their arguments too)
-        ws_ptr = ws.data_ptr()
-        x_view, sf_view, topk_view, weights_view = b._fixed_views
-        recv_x = ws.as_strided(*x_view)
-        recv_sf = None if sf_view is None else ws.view(td[2]).as_strided(*sf_view)
-        recv_topk_idx = None if topk_view is None else ws.view(td[0]).as_strided(*topk_view)
-        recv_topk_weights = None if weights_view is None else ws.view(td[1]).as_strided(*weights_view)
+    if patch_x is None:         # recv_x carved
+        if td is not None:      # torch: the views inline (the layout is fixed: their arguments too)
+            ws_ptr = ws.data_ptr()
+            x_view, sf_view, topk_view, weights_view = b._fixed_views
+            recv_x = ws.as_strided(*x_view)
+            recv_sf = None if sf_view is None else ws.view(td[2]).as_strided(*sf_view)
+            recv_topk_idx = None if topk_view is None else ws.view(td[0]).as_strided(*topk_view)
+            recv_topk_weights = None if weights_view is None else ws.view(td[1]).as_strided(*weights_view)
+        else:
+            recv_x, recv_sf, recv_topk_idx, recv_topk_weights, ws_ptr = views(b, ws, b.fixed)
+        b.call_patch(xp, sp, tp, wp, cp, ws_ptr)
     else:
-        recv_x, recv_sf, recv_topk_idx, recv_topk_weights, ws_ptr = views(b, ws, out)
-    b.call_patch(xp, sp, tp, wp, cp, ws_ptr)
+        x_allocs = b._x_allocs
+        if x_allocs is not None:    # torch on the caller's stream: the allocations inline
+            x_alloc, sf_alloc, sf_view = x_allocs
+            recv_x = x_alloc()
+            xo = recv_x.data_ptr()
+            recv_sf, so = None, 0
+            if sf_alloc is not None:
+                recv_sf = sf_alloc()
+                so = recv_sf.data_ptr()
+                if sf_view is not None:
+                    recv_sf = recv_sf.as_strided(*sf_view)
+        else:
+            (recv_x, recv_sf), (xo, so) = allocate_x(b.carver, b.fixed, b.x_dtype, b.sf_dtype,
+                                                     b.p.use_tma_aligned_col_major_sf,
+                                                     comm if b.alloc_on_comm else None)
+        if td is not None:      # torch: the small outputs' views inline (their arguments fixed)
+            ws_ptr = ws.data_ptr()
+            _, _, topk_view, weights_view = b._fixed_views
+            recv_topk_idx = None if topk_view is None else ws.view(td[0]).as_strided(*topk_view)
+            recv_topk_weights = None if weights_view is None else ws.view(td[1]).as_strided(*weights_view)
+        else:                   # (`cupy_views` leaves recv_x and recv_sf, which are not carved)
+            _, _, recv_topk_idx, recv_topk_weights, ws_ptr = views(b, ws, b.fixed)
+        patch_x(xp, sp, tp, wp, cp, ws_ptr, xo, so)
     # (the receive block holds the fixed sizes: sized at binding, and after a guarded call `_lean_blocked` sends
     # the next one through `__call__`, which sizes it back)
     r = b.recv
@@ -167,61 +193,7 @@ def run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: i
     nh.workspace, nh.workspace_ptr, nh._topk_idx = ws, ws_ptr, user_topk
     if b.async_:
         event_out = async_event(b, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
-                                      recv_topk_idx, recv_topk_weights, ws, ws, user_topk)
-    else:
-        event_out = ep._order.leave(b.kind, current, comm, False)
-    return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
-
-def run_no_sync_large(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int,
-                      wp: int, cp: int):
-    """`run_no_sync` for worst-case outputs too large to carve (`CARVED_RECV_MAX_BYTES`): the workspace's allocation
-    (with the small outputs) and recv_x's (and FP8 recv_sf's storage) of their own, made as `__call__` makes them
-    (`patch.allocate_x`; torch on the caller's stream: `Carver.allocator`'s partials, bound in `bind`); then one
-    patch (`call_patch_x`) and the launches back to back."""
-    if xp & 15:
-        raise ValueError('x rows must start at 16-byte aligned addresses')
-    if b._lean_blocked or ep.ready_guard is not None:
-        return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
-    current = b.stream()
-    comm = ep._order.enter(current, event, b.local)
-    out, alloc, x_allocs = b.fixed, b._ws_alloc, b._x_allocs
-    ws = alloc() if alloc is not None else b.carver.empty(b.ws_alloc_shape, b.ws_alloc_dtype, comm)
-    if x_allocs is not None:    # torch on the caller's stream: the allocations inline
-        x_alloc, sf_alloc, sf_view = x_allocs
-        recv_x = x_alloc()
-        xo = recv_x.data_ptr()
-        recv_sf, so = None, 0
-        if sf_alloc is not None:
-            recv_sf = sf_alloc()
-            so = recv_sf.data_ptr()
-            if sf_view is not None:
-                recv_sf = recv_sf.as_strided(*sf_view)
-    else:
-        (recv_x, recv_sf), (xo, so) = allocate_x(b.carver, out, b.x_dtype, b.sf_dtype,
-                                                 b.p.use_tma_aligned_col_major_sf, comm if b.alloc_on_comm else None)
-    td = b._torch_dtypes
-    if td is not None:          # torch: the small outputs' views inline (their arguments fixed)
-        ws_ptr = ws.data_ptr()
-        _, _, topk_view, weights_view = b._fixed_views
-        recv_topk_idx = None if topk_view is None else ws.view(td[0]).as_strided(*topk_view)
-        recv_topk_weights = None if weights_view is None else ws.view(td[1]).as_strided(*weights_view)
-    else:                       # (`cupy_views` leaves recv_x and recv_sf, which are not carved)
-        _, _, recv_topk_idx, recv_topk_weights, ws_ptr = views(b, ws, out)
-    b.call_patch_x(xp, sp, tp, wp, cp, ws_ptr, xo, so)
-    r = b.recv      # (sized at binding, as in `run_no_sync`)
-    if r is not b.notify:      # (fused: one launch)
-        b.notify(comm)
-    r(comm)
-    user_topk = topk_idx if b.user_topk else None
-    # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
-    nh = _new_handle()
-    nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta, nh._psum_expert = b._handle_const
-    nh._origin = b
-    nh._counts, nh._meta_ptr, nh._meta_of = [], ws_ptr + b._meta_byte, (ws, b._meta_of)
-    nh.workspace, nh.workspace_ptr, nh._topk_idx = ws, ws_ptr, user_topk
-    if b.async_:
-        event_out = async_event(b, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
-                                      recv_topk_idx, recv_topk_weights, ws, ws, user_topk)
+                                recv_topk_idx, recv_topk_weights, ws, ws, user_topk)
     else:
         event_out = ep._order.leave(b.kind, current, comm, False)
     return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
