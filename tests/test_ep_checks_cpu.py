@@ -356,7 +356,7 @@ def test_handle_workspace_views(monkeypatch, inputs):
     for copy in (True, False):
         handle = buf.dispatch(x, idx, w, num_experts=E, do_handle_copy=copy)[3]
         views = {'dst_buffer_slot_idx': ((M, R), torch.int32), 'send_expert_pos': ((M, K), torch.int32),
-                 'recv_layout': ((2 * R + 2 * L + R * L + 2,), torch.int32),
+                 'recv_layout': ((R + 2 * L + R * L + 2,), torch.int32),
                  'psum_num_recv_tokens_per_expert': ((L,), torch.int32)}
         if copy:
             views['topk_idx'] = ((M, K), torch.int64)

@@ -8,12 +8,12 @@ from typing import Any, List, Optional, Tuple
 def workspace_layout(num_tokens: int, num_ranks: int, num_topk: int, num_local_experts: int,
                      with_topk_copy: bool) -> Tuple[int, Tuple[int, ...]]:
     """int32 words (even) of a dispatch's handle workspace and the word offset of each part:
-    (send_pos [N, R], send_expert_pos [N, K], recv_layout [2R + 2L + RL + 2], psum_expert [L], topk copy [N, K] int64
+    (send_pos [N, R], send_expert_pos [N, K], recv_layout [R + 2L + RL + 2], psum_expert [L], topk copy [N, K] int64
     at an even offset, or -1 without a copy, token_of_slot [R, N] (the token in each slot at each destination),
     send_count [R] (tokens sent to each destination))."""
     n, r, k, n_l = num_tokens, num_ranks, num_topk, num_local_experts
     offsets = [0, n * r, n * r + n * k]
-    offsets.append(offsets[-1] + 2 * r + 2 * n_l + r * n_l + 2)
+    offsets.append(offsets[-1] + r + 2 * n_l + r * n_l + 2)
     end = offsets[-1] + n_l
     end += end % 2
     offsets.append(end if with_topk_copy else -1)
@@ -222,7 +222,7 @@ class EPHandle:
     @property
     def recv_layout(self):
         r, n_l = self.num_ranks, self.num_local_experts
-        return self._view(2, (2 * r + 2 * n_l + r * n_l + 2,))
+        return self._view(2, (r + 2 * n_l + r * n_l + 2,))
 
     @property
     def psum_num_recv_tokens_per_scaleup_rank(self):
