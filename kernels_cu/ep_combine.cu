@@ -35,6 +35,11 @@
 namespace deepep {
 
 constexpr int kCombineThreads = 512;
+// Warp-uniform chunk loops: the loops over a row's 16-byte chunks (lane l takes chunks l, l + 32, ...) shuffle the per-
+// slot rows and slots between the lanes (__shfl_sync over the whole warp), so their trip count is the warp's, not the
+// lane's: where the row's chunks do not fill the last pass (hidden not a multiple of 256), the lanes past its end
+// repeat the last chunk's loads and store nothing. A lane-strided loop hung at hidden 128 (the lanes that
+// left it met the next token's shuffles while the others still waited in this one).
 
 template <int kNumRanks, int kMaxTopk, bool kLocalReduce>
 __device__ __forceinline__ void
@@ -97,8 +102,13 @@ combine_send_blocks(const uint8_t* x, int hidden, int num_topk, const float* top
                     // Local rows of this token in ascending top-k order (lane k holds row k; rows_mask is
                     // warp-uniform, so the shuffles are too).
                     const auto local_row = [&](int k) { return __shfl_sync(0xffffffffu, row, k); };
-                    for (int c = c_begin + lane; c < c_end; c += 32)
-                        st_na_v4(dst + c * 16, sum_local_rows<kMaxTopk>(x, row_bytes, c, rows_mask, local_row));
+                    // Every lane runs every pass (the shuffles need the whole warp: warp-uniform chunk loops, above).
+                    for (int c0 = c_begin; c0 < c_end; c0 += 32) {
+                        const int c = min(c0 + lane, c_end - 1);
+                        const Vec16 v = sum_local_rows<kMaxTopk>(x, row_bytes, c, rows_mask, local_row);
+                        if (c0 + lane < c_end)
+                            st_na_v4(dst + c * 16, v);
+                    }
                 }
                 if (seg == 0 && topk_weights != nullptr && lane < num_topk) {
                     float w = 0.f;
@@ -185,7 +195,9 @@ combine_recv_blocks(const int64_t* topk_idx, int num_tokens, int num_topk, int h
         const auto x_row_of = [&](int k) { return do_expand ? __shfl_sync(0xffffffffu, own_k_row, k) : own_row; };
         const auto slot_of = [&](int k) { return __shfl_sync(0xffffffffu, src_slot, k); };
         const int c_end = segs.end(seg, num_chunks);
-        for (int c = segs.begin(seg) + lane; c < c_end; c += 32) {
+        // Every lane runs every pass (the shuffles need the whole warp: warp-uniform chunk loops, above).
+        for (int c0 = segs.begin(seg); c0 < c_end; c0 += 32) {
+            const int c = min(c0 + lane, c_end - 1);
             // Issue every load of this chunk first (biases, then partials in batches of 8), then add in order.
             Vec16 b0, b1;
             if (bias0 != nullptr)
@@ -224,7 +236,8 @@ combine_recv_blocks(const int64_t* topk_idx, int num_tokens, int num_topk, int h
                     if (k0 + u < kMaxTopk && ((adds >> (k0 + u)) & 1u))
                         add_bf16x8(acc, v[u]);
             }
-            st_v4(combined_x + static_cast<int64_t>(t) * row_bytes + c * 16, round_bf16x8(acc));
+            if (c0 + lane < c_end)
+                st_v4(combined_x + static_cast<int64_t>(t) * row_bytes + c * 16, round_bf16x8(acc));
         }
         if (seg == 0 && with_weights && lane < num_topk && kLocalReduce && weights_over_ranks) {
             // Every destination rank of the token, in order of first top-k appearance (= combine slot order; the
