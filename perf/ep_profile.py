@@ -202,6 +202,32 @@ class Runner:
             self.aligned()
         return idle, max(self.group.allgather_object(min(loops) * 1e6))
 
+    def after_counts(self, fn, ep, num_calls):
+        """Median µs, from idle, from the moment the host has the receive counts (`_wait_host_counts` returns) to the
+        CPU-sync call's return: the host's share beyond the notify kernel, in the host's own clock (max over ranks)."""
+        wait = ep._wait_host_counts
+        seen = []
+
+        def timed_wait(*a):
+            out = wait(*a)
+            seen.append(time.perf_counter())
+            return out
+        ep._wait_host_counts = timed_wait
+        try:
+            tails = []
+            for _ in range(num_calls):
+                self.aligned()
+                seen.clear()
+                fn()
+                t1 = time.perf_counter()
+                if len(seen) != 1:
+                    raise RuntimeError(f'a CPU-sync dispatch waited {len(seen)} times for the counts, not once')
+                tails.append(t1 - seen[0])
+        finally:
+            del ep._wait_host_counts
+        self.aligned()
+        return max(self.group.allgather_object(float(np.median(tails)) * 1e6))
+
     def timeline(self, fn, num_calls):
         torch = self.torch
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -303,6 +329,10 @@ def run_variant(variant, runner, args, group, timer):
                 for name, fn in cases.items():
                     label = f'{variant:10s} {num_tokens:5d} {dtype} {name:17s}'
                     runner.case(label, fn, key=(variant, num_tokens, dtype, name))
+                    if name == 'dispatch cpu-sync':
+                        tail = runner.after_counts(fn, buf._ep, args.num_calls)
+                        runner.results[(variant, num_tokens, dtype, name)]['after_counts'] = tail
+                        log(f'[host] {label}: {tail:7.1f} us per call from idle after the host has the counts')
                     if args.lines:
                         timer.totals.clear()
                         for _ in range(args.num_calls):
@@ -420,17 +450,10 @@ def summary(runner, args, log):
          35)
     line(f'host, cached dispatch, {small} tokens', get((v, small, 'bf16', 'dispatch cached'), 'loop'), 25)
     line(f'host, combine, {small} tokens', get((v, small, 'bf16', 'combine'), 'loop'), 20)
-    # CPU sync: host time after notify completes ~ host per call - (range start .. notify end) on the GPU.
-    cpu = res.get((v, small, 'bf16', 'dispatch cpu-sync'), {})
-    parts = cpu.get('parts') or []
-    if parts and 'notify' in [p for p, _ in parts]:
-        upto = 0.0
-        for name, us in parts:
-            upto += us
-            if name == 'notify':
-                break
-        line(f'host, CPU-sync dispatch beyond notify, {small} tokens (host from idle - GPU range..notify end)',
-             cpu['idle'] - upto, 25)
+    # CPU sync: host time from the moment it has the counts (the notify kernel done and its counts seen) to the
+    # call's return, in the host's clock (the profiled timeline's gaps are not the unprofiled host's).
+    line(f'host, CPU-sync dispatch beyond notify, {small} tokens (counts seen .. return)',
+         get((v, small, 'bf16', 'dispatch cpu-sync'), 'after_counts'), 25)
     for name in ('all_gather', 'reduce_scatter', 'all_reduce', 'engram_fetch', 'pp'):
         if name in res:
             line(f'host, {name}', res[name]['loop'], 25 * (2 if name == 'pp' else 1))
