@@ -73,8 +73,11 @@ def test_per_call_checks_still_raise_on_a_bound_signature(monkeypatch):
     shifted = flat[1:1 + M * H].view(M, H)
     with pytest.raises(ValueError, match='16-byte aligned'):
         buf.dispatch(shifted, idx, w, num_experts=E)
+    (b,) = buf._ep._bound.values()
+    assert b.run.__name__ == 'run_cpu_sync'     # (the bound CPU-sync call's lean path checks the range too)
     with pytest.raises(ValueError, match=r'topk_idx values must be in \[-1, 16\)'):
         buf.dispatch(x, torch.full_like(idx, E), w, num_experts=E)
+    assert not [e.name for e in buf.launches if 'notify' in e.name or 'dispatch' in e.name], 'no EP kernel ran'
     with pytest.raises(TypeError, match='previous_event must be an EventHandle'):
         buf.dispatch(x, idx, w, num_experts=E, previous_event=object(), allocate_on_comm_stream=True)
     # Scalars that compare equal to the bound ones but have another type are checked afresh.

@@ -42,7 +42,7 @@ ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__co
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
 PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv')} | \
-    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'views')} | \
+    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'run_cpu_sync', 'finish', 'views')} | \
     {(ep_legacy.__file__, 'v1_matrices')} | \
     {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
 
@@ -325,10 +325,13 @@ HANDLE_SLOTS = ('_c', '_origin', 'num_recv_tokens', 'num_expanded_tokens', '_cou
 
 @pytest.mark.parametrize('case', ['no-sync', 'no-sync fp8', 'no-sync large', 'no-sync fp8 large',
                                   'no-sync fp8 tma large', 'no-sync fp8 large on comm', 'cached', 'cached expanded',
-                                  'cached from cpu-sync', 'cached no handle copy'])
+                                  'cached from cpu-sync', 'cached no handle copy', 'cached large', 'cached fp8 large',
+                                  'cpu-sync', 'cpu-sync fp8', 'cpu-sync fp8 tma', 'cpu-sync expanded', 'cpu-sync large',
+                                  'cpu-sync fp8 tma large', 'cpu-sync large on comm'])
 def test_lean_paths_match_the_general_call(monkeypatch, case):
-    """`BoundDispatch.run`'s lean paths (`run_cached`, `run_no_sync`, also for worst-case outputs too large to carve:
-    'large', through `call_patch_x`) launch what `__call__` launches (every argument; addresses relative to the
+    """`BoundDispatch.run`'s lean paths (`run_cached`, `run_no_sync`, `run_cpu_sync`, also for outputs too large to
+    carve: 'large', no-sync through `call_patch_x`, the others through `finish`'s own allocations of recv_x and recv_sf)
+    launch what `__call__` launches (every argument; addresses relative to the
     workspace, the outputs' allocation and recv_x's / recv_sf's own; 'on comm': allocated on the comm stream), return
     outputs of the same shapes, strides, dtypes and places, and make a handle with the same slots (they set
     `EPHandle._new`'s slots inline)."""
@@ -340,26 +343,27 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
         monkeypatch.setattr(torch.cuda, 'stream', lambda stream: contextlib.nullcontext())
     x, idx, w = ep_tests.make_inputs()
     buf = make_buffer(monkeypatch)
-    expand = case == 'cached expanded'
+    expand = case.endswith('expanded')
     xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if 'fp8' in case else x
     tma = 'tma' in case
     sync = case == 'cached from cpu-sync'
-    first = buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=sync, do_expand=expand,
+    cached = case.startswith('cached')
+    first = buf.dispatch(xin if cached else x, idx, w, num_experts=E, do_cpu_sync=sync, do_expand=expand,
                          do_handle_copy=case != 'cached no handle copy')
     handle = first[3]
-    lean_run = ep_lean.run_cached if case.startswith('cached') else ep_lean.run_no_sync
+    lean_run = ep_lean.run_cached if cached else ep_lean.run_cpu_sync if 'cpu-sync' in case else ep_lean.run_no_sync
 
     def call():
-        if case.startswith('cached'):
-            return buf.dispatch(x, handle=handle, do_expand=expand)
-        return buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync=False, use_tma_aligned_col_major_sf=tma,
-                            allocate_on_comm_stream=case.endswith('on comm'))
+        if cached:
+            return buf.dispatch(xin, handle=handle, do_expand=expand)
+        return buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync='cpu-sync' in case, do_expand=expand,
+                            use_tma_aligned_col_major_sf=tma, allocate_on_comm_stream=case.endswith('on comm'))
     call()          # binds (and a cached call learns its sizes)
     runs = []
     for lean in (True, False):
         b = [v for v in buf._ep._bound.values() if v.run is not ep_bound.BoundDispatch.__call__ or not lean][-1]
         assert b.run is lean_run
-        assert case.startswith('cached') or (b.call_patch_x is not None) == large
+        assert lean_run is not ep_lean.run_no_sync or (b.call_patch_x is not None) == large
         if not lean:
             b.run = ep_bound.BoundDispatch.__call__
         buf.launches.clear()
@@ -376,7 +380,9 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
                  ('out', group.data_ptr(), group.untyped_storage().nbytes()),
                  ('x', x0.data_ptr(), x0.untyped_storage().nbytes())]
         bases += [(f'own{k}', s.data_ptr(), s.nbytes()) for k, s in enumerate(own)]
-        runs.append(([(e.name, e.grid, _relative(e.args, bases)) for e in buf.launches],
+        # (a CPU-sync notify's host_seq counts the calls: the two differ by design)
+        runs.append(([(e.name, e.grid, {k: v for k, v in _relative(e.args, bases).items() if k != 'host_seq'})
+                      for e in buf.launches],
                      [None if t is None else (t.shape, t.stride(), t.dtype, t.is_contiguous(),
                                               _relative({0: t.data_ptr()}, bases)[0]) for t in tensors],
                      {s: getattr(h, s) for s in HANDLE_SLOTS}, h._meta_ptr - group.data_ptr(),

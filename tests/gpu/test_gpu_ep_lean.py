@@ -1,7 +1,8 @@
-"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`; issue #11) on a GPU,
-one rank: for torch and CuPy arrays, BF16 and FP8, no-sync dispatches (recv_x carved or, too large, not) and cached ones
-(handles from no-sync, CPU-sync and expanded dispatches), the outputs, the new handle's metadata and layout, and the
-combine of its rows are bitwise equal to those of the general `__call__` on the same inputs. Skipped without a GPU."""
+"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`, `run_cpu_sync`;
+issue #11) on a GPU, one rank: for torch and CuPy arrays, BF16 and FP8, no-sync and CPU-sync dispatches (recv_x
+carved or, too large, not) and cached ones (handles from no-sync, CPU-sync and expanded dispatches), the outputs, the
+new handle's metadata and layout, and the combine of its rows are bitwise equal to those of the general `__call__` on
+the same inputs. Skipped without a GPU."""
 
 import numpy as np
 import pytest
@@ -13,12 +14,13 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize('kind', ['torch', 'cupy'])
 @pytest.mark.parametrize('fp8', [False, True])
 @pytest.mark.parametrize('mode', ['no-sync', 'no-sync large', 'no-sync large tma', 'cached', 'cached from cpu-sync',
-                                  'cached expanded', 'cached no handle copy'])
+                                  'cached expanded', 'cached no handle copy', 'cached large', 'cpu-sync',
+                                  'cpu-sync large', 'cpu-sync large tma'])
 def test_lean_paths_equal_the_general_call(monkeypatch, kind, fp8, mode):
     """'large': worst-case outputs too large to carve (`CARVED_RECV_MAX_BYTES` 0, as for perf/ep_profile.py's
-    4096-token buffer at hidden 7168): lean.py's `run_no_sync` through `call_patch_x`, recv_x / recv_sf allocations
-    of their own; 'tma':
-    with TMA-aligned column-major scales (FP8 only)."""
+    4096-token buffer at hidden 7168): lean.py's `run_no_sync` through `call_patch_x`, `run_cached` and `run_cpu_sync`
+    through `finish`, recv_x / recv_sf allocations of their own; 'tma': with TMA-aligned column-major scales (FP8
+    only)."""
     pytest.importorskip('torch')
     from deepep_cupy import ElasticBuffer
     from deepep_cupy.features.ep import bound, lean
@@ -38,20 +40,22 @@ def test_lean_paths_equal_the_general_call(monkeypatch, kind, fp8, mode):
         first_kw['use_tma_aligned_col_major_sf'] = True
     buf = ElasticBuffer(num_max_tokens_per_rank=M, hidden=H, num_topk=K, explicitly_destroy=True)
     cached = mode.startswith('cached')
-    lean_run = lean.run_cached if cached else lean.run_no_sync
+    sync = mode.startswith('cpu-sync')
+    lean_run = lean.run_cached if cached else lean.run_cpu_sync if sync else lean.run_no_sync
     try:
         first = buf.dispatch(x, idx, w, **first_kw)
 
         def call():
             if cached:
                 return buf.dispatch(x, handle=first[3], do_expand=expand)
-            return buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False, use_tma_aligned_col_major_sf=tma)
+            return buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=sync, use_tma_aligned_col_major_sf=tma)
         call()          # binds (a cached call learns its sizes)
         got = []
         for is_lean in (True, False):
             b = [v for v in buf._ep._bound.values() if getattr(v, 'run', None) is lean_run]     # (BoundCombines too)
             assert len(b) == 1, 'the call must be bound to its lean path'
-            assert cached or (b[0].call_patch_x is not None) == large, 'carved outputs, or not, as the mode says'
+            assert lean_run is not lean.run_no_sync or (b[0].call_patch_x is not None) == large, \
+                'carved outputs, or not, as the mode says'
             if not is_lean:
                 b[0].run = BoundDispatch.__call__
             out = call()

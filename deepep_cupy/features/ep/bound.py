@@ -23,7 +23,7 @@ own, so that the large output's memory goes back as soon as the caller drops it,
 
 Order: without a CPU sync every allocation, view and patch comes before the first launch and the launches follow back
 to back (no host gap on the GPU); with one the host waits for the counts between the send and the receive launch.
-The common cached and no-sync calls run lean.py's paths (`BoundDispatch.run`), the others `__call__`.
+The common cached, no-sync and CPU-sync calls run lean.py's paths (`BoundDispatch.run`), the others `__call__`.
 
 DeepEP V1 calls (a `LegacyLayout`) are bound too: the key holds its inputs (channels, reported token count, the
 expert counts' signature), so the matrices' sizes and the notify scalars are fixed per bound dispatch; per call the

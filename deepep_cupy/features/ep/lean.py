@@ -1,12 +1,13 @@
-"""The lean paths of a bound dispatch (bound.py's `BoundDispatch.run`, chosen at binding): a cached dispatch and a
-no-sync one, in the common case (no V1 matrices, no separate send launch, a cached call in its handle's mode), with
-only their per-call work: the checks that stay per call (x's alignment; the handle's type and origin, shapes and
-flags are the call's key), one allocation (a no-sync dispatch whose worst-case recv_x / recv_sf are too large to be
-carved out of its workspace's: also theirs), the views, one generated patcher of the launch
-arguments, the launches back to back, the handle's slots, the event. Everything fixed per bound dispatch (or per
-output sizes of a cached one) is precomputed: the patchers, the views' arguments, the allocation functions, the
-handles' fixed slots. They fall back to `BoundDispatch.__call__` while it must run (the data region not yet claimed, a
-readiness guard set or left in a block) and for cached outputs too large to be carved.
+"""The lean paths of a bound dispatch (bound.py's `BoundDispatch.run`, chosen at binding): a cached dispatch, a
+no-sync one and a CPU-sync one, in the common case (no V1 matrices; no-sync and cached: no separate send launch, a
+cached call in its handle's mode), with only their per-call work: the checks that stay per call (x's alignment; a
+CPU-sync call's top-k range; the handle's type and origin, shapes and flags are the call's key), one allocation
+(recv_x / recv_sf too large to be carved out of it: also theirs), the views, one generated patcher of the launch
+arguments, the launches (no-sync: back to back), the handle's slots, the event. Everything fixed per bound dispatch
+(or per output sizes: cached and CPU-sync, `learn_size`) is precomputed: the patchers, the views' arguments, the
+allocation functions, the handles' fixed slots; the cached and CPU-sync paths share their receive (`finish`). They
+fall back to `BoundDispatch.__call__` while it must run (the data region not yet claimed, a readiness guard set or
+left in a block).
 
 Issue #11: the Python host path is what an eager decode-sized dispatch costs on the GPU host
 (tests/test_ep_host_order_cpu.py pins that these paths launch what `__call__` launches, tests/test_host_path_cpu.py
@@ -39,8 +40,8 @@ def constant_zeros(p: ep_plan.DispatchPlan) -> Tuple[str, ...]:
 
 def bind(b, p: ep_plan.DispatchPlan) -> None:
     """Choose the bound dispatch `b`'s `run` for its checked plan `p` (at the end of its binding) and precompute what
-    the lean path takes: `b.run` is a plain function (`run_cached`, `run_no_sync` or `BoundDispatch.__call__`), kept
-    on the instance without a reference cycle; `EP.dispatch` calls `b.run(b, ...)`."""
+    the lean path takes: `b.run` is a plain function (`run_cached`, `run_no_sync`, `run_cpu_sync` or
+    `BoundDispatch.__call__`), kept on the instance without a reference cycle; `EP.dispatch` calls `b.run(b, ...)`."""
     f = b.fixed
     # no CPU sync, torch: the views' arguments of the fixed layout (recv_x, recv_sf, recv_topk_idx, recv_topk_weights;
     # None: none); the handles' slots fixed per bound dispatch; the metadata's place; the workspace's allocation as one
@@ -77,41 +78,98 @@ def bind(b, p: ep_plan.DispatchPlan) -> None:
         b.run = run_cached
     elif (b.call_patch is not None or b.call_patch_x is not None) and plain:
         b.run = run_no_sync
+    elif p.do_cpu_sync and not p.cached and b.v1_channels is None:
+        b.run = run_cpu_sync
     else:
         b.run = type(b).__call__
 
 
 def run_cached(b, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, event, xp: int, sp: int, tp: int,
-                wp: int, cp: int):
+               wp: int, cp: int):
     """`__call__` of a cached dispatch bound without V1 matrices, with one launch, in its handle's mode (no
     psum to recompute): its per-call work only. The sizes come from the handle (its origin is this call's key's,
-    so its constants are this bound dispatch's); a size whose recv_x is not carved (large) goes through
-    `__call__`."""
+    so its constants are this bound dispatch's)."""
     if xp & 15:
         raise ValueError('x rows must start at 16-byte aligned addresses')
     h = handle
     lean = b._lean_sizes.get((h.num_recv_tokens, h.num_expanded_tokens))
     if lean is None:    # (a size met for the first time: CPU-sync handles' sizes vary per call)
         lean = learn_size(b, h.num_recv_tokens, h.num_expanded_tokens)
-    if lean is None or b._lean_blocked or ep.ready_guard is not None:
+    if b._lean_blocked or ep.ready_guard is not None:
         return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
-    out, patch, x_view, topk_view, fixed, meta_byte, meta_of, alloc = lean
     current = b.stream()
     comm = ep._order.enter(current, event, b.local)
-    ws, ws_ptr, user_topk, counts = h.workspace, h.workspace_ptr, h._topk_idx, h._counts
+    user_topk, counts = h._topk_idx, h._counts
     if user_topk is not None:   # (else the patch takes the workspace's copy)
         tp = h.topk_idx_ptr
     if type(counts) is list:    # (the handle's list, which its caller may hold: copied now; numpy: shared)
         counts = list(counts)
+    return finish(b, ep, lean, current, comm, h.workspace, h.workspace_ptr, user_topk, counts, h._psum_expert, x_in,
+                  topk_idx, topk_weights, stats, xp, sp, tp, wp, cp)
+
+
+def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
+                 cp: int):
+    """`__call__` of a dispatch with a CPU sync, bound without V1 matrices: its per-call work only, in `__call__`'s
+    order (the top-k range check started first and read back before any EP kernel; the notify and the send (several
+    ranks: its own launch); the host's wait for the counts; the exact outputs and the receive). What needs no count
+    comes before the wait (the notify's patch even before the range's result: patching launches nothing), so that
+    the host's share after the counts is `finish`'s alone (issue #11: the CPU-sync dispatch's host time beyond the
+    notify)."""
+    if xp & 15:
+        raise ValueError('x rows must start at 16-byte aligned addresses')
+    if b._lean_blocked or ep.ready_guard is not None:
+        return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
+    current = b.stream()
+    wait_range = ep._start_range(topk_idx, tp, b.num_topk_values, b.num_topk, current)
+    comm = ep._order.enter(current, event, b.local)
+    alloc = b._ws_alloc
+    ws = alloc() if alloc is not None else b.carver.empty(b.ws_alloc_shape, b.ws_alloc_dtype, comm)
+    ws_ptr = ws.data_ptr() if b._torch_dtypes is not None else b.carver.ptr(ws)
+    n, snd = b.notify, b.send
+    b.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
+    if snd is not None:
+        b.send_patch(snd.u64, xp, sp, tp, wp, cp, ws_ptr)
+    lo, hi = wait_range()
+    if lo < -1 or hi >= b.num_experts:
+        raise ValueError(f'topk_idx values must be in [-1, {b.num_experts}), got min {lo}, max {hi}')
+    n.i32[b.notify_seq] = seq = ep._next_host_seq()
+    n(comm)
+    if snd is not None:
+        snd(comm)
+    num_recv, num_expanded, counts = ep._wait_host_counts(seq, b.num_local_experts)
+    lean = b._lean_sizes.get((num_recv, num_expanded))
+    if lean is None:
+        lean = learn_size(b, num_recv, num_expanded)
+    return finish(b, ep, lean, current, comm, ws, ws_ptr, topk_idx if b.user_topk else None, counts, None, x_in,
+                  topk_idx, topk_weights, stats, xp, sp, tp, wp, cp)
+
+
+def finish(b, ep, lean, current, comm, ws, ws_ptr: int, user_topk, counts, psum_expert, x_in, topk_idx,
+           topk_weights, stats, xp: int, sp: int, tp: int, wp: int, cp: int):
+    """The receive of a cached or CPU-sync lean dispatch whose sizes are known (`lean`: `learn_size`'s entry): the
+    outputs' allocation and views (recv_x too large to carve: an allocation of its own, FP8 recv_sf's storage too, as
+    `__call__` makes them), one patch of the launch's pointers, the launch, the handle, the event."""
+    out, patch, tv, fixed, meta_byte, meta_of, alloc, own_x = lean
     carver = b.carver
     group = alloc() if alloc is not None else carver.empty(out.alloc_shape, out.alloc_dtype, comm)
-    if x_view is not None:      # torch, BF16, no weights: the views inline (`_learn_size`)
+    if tv is not None:          # torch: the views inline (their arguments fixed per size: `learn_size`)
         g0 = group.data_ptr()
-        recv_x, recv_sf, recv_topk_weights = group.as_strided(*x_view), None, None
-        recv_topk_idx = None if topk_view is None else group.view(b._torch_dtypes[0]).as_strided(*topk_view)
+        x_v, sf_v, topk_v, weights_v = tv
+        td = b._torch_dtypes
+        recv_topk_idx = None if topk_v is None else group.view(td[0]).as_strided(*topk_v)
+        recv_topk_weights = None if weights_v is None else group.view(td[1]).as_strided(*weights_v)
+        if x_v is not None:
+            recv_x = group.as_strided(*x_v)
+            recv_sf = None if sf_v is None else group.view(td[2]).as_strided(*sf_v)
     else:
         recv_x, recv_sf, recv_topk_idx, recv_topk_weights, g0 = views(b, group, out)
-    patch(xp, sp, tp, wp, cp, ws_ptr, g0, out.byte_at)
+    if own_x:                   # (after the small outputs' allocation, as `__call__` makes them)
+        (recv_x, recv_sf), (xo, so) = allocate_x(carver, out, b.x_dtype, b.sf_dtype,
+                                                 b.p.use_tma_aligned_col_major_sf, comm if b.alloc_on_comm else None)
+        patch(xp, sp, tp, wp, cp, ws_ptr, g0, out.byte_at, xo, so)
+    else:
+        patch(xp, sp, tp, wp, cp, ws_ptr, g0, out.byte_at)
     if out is not b._recv_sized or b._recv_free:
         b._size_recv(out, 0)
     b.recv(comm)
@@ -119,13 +177,14 @@ def run_cached(b, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, eve
     nh = _new_handle()
     nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta = fixed
     nh._origin, nh._counts, nh._meta_ptr, nh._meta_of = b, counts, g0 + meta_byte, (group, meta_of)
-    nh.workspace, nh.workspace_ptr, nh._topk_idx, nh._psum_expert = ws, ws_ptr, user_topk, h._psum_expert
+    nh.workspace, nh.workspace_ptr, nh._topk_idx, nh._psum_expert = ws, ws_ptr, user_topk, psum_expert
     if b.async_:
         event_out = async_event(b, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
-                                      recv_topk_idx, recv_topk_weights, ws, group, user_topk)
+                                recv_topk_idx, recv_topk_weights, ws, group, user_topk)
     else:
         event_out = ep._order.leave(b.kind, current, comm, False)
     return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
+
 
 def run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
                 cp: int):
@@ -201,14 +260,14 @@ def run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: i
 
 def views(b, group, out: _Outputs):
     """(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the allocation's address) of a lean path: views of
-    `group` (recv_x carved; the others None where `out` has none)."""
+    `group` (None where `out` carves none)."""
     td = b._torch_dtypes
     if td is None:
         recv_topk_idx, recv_topk_weights, recv_x, recv_sf = cupy_views(b.carver, group, out, b.x_dtype,
                                                                          b.sf_dtype)
         return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, b.carver.ptr(group)
     topk_at, weights_at, x_at, sf_at, _ = out.at
-    return (group.as_strided(out.x_shape, out.x_strides, x_at),
+    return (None if x_at < 0 else group.as_strided(out.x_shape, out.x_strides, x_at),
             None if sf_at < 0 else group.view(td[2]).as_strided(out.sf_view_shape, out.sf_strides, sf_at),
             None if topk_at < 0 else group.view(td[0]).as_strided(out.topk_shape, out.topk_strides, topk_at),
             None if weights_at < 0 else group.view(td[1]).as_strided(out.weights_shape, out.weights_strides,
@@ -216,13 +275,12 @@ def views(b, group, out: _Outputs):
             group.data_ptr())
 
 def learn_size(b, num_recv: int, num_expanded: int) -> Optional[tuple]:
-    """`_run_cached`'s entry for these sizes (remembered): the outputs' layout, the patcher of their pointers, the
-    views' arguments, the new handles' slots fixed by the sizes, the allocation function; None when recv_x is not
-    carved out of the outputs' allocation."""
+    """`finish`'s entry for these sizes (remembered): the outputs' layout, the patcher of their pointers, the views'
+    arguments, the new handles' slots fixed by the sizes, the small outputs' allocation function. recv_x not carved
+    (and FP8 recv_sf with it): the patcher takes their own allocations' addresses (`xo`, `so`)."""
     out = b.outputs(num_recv, num_expanded)
-    if out.byte_at[0] < 0:
-        return None
-    present = tuple(at >= 0 for at in out.byte_at)
+    own_x = out.byte_at[0] < 0
+    present = tuple(at >= 0 for at in out.byte_at) + (own_x and out.sf_shape is not None, own_x)
     patch = b._lean_patchers.get(present)
     if patch is None:
         # Pointers that are 0 on every call of this bound dispatch stay as bound (0): the scales without FP8, the
@@ -235,18 +293,22 @@ def learn_size(b, num_recv: int, num_expanded: int) -> Optional[tuple]:
         if b.topk_in_ws:     # (the handle's copy: `tp` is not looked up per call)
             inputs['topk_idx'] = f'ws + {b.topk_copy_bytes}'
         outs = tuple((n, f'g0 + b[{k}]') for k, (n, here) in enumerate(zip(OUTPUTS, present)) if here)
+        if own_x:
+            outs += (('recv_x', 'xo'),) + ((('recv_sf', 'so'),) if out.sf_shape is not None else ())
         patch = b._lean_patchers[present] = cached_patcher(b.recv, tuple(inputs.items()) + outs)
-    # torch, BF16, no weights: the views' arguments (else `_views` makes them)
-    x_view = topk_view = None
-    if b._torch_dtypes is not None and out.at[1] < 0 and out.at[3] < 0:
-        x_view = (out.x_shape, out.x_strides, out.at[2])
-        topk_view = None if out.at[0] < 0 else (out.topk_shape, out.topk_strides, out.at[0])
+    tv = None                   # torch: the views' arguments (recv_x, recv_sf, recv_topk_idx, recv_topk_weights)
+    if b._torch_dtypes is not None:
+        topk_at, weights_at, x_at, sf_at, _ = out.at
+        tv = ((out.x_shape, out.x_strides, x_at) if x_at >= 0 else None,
+              (out.sf_view_shape, out.sf_strides, sf_at) if sf_at >= 0 else None,
+              (out.topk_shape, out.topk_strides, topk_at) if topk_at >= 0 else None,
+              (out.weights_shape, out.weights_strides, weights_at) if weights_at >= 0 else None)
     if len(b._lean_sizes) >= MAX_SIZES:
         b._lean_sizes.clear()
     fixed = (b.handle_fields, out.num_recv, out.num_expanded, None)     # the new handles' slots of these sizes
     lean = b._lean_sizes[(num_recv, num_expanded)] = (
-        out, patch, x_view, topk_view, fixed, out.byte_at[4], (b.carver, out.meta_shape, out.at[4]),
-        None if b.alloc_on_comm else b.carver.allocator(out.alloc_shape, out.alloc_dtype))
+        out, patch, tv, fixed, out.byte_at[4], (b.carver, out.meta_shape, out.at[4]),
+        None if b.alloc_on_comm else b.carver.allocator(out.alloc_shape, out.alloc_dtype), own_x)
     return lean
 
 

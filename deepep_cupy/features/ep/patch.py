@@ -53,14 +53,15 @@ def call_patcher(blocks, what: str, extra: Tuple[str, ...] = ()):
 
 
 def cached_patcher(bound, exprs):
-    """`patch(xp, sp, tp, wp, cp, ws, g0, b)` storing, for each (parameter name, expression) of `exprs` that
-    `bound`'s kernel takes, the expression's value at its word: a cached dispatch's pointers, of the call's inputs, its
-    handle's workspace `ws` and its outputs' allocation `g0` (`b`: the outputs' byte offsets, `Outputs.byte_at`)."""
+    """`patch(xp, sp, tp, wp, cp, ws, g0, b, xo=0, so=0)` storing, for each (parameter name, expression) of `exprs`
+    that `bound`'s kernel takes, the expression's value at its word: a lean dispatch's pointers, of the call's inputs,
+    the workspace `ws`, the outputs' allocation `g0` (`b`: the outputs' byte offsets, `Outputs.byte_at`) and recv_x's
+    and recv_sf's own allocations `xo`, `so` (where they are not carved)."""
     namespace, taken = {'v': bound.u64}, set(bound.spec.param_names)
     body = ''.join(f'    u[{bound.index(n)}] = {e[:-4] if e.endswith(" + 0") else e}\n' for n, e in exprs
                    if n in taken) or '    pass\n'
-    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws, g0, b, u=v):\n{body}', f'<cached patch of {bound.spec.name}>',
-                 'exec'), namespace)
+    exec(compile(f'def patch(xp, sp, tp, wp, cp, ws, g0, b, xo=0, so=0, u=v):\n{body}',
+                 f'<cached patch of {bound.spec.name}>', 'exec'), namespace)
     return namespace['patch']
 
 
