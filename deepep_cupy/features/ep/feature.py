@@ -11,7 +11,7 @@ Per dispatch, on the buffer's communication stream:
 See kernels_cu/ep_*.cu for the protocols.
 """
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from ... import envs
 from ...runtime import interop, workspace
@@ -56,6 +56,7 @@ class EP:
             prefer_overlap_with_compute=prefer_overlap_with_compute, nvlink_gbs=nvlink_gbs)
         self.layout = None
         self._kernels: Dict[int, EPKernels] = {}
+        self._range_kernels: Dict[int, Any] = {}     # num_topk -> its bucket's range kernel (`_start_range`)
         self._host_seq = 0
         # Fixed for the buffer's life: kept here so that the hot path does not go through the buffer's proxy.
         self._sym, self._order, self._host_ptr = buf.sym, buf.stream_order, buf.host_mapped.ptr
@@ -94,6 +95,7 @@ class EP:
         """Forget the layout, kernels and bound calls (the buffer frees the memory)."""
         self.layout = None
         self._kernels = {}
+        self._range_kernels = {}
         self._bound = {}
 
     # ---- helpers of the bound calls (bound.py) ---------------------------------------------------------------------
@@ -218,8 +220,11 @@ class EP:
     def _start_range(self, topk_idx, ptr: int, num_values: int, num_topk: int, stream):
         """Start reading topk_idx's (min, max) back: one small kernel on `stream` (the one that made topk_idx) writing
         host-mapped memory (`HostRange`); returns the function that waits for them."""
-        return self._topk_range.start(self.kernels(num_topk).topk_range, ptr, num_values, stream,
-                                      self._buf.num_cpu_timeout_secs, self._range_what)
+        kernel = self._range_kernels.get(num_topk)
+        if kernel is None:
+            kernel = self._range_kernels[num_topk] = self.kernels(num_topk).topk_range
+        return self._topk_range.start(kernel, ptr, num_values, stream, self._buf.num_cpu_timeout_secs,
+                                      self._range_what)
 
     def _wait_host_counts(self, seq: int, num_local_experts: int):
         """Poll the host-mapped counts written by the notify kernel (bounded by num_cpu_timeout_secs); returns
