@@ -113,9 +113,9 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     """`__call__` of a dispatch with a CPU sync, bound without V1 matrices: its per-call work only, in `__call__`'s
     order (the top-k range check started first and read back before any EP kernel; the notify and the send (several
     ranks: its own launch); the host's wait for the counts; the exact outputs and the receive). What needs no count
-    comes before the wait (the notify's patch even before the range's result: patching launches nothing), so that
-    the host's share after the counts is `finish`'s alone (issue #11: the CPU-sync dispatch's host time beyond the
-    notify)."""
+    comes before the wait: the notify's patch before the range's result (patching launches nothing), the receive's
+    input pointers while the GPU counts, so that the host's share after the counts is `finish`'s alone (issue #11:
+    the CPU-sync dispatch's host time beyond the notify); its patcher then writes the outputs' pointers only."""
     if xp & 15:
         raise ValueError('x rows must start at 16-byte aligned addresses')
     if b._lean_blocked or ep.ready_guard is not None:
@@ -137,6 +137,8 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     n(comm)
     if snd is not None:
         snd(comm)
+    # While the GPU counts: the receive's input pointers (its outputs' wait for the counts).
+    b.recv_in_patch(b.recv.u64, xp, sp, tp, wp, cp, ws_ptr)
     num_recv, num_expanded, counts = ep._wait_host_counts(seq, b.num_local_experts)
     lean = b._lean_sizes.get((num_recv, num_expanded))
     if lean is None:
@@ -282,7 +284,9 @@ def learn_size(b, num_recv: int, num_expanded: int) -> Optional[tuple]:
     own_x = out.byte_at[0] < 0
     present = tuple(at >= 0 for at in out.byte_at) + (own_x and out.sf_shape is not None, own_x)
     patch = b._lean_patchers.get(present)
-    if patch is None:
+    if patch is None and b.cpu_sync:    # (`run_cpu_sync` patched the inputs before the counts: the outputs only)
+        patch = b._lean_patchers[present] = cached_patcher(b.recv, _output_exprs(out, present, own_x))
+    elif patch is None:
         # Pointers that are 0 on every call of this bound dispatch stay as bound (0): the scales without FP8, the
         # weights when none are given (both part of the key), and the outputs this layout has none of (all but
         # recv_x / recv_sf, which are either carved or allocations of their own, depend on the key alone).
@@ -292,10 +296,8 @@ def learn_size(b, num_recv: int, num_expanded: int) -> Optional[tuple]:
             inputs.pop(n, None)
         if b.topk_in_ws:     # (the handle's copy: `tp` is not looked up per call)
             inputs['topk_idx'] = f'ws + {b.topk_copy_bytes}'
-        outs = tuple((n, f'g0 + b[{k}]') for k, (n, here) in enumerate(zip(OUTPUTS, present)) if here)
-        if own_x:
-            outs += (('recv_x', 'xo'),) + ((('recv_sf', 'so'),) if out.sf_shape is not None else ())
-        patch = b._lean_patchers[present] = cached_patcher(b.recv, tuple(inputs.items()) + outs)
+        patch = b._lean_patchers[present] = cached_patcher(b.recv, tuple(inputs.items()) +
+                                                           _output_exprs(out, present, own_x))
     tv = None                   # torch: the views' arguments (recv_x, recv_sf, recv_topk_idx, recv_topk_weights)
     if b._torch_dtypes is not None:
         topk_at, weights_at, x_at, sf_at, _ = out.at
@@ -310,6 +312,15 @@ def learn_size(b, num_recv: int, num_expanded: int) -> Optional[tuple]:
         out, patch, tv, fixed, out.byte_at[4], (b.carver, out.meta_shape, out.at[4]),
         None if b.alloc_on_comm else b.carver.allocator(out.alloc_shape, out.alloc_dtype), own_x)
     return lean
+
+
+def _output_exprs(out: _Outputs, present: tuple, own_x: bool) -> tuple:
+    """The (parameter, expression) pairs of a lean patcher's output pointers: carved ones at `g0 + b[k]` (`b`: the
+    outputs' byte offsets), recv_x and recv_sf not carved at their own allocations' `xo`, `so`."""
+    outs = tuple((n, f'g0 + b[{k}]') for k, (n, here) in enumerate(zip(OUTPUTS, present)) if here)
+    if own_x:
+        outs += (('recv_x', 'xo'),) + ((('recv_sf', 'so'),) if out.sf_shape is not None else ())
+    return outs
 
 
 def async_event(b, ep, current, x_in, *tensors):
