@@ -457,6 +457,37 @@ def test_all_gather_batches_beyond_capacity_in_place_and_misaligned(fakes):
     del handle
 
 
+def test_all_gather_one_launch_packs_the_block_a_named_bind_packs(fakes):
+    """The one-launch path packs agrs_gather_batch_kernel's whole argument block in one struct (features/agrs/
+    gather_entry.py `single_batch_pack`): byte for byte the block of a bind by name with the call's values (unused
+    source slots zero, peer_bases and rank as bound), also when a source is its in-place slot (mask bit clear) and
+    after a call of another size (the stale slots are zeroed again)."""
+    buf = _Buf(num_ranks=2, rank=1)
+    buf.agrs_set_config(MiB, 8)
+    st = buf._agrs
+    base = buf.sym.base + buf.data_offset
+
+    def expected(srcs, sizes, offsets, mask, epoch, meta):
+        pad = [0] * (agrs_kernels.GATHER_BATCH - len(srcs))
+        named = {f'{f}{i}': v for f, vs in (('src', [*srcs, *pad]), ('num_bytes', [*sizes, *pad]),
+                                            ('region_offset', [*offsets, *pad])) for i, v in enumerate(vs)}
+        return bytes(st.kernels['gather_batch'].bind(
+            1, agrs_kernels.THREADS, **named, num_tensors=len(srcs), write_local_mask=mask, peer_bases=0x1000, rank=1,
+            do_signal=1, epoch=epoch, meta=meta).data)
+
+    with buf.agrs_new_session():
+        a, b, c = _FakeArray((8, 4), 'float32'), _FakeArray((3,), 'float32'), _FakeArray((5,), 'float32')
+        buf.all_gather([a, b, c])
+        offsets = [buf.data_offset, buf.data_offset + 256, buf.data_offset + 288]
+        assert bytes(st._batch_launch.data) == expected([a.info.ptr, b.info.ptr, c.info.ptr], [128, 12, 20], offsets,
+                                                        7, 1, 352 // 32)
+        slot = _FakeArray((3,), 'float32', ptr=base + 352 + 12)     # rank 1's slot of the next first region
+        buf.all_gather([slot, a])
+        assert bytes(st._batch_launch.data) == expected([slot.info.ptr, a.info.ptr], [12, 128],
+                                                        [buf.data_offset + 352, buf.data_offset + 384], 2, 2, 640 // 32)
+        assert [e[1] for e in st.log] == [agrs_plan.gather_grid(128, True, 32)] * 2
+
+
 def test_all_gather_in_place_and_overlap_checks(fakes):
     buf = _Buf(num_ranks=2, rank=1)
     buf.agrs_set_config(MiB, 8)

@@ -18,8 +18,7 @@ Hybrid mode (several scale-up domains): hybrid.py.
 import contextlib
 import math
 import operator
-import struct
-from functools import reduce
+from functools import partial, reduce
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -45,9 +44,9 @@ from .reduce import Reductions
 from .wait_handle import AGRSWaitHandle
 
 DATA_REGION_OWNER = 'all-gather / reduce-scatter'
-_SHAPE_DTYPE = operator.attrgetter('shape', 'dtype')
-# agrs_gather_batch_kernel's do_signal, epoch and meta: one contiguous run of its block (checked when binding).
-_SIGNAL_EPOCH_META = struct.Struct('=iII')
+# A torch tensor's shape, dtype and device in one C call (its strides: `torch.Tensor.stride`, a method).
+_SIGNATURE = operator.attrgetter('shape', 'dtype', 'device')
+_or_all = partial(reduce, operator.or_)     # (`_or_all(ptrs, 0) & 15`: a source off 16 bytes)
 
 
 class AGRS(GatherLaunches, HybridSteps, Reductions):
@@ -78,8 +77,8 @@ class AGRS(GatherLaunches, HybridSteps, Reductions):
         self._infos: Dict[Any, Tuple[str, int, str, Tuple[int, ...]]] = {}    # signature -> checked tensor facts
         self._gather_launch = None                  # hybrid: the gather kernel's bound launch (every argument patched)
         self._batch_launch = None                   # the batched gather kernel's (sources, mask, epoch, meta patched)
-        self._batch_tail = 0                        # (its do_signal's byte offset)
-        self._wait_launch, self._wait_idx = None, 0     # the wait kernel's (epoch and meta patched; their offset)
+        self._batch_grid = None                     # (the grid last set on it)
+        self._wait_launch = self._wait_pack = None     # the wait kernel's and `(epoch, meta) ->` their packing
         self._reduce_launches: Dict[Any, Any] = {}  # (kernel, layout, area, all-reduce) -> bound reduce launch
         self._reduce_checked: Dict[Any, Any] = {}   # reduce_scatter signature -> what its checks derived
         self._gather_entries: Dict[Any, Any] = {}   # all_gather (signatures, session state) -> `gather_entry`
@@ -178,7 +177,9 @@ class AGRS(GatherLaunches, HybridSteps, Reductions):
         buf = self._buf
         if buf._destroyed or buf._failed is not None or buf.error_record[0]:
             self._check_usable()        # (its three conditions read here first)
-        plan.open()
+        if plan.is_open:
+            plan.open()                 # (raises: sessions are sequential)
+        plan.is_open, plan.used_bytes, plan.num_gathers = True, 0, 0         # (`plan.open()` inline)
         self.session_idx += 1
 
     def destroy_session(self) -> None:
@@ -249,50 +250,64 @@ class AGRS(GatherLaunches, HybridSteps, Reductions):
         # decide (the checks, regions, grids, packed launch arguments, output views) is looked up, computed once by
         # `gather_entry`. Torch tensors (subclasses too) are read field by field across the list (a C call per field,
         # not per tensor; the descriptors raise TypeError for anything else, and before `interop.meta` saw a torch
-        # tensor the placeholder class has none); other arrays through `interop.meta`.
+        # tensor the placeholder class has none); other arrays through `interop.meta`. (A single tensor and a list of
+        # one share their entry: they differ only in the names of failed checks, which make no entry.)
         try:
             tensor_type = interop.TORCH_TENSOR[0]
             ptrs = list(map(tensor_type.data_ptr, items))
-            key = (single, tuple(map(_SHAPE_DTYPE, items)), tuple(map(tensor_type.stride, items)),
-                   tuple(map(tensor_type.get_device, items)), plan.used_bytes, plan.num_gathers)
+            key = (tuple(map(_SIGNATURE, items)), tuple(map(tensor_type.stride, items)), plan.used_bytes,
+                   plan.num_gathers)
         except (TypeError, AttributeError):
-            key, ptrs = self._gather_key(items, single)
+            key, ptrs = self._gather_key(items)
         e = self._gather_entries.get(key)
         if e is None:
             metas = [interop.meta(t) for t in items]
             e = gather_entry(self, items, single, metas, key)
             ptrs = [m[1] for m in metas]
-        kind, per, free_start, free_end, end, num_gathers, meta, outputs, regions, batches, one, mask, below = e
-        if not ptrs or (max(ptrs) > below and min(ptrs) < free_end):
-            mask = self._copy_mask(ptrs, per, free_start, free_end)
-        misaligned = reduce(operator.or_, ptrs, 0) & 15
-        plan.used_bytes, plan.num_gathers = end, num_gathers         # `plan.reserve` of these regions
+        pack, consts, grid, mask, below, free_end, end, num_gathers, meta, outputs, track, rest = e
+        keep = items
+        if max(ptrs) > below and min(ptrs) < free_end:      # (a source near the free area: an in-place slot?)
+            mask, keep, consts = self._in_place(items, ptrs, e)
+        plan.used_bytes = end                               # (`plan.reserve` of these regions)
+        plan.num_gathers = num_gathers
         self.gather_epoch = epoch = (self.gather_epoch + 1) & 0xFFFFFFFF
         current = interop.current_stream(items[0])
         comm = buf.stream_order.begin(current)
-        if one is not None:         # (single domain, up to GATHER_BATCH tensors: one launch, two packs)
-            b = self._batch_launch or self._bind_batch_launch()
-            pack, consts, grid = one
-            data = b.data
-            pack.pack_into(data, 0, *ptrs, *consts, mask)
-            _SIGNAL_EPOCH_META.pack_into(data, self._batch_tail, 1, epoch, meta)
-            b.grid = grid if not misaligned else self._misaligned_grid(per, ptrs, 0, len(ptrs))
+        if pack is not None:        # (single domain, up to GATHER_BATCH tensors: one launch, one pack)
+            if _or_all(ptrs, 0) & 15:
+                grid = self._misaligned_grid(rest[1], ptrs, 0, len(ptrs))
+            b = self._batch_launch
+            if grid is not self._batch_grid:
+                b.grid = self._batch_grid = grid
+            pack(*ptrs, *consts, epoch, meta)
             b(comm)
         elif self.hybrid:
+            kind, per, free_start, regions, batches = rest
             g = self._single_gather_launch()
             g.u32[self._gather_launch_idx[5]], g.u32[self._gather_launch_idx[6]] = epoch, meta
             self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions,
                                 [not mask >> i & 1 for i in range(len(per))], meta)
         else:
-            self._gather_batches(comm, batches, per, ptrs, mask, misaligned, epoch, meta)
-        keep = items if mask == (1 << len(items)) - 1 else tuple([t for i, t in enumerate(items) if mask >> i & 1])
-        handle = AGRSWaitHandle(self, self.session_idx, epoch, meta, items[0], keep,
-                                kind == 'torch' and keep, current, comm)
+            self._gather_batches(comm, rest[4], rest[1], ptrs, mask, epoch, meta)
+        handle = AGRSWaitHandle((self, self.session_idx, epoch, meta, items[0]), keep, keep if track else (), current,
+                                comm)
         if self.hybrid:     # (a rail timeout skips the signal that the wait kernel's return would stand for)
             handle.mark()
-        return (*outputs, handle)
+        return outputs + (handle,)
 
-    def _gather_key(self, items, single: bool):
+    def _in_place(self, items, ptrs, e):
+        """`all_gather`'s `(in-place mask, sources to keep, pack constants)` for a call whose sources come near its free
+        area (entry `e`; see `_copy_mask`)."""
+        pack, consts, _, _, _, free_end, _, _, _, _, _, (_, per, free_start, _, _) = e
+        mask = self._copy_mask(ptrs, per, free_start, free_end)
+        if mask == e[3]:
+            return mask, items, consts
+        keep = tuple([t for i, t in enumerate(items) if mask >> i & 1])
+        if pack is not None:        # (the mask's place in the constants: `gather_entry.single_batch_pack`)
+            consts = (*consts[:-4], mask, *consts[-3:])
+        return mask, keep, consts
+
+    def _gather_key(self, items):
         """`all_gather`'s `(key, pointers)` for anything but a list of torch tensors (CuPy arrays, mixed or unknown
         inputs), or before `interop.meta` saw a torch tensor: then the torch key, so that the first call's entry is
         found again."""
@@ -301,10 +316,10 @@ class AGRS(GatherLaunches, HybridSteps, Reductions):
         tensor_type = interop.TORCH_TENSOR[0]
         try:
             ptrs = list(map(tensor_type.data_ptr, items))
-            return (single, tuple(map(_SHAPE_DTYPE, items)), tuple(map(tensor_type.stride, items)),
-                    tuple(map(tensor_type.get_device, items)), plan.used_bytes, plan.num_gathers), ptrs
+            return (tuple(map(_SIGNATURE, items)), tuple(map(tensor_type.stride, items)), plan.used_bytes,
+                    plan.num_gathers), ptrs
         except (TypeError, AttributeError):
-            return (single, tuple([m[0] for m in metas]), plan.used_bytes, plan.num_gathers), [m[1] for m in metas]
+            return (tuple([m[0] for m in metas]), plan.used_bytes, plan.num_gathers), [m[1] for m in metas]
 
     @staticmethod
     def _copy_mask(ptrs, per, free_start: int, free_end: int) -> int:

@@ -2,6 +2,7 @@
 per call): the argument checks, the regions, the grids, the packed launch arguments and the output views."""
 
 import struct
+from functools import partial
 
 from ...runtime import checks
 from .kernels import GATHER_BATCH
@@ -12,16 +13,17 @@ from .plan import gather_grid, gather_meta
 BATCH_PACK = struct.Struct(f'={GATHER_BATCH}q{GATHER_BATCH}Qi')
 
 
-def single_batch_pack(per) -> tuple:
+def single_batch_pack(per, mask: int, tail: tuple) -> tuple:
     """A call of at most GATHER_BATCH tensors `per` (as in `gather_entry`) in one launch: `(struct, constants)` such
-    that `struct.pack_into(block, 0, *sources, *constants, write_local_mask)` writes the first num_tensors sources,
-    zeros for the other source slots, then the sizes, offsets, count and mask (agrs_gather_batch_kernel's arguments
-    src0..7 to write_local_mask: one run at the start of its block; the feature checks that when it binds)."""
+    that `struct.pack_into(block, 0, *sources, *constants, epoch, meta)` writes agrs_gather_batch_kernel's whole
+    argument block: the first num_tensors sources, zeros for the other source slots, the sizes, offsets, count, the
+    write_local_mask `mask`, `tail` (peer_bases and rank, as bound), do_signal = 1, epoch and meta (one run without
+    padding; the feature checks that when it binds)."""
     n = len(per)
     assert 0 < n <= GATHER_BATCH, n
     pad = (0,) * (GATHER_BATCH - n)
-    return (struct.Struct(f'={n}Q{8 * (GATHER_BATCH - n)}x{GATHER_BATCH}q{GATHER_BATCH}QiI'),
-            (*[f[1] for f in per], *pad, *[f[2] for f in per], *pad, n))
+    return (struct.Struct(f'={n}Q{8 * (GATHER_BATCH - n)}x{GATHER_BATCH}q{GATHER_BATCH}QiIQiiII'),
+            (*[f[1] for f in per], *pad, *[f[2] for f in per], *pad, n, mask, *tail, 1))
 
 
 def gather_batches(per) -> tuple:
@@ -39,13 +41,14 @@ def gather_batches(per) -> tuple:
 
 def gather_entry(feature, items, single: bool, metas, key):
     """What an `all_gather` call of `feature` (the AGRS feature) with these signatures decides in the session's
-    current state (`key`): its argument checks (raising before anything runs) and `(kind, per tensor (in-place
-    address, bytes, region offset, grid if 16-byte aligned, grid else, size aligned), free area start, end, the
-    session's bytes and gathers after it, meta, outputs, regions, the launches (`gather_batches`; None in hybrid
-    mode), the one launch's pack (`single_batch_pack` and the grid if 16-byte aligned; None in hybrid mode or for
-    more than GATHER_BATCH tensors), the mask of every tensor copied, the highest source address that cannot reach the
-    free area)`; remembered when every signature is one (`interop.meta`). Sets the pointers of `metas` that
-    `interop.meta` could not read."""
+    current state (`key`): its argument checks (raising before anything runs) and, first what every call reads,
+    `(the one launch's pack (`single_batch_pack`'s struct bound to the block at 0, its constants for `mask`, the grid
+    if 16-byte aligned; None in hybrid mode or for more than GATHER_BATCH tensors), mask (every tensor copied), the
+    highest source address that cannot reach the free area, free area end, the session's bytes and gathers after
+    it, meta, outputs, whether the sources are torch tensors (tracked by the wait handle), (kind, per tensor (in-place
+    address, bytes, region offset, grid if 16-byte aligned, grid else, size aligned), free area start, regions, the
+    launches (`gather_batches`; None in hybrid mode)))`; remembered when every signature is one (`interop.meta`).
+    Sets the pointers of `metas` that `interop.meta` could not read."""
     buf, plan = feature._buf, feature.plan
     if not items:
         raise ValueError('tensors must be a tensor or a non-empty list of tensors')
@@ -76,13 +79,18 @@ def gather_entry(feature, items, single: bool, metas, key):
                      for f, r in zip(facts, regions)])
     end = regions[-1].end
     batches = None if feature.hybrid else gather_batches(per)
-    one = (*single_batch_pack(per), batches[0][3]) if batches is not None and len(batches) == 1 else None
+    mask = (1 << len(sizes)) - 1
+    pack = consts = grid = None
+    if batches is not None and len(batches) == 1:
+        b = feature._batch_launch or feature._bind_batch_launch()
+        layout, consts = single_batch_pack(per, mask, feature._batch_tail)
+        pack, grid = partial(layout.pack_into, b.data, 0), batches[0][3]
     free_start = base + plan.used_bytes
     # A source at or below `free_start - max(sizes)` ends before the free area (it is neither an in-place slot, which
     # lies in the free area, nor overlapping it): a call whose sources all lie there, or all at or above the area's end,
     # copies every tensor without looking at each.
-    e = (kind, per, free_start, base + plan.capacity, end, plan.num_gathers + len(sizes), gather_meta(end), outputs,
-         regions, batches, one, (1 << len(sizes)) - 1, free_start - max(sizes))
+    e = (pack, consts, grid, mask, free_start - max(sizes), base + plan.capacity, end, plan.num_gathers + len(sizes),
+         gather_meta(end), outputs, kind == 'torch', (kind, per, free_start, regions, batches))
     if not any(type(m[0]) is object for m in metas):
         entries = feature._gather_entries
         if len(entries) >= 256:

@@ -1,14 +1,16 @@
 """The launches of an all-gather call (features/agrs/feature.py `AGRS.all_gather`): agrs_gather_batch_kernel's bound
 launch per GATHER_BATCH tensors in a single domain, agrs_gather_kernel's for hybrid mode's steps (hybrid.py)."""
 
+import operator
 import struct
+from functools import reduce
 
-from .gather_entry import BATCH_PACK
+from .gather_entry import BATCH_PACK, single_batch_pack
 from .kernels import GATHER_BATCH, THREADS
 
 
 class GatherLaunches:
-    """Mixed into `AGRS` (uses `_buf`, `kernels`, `_gather_launch`, `_batch_launch`)."""
+    """Mixed into `AGRS` (uses `_buf`, `kernels`, `_gather_launch`, `_batch_launch`, `_batch_grid`)."""
 
     def _single_gather_launch(self):
         """agrs_gather_kernel's bound launch (hybrid mode: one launch per tensor and step, re-patched each time)."""
@@ -32,22 +34,27 @@ class GatherLaunches:
             rank=buf.sym.local_idx, do_signal=0, epoch=0, meta=0)
         start = b.index('num_bytes0') * 8
         # The packed runs `gather_entry` makes: the sources, the sizes, the offsets, the count and the mask,
-        # contiguous from the start of the block; the signal flag, epoch and meta, contiguous too.
+        # contiguous from the start of the block; the signal flag, epoch and meta, contiguous too; and for the one
+        # launch of a call (`single_batch_pack`) the whole block, peer_bases and rank (re-packed as bound) in between.
         assert b.index('src0') == 0 and start == 8 * GATHER_BATCH, 'agrs_gather_batch_kernel: the sources come first'
         assert b.index('region_offset0') * 8 == start + 8 * GATHER_BATCH and \
             b.index('num_tensors') * 4 == start + 16 * GATHER_BATCH and \
             b.index('write_local_mask') == b.index('num_tensors') + 1, 'agrs_gather_batch_kernel argument layout'
         tail = b.index('do_signal')
         assert b.index('epoch') == tail + 1 and b.index('meta') == tail + 2, 'agrs_gather_batch_kernel argument layout'
+        assert b.index('peer_bases') * 2 == b.index('write_local_mask') + 1 and \
+            b.index('rank') == b.index('peer_bases') * 2 + 2 and tail == b.index('rank') + 1 and \
+            single_batch_pack(((0, 0, 0),), 0, (0, 0))[0].size == 4 * (tail + 3), \
+            'agrs_gather_batch_kernel argument layout'
         src_pack = [struct.Struct(f'={n}Q') for n in range(GATHER_BATCH + 1)]     # the first n sources
         self._batch_idx = (src_pack, slice(start, start + BATCH_PACK.size), b.index('write_local_mask'), tail,
                            tail + 1, tail + 2)
-        self._batch_tail = 4 * tail         # (byte offset of do_signal)
         self._batch_bytes = memoryview(b.data).cast('B')
+        self._batch_tail = (b.u64[b.index('peer_bases')], b.i32[b.index('rank')])     # (as bound)
         self._batch_launch = b
         return b
 
-    def _gather_batches(self, comm, batches, per, ptrs, mask: int, misaligned: int, epoch: int, meta: int) -> None:
+    def _gather_batches(self, comm, batches, per, ptrs, mask: int, epoch: int, meta: int) -> None:
         """The launches of one all-gather call of more than GATHER_BATCH tensors (single domain; fewer take
         `AGRS.all_gather`'s one-launch path): agrs_gather_batch_kernel per GATHER_BATCH tensors (`batches`:
         `gather_entry`'s (first tensor, end, packed sizes / offsets / count, grid) each), the last one signalling. Per
@@ -56,12 +63,13 @@ class GatherLaunches:
         src_pack, packed, i_mask, i_signal, i_epoch, i_meta = self._batch_idx
         u32, data = b.u32, b.data
         u32[i_epoch], u32[i_meta] = epoch, meta
+        misaligned = reduce(operator.or_, ptrs, 0) & 15
         last = len(batches) - 1
         for j, (lo, hi, pack, grid) in enumerate(batches):
             src_pack[hi - lo].pack_into(data, 0, *ptrs[lo:hi])
             self._batch_bytes[packed] = pack
             u32[i_mask], b.i32[i_signal] = (mask >> lo) & 0xFF, 1 if j == last else 0
-            b.grid = grid if not misaligned else self._misaligned_grid(per, ptrs, lo, hi)
+            b.grid = self._batch_grid = grid if not misaligned else self._misaligned_grid(per, ptrs, lo, hi)
             b(comm)
 
     @staticmethod

@@ -3,6 +3,7 @@
 `runtime/streams.py` `DeferredRecord` does (inline: one object per call instead of three)."""
 
 import struct
+from functools import partial
 from typing import Any, Tuple
 
 from ...runtime import interop
@@ -17,48 +18,54 @@ class AGRSWaitHandle(DeferredMarks):
     """Returned by `all_gather`: call it (on the stream that will read the outputs) before using the outputs. It
     launches one small kernel that waits, bounded, until every rank's bytes of that call have arrived.
 
-    The handle keeps the call's sources alive until it is called. With `record`, the torch sources the gather kernels
-    read on the communication stream `comm` are tracked as a `runtime/streams.py` `DeferredRecord` would (inline here:
-    one object per call): the wait kernel returns only after this rank's own gather signalled, i.e. after the gather
-    kernels finished reading the sources, so called on the call's stream `current` the handle orders their last use
-    there and no `record_stream` is needed; called on another stream, or dropped uncalled, it marks them as used on
-    the communication stream."""
+    The handle keeps the call's sources alive until it is called. `record` (the torch sources among them; () for
+    other arrays), which the gather kernels read on the communication stream `comm`, are tracked as a
+    `runtime/streams.py` `DeferredRecord` would (inline here: one object per call): the wait kernel returns only after
+    this rank's own gather signalled, i.e. after the gather kernels finished reading the sources, so called on the
+    call's stream `current` the handle orders their last use there and no `record_stream` is needed; called on
+    another stream, or dropped uncalled, it marks them as used on the communication stream."""
 
-    __slots__ = ('_feature', '_session_idx', '_epoch', '_meta', '_like', '_keep_alive', '_record', '_current', '_comm')
+    __slots__ = ('_call', '_keep_alive', '_record', '_current', '_comm')
 
-    def __init__(self, feature: Any, session_idx: int, epoch: int, meta: int, like: Any,
-                 keep_alive: Tuple[Any, ...], record: bool = False, current: Any = None, comm: Any = None):
-        self._feature, self._session_idx, self._epoch, self._meta = feature, session_idx, epoch, meta
-        self._like, self._keep_alive = like, keep_alive
-        self._record = keep_alive if record else ()
-        self._current, self._comm = current, comm
+    def __init__(self, call: Tuple[Any, int, int, int, Any], keep_alive: Tuple[Any, ...], record: Tuple[Any, ...],
+                 current: Any, comm: Any):
+        # (one assignment per slot: a tuple assignment costs two more bytecodes per call)
+        self._call = call       # (feature, session_idx, epoch, meta, like): what the wait reads, set once
+        self._keep_alive = keep_alive
+        self._record = record   # (the torch sources of keep_alive)
+        self._current = current
+        self._comm = comm
 
     def __call__(self) -> None:
-        st = self._feature
-        buf = st._buf
-        if st.session_idx != self._session_idx or not st.plan.is_open:
+        st, session_idx, epoch, meta, like = self._call
+        if st.session_idx != session_idx or not st.plan.is_open:
             raise RuntimeError('this all-gather\'s session was destroyed: call the wait handle before '
                                'destroy_agrs_session() (the outputs are invalid now)')
+        buf = st._buf
         if buf._destroyed or buf._failed is not None or buf.error_record[0]:
             st._check_usable()
-        stream = interop.current_stream(self._like)
-        if self._record:
-            self._waited_on(stream)
+        stream = interop.current_stream(like)
+        if self._record:            # (`_waited_on` inline)
+            current = self._current
+            if stream is not current and stream.ptr != current.ptr:
+                self.mark()
+            self._record = ()
         w = st._wait_launch or self._bind(st)
-        _EPOCH_META.pack_into(w.data, st._wait_idx, self._epoch, self._meta)
+        st._wait_pack(epoch, meta)
         w(stream)
         self._keep_alive = ()
 
     @staticmethod
     def _bind(st):
-        """The wait kernel's bound launch (by name, once per feature; per call the epoch and meta change)."""
+        """The wait kernel's bound launch (by name, once per feature; per call the epoch and meta change, packed by
+        `st._wait_pack(epoch, meta)`)."""
         buf = st._buf
         w = st._wait_launch = st.kernels['wait'].bind(
             1, 32, peer_bases=buf.sym.peer_bases_ptr, rank=buf.sym.local_idx, epoch=0, meta=0,
             error_record=buf.host_mapped.ptr, timeout_ns=buf.timeout_ns)
         i = w.index('epoch')
         assert w.index('meta') == i + 1, 'agrs_wait_kernel: epoch and meta adjacent'
-        st._wait_idx = 4 * i        # (byte offset of epoch)
+        st._wait_pack = partial(_EPOCH_META.pack_into, w.data, 4 * i)       # (epoch's byte offset)
         return w
 
 
