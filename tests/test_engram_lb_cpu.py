@@ -294,6 +294,37 @@ def test_engram_fetch_checks(monkeypatch):
         buf.engram_fetch(indices, num_qps=-1)
 
 
+def test_engram_index_range_bound_launch_packs_like_a_bind_by_name():
+    """The index range check's `HostRange` with a kernel that binds (engram's and the CPU-sync dispatch's path): per
+    call its four arguments are packed in one struct, byte for byte what a bind by name packs; the record is reset
+    before the launch and read back as Python ints; a record that never lands times out naming the array."""
+    from deepep_cupy.runtime.host_range import RANGE_THREADS, HostRange
+
+    host = fakes.FakeHostMapped()
+    offset = engram.HOST_RANGE_OFFSET
+    record = host.view('int64', 3, offset)
+    values = np.array([5, -3, 11, 7], dtype=np.int64)
+
+    def land(args):             # what value_range_kernel writes: lo and hi, then the sequence number
+        record[1], record[2] = int(values.min()), int(values.max())
+        record[0] = args['seq']
+    kernel = fakes.RecordingKernel(engram.RANGE_SPEC, run=land)
+    host_range = HostRange(host, offset)
+    for seq in (1, 2):
+        lo_hi = host_range.start(kernel, 0x5000 + seq, values.size, 'stream', 1.0, 'indices')()
+        assert lo_hi == (-3, 11) and all(type(v) is int for v in lo_hi)
+        (b, _), = host_range._bound.values()
+        named = kernel.bind(1, RANGE_THREADS, values=0x5000 + seq, num_values=values.size,
+                            host_out=host.ptr + offset, seq=seq)
+        assert bytes(b.data) == bytes(named.data) and kernel.log[-1].args['seq'] == seq
+    assert len(kernel.log) == 2 and kernel.log[-1].stream == 'stream'
+    kernel.run = None
+    wait = host_range.start(kernel, 0x5000, values.size, None, 0.05, 'engram indices')
+    assert record[0] == 0                   # reset before the launch
+    with pytest.raises(TimeoutError, match='range check of engram indices'):
+        wait()
+
+
 # ---- load balancing: host model of the mapping -----------------------------------------------------------------------
 
 def test_theoretical_num_sms():

@@ -3,6 +3,9 @@
 [seq, lo, hi] into host-mapped memory; the host polls the sequence number. Used by the CPU-sync dispatch (top-k
 ids) and by engram_fetch (indices), which raise before their communication kernels run."""
 
+import ctypes
+import struct
+from functools import partial
 from typing import Callable, Tuple
 
 import numpy as np
@@ -11,6 +14,8 @@ from ..jit.launch import PTR, KernelSpec, Param
 from .polling import SPIN_POLLS, wait_until
 
 RANGE_THREADS = 1024     # kernels_cu/common/value_range.cuh kRangeThreads
+# value_range_kernel's parameters, one contiguous run of 8-byte words (checked when a launch is bound).
+_RANGE_ARGS = struct.Struct('=QqQq')
 
 
 def value_range_spec(family: str, ctype: str) -> KernelSpec:
@@ -25,10 +30,12 @@ class HostRange:
 
     def __init__(self, host_mapped, offset: int):
         self.values = host_mapped.view('int64', 3, offset)
+        # (the same three words through ctypes: reading one gives a Python int, where numpy makes a scalar object)
+        self._record = (ctypes.c_int64 * 3).from_buffer(self.values)
         self.address = host_mapped.ptr + offset
         self.seq = 0
-        self._bound = {}                # kernel -> (bound launch, word indices of values, num_values, seq)
-        self._pending = (0, 0.0, '')    # (seq, timeout_secs, what) of the last start
+        self._bound = {}                # kernel -> (its bound launch, `(values, num_values, host_out, seq) ->` packing)
+        self._pending = (0.0, '')       # (timeout_secs, what) of the last start (its seq: `seq`)
 
     def start(self, kernel, ptr: int, num_values: int, stream, timeout_secs: float,
               what: str) -> Callable[[], Tuple[int, int]]:
@@ -37,34 +44,50 @@ class HostRange:
         if num_values == 0:
             return _empty_range
         self.seq = seq = self.seq % 0x7FFFFFFF + 1
-        self.values[0] = 0
-        bound = self._bound.get(kernel)
-        if bound is None and hasattr(kernel, 'bind'):
-            b = kernel.bind(1, RANGE_THREADS, values=0, num_values=0, host_out=self.address, seq=0)
-            bound = self._bound[kernel] = (b, b.index('values'), b.index('num_values'), b.index('seq'))
-        if bound is not None:       # a bound launch: three arguments patched (launched on every dispatch)
-            b, i_values, i_num, i_seq = bound
-            b.u64[i_values], b.i64[i_num], b.i64[i_seq] = ptr, num_values, seq
+        self._record[0] = 0
+        bound = self._bound.get(kernel) or self._bind(kernel)
+        if bound is not None:       # a bound launch: its four arguments packed at once (launched on every dispatch)
+            b, pack = bound
+            pack(ptr, num_values, self.address, seq)
             b(stream)
         else:
             kernel.launch(1, RANGE_THREADS, stream=stream, values=ptr, num_values=num_values,
                           host_out=self.address, seq=seq)
-        self._pending = (seq, timeout_secs, what)
+        self._pending = (timeout_secs, what)
         return self.wait
+
+    def _bind(self, kernel):
+        """`kernel`'s bound launch and the packing of its arguments (remembered), or None for a kernel without `bind`
+        (launched by name)."""
+        if not hasattr(kernel, 'bind'):
+            return None
+        b = kernel.bind(1, RANGE_THREADS, values=0, num_values=0, host_out=self.address, seq=0)
+        i = b.index('values')
+        assert (b.index('num_values'), b.index('host_out'), b.index('seq')) == (i + 1, i + 2, i + 3), \
+            'value_range_kernel: its arguments are one run of 8-byte words'
+        bound = self._bound[kernel] = (b, partial(_RANGE_ARGS.pack_into, b.data, 8 * i))
+        return bound
 
     def wait(self) -> Tuple[int, int]:
         """Wait for the last started check; (lo, hi)."""
-        seq, timeout_secs, what = self._pending
-        values = self.values
+        record = self._record
+        if record[0] != self.seq:       # (the common case: the record landed while the host did other work)
+            self._poll()
+        return record[1], record[2]
+
+    def _poll(self) -> None:
+        """Spin until the last started check's record lands (it does within microseconds), then wait with sleeps
+        until `timeout_secs`."""
+        seq, record = self.seq, self._record
+        timeout_secs, what = self._pending
         polls = SPIN_POLLS
-        while values[0] != seq and polls:       # the common case: the record lands within microseconds
+        while record[0] != seq and polls:
             polls -= 1
         if not polls:
             def timed_out():
                 raise TimeoutError(f'the range check of {what} did not finish within {timeout_secs:g} s '
                                    f'(is earlier work on the current stream hung?)')
-            wait_until(lambda: int(values[0]) == seq, timeout_secs, timed_out)
-        return int(values[1]), int(values[2])
+            wait_until(lambda: record[0] == seq, timeout_secs, timed_out)
 
 
 def _empty_range() -> Tuple[int, int]:

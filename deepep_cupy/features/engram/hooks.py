@@ -41,8 +41,15 @@ class SoleFetchHook(EngramFetchHook, DeferredMarks):
     __slots__ = ('_record', '_current', '_comm')
 
     def __init__(self, event, like: Any, result: Any, keep_alive: Tuple, record: Tuple, current, comm):
-        self._event, self._like, self._result, self._keep_alive, self._deferred = event, like, result, keep_alive, None
-        self._record, self._current, self._comm = record, current, comm
+        # (one assignment per slot: a fetch makes one of these, and a tuple assignment costs more bytecodes)
+        self._event = event
+        self._like = like
+        self._result = result
+        self._keep_alive = keep_alive
+        self._deferred = None
+        self._record = record
+        self._current = current
+        self._comm = comm
 
     def __call__(self):
         if self._event is not None:
