@@ -8,7 +8,9 @@ Per variant (default: the dispatch kernel; no-overlap: DEEPEP_CUPY_EP_DISPATCH_O
 DEEPEP_CUPY_EP_LEGACY_DISPATCH=1; fused: DEEPEP_CUPY_EP_FUSED_NOTIFY=1, the no-sync dispatch as one launch), tokens
 and dtype (BF16, FP8):
   [host]      host wall time of one call: median from idle (GPU idle and ranks aligned before each call), and per call
-              back to back (the best of --host-batches batches' means)
+              back to back (the best of --host-batches batches' means); CPU-sync dispatches also the median, from
+              idle, from the moment the host has the receive counts to the call's return (issue 11's "beyond the
+              notify", in the host's clock)
   [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
               kernel start to last kernel end (what the GPU sees of one call). CPU-sync calls start with the top-k range
               check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
