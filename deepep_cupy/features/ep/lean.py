@@ -284,7 +284,7 @@ def learn_size(b, num_recv: int, num_expanded: int) -> Optional[tuple]:
     own_x = out.byte_at[0] < 0
     present = tuple(at >= 0 for at in out.byte_at) + (own_x and out.sf_shape is not None, own_x)
     patch = b._lean_patchers.get(present)
-    if patch is None and b.cpu_sync:    # (`run_cpu_sync` patched the inputs before the counts: the outputs only)
+    if patch is None and b.cpu_sync and not b.cached:    # (`run_cpu_sync` patched the inputs: the outputs only)
         patch = b._lean_patchers[present] = cached_patcher(b.recv, _output_exprs(out, present, own_x))
     elif patch is None:
         # Pointers that are 0 on every call of this bound dispatch stay as bound (0): the scales without FP8, the
