@@ -11,6 +11,7 @@ Per dispatch, on the buffer's communication stream:
 See kernels_cu/ep_*.cu for the protocols.
 """
 
+import ctypes
 from typing import Any, Dict, Optional
 
 from ... import envs
@@ -61,6 +62,9 @@ class EP:
         # Fixed for the buffer's life: kept here so that the hot path does not go through the buffer's proxy.
         self._sym, self._order, self._host_ptr = buf.sym, buf.stream_order, buf.host_mapped.ptr
         self.host_counts = buf.host_mapped.view('int32', HOST_MAX_TOKENS_WORD + 1, HOST_COUNTS_OFFSET)
+        # (its first three words, seq, num_recv, num_expanded, through ctypes: reads give Python ints, where numpy
+        # makes scalar objects; the poll and the sizes of every CPU-sync dispatch read them)
+        self._host_record = (ctypes.c_int32 * 3).from_buffer(self.host_counts)
         self.host_counts_ptr = self._host_ptr + HOST_COUNTS_OFFSET
         self._error_state = buf.error_record        # word 0 != 0: a kernel reported a timeout
         self._topk_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
@@ -116,7 +120,7 @@ class EP:
     def _next_host_seq(self) -> int:
         """The sequence number of the next CPU-sync dispatch's host-mapped counts (the previous ones are cleared)."""
         self._host_seq = seq = (self._host_seq % 0x7FFFFFFF) + 1
-        self.host_counts[0] = 0
+        self._host_record[0] = 0
         return seq
 
     def _claim(self, bound: BoundDispatch) -> None:
@@ -229,9 +233,9 @@ class EP:
     def _wait_host_counts(self, seq: int, num_local_experts: int):
         """Poll the host-mapped counts written by the notify kernel (bounded by num_cpu_timeout_secs); returns
         `(num_recv, num_expanded, aligned counts per local expert)` (a numpy array)."""
-        host = self.host_counts
+        record = self._host_record
         polls = SPIN_POLLS
-        while host[0] != seq and polls:        # the common case: the counts land within microseconds
+        while record[0] != seq and polls:      # the common case: the counts land within microseconds
             polls -= 1
         if not polls:
             buf = self._buf
@@ -244,9 +248,9 @@ class EP:
                 buf.fail('dispatch CPU wait timed out')
                 raise TimeoutError(f'deepep_cupy rank {buf.rank_idx}: Dispatch CPU wait for the receive counts timed '
                                    f'out after {buf.num_cpu_timeout_secs:g} s')
-            wait_until(lambda: int(host[0]) == seq, buf.num_cpu_timeout_secs, timed_out, check)
+            wait_until(lambda: record[0] == seq, buf.num_cpu_timeout_secs, timed_out, check)
         # The counts as a numpy copy (the next CPU-sync dispatch reuses the record; the handle makes the list).
-        return int(host[1]), int(host[2]), host[3:3 + num_local_experts].copy()
+        return record[1], record[2], self.host_counts[3:3 + num_local_experts].copy()
 
     # ---- combine -------------------------------------------------------------------------------------------------
     def combine(self, x, handle: EPHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
