@@ -14,7 +14,7 @@ Issue #11: the Python host path is what an eager decode-sized dispatch costs on 
 their bytecodes per call)."""
 
 import functools
-from typing import Optional, Tuple
+from typing import Tuple
 
 from . import plan as ep_plan
 from .handle import EPHandle
@@ -276,10 +276,12 @@ def views(b, group, out: _Outputs):
                                                                       weights_at),
             group.data_ptr())
 
-def learn_size(b, num_recv: int, num_expanded: int) -> Optional[tuple]:
-    """`finish`'s entry for these sizes (remembered): the outputs' layout, the patcher of their pointers, the views'
-    arguments, the new handles' slots fixed by the sizes, the small outputs' allocation function. recv_x not carved
-    (and FP8 recv_sf with it): the patcher takes their own allocations' addresses (`xo`, `so`)."""
+
+def learn_size(b, num_recv: int, num_expanded: int) -> tuple:
+    """`finish`'s entry for these sizes (remembered): the outputs' layout, the patcher of the receive's pointers (a
+    CPU-sync binding's: the outputs' only, `run_cpu_sync` patched the inputs), the views' arguments, the new handles'
+    slots fixed by the sizes, the small outputs' allocation function. recv_x not carved (and FP8 recv_sf with it): the
+    patcher takes their own allocations' addresses (`xo`, `so`)."""
     out = b.outputs(num_recv, num_expanded)
     own_x = out.byte_at[0] < 0
     present = tuple(at >= 0 for at in out.byte_at) + (own_x and out.sf_shape is not None, own_x)
