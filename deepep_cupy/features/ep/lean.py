@@ -49,11 +49,7 @@ def bind(b, p: ep_plan.DispatchPlan) -> None:
     b._fixed_views = b._handle_const = b._meta_of = None
     b._meta_byte = 0
     if f is not None:
-        topk_at, weights_at, x_at, sf_at, _ = f.at
-        b._fixed_views = ((f.x_shape, f.x_strides, x_at) if x_at >= 0 else None,
-                          (f.sf_view_shape, f.sf_strides, sf_at) if sf_at >= 0 else None,
-                          (f.topk_shape, f.topk_strides, topk_at) if topk_at >= 0 else None,
-                          (f.weights_shape, f.weights_strides, weights_at) if weights_at >= 0 else None)
+        b._fixed_views = view_args(f)
         b._handle_const = (b.handle_fields, f.num_recv, f.num_expanded, None, None)
         b._meta_byte, b._meta_of = f.byte_at[4], (b.carver, f.meta_shape, f.at[4])
     b._ws_alloc = None if b.alloc_on_comm else b.carver.allocator(b.ws_alloc_shape, b.ws_alloc_dtype)
@@ -261,20 +257,21 @@ def run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: i
 
 
 def views(b, group, out: _Outputs):
-    """(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the allocation's address) of a lean path: views of
-    `group` (None where `out` carves none)."""
-    td = b._torch_dtypes
-    if td is None:
-        recv_topk_idx, recv_topk_weights, recv_x, recv_sf = cupy_views(b.carver, group, out, b.x_dtype,
-                                                                         b.sf_dtype)
-        return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, b.carver.ptr(group)
+    """(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the allocation's address) of a lean path's CuPy call:
+    views of `group` (None where `out` carves none; torch calls make theirs inline from `view_args`)."""
+    recv_topk_idx, recv_topk_weights, recv_x, recv_sf = cupy_views(b.carver, group, out, b.x_dtype, b.sf_dtype)
+    return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, b.carver.ptr(group)
+
+
+def view_args(out: _Outputs) -> tuple:
+    """The `as_strided` arguments of a torch call's views of the outputs' allocation under the layout `out`: (recv_x,
+    recv_sf, recv_topk_idx, recv_topk_weights), each (shape, strides, offset in its dtype's elements) or None where
+    `out` carves none."""
     topk_at, weights_at, x_at, sf_at, _ = out.at
-    return (None if x_at < 0 else group.as_strided(out.x_shape, out.x_strides, x_at),
-            None if sf_at < 0 else group.view(td[2]).as_strided(out.sf_view_shape, out.sf_strides, sf_at),
-            None if topk_at < 0 else group.view(td[0]).as_strided(out.topk_shape, out.topk_strides, topk_at),
-            None if weights_at < 0 else group.view(td[1]).as_strided(out.weights_shape, out.weights_strides,
-                                                                      weights_at),
-            group.data_ptr())
+    return ((out.x_shape, out.x_strides, x_at) if x_at >= 0 else None,
+            (out.sf_view_shape, out.sf_strides, sf_at) if sf_at >= 0 else None,
+            (out.topk_shape, out.topk_strides, topk_at) if topk_at >= 0 else None,
+            (out.weights_shape, out.weights_strides, weights_at) if weights_at >= 0 else None)
 
 
 def learn_size(b, num_recv: int, num_expanded: int) -> tuple:
@@ -300,13 +297,7 @@ def learn_size(b, num_recv: int, num_expanded: int) -> tuple:
             inputs['topk_idx'] = f'ws + {b.topk_copy_bytes}'
         patch = b._lean_patchers[present] = cached_patcher(b.recv, tuple(inputs.items()) +
                                                            _output_exprs(out, present, own_x))
-    tv = None                   # torch: the views' arguments (recv_x, recv_sf, recv_topk_idx, recv_topk_weights)
-    if b._torch_dtypes is not None:
-        topk_at, weights_at, x_at, sf_at, _ = out.at
-        tv = ((out.x_shape, out.x_strides, x_at) if x_at >= 0 else None,
-              (out.sf_view_shape, out.sf_strides, sf_at) if sf_at >= 0 else None,
-              (out.topk_shape, out.topk_strides, topk_at) if topk_at >= 0 else None,
-              (out.weights_shape, out.weights_strides, weights_at) if weights_at >= 0 else None)
+    tv = view_args(out) if b._torch_dtypes is not None else None     # torch: the views' arguments
     if len(b._lean_sizes) >= MAX_SIZES:
         b._lean_sizes.clear()
     fixed = (b.handle_fields, out.num_recv, out.num_expanded, None)     # the new handles' slots of these sizes
