@@ -19,13 +19,19 @@ def patcher(bound, names):
     return namespace['patch']
 
 
+def _stores(bound, exprs, view: str = 'u') -> list:
+    """The generated patchers' lines: `view[word] = expression` for each (parameter name, expression) of `exprs` that
+    `bound`'s kernel takes ('ws + 0' stored as `ws`)."""
+    taken = set(bound.spec.param_names)
+    return [f'    {view}[{bound.index(n)}] = {e[:-4] if e.endswith(" + 0") else e}\n' for n, e in exprs if n in taken]
+
+
 def address_patcher(bound, exprs, what: str):
     """`patch(u, xp, sp, tp, wp, cp, ws)` storing, for each (parameter name, expression) of `exprs` that `bound`'s
     kernel takes, the expression's value at its word of `u`: the expressions are of the call's pointers (x, sf,
     top-k ids, weights, stats) and the workspace's address `ws`, with the workspace offsets written in as constants
     (straight-line code generated once: no tuple of addresses built per call)."""
-    taken = set(bound.spec.param_names)
-    body = ''.join(f'    u[{bound.index(n)}] = {e}\n' for n, e in exprs if n in taken) or '    pass\n'
+    body = ''.join(_stores(bound, exprs)) or '    pass\n'
     namespace = {}
     exec(compile(f'def patch(u, xp, sp, tp, wp, cp, ws):\n{body}', f'<{what} patch of {bound.spec.name}>', 'exec'),
          namespace)
@@ -38,14 +44,12 @@ def call_patcher(blocks, what: str, extra: Tuple[str, ...] = ()):
     call's launches in one straight-line function (a call whose pointers are all the inputs' or the workspace's plus
     constants: a no-sync dispatch with its outputs carved out of its workspace's allocation; `extra`: further
     addresses the expressions may name, e.g. recv_x's own allocation's). The blocks' views are default arguments (fast
-    locals); 'ws + 0' is stored as `ws`."""
+    locals)."""
     namespace, body, views = {}, [], []
     for k, (bound, exprs) in enumerate(blocks):
         namespace[f'v{k}'] = bound.u64
         views.append(f'u{k}=v{k}')
-        taken = set(bound.spec.param_names)
-        body += [f'    u{k}[{bound.index(n)}] = {e[:-4] if e.endswith(" + 0") else e}\n' for n, e in exprs
-                 if n in taken]
+        body += _stores(bound, exprs, f'u{k}')
     params = ', '.join(('xp', 'sp', 'tp', 'wp', 'cp', 'ws') + tuple(extra) + tuple(views))
     exec(compile(f'def patch({params}):\n{"".join(body) or "    pass"}\n',
                  f'<{what} patch>', 'exec'), namespace)
@@ -57,9 +61,8 @@ def cached_patcher(bound, exprs):
     that `bound`'s kernel takes, the expression's value at its word: a lean dispatch's pointers, of the call's inputs,
     the workspace `ws`, the outputs' allocation `g0` (`b`: the outputs' byte offsets, `Outputs.byte_at`) and recv_x's
     and recv_sf's own allocations `xo`, `so` (where they are not carved)."""
-    namespace, taken = {'v': bound.u64}, set(bound.spec.param_names)
-    body = ''.join(f'    u[{bound.index(n)}] = {e[:-4] if e.endswith(" + 0") else e}\n' for n, e in exprs
-                   if n in taken) or '    pass\n'
+    namespace = {'v': bound.u64}
+    body = ''.join(_stores(bound, exprs)) or '    pass\n'
     exec(compile(f'def patch(xp, sp, tp, wp, cp, ws, g0, b, xo=0, so=0, u=v):\n{body}',
                  f'<cached patch of {bound.spec.name}>', 'exec'), namespace)
     return namespace['patch']
