@@ -125,14 +125,18 @@ def ep_dispatch_overlap() -> bool:
     return _get_bool('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', True)
 
 
-def ep_fused_notify() -> bool:
-    """`DEEPEP_CUPY_EP_FUSED_NOTIFY` (bool, default off): a dispatch without CPU sync (not cached) runs the notify and
-    the dispatch as ONE launch (kernels_cu/ep_fused.cu: the notify blocks publish the send positions and the receive
-    layout to the other blocks of the launch through local flags) instead of the notify kernel, then the dispatch
-    kernel. Needs the dispatch in one launch (`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` on, or one rank) and is ignored with
+def ep_fused_notify() -> Optional[bool]:
+    """`DEEPEP_CUPY_EP_FUSED_NOTIFY` (bool; unset: where it is the faster design): a dispatch without CPU sync (not
+    cached) runs the notify and the dispatch as ONE launch (kernels_cu/ep_fused.cu: the notify blocks publish the send
+    positions and the receive layout to the other blocks of the launch through local flags) instead of the notify
+    kernel, then the dispatch kernel. Unset (None): at one rank without expansion only, where the receivers count for
+    themselves and need nothing from the notify blocks (4096 tokens: a span of 40 us where the two kernels take 43; a
+    decode dispatch 8 us in a CUDA graph, 9 with two kernels); on: wherever it can serve; off: never. Needs the
+    dispatch in one launch (`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` on, or one rank) and is ignored with
     `DEEPEP_CUPY_EP_LEGACY_DISPATCH`; calls it cannot serve (features/ep/fused.py `fused_refusal`) use the two
     kernels. Read when a buffer's EP feature is made; every rank must set it alike."""
-    return _get_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
+    value = os.environ.get('DEEPEP_CUPY_EP_FUSED_NOTIFY')
+    return None if value is None or value.strip() == '' else _get_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
 
 
 def ep_fused_cooperative() -> bool:

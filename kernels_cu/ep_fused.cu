@@ -10,34 +10,36 @@
 //     notify_body with one token per thread (512 tokens per block: positions are counts of earlier tokens, so every
 //     output is the notify kernel's, bit for bit), then receive. Receivers wait for the layout anyway (with several
 //     ranks), so the count exchange of notify block 0 delays no sender. At one rank without expansion the notify
-//     blocks receive nothing when the other receivers are at least 3/4 of them: those start on the slots, long
-//     before the notify blocks are done, and take the whole copy (a share dealt to a notify block would end after
-//     its notify work).
-// Three local flags inside the launch (control words of common/ep.cuh), each set to this dispatch's data epoch e (the
+//     blocks receive nothing when the other receivers are at least 3/4 of them: those need nothing from the notify
+//     blocks (below) and take the whole copy (a share dealt to a notify block would end after its notify work).
+// Two local flags inside the launch (control words of common/ep.cuh), each set to this dispatch's data epoch e (the
 // flags only grow with the epoch: nothing to reset between launches):
-//   slots ready (kCtrlFusedSlots): at one rank without expansion notify_body runs split (kSplitSlots: the
-//     destination keys first, then the experts; elsewhere the single pass releases it with the positions); the last
-//     notify block to arrive at its slots (ticket kCtrlFusedSlotArrivals, reset by it) releases e
-//     once every notify block wrote its tokens' slots (send_pos, token_of_slot) and block 0 send_count and, at one
-//     rank, the receive count. At one rank without expansion the receivers need no more (a received row is its
-//     slot): they wait for this flag only and copy while the notify blocks still compute the expert positions.
 //   positions ready (kCtrlFusedPositions): the last notify block to arrive (ticket kCtrlFusedArrivals, reset by it)
-//     releases e once every notify block also wrote its tokens' expert positions. The senders need no more: they
-//     send while block 0 still exchanges the counts with the peers.
+//     releases e once every notify block wrote its tokens' slots and expert positions (and block 0 send_count). The
+//     senders need no more: they send while block 0 still exchanges the counts with the peers.
 //   layout ready (kCtrlFusedLayout): block 0 releases e once the receive layout is written (after the exchange).
-//     The other receivers (several ranks, or expanded) wait for the positions and the layout.
+//     The receivers of several ranks, or of an expanded dispatch, wait for the positions and the layout.
+// One rank without expansion: self-counting receivers (SelfCountingReceiver). A received row is then a token's slot,
+// its rank among the tokens with a valid expert, so the receivers count for themselves instead of waiting for the
+// notify blocks' slots (which come ~9 us after the launch at 4096 tokens: every key of every token counted, a grid
+// barrier, an arrival ticket): receiving block r of n takes the tokens [r * T / n, (r + 1) * T / n), counts its
+// received ones and publishes the count (kCtrlFusedCounts[r] = e << 32 | count, released at GPU scope); thread j
+// reads block j's count (all at once: no chain of blocks), so every block learns where its rows start and the
+// receive count, and copies its rows in token order. Same rows, bit for bit, as the notify's slots give.
 // At one rank block 0 publishes the data epoch without the ticket and its system-scope fences (as ep_dispatch.cu):
 // only later kernels of the stream read it. Every block counts itself in kCtrlFusedStarted right after reading the
 // epoch (released at GPU scope), and block 0 stores the epoch only once the count is the grid, so that no block of
 // this launch can read the new epoch (it would wait for flags one epoch ahead); block 0 resets the count.
 // Before the flags, the blocks without notify work do what needs no layout: they prefetch their share of x into L2
-// (at most kFusedPrefetchBytes), and the senders wait for their destinations' data_consumed (ep_dispatch.cu's
-// senders do that first; they then find it done).
+// (at most kFusedPrefetchBytes; self-counting receivers their own rows, once their count is published), and the
+// senders wait for their destinations' data_consumed (ep_dispatch.cu's senders do that first; they then find it
+// done).
 // Every wait is bounded (timeout.cuh): a notify block that timed out never raises a flag, and the blocks waiting for
 // it give up once its record is written. They wait twice as long as a wait on a peer, so that a missing peer is
 // reported as such (by the notify block that waited for it) rather than as a flag of this rank that never came; only a
-// notify block stuck without a record makes them report (phase dispatch, peer = this rank, aux kAuxFusedSlots /
-// kAuxFusedPositions / kAuxFusedLayout; kAuxFusedStarted: block 0's count of started blocks, at one rank).
+// notify block stuck without a record makes them report (phase dispatch, peer = this rank, aux kAuxFusedPositions /
+// kAuxFusedLayout; kAuxFusedCounts: a self-counting receiver's count that never came; kAuxFusedStarted: block 0's
+// count of started blocks, at one rank).
 // With the peers the protocol is the two kernels' (notify epoch and signals, data epoch, chunk signals, data_consumed
 // published by the last block). Sending before the count exchange ends changes nothing for them: ep_dispatch.cu's
 // senders, too, need only data_consumed[d] >= e - 1 before writing into d's slots and releasing its chunk signals.
@@ -45,21 +47,21 @@
 // Why one kernel rather than Programmatic Dependent Launch between the two: griddepcontrol.wait returns only once the
 // whole notify grid completed and flushed, so PDL would overlap the dispatch's launch and prologue with the notify's
 // tail and no more; here the senders send while the counts are exchanged and, at one rank, the receivers copy while
-// block 0 still writes the per-expert layout. It also needs no launch attributes (cuLaunchKernelEx) in the JIT layer.
+// the notify blocks still count. It also needs no launch attributes (cuLaunchKernelEx) in the JIT layer.
 #include "ep_notify.cu"
 #include "ep_dispatch.cu"
 
 namespace deepep {
 
-// The prefetch ends (~1.4 us at 4096 tokens of 7168 BF16) before even the slots are ready, so it takes nothing from
+// The prefetch ends (~1.4 us at 4096 tokens of 7168 BF16) before the positions are ready, so it takes nothing from
 // the copy and saves its first rows an HBM read: kept as is. Notify blocks of 512 tokens (one per thread) rather than
 // 256: smaller ones would leave half of each block idle in notify_body (its loops and barriers span the block) and
 // double the blocks of each cross-block prefix; what they would save, half the warps of each per-key block scan, is
-// off the critical path at one rank (the receivers start on the slots) and is spent again on the prefix elsewhere.
+// off the critical path at one rank (the receivers count for themselves) and is spent again on the prefix elsewhere.
 constexpr int64_t kFusedPrefetchBytes = 8 << 20;
 
-// notify_body's hooks here: the last notify block to arrive (ticket ctrl[ticket], reset by it) releases
-// ctrl[flag] = epoch. "slots ready" and "positions ready" each have their own ticket.
+// notify_body's hook here: the last notify block to arrive (ticket ctrl[ticket], reset by it) releases
+// ctrl[flag] = epoch.
 struct FusedArrival {
     uint32_t* ctrl;
     int ticket, flag;
@@ -77,11 +79,6 @@ struct FusedArrival {
         }
         __syncthreads();
     }
-};
-
-template <bool kSplit>
-struct SplitSlots {
-    static constexpr bool value = kSplit;
 };
 
 __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
@@ -127,6 +124,197 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* ptr) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(ptr), "l"(v) : "memory");
+}
+
+// A self-counting receiver (see the top): receiving block `block` of `num_blocks` (at most kFusedMaxCountBlocks =
+// kDispatchThreads) takes the tokens [block * T / n, (block + 1) * T / n) and writes their rows exactly as
+// dispatch_recv_blocks writes them from the notify's slots (non-expanded, own tokens: rank 0, no readiness guard),
+// then its share of the marks of the rows past the receive count. Three steps, every thread of the block in each:
+//   first_ids()  before anything else the block does (the kernel calls it before it reads the data epoch, so that
+//                the top-k loads overlap that read): whether one rank receives each of its first kDispatchThreads
+//                tokens;
+//   publish()    once the epoch is known (and, for a notify block that also receives, before its notify work, so
+//                that no receiver waits for that): the rows of those tokens among them (shared memory), the count
+//                of the whole share, published as counts[block] = epoch << 32 | count (`counts`: kCtrlFusedCounts);
+//   receive()    every block's count (thread j reads block j's: no chain of blocks), hence the first row of ours and
+//                the receive count; then the rows, kDispatchThreads tokens at a time. False after a timeout.
+template <int kMaxTopk>
+struct SelfCountingReceiver {
+    struct Shared {
+        int token[kDispatchThreads];    // the received tokens of the current round of the share, in token order
+        int num_first;                  // how many of them in the first round
+        int first_row;                  // the row of the share's first received token
+    };
+    const int64_t* topk_idx;
+    int num_tokens, num_topk, num_experts;
+    int block, num_blocks, begin, end;
+    Shared& s;
+
+    __device__ __forceinline__ SelfCountingReceiver(const int64_t* topk_idx, int num_tokens, int num_topk,
+                                                    int num_experts, int block, int num_blocks, Shared& s)
+        : topk_idx(topk_idx), num_tokens(num_tokens), num_topk(num_topk), num_experts(num_experts), block(block),
+          num_blocks(num_blocks),
+          begin(static_cast<int>(static_cast<int64_t>(num_tokens) * block / num_blocks)),
+          end(static_cast<int>(static_cast<int64_t>(num_tokens) * (block + 1) / num_blocks)), s(s) {}
+
+    // Whether one rank receives token t: one of its top-k ids is an expert (notify_body's destination mask at one
+    // rank). Tokens past the share: no.
+    __device__ __forceinline__ bool received(int t) const {
+        bool any = false;
+        if (t < end) {
+            #pragma unroll
+            for (int k = 0; k < kMaxTopk; ++k) {
+                if (k < num_topk) {
+                    const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + k];
+                    any |= e >= 0 && e < num_experts;
+                }
+            }
+        }
+        return any;
+    }
+
+    // The received tokens of the round starting at token t0 into s.token (in token order); returns how many.
+    __device__ __forceinline__ int gather(int t0, bool here) const {
+        int n;
+        const int pos = block_exclusive_scan(here ? 1 : 0, n);
+        if (here)
+            s.token[pos] = t0 + static_cast<int>(threadIdx.x);
+        return n;
+    }
+
+    __device__ __forceinline__ bool first_ids() const { return received(begin + static_cast<int>(threadIdx.x)); }
+
+    __device__ __forceinline__ void publish(bool here, uint64_t* counts, uint32_t epoch) const {
+        const int n = gather(begin, here);
+        int rest = 0;
+        for (int t = begin + kDispatchThreads + static_cast<int>(threadIdx.x); t < end; t += kDispatchThreads)
+            rest += received(t) ? 1 : 0;
+        int count;
+        block_exclusive_scan(rest, count);
+        if (threadIdx.x == 0) {
+            s.num_first = n;
+            st_release_gpu(counts + block, (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(n + count));
+        }
+    }
+
+    __device__ __forceinline__ bool
+    receive(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, const uint8_t* sf, int64_t sf_stride_token,
+            int64_t sf_stride_col, int num_sf, const float* topk_weights, int num_meta_rows, uint8_t* recv_x,
+            uint8_t* recv_sf, int64_t recv_sf_stride_row, int64_t recv_sf_stride_col, int64_t* recv_topk_idx,
+            float* recv_topk_weights, int32_t* recv_src_metadata, int32_t* recv_src_idx, const uint64_t* counts,
+            uint32_t epoch, uint64_t timeout_ns, const ErrorSink& sink) const {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        const int num_warps = kDispatchThreads / 32;
+        // Our rows into L2 while the other blocks publish (at most our share of kFusedPrefetchBytes).
+        const int64_t lines_per_row = (hidden_bytes + 127) / 128;
+        const int64_t prefetch_lines = min(static_cast<int64_t>(end - begin) * lines_per_row,
+                                           kFusedPrefetchBytes / 128 / num_blocks);
+        for (int64_t i = threadIdx.x; i < prefetch_lines; i += kDispatchThreads)
+            prefetch_l2(x + (begin + i / lines_per_row) * x_row_bytes + (i % lines_per_row) * 128);
+
+        // Every block's count: thread j waits for block j's (bounded: twice a peer's timeout, as wait_fused_flag).
+        uint64_t word = 0;
+        bool ok = true;
+        if (static_cast<int>(threadIdx.x) < num_blocks) {
+            const uint64_t longer = timeout_ns > (~0ull >> 2) ? timeout_ns : 2 * timeout_ns;
+            const uint64_t* src = counts + threadIdx.x;
+            word = ld_acquire_gpu(src);
+            const uint64_t start = global_timer_ns();
+            for (uint32_t iter = 0; static_cast<uint32_t>(word >> 32) != epoch; ++iter) {
+                if ((iter & 255) == 255) {
+                    if (global_timer_ns() - start > longer) {
+                        report_timeout(sink, kPhaseDispatch, 0, 0, epoch, static_cast<uint32_t>(word >> 32),
+                                       kAuxFusedCounts);
+                        ok = false;
+                        break;
+                    }
+                    if (timeout_reported(sink)) {
+                        ok = false;
+                        break;
+                    }
+                }
+                word = ld_acquire_gpu(src);
+            }
+        }
+        if (__syncthreads_or(!ok))
+            return false;
+        int total;
+        const int before = block_exclusive_scan(
+            static_cast<int>(threadIdx.x) < num_blocks ? static_cast<int>(word & 0xffffffffu) : 0, total);
+        if (static_cast<int>(threadIdx.x) == block)
+            s.first_row = before;
+        __syncthreads();
+        const int num_recv = min(total, num_meta_rows);       // rows past num_meta_rows are not written
+        const int meta_cols = num_topk + 2;
+        const int num_chunks = hidden_bytes / 16;
+
+        // Our rows, round by round (the first round's tokens are in s.token already).
+        int row0 = s.first_row;
+        for (int t0 = begin; t0 < end; t0 += kDispatchThreads) {
+            const int n = t0 == begin ? s.num_first : gather(t0, received(t0 + static_cast<int>(threadIdx.x)));
+            const int rows = max(0, min(n, num_recv - row0));
+            const RowSegments segs(rows, num_chunks, num_warps);
+            for (int item = warp; item < rows * segs.num; item += num_warps) {
+                const int j = item / segs.num, seg = item - j * segs.num;
+                const int i = row0 + j, tok = s.token[j];
+                if (seg == 0) {
+                    // Metadata, top-k, weights and scale factors (dispatch_recv_blocks' own-token row at rank 0: the
+                    // local expert of a global id e is e itself; an id past the experts is no expert here).
+                    int e = -1;
+                    float w = 0.f;
+                    if (lane < num_topk) {
+                        e = static_cast<int32_t>(topk_idx[static_cast<int64_t>(tok) * num_topk + lane]);
+                        w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(tok) * num_topk + lane] : 0.f;
+                    }
+                    const int owner = e >= 0 ? e / num_experts : -1;
+                    const bool local = owner == 0;
+                    const uint32_t local_mask = __ballot_sync(0xffffffffu, local);
+                    const int combine_slot =
+                        topk_owners<kMaxTopk>(owner, lane, num_topk).ordinal(__ffs(local_mask) - 1);
+                    if (lane == 0) {
+                        recv_src_metadata[static_cast<int64_t>(i) * meta_cols] = tok;
+                        recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 1] = combine_slot;
+                        if (recv_src_idx != nullptr)
+                            recv_src_idx[i] = tok;
+                    }
+                    if (lane < num_topk) {
+                        recv_topk_idx[static_cast<int64_t>(i) * num_topk + lane] = local ? e : -1;
+                        if (recv_topk_weights != nullptr)
+                            recv_topk_weights[static_cast<int64_t>(i) * num_topk + lane] = local ? w : 0.f;
+                        recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = -1;
+                    }
+                    const auto* sf_src = reinterpret_cast<const uint32_t*>(sf) + tok * sf_stride_token;
+                    for (int q = lane; q < num_sf; q += 32)
+                        reinterpret_cast<uint32_t*>(recv_sf)[i * recv_sf_stride_row + q * recv_sf_stride_col] =
+                            sf_src[q * sf_stride_col];
+                }
+                const int c_begin = segs.begin(seg), c_bytes = (segs.end(seg, num_chunks) - c_begin) * 16;
+                warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes + c_begin * 16,
+                          x + tok * x_row_bytes + c_begin * 16, c_bytes, lane);
+            }
+            row0 += n;
+            __syncthreads();                                  // s.token is rewritten by the next round
+        }
+
+        // Worst-case outputs (no CPU sync): our share of the marks of the token rows past the receive count.
+        const int64_t tid = static_cast<int64_t>(block) * blockDim.x + threadIdx.x;
+        const int64_t num_threads = static_cast<int64_t>(num_blocks) * blockDim.x;
+        for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * num_topk; idx += num_threads)
+            recv_topk_idx[static_cast<int64_t>(num_recv) * num_topk + idx] = -1;
+        for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * meta_cols; idx += num_threads)
+            recv_src_metadata[static_cast<int64_t>(num_recv) * meta_cols + idx] = -1;
+        return true;
+    }
+};
+
 template <int kNumRanks, int kMaxTopk>
 __global__ void __launch_bounds__(kDispatchThreads, 1)
 fused_notify_and_dispatch(
@@ -146,6 +334,25 @@ fused_notify_and_dispatch(
     const Peers peers{peer_bases, rank};
     uint32_t* ctrl = peers.local_ctrl();
     const ErrorSink sink = make_error_sink(peer_bases, rank, error_record);
+    const int block = blockIdx.x;
+    const bool sender = block < num_send_blocks;
+    const int notify_block = block - num_send_blocks;      // this block's index among the notify blocks
+    // One rank, not expanded: self-counting receivers (see the top); the senders need the expert positions (in their
+    // messages), the other receivers the layout. There the notify blocks, which finish last (expert positions, then
+    // block 0's layout), leave the copy to the other receivers when those are at least 3/4 of the receivers (they then
+    // copy at most 4/3 of their share): a notify block's share would start only after its notify work.
+    // recv_block < 0: no receive. (features/ep/fused.py fused_notify_blocks_receive states the same rule for the
+    // tests.)
+    const bool self_counting = kNumRanks == 1 && !do_expand;
+    const int num_receivers = static_cast<int>(gridDim.x) - num_send_blocks;
+    const int num_idle = (self_counting && num_receivers >= 4 * num_notify_blocks) ? num_notify_blocks : 0;
+    const int recv_block = block - num_send_blocks - num_idle;
+    const bool receives = !sender && recv_block >= 0;
+    const bool counting = receives && self_counting;
+    __shared__ typename SelfCountingReceiver<kMaxTopk>::Shared s_counting;
+    const SelfCountingReceiver<kMaxTopk> counter(topk_idx, num_tokens, num_topk, num_experts, recv_block,
+                                                 num_receivers - num_idle, s_counting);
+    const bool first_here = counting && counter.first_ids();
     // Read by every block before any block can store it: with several ranks the last block stores it, after every
     // block passed its waits; at one rank block 0 stores it once every block counted itself in kCtrlFusedStarted
     // (each block's count is released after its read: the read cannot see the store).
@@ -157,28 +364,19 @@ fused_notify_and_dispatch(
     }
     __syncthreads();
     const uint32_t epoch = s_epoch;
-    const int block = blockIdx.x;
-    const bool sender = block < num_send_blocks;
-    const int notify_block = block - num_send_blocks;      // this block's index among the notify blocks
+    uint64_t* const counts = reinterpret_cast<uint64_t*>(ctrl + kCtrlFusedCounts);
+    if (counting)
+        counter.publish(first_here, counts, epoch);
     bool ok = true;
     if (notify_block >= 0 && notify_block < num_notify_blocks) {
-        const auto n = static_cast<uint32_t>(num_notify_blocks);
-        // The slots in a pass of their own only where a receiver starts on them (one rank, not expanded): elsewhere
-        // nobody waits for them alone, and the split would cost a grid barrier before the positions.
-        auto run_notify = [&](auto split) {
-            return notify_body<kNumRanks, kMaxTopk, kDispatchThreads, decltype(split)::value>(
-                topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases,
-                rank, error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert,
-                do_expand, cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts,
-                num_channels, channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot,
-                send_count, notify_block, num_notify_blocks, smem,
-                FusedArrival{ctrl, kCtrlFusedSlotArrivals, kCtrlFusedSlots, epoch, n},
-                FusedArrival{ctrl, kCtrlFusedArrivals, kCtrlFusedPositions, epoch, n});
-        };
-        if (kNumRanks == 1 && !do_expand)
-            ok = run_notify(SplitSlots<kNumRanks == 1>{});     // one instantiation only at several ranks
-        else
-            ok = run_notify(SplitSlots<false>{});
+        ok = notify_body<kNumRanks, kMaxTopk, kDispatchThreads>(
+            topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases, rank,
+            error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert, do_expand,
+            cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts, num_channels,
+            channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot, send_count,
+            notify_block, num_notify_blocks, smem,
+            FusedArrival{ctrl, kCtrlFusedArrivals, kCtrlFusedPositions, epoch,
+                         static_cast<uint32_t>(num_notify_blocks)});
         if (notify_block == 0) {
             // Every thread's layout words are written: release them to the receivers.
             __syncthreads();
@@ -187,7 +385,7 @@ fused_notify_and_dispatch(
                 st_release_gpu(ctrl + kCtrlFusedLayout, epoch);
             }
         }
-    } else {
+    } else if (!counting) {
         // x's rows into L2 while the notify blocks work (the first kFusedPrefetchBytes of them).
         const int64_t lines_per_row = (hidden_bytes + 127) / 128;
         const int64_t rows = min(static_cast<int64_t>(num_tokens),
@@ -201,25 +399,9 @@ fused_notify_and_dispatch(
             ok = wait_all_peers(peers, kSigDataConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseDispatch);
     }
     // `ok` is uniform over the block here (every failure above is a block's).
-    // One rank, not expanded: the receivers read only the slots (the row of a received token is its slot; its token
-    // from token_of_slot, its expert ids from topk_idx) and the receive count of the layout, which notify_body writes
-    // before the slots are released. The senders need the expert positions (in their messages), the other receivers
-    // the layout.
-    const bool needs_layout = kNumRanks > 1 || do_expand;
-    // There the notify blocks, which finish last (expert positions, then block 0's layout), leave the copy to the
-    // other receivers when those are at least 3/4 of the receivers (they then copy at most 4/3 of their share): a
-    // static share of the rows (dispatch_recv_blocks deals them out by block) would start only after the notify
-    // work, the others start on the slots. recv_block < 0: no receive. (features/ep/fused.py
-    // fused_notify_blocks_receive states the same rule for the tests.)
-    const int num_receivers = static_cast<int>(gridDim.x) - num_send_blocks;
-    const int num_idle = (!needs_layout && num_receivers >= 4 * num_notify_blocks) ? num_notify_blocks : 0;
-    const int recv_block = block - num_send_blocks - num_idle;
-    const bool receives = !sender && recv_block >= 0;
-    if (ok && receives && !needs_layout)
-        ok = wait_fused_flag(ctrl + kCtrlFusedSlots, epoch, timeout_ns, sink, rank, kAuxFusedSlots);
-    else if (ok && (sender || receives))
+    if (ok && (sender || (receives && !self_counting)))
         ok = wait_fused_flag(ctrl + kCtrlFusedPositions, epoch, timeout_ns, sink, rank, kAuxFusedPositions);
-    if (ok && receives && needs_layout)
+    if (ok && receives && !self_counting)
         ok = wait_fused_flag(ctrl + kCtrlFusedLayout, epoch, timeout_ns, sink, rank, kAuxFusedLayout);
 
     const MessageLayout msg(num_topk, num_sf, hidden_bytes);
@@ -229,6 +411,10 @@ fused_notify_and_dispatch(
             x, x_row_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_idx, topk_weights, send_expert_pos,
             token_of_slot, send_count, num_tokens, num_topk, num_max_tokens_per_rank, msg, num_chunks, peers, rank,
             recv_offset, sink, timeout_ns, epoch, block, num_send_blocks, chunk_rows, chunk_stride);
+    } else if (ok && counting) {
+        ok = counter.receive(x, x_row_bytes, hidden_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_weights,
+                             num_meta_rows, recv_x, recv_sf, recv_sf_stride_row, recv_sf_stride_col, recv_topk_idx,
+                             recv_topk_weights, recv_src_metadata, recv_src_idx, counts, epoch, timeout_ns, sink);
     } else if (ok && receives) {
         ok = dispatch_recv_blocks<kNumRanks, kMaxTopk>(
             x, x_row_bytes, hidden_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_idx, topk_weights,

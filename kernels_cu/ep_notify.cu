@@ -2,8 +2,7 @@
 //
 // Cooperative launch, one block per kNotifyThreads tokens (a warp per 32 tokens). Compiled per top-k bucket
 // kMaxTopk; the exact top-k is `num_topk` (see "top-k buckets" in common/ep.cuh). The work is notify_body, which
-// ep_fused.cu runs too (the notify and the dispatch in one launch, with blocks of 512 tokens, the slots in a first
-// pass of their own: see notify_body's kSplitSlots).
+// ep_fused.cu runs too (the notify and the dispatch in one launch, with blocks of 512 tokens).
 //   1. Every token: the destination ranks it goes to (once per rank owning >= 1 of its experts), its slot at each
 //      destination = its position among this rank's tokens going there (so received rows are ordered by source rank,
 //      then token index: deterministic), and, per top-k slot, its position among this rank's tokens choosing that
@@ -46,14 +45,7 @@ struct NoNotifyHook {
 // of earlier tokens). `on_positions()` is called by every thread of every block once the block's per-token outputs
 // (send_pos, token_of_slot, send_expert_pos, V1 channel prefixes) and, in block 0, send_count are written (a block
 // barrier after it is the hook's). Returns false (in every thread of the block) after a timeout.
-// kSplitSlots: two passes instead of one. The first scans the destination keys only (kNumRanks of them: ballots, a
-// warp prefix, a block prefix, the cross-block prefix through scratch and a grid barrier when there are several
-// blocks) and writes send_pos, token_of_slot and, in block 0, send_count and (one rank) the receive count; then every
-// thread of every block calls `on_slots()` (its block barrier is the hook's). The second pass scans the expert keys
-// as the single pass does. Same outputs, bit for bit (a position is a count of earlier tokens either way); the split
-// costs one more grid barrier (several blocks) and a few block barriers, so only ep_fused.cu, whose receivers at one
-// rank start on the slots, asks for it. Without the split `on_slots()` is called right before `on_positions()`.
-template <int kNumRanks, int kMaxTopk, int kThreads, bool kSplitSlots, typename OnSlots, typename OnPositions>
+template <int kNumRanks, int kMaxTopk, int kThreads, typename OnPositions>
 __device__ __forceinline__ bool
 notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
             int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
@@ -78,7 +70,7 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
             int32_t* send_count,              // [kNumRanks] out: tokens this rank sends to each destination
             int block, int num_blocks,
             int32_t* smem,                    // [kNotifyWarps][num_keys] per-warp counts, then block bases
-            const OnSlots& on_slots, const OnPositions& on_positions) {
+            const OnPositions& on_positions) {
     constexpr int kTokensPerBlock = kThreads;     // one token per thread
     constexpr int kNotifyWarps = kThreads / 32;
     const int num_keys = num_experts + kNumRanks;
@@ -131,86 +123,6 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
         if (lane == 0)
             warp_counts[warp * num_keys + num_experts + d] = __popc(ballot);
     }
-    // Exclusive scan over the block's warps of the keys [key_begin, key_end) (expert keys hold lane masks, rank keys
-    // counts); block totals to scratch, then the bases from earlier blocks (and the totals over all blocks, used by
-    // block 0) into smem after the warp bases. A single block (decode sizes) skips the round trip through scratch and
-    // the grid barrier. The caller's block barrier orders the warps' counts before it; false after a timeout.
-    int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
-    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
-    const bool one_block = num_blocks == 1;
-    auto scan_keys = [&](int key_begin, int key_end) -> bool {
-        for (int key = key_begin + threadIdx.x; key < key_end; key += blockDim.x) {
-            // Every warp's value loaded before any is overwritten: one shared-memory round trip, not one per warp.
-            int v[kNotifyWarps];
-            #pragma unroll
-            for (int w = 0; w < kNotifyWarps; ++w)
-                v[w] = warp_counts[w * num_keys + key];
-            int running = 0;
-            #pragma unroll
-            for (int w = 0; w < kNotifyWarps; ++w) {
-                const int c = key < num_experts ? __popc(static_cast<uint32_t>(v[w])) : v[w];
-                warp_counts[w * num_keys + key] = running;
-                running += c;
-            }
-            if (one_block) {
-                block_base[key] = 0;
-                totals[key] = running;
-            } else {
-                scratch[static_cast<int64_t>(block) * num_keys + key] = running;
-            }
-        }
-        if (!one_block) {
-            if (!grid_sync(ctrl, num_blocks, timeout_ns, sink, kPhaseNotify, rank))
-                return false;
-            // Independent loads, 8 in flight per thread (a dependent chain of L2 round trips costs ~2 us at 16
-            // blocks).
-            for (int key = key_begin + threadIdx.x; key < key_end; key += blockDim.x) {
-                int running = 0, base = 0;
-                #pragma unroll 8
-                for (int b = 0; b < num_blocks; ++b) {
-                    const int v = __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
-                    running += v;
-                    base += b < block ? v : 0;
-                }
-                block_base[key] = base;
-                totals[key] = running;
-            }
-        }
-        __syncthreads();
-        return true;
-    };
-    // The slots of this thread's token at every destination, and what block 0 knows once every block's are written.
-    auto write_slots = [&]() {
-        if (valid) {
-            #pragma unroll
-            for (int d = 0; d < kNumRanks; ++d) {
-                const int key = num_experts + d;
-                const int pos =
-                    ((dst_mask >> d) & 1u) ? block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] : -1;
-                send_pos[static_cast<int64_t>(t) * kNumRanks + d] = pos;
-                if (pos >= 0)
-                    token_of_slot[static_cast<int64_t>(d) * num_tokens + pos] = t;
-            }
-        }
-        if (block == 0 && threadIdx.x < kNumRanks)
-            send_count[threadIdx.x] = totals[num_experts + threadIdx.x];
-        if (kNumRanks == 1 && block == 0 && threadIdx.x == 0) {
-            // One rank receives what it sends: its receive count is known now. Written before the hooks too, so that
-            // the fused kernel's receivers of a non-expanded dispatch start with the slots (ep_fused.cu); the layout
-            // pass below writes the same values again.
-            const RecvLayout early{recv_layout, 1, num_experts};
-            early.psum_src()[0] = totals[num_experts];
-            early.totals()[0] = totals[num_experts];
-        }
-    };
-    if (kSplitSlots) {
-        __syncthreads();                                      // the warps' destination counts
-        if (!scan_keys(num_experts, num_keys))
-            return false;
-        write_slots();
-        on_slots();
-    }
-
     // Experts: every lane sets its bit in the warp's mask of each of its experts; a token's position among the warp's
     // tokens choosing expert e is the number of lower lanes in e's mask (a token counts once per expert).
     uint32_t* warp_masks = reinterpret_cast<uint32_t*>(warp_counts + warp * num_keys);
@@ -224,12 +136,63 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
     for (int k = 0; k < kMaxTopk; ++k)
         expert_pos[k] = expert[k] >= 0 ? __popc(warp_masks[expert[k]] & lt_mask) : 0;
     __syncthreads();
-    // The split scanned the destination keys already (their columns of warp_counts, block_base, totals and scratch
-    // are not touched again); the single pass scans every key here.
-    if (!scan_keys(0, kSplitSlots ? num_experts : num_keys))
-        return false;
-    if (!kSplitSlots)
-        write_slots();
+    // Exclusive scan over the block's warps of every key (expert keys hold lane masks, rank keys counts); block totals
+    // to scratch, then the bases from earlier blocks (and the totals over all blocks, used by block 0) into smem after
+    // the warp bases. A single block (decode sizes) skips the round trip through scratch and the grid barrier.
+    int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
+    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
+    const bool one_block = num_blocks == 1;
+    for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+        // Every warp's value loaded before any is overwritten: one shared-memory round trip, not one per warp.
+        int v[kNotifyWarps];
+        #pragma unroll
+        for (int w = 0; w < kNotifyWarps; ++w)
+            v[w] = warp_counts[w * num_keys + key];
+        int running = 0;
+        #pragma unroll
+        for (int w = 0; w < kNotifyWarps; ++w) {
+            const int c = key < num_experts ? __popc(static_cast<uint32_t>(v[w])) : v[w];
+            warp_counts[w * num_keys + key] = running;
+            running += c;
+        }
+        if (one_block) {
+            block_base[key] = 0;
+            totals[key] = running;
+        } else {
+            scratch[static_cast<int64_t>(block) * num_keys + key] = running;
+        }
+    }
+    if (!one_block) {
+        if (!grid_sync(ctrl, num_blocks, timeout_ns, sink, kPhaseNotify, rank))
+            return false;
+        // Independent loads, 8 in flight per thread (a dependent chain of L2 round trips costs ~2 us at 16 blocks).
+        for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+            int running = 0, base = 0;
+            #pragma unroll 8
+            for (int b = 0; b < num_blocks; ++b) {
+                const int v = __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+                running += v;
+                base += b < block ? v : 0;
+            }
+            block_base[key] = base;
+            totals[key] = running;
+        }
+    }
+    __syncthreads();
+    // The slots of this thread's token at every destination; block 0: the tokens going to each destination.
+    if (valid) {
+        #pragma unroll
+        for (int d = 0; d < kNumRanks; ++d) {
+            const int key = num_experts + d;
+            const int pos =
+                ((dst_mask >> d) & 1u) ? block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] : -1;
+            send_pos[static_cast<int64_t>(t) * kNumRanks + d] = pos;
+            if (pos >= 0)
+                token_of_slot[static_cast<int64_t>(d) * num_tokens + pos] = t;
+        }
+    }
+    if (block == 0 && threadIdx.x < kNumRanks)
+        send_count[threadIdx.x] = totals[num_experts + threadIdx.x];
     if (valid) {
         #pragma unroll
         for (int k = 0; k < kMaxTopk; ++k) {
@@ -262,8 +225,6 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
             __syncthreads();
         }
     }
-    if (!kSplitSlots)
-        on_slots();
     on_positions();
     if (block != 0)
         return true;
@@ -431,13 +392,12 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
                 int num_channels, int32_t* channel_prefix_matrix, int32_t* recv_channel_prefix_matrix,
                 int32_t* rank_prefix_matrix, int32_t* token_of_slot, int32_t* send_count) {
     extern __shared__ int32_t smem[];
-    // The single pass: nothing waits for the slots alone here, and the split would cost a grid barrier.
-    notify_body<kNumRanks, kMaxTopk, kNotifyThreads, false>(
+    notify_body<kNumRanks, kMaxTopk, kNotifyThreads>(
         topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases, rank,
         error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert, do_expand,
         cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts, num_channels,
         channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot, send_count, blockIdx.x,
-        gridDim.x, smem, NoNotifyHook{}, NoNotifyHook{});
+        gridDim.x, smem, NoNotifyHook{});
 }
 
 }  // namespace deepep

@@ -441,20 +441,23 @@ fuse_lane() {
     local F="env DEEPEP_CUPY_EP_FUSED_NOTIFY=1 CUDA_VISIBLE_DEVICES=0"
     # One rank: 4096 tokens = 8 notify blocks (their grid barrier); the smallest and largest top-k buckets.
     step "fuse: ep np=1 4096 tokens" 300 $F $R 1 $EP --skip-perf-test --num-create-destroy 0
+    # (top-1 with 30% of the ids -1: as many tokens received by nobody, which the self-counting receivers skip)
     step "fuse: ep np=1 top-1" 120 $F $R 1 $EP --num-tokens 256 --hidden 1024 --num-topk 1 --skip-perf-test \
-        --num-create-destroy 0
+        --num-create-destroy 0 --masked-ratio 0.3
     step "fuse: ep np=1 top-32" 120 $F $R 1 $EP --num-tokens 700 --hidden 1024 --num-topk 32 --skip-perf-test \
         --num-create-destroy 0
-    # One rank, 100 seeds of no-sync dispatches whose receivers start on the slots alone (not expanded): 3 notify
-    # blocks, the last one partial (the split pass's two grid barriers; block 0 publishes the epoch, no ticket).
-    step "fuse: ep np=1 pressure 1100 tokens" 300 $F $R 1 $EP --num-tokens 1100 --hidden 1024 --num-topk 8 \
-        --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0
-    # One rank, 34 notify blocks of 132 receivers (fewer than 3/4 others): the notify blocks receive too.
+    # One rank, 100 seeds of no-sync dispatches whose receivers count for themselves (not expanded): 3 notify blocks,
+    # the last one partial (block 0 publishes the epoch, no ticket); top-2 with half the ids -1 (a quarter of the
+    # tokens received by nobody).
+    step "fuse: ep np=1 pressure 1100 tokens" 300 $F $R 1 $EP --num-tokens 1100 --hidden 1024 --num-topk 2 \
+        --masked-ratio 0.5 --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0
+    # One rank, 34 notify blocks of 132 receivers (fewer than 3/4 others): the notify blocks receive too (their counts
+    # published before their notify work).
     # (first mode only: its no-sync dispatch takes the fused kernel; all 144 modes' host references at 17000 tokens
     # outlasted 300 s beside the other lanes)
     step "fuse: ep np=1 17000 tokens (notify blocks receive)" 300 $F $R 1 $EP --num-tokens 17000 --hidden 128 \
         --skip-perf-test --num-create-destroy 0 --test-first-only
-    # DeepEP V1 at one rank: channel prefixes (a third grid barrier after the split pass's two), 8 notify blocks.
+    # DeepEP V1 at one rank: channel prefixes (a second grid barrier), 8 notify blocks.
     [ -f deepep_cupy/tests/legacy_intranode.py ] && step "fuse: legacy intranode np=1 4096 tokens" 300 $F $R 1 \
         $PY -m deepep_cupy.tests.legacy_intranode --num-tokens 4096 --hidden 2048 --skip-perf-test
 }

@@ -186,7 +186,9 @@ def test_dispatch_launch_structure_per_mode_and_knob(monkeypatch):
 
 
 def test_one_rank_dispatches_in_one_launch_without_senders(monkeypatch):
-    """At one rank every token stays: one launch of receivers only, whatever the mode."""
+    """At one rank every token stays: one launch of receivers only, whatever the mode (after the notify kernel: with
+    the fused kernel off, which a one-rank no-sync dispatch takes by default, tests/test_ep_fused_cpu.py)."""
+    monkeypatch.setenv('DEEPEP_CUPY_EP_FUSED_NOTIFY', '0')
     x, idx, w = ep_tests.make_inputs()
     b = ep_tests.ep_kernels.topk_bucket(K)
     log = []

@@ -247,31 +247,33 @@ def test_plan_size_checks(inputs):
 
 # ---- the EP feature of a buffer whose kernels only record launches ------------------------------------------------
 class RecordingKernels:
-    def __init__(self, log):
-        b = ep_kernels.topk_bucket(K)
-        self.notify = fakes.RecordingKernel(ep_kernels.notify_spec(R, b), log)
-        self.dispatch = fakes.RecordingKernel(ep_kernels.dispatch_spec(R, b), log)
-        self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(R, b), log)
-        self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(R, b), log)
-        self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(R, b, lr), log) for lr in (True, False)}
-        self.fused = fakes.RecordingKernel(ep_kernels.fused_dispatch_spec(R, b), log)
+    def __init__(self, log, num_ranks=R):
+        b, r = ep_kernels.topk_bucket(K), num_ranks
+        self.notify = fakes.RecordingKernel(ep_kernels.notify_spec(r, b), log)
+        self.dispatch = fakes.RecordingKernel(ep_kernels.dispatch_spec(r, b), log)
+        self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(r, b), log)
+        self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(r, b), log)
+        self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(r, b, lr), log) for lr in (True, False)}
+        self.fused = fakes.RecordingKernel(ep_kernels.fused_dispatch_spec(r, b), log)
 
     def fused_dispatch(self):
         return self.fused
 
 
-def make_buffer(monkeypatch, num_bytes=1 << 30):
+def make_buffer(monkeypatch, num_bytes=1 << 30, num_ranks=R):
     """An `ElasticBuffer` without a GPU (tests/fakes.py) with MoE settings: CPU tensors, recorded launches, counts
-    from the host."""
-    buf = fakes.make_buffer(R, 0, num_bytes, num_max_tokens_per_rank=M, num_topk=K)
+    from the host (of `num_ranks` ranks, R unless said)."""
+    buf = fakes.make_buffer(num_ranks, 0, num_bytes, num_max_tokens_per_rank=M, num_topk=K)
     log = []
     buf.launches = log
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: RecordingKernels(log))
+    monkeypatch.setattr(ep_feature, 'EPKernels',
+                        lambda num_ranks, bucket, legacy=False: RecordingKernels(log, num_ranks))
     current = fakes.FakeStream('current')
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
     monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)
     ep = buf._ep_feature()
-    monkeypatch.setattr(ep, '_wait_host_counts', lambda seq, n: (R * M, R * M * K, [1] * n))
+    monkeypatch.setattr(ep, '_wait_host_counts',
+                        lambda seq, n: (num_ranks * M, num_ranks * M * K, [1] * n))
     monkeypatch.setattr(ep, '_start_range', lambda topk_idx, ptr, n, k, stream: cpu_range_of(topk_idx))
     return buf
 

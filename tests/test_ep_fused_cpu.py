@@ -4,6 +4,8 @@ launch whose arguments are the notify's and the dispatch's of the two-kernel pat
 two-launch dispatches keep their kernels. The kernel's declaration against its signature: tests/test_peer_copy.py;
 its compilation for sm_90: tests/test_jit.py (slow)."""
 
+import os
+
 import pytest
 
 torch = pytest.importorskip('torch')
@@ -71,6 +73,7 @@ def test_who_receives_at_one_rank():
     (dict(num_tokens=132 * 512 + 1), 'notify blocks'),
     (dict(num_tokens=(132 - 24) * 512 + 1), 'notify blocks'),
     (dict(num_send_blocks=132), 'notify blocks'),
+    (dict(num_device_sms=513, num_tokens=512), 'receiving blocks'),
 ])
 def test_refusals(case, reason):
     kw = dict(num_tokens=4096, num_experts=256, num_ranks=8, num_send_blocks=24, num_device_sms=132, cached=False,
@@ -82,13 +85,50 @@ def test_refusals(case, reason):
     assert reason in fused.fused_refusal(**kw)
 
 
-def _buffer(monkeypatch, **env):
+def test_count_blocks_match_the_kernel():
+    """The refusal's bound on the receiving blocks is the kernel's count words (kernels_cu/common/ep.cuh), which one
+    thread of a 512-thread block each reads."""
+    text = open(os.path.join(os.path.dirname(__file__), '..', 'kernels_cu', 'common', 'ep.cuh')).read()
+    assert f'kFusedMaxCountBlocks = {fused.FUSED_MAX_COUNT_BLOCKS};' in text
+    assert fused.FUSED_MAX_COUNT_BLOCKS <= fused.FUSED_THREADS
+    assert fused.fused_refusal(512, 256, 1, 0, 512, False, False, True) is None
+
+
+def _buffer(monkeypatch, num_ranks=R, **env):
     for k in ('DEEPEP_CUPY_EP_FUSED_NOTIFY', 'DEEPEP_CUPY_EP_FUSED_COOPERATIVE', 'DEEPEP_CUPY_EP_LEGACY_DISPATCH',
               'DEEPEP_CUPY_EP_DISPATCH_OVERLAP'):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    return ep_tests.make_buffer(monkeypatch)
+    return ep_tests.make_buffer(monkeypatch, num_ranks=num_ranks)
+
+
+@pytest.mark.parametrize('num_ranks, setting, kw, fused_by', [
+    (1, None, {}, True),                                    # the default: one rank, not expanded, no CPU sync
+    (1, None, dict(do_expand=True, expert_alignment=4), False),
+    (1, None, dict(do_cpu_sync=True), False),
+    (1, '0', {}, False),
+    (R, None, {}, False),                                   # several ranks: opt-in
+    (R, '1', {}, True),
+    (1, '1', dict(do_expand=True, expert_alignment=4), True),
+])
+def test_the_default_fuses_where_receivers_count_for_themselves(monkeypatch, num_ranks, setting, kw, fused_by):
+    """DEEPEP_CUPY_EP_FUSED_NOTIFY unset: the fused kernel at one rank without expansion only (its self-counting
+    receivers, kernels_cu/ep_fused.cu); '0' never, '1' wherever it can serve."""
+    x, idx, w = ep_tests.make_inputs()
+    env = {} if setting is None else dict(DEEPEP_CUPY_EP_FUSED_NOTIFY=setting)
+    buf = _buffer(monkeypatch, num_ranks, **env)
+    call = dict(num_experts=E, num_sms=4, do_cpu_sync=False)
+    call.update(kw)
+    buf.dispatch(x, idx, w, **call)
+    names = [e.name.split('<')[0] for e in buf.launches]
+    b = next(iter(buf._ep._bound.values()))
+    assert b.fused == fused_by
+    if fused_by:
+        assert names == [FUSED] and b.fused_refusal is None
+    else:
+        assert names[0] == NOTIFY and FUSED not in names
+        assert ('unset' in b.fused_refusal) == (setting is None and not kw.get('do_cpu_sync'))
 
 
 @pytest.mark.parametrize('mode', ['no-sync', 'expand', 'fp8'])

@@ -220,7 +220,7 @@ class BoundLaunch:
     """
 
     __slots__ = ('spec', '_grid', 'block', 'shared_mem', 'cooperative', 'data', 'pointers_addr', 'u64', 'i64', 'i32',
-                 'u32', 'f32', '_index', '_go', '_keep', '_direct', '_coop', '_fast')
+                 'u32', 'f32', '_index', '_go', '_keep', '_direct', '_coop', '_fast', '_fast_coop')
 
     def __init__(self, spec: KernelSpec, layout: struct.Struct, offsets: Tuple[int, ...], grid, block,
                  shared_mem: int, cooperative: bool, go: Callable[['BoundLaunch', object], None],
@@ -245,10 +245,11 @@ class BoundLaunch:
         # (three Python frames fewer per launch); None: every launch goes through `go`.
         self._direct = None if cooperative else direct
         self._set_fast()
-        # Cooperative: [cuLaunchCooperativeKernel's binding, function, (grid, block, shared_mem) last checked by
-        # `Kernel._check_launch` or None]; a launch with that very grid and block (`is`) and shared memory calls it
-        # straight (the co-residency check is a function of them); None: every launch goes through `go`.
+        # Cooperative: (cuLaunchCooperativeKernel's binding, function) when launches may call it straight, else None;
+        # `_fast_coop` is then its partial for the current grid once `Kernel._check_launch` passed it (the
+        # co-residency check is a function of the grid, block and shared memory; a new grid clears it).
         self._coop = None
+        self._fast_coop = None
 
     def index(self, name: str) -> int:
         """Word index of parameter `name` in the view of its type (`KeyError` naming the kernel if unknown)."""
@@ -274,7 +275,9 @@ class BoundLaunch:
 
     def _set_fast(self) -> None:
         """The direct launch with everything but the stream and the argument block bound (a `functools.partial`: a
-        launch then passes three values instead of unpacking the grid and block per call)."""
+        launch then passes three values instead of unpacking the grid and block per call). A cooperative launch's
+        waits for the check of its grid (`Kernel._go_bound`)."""
+        self._fast_coop = None
         d = self._direct
         if d is None:
             self._fast = None
@@ -289,16 +292,14 @@ class BoundLaunch:
 
     def __call__(self, stream) -> None:
         """Launch on `stream` (a stream object with `.ptr`, or None for CuPy's current stream)."""
-        fast = self._fast
-        if fast is not None and stream is not None:
-            fast(stream.ptr, self.pointers_addr, 0)
-            return
-        c = self._coop
-        if c is not None and stream is not None:
-            checked = c[2]
-            g, b = self._grid, self.block
-            if checked is not None and g is checked[0] and b is checked[1] and self.shared_mem == checked[2]:
-                c[0](c[1], g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream.ptr, self.pointers_addr)
+        if stream is not None:
+            fast = self._fast
+            if fast is not None:
+                fast(stream.ptr, self.pointers_addr, 0)
+                return
+            fast = self._fast_coop
+            if fast is not None:
+                fast(stream.ptr, self.pointers_addr)
                 return
         self._go(self, stream)
 
@@ -403,8 +404,8 @@ class Kernel:
         self._pack_into(bound._keep, args)
         self._check_launch(bound.grid, bound.block, shared_mem, cooperative)
         if cooperative and direct is not None:
-            bound._coop = [_driver().launchCooperativeKernel, self.function.ptr,
-                           (bound.grid, bound.block, bound.shared_mem)]
+            bound._coop = (_driver().launchCooperativeKernel, self.function.ptr)
+            bound._fast_coop = _coop_partial(bound)
         return bound
 
     def _go_bound(self, bound: BoundLaunch, stream) -> None:
@@ -412,7 +413,7 @@ class Kernel:
             # A grid patched after binding must still be co-resident.
             self._check_launch(bound.grid, bound.block, bound.shared_mem, True)
             if bound._coop is not None:
-                bound._coop[2] = (bound.grid, bound.block, bound.shared_mem)
+                bound._fast_coop = _coop_partial(bound)
             self._go(bound.grid, bound.block, bound.shared_mem, True, stream, bound._keep)
             return
         if stream is None:
@@ -421,6 +422,13 @@ class Kernel:
         g, b = bound.grid, bound.block
         _driver().launchKernel(self.function.ptr, g[0], g[1], g[2], b[0], b[1], b[2], bound.shared_mem, stream.ptr,
                                bound.pointers_addr, 0)
+
+
+def _coop_partial(bound: BoundLaunch) -> Callable:
+    """The cooperative launch of `bound` with everything but the stream and the argument block bound (its grid, block
+    and shared memory just checked)."""
+    (launch, function), g, b = bound._coop, bound.grid, bound.block
+    return functools.partial(launch, function, g[0], g[1], g[2], b[0], b[1], b[2], bound.shared_mem)
 
 
 _DRIVER = []

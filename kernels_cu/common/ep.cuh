@@ -8,9 +8,9 @@
 //     [8] grid barrier arrivals  [9] grid barrier generation
 //     ep_fused.cu (the notify and the dispatch in one launch): [10] notify blocks arrived, [11] positions ready
 //     (data epoch: every notify block wrote its tokens' slots and positions), [12] layout ready (data epoch: the
-//     receive layout is written), [13] notify blocks arrived at their slots, [14] slots ready (data epoch: every
-//     notify block wrote its tokens' slots at every destination, block 0 send_count and, at one rank, the receive
-//     count), [15] blocks that read the data epoch (one rank: block 0 publishes the epoch once every block read it)
+//     receive layout is written), [15] blocks that read the data epoch (one rank: block 0 publishes the epoch once
+//     every block read it), [1024, 2048) the self-counting receivers' counts (one rank, not expanded): uint64
+//     [kFusedMaxCountBlocks], receiving block r's = data epoch << 32 | its count of received tokens
 //   signals, written by peers (index = the peer's scale-up rank), epochs that only grow:
 //     notify_signal[src]     at +256: src published its counts for notify epoch e into our notify area
 //     data_signal[src]       at +384: src finished writing its dispatch messages of data epoch e into our slots
@@ -55,13 +55,16 @@ constexpr int kCtrlDispatchSendTicket = 4, kCtrlCombineSendTicket = 5;
 constexpr int kCtrlDispatchRecvTicket = 6, kCtrlCombineRecvTicket = 7;
 constexpr int kCtrlGridCount = 8, kCtrlGridGen = 9;
 constexpr int kCtrlFusedArrivals = 10, kCtrlFusedPositions = 11, kCtrlFusedLayout = 12;
-constexpr int kCtrlFusedSlotArrivals = 13, kCtrlFusedSlots = 14, kCtrlFusedStarted = 15;
+constexpr int kCtrlFusedStarted = 15, kCtrlFusedCounts = 1024, kFusedMaxCountBlocks = 512;
 // Auxiliary words of error records (timeout.cuh) for waits on this rank's own blocks (peer = this rank).
-constexpr int kAuxGridBarrier = 1000, kAuxFusedPositions = 1001, kAuxFusedLayout = 1002, kAuxFusedSlots = 1003;
+constexpr int kAuxGridBarrier = 1000, kAuxFusedPositions = 1001, kAuxFusedLayout = 1002, kAuxFusedCounts = 1003;
 constexpr int kAuxFusedStarted = 1004;
 constexpr int kSigNotify = 64, kSigData = 96, kSigDataConsumed = 128, kSigCombine = 160, kSigCombineConsumed = 192;
 static_assert((kSigCombineConsumed + 32) * 4 <= kWsEPCtrlBytes, "EP control words overflow their workspace region");
 static_assert(kCtrlFusedStarted < kSigNotify, "the local control words overlap the signals");
+static_assert(kCtrlFusedCounts >= kSigCombineConsumed + 32 && kCtrlFusedCounts % 2 == 0 &&
+              (kCtrlFusedCounts + 2 * kFusedMaxCountBlocks) * 4 <= kWsEPCtrlBytes,
+              "the fused receivers' counts must be 8-byte aligned, after the signals, inside the control region");
 
 struct Peers {
     const uint64_t* bases;   // device table of peer base addresses

@@ -113,9 +113,9 @@ class BoundDispatch:
         self.num_send_blocks = 0 if R == 1 else min(p.num_sms, s.num_device_sms - 1)
         # DEEPEP_CUPY_EP_FUSED_NOTIFY: the notify and the dispatch in one launch (features/ep/fused.py), bound below
         # with the dispatch's arguments; `notify` is then that launch too (its notify arguments are patched alike).
-        self.fused_refusal = 'DEEPEP_CUPY_EP_FUSED_NOTIFY is off' if not ep.fused_notify else ep_fused.fused_refusal(
+        self.fused_refusal = ep_fused.fused_refusal(
             p.num_tokens, p.num_experts, R, self.num_send_blocks, s.num_device_sms, p.cached, p.do_cpu_sync,
-            self.one_launch)
+            self.one_launch, ep.fused_notify, p.do_expand)
         self.fused = self.fused_refusal is None
         self.fused_cooperative = ep.fused_cooperative
         self.num_notify_blocks = ep_fused.fused_notify_blocks(p.num_tokens) if self.fused else 0

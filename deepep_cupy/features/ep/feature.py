@@ -72,7 +72,8 @@ class EP:
         self._bound: Dict[tuple, object] = {}       # call signature -> BoundDispatch / BoundCombine
         # The dispatch kernels (envs.py; read once: every dispatch of a buffer uses one protocol, as every rank must).
         self.legacy_dispatch, self.dispatch_overlap = envs.ep_legacy_dispatch(), envs.ep_dispatch_overlap()
-        self.fused_notify = envs.ep_fused_notify() and not self.legacy_dispatch
+        # (None: unset, the fused kernel where its receivers count for themselves: `BoundDispatch`)
+        self.fused_notify = False if self.legacy_dispatch else envs.ep_fused_notify()
         self.fused_cooperative = envs.ep_fused_cooperative()
         self.combine_cap_all_sms = envs.combine_cap_all_sms()      # num_sms caps a combine's reducers too
         # Hybrid P2 (features/hybrid/feature.py) sets it around one dispatch: (counter address, rows modulo, SMs to

@@ -13,6 +13,8 @@ from .kernels import DISPATCH_THREADS
 
 FUSED_THREADS = DISPATCH_THREADS            # threads per block = notify tokens per notify block
 NUM_MAX_FUSED_SMEM_BYTES = 200 * 1024       # dynamic shared memory (notify's per-warp counts), one block per SM
+FUSED_MAX_COUNT_BLOCKS = 512                # kernels_cu/common/ep.cuh kFusedMaxCountBlocks: the self-counting
+                                            # receivers' count words (one thread of a block reads each)
 
 
 def fused_smem_bytes(num_experts: int, num_ranks: int) -> int:
@@ -27,14 +29,23 @@ def fused_notify_blocks(num_tokens: int) -> int:
 
 
 def fused_refusal(num_tokens: int, num_experts: int, num_ranks: int, num_send_blocks: int, num_device_sms: int,
-                  cached: bool, cpu_sync: bool, one_launch: bool) -> Optional[str]:
-    """Why a dispatch cannot be one fused launch, or None when it can."""
+                  cached: bool, cpu_sync: bool, one_launch: bool, mode: Optional[bool] = True,
+                  do_expand: bool = False) -> Optional[str]:
+    """Why a dispatch is not one fused launch, or None when it is. `mode`: `DEEPEP_CUPY_EP_FUSED_NOTIFY` (envs.py:
+    None when unset, then only where the receivers count for themselves: one rank, not expanded)."""
+    if mode is False:
+        return 'DEEPEP_CUPY_EP_FUSED_NOTIFY is off'
+    if mode is None and (num_ranks > 1 or do_expand):
+        return ('DEEPEP_CUPY_EP_FUSED_NOTIFY is unset: by default only a dispatch at one rank without expansion is '
+                'fused (its receivers count for themselves)')
     if cached:
         return 'a cached dispatch has no notify'
     if cpu_sync:
         return 'a CPU-sync dispatch waits for the counts on the host between notify and receive'
     if not one_launch:
         return 'the dispatch runs its send and receive as two launches (DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0)'
+    if num_device_sms > FUSED_MAX_COUNT_BLOCKS:
+        return f'{num_device_sms} SMs: the fused kernel counts in at most {FUSED_MAX_COUNT_BLOCKS} receiving blocks'
     if fused_smem_bytes(num_experts, num_ranks) > NUM_MAX_FUSED_SMEM_BYTES:
         return f'num_experts={num_experts}: the notify counts exceed the shared memory of a 512-thread block'
     if num_send_blocks + fused_notify_blocks(num_tokens) > num_device_sms:
@@ -53,7 +64,8 @@ def fused_grid(num_send_blocks: int, epilogue_grid: int, num_notify_blocks: int,
 def fused_notify_blocks_receive(grid: int, num_send_blocks: int, num_notify_blocks: int, num_ranks: int,
                                 do_expand: bool) -> bool:
     """Whether the notify blocks of a fused launch also receive (kernels_cu/ep_fused.cu's rule, here for the tests
-    and the GPU lanes' choice of sizes). At one rank without expansion the other receivers start on the slots, long
-    before the notify blocks are done; they take the whole copy when they are at least 3/4 of the receivers."""
+    and the GPU lanes' choice of sizes). At one rank without expansion the other receivers count for themselves and
+    start long before the notify blocks are done; they take the whole copy when they are at least 3/4 of the
+    receivers."""
     num_receivers = grid - num_send_blocks
     return num_ranks > 1 or do_expand or num_receivers < 4 * num_notify_blocks

@@ -186,6 +186,10 @@ class HybridEP:
         if self.pipeline and (getattr(inner, 'fused_notify', False) or getattr(inner, 'legacy_dispatch', False)):
             raise ValueError('DEEPEP_CUPY_HYBRID_PIPELINE needs the default intranode dispatch kernel: unset '
                              'DEEPEP_CUPY_EP_FUSED_NOTIFY and DEEPEP_CUPY_EP_LEGACY_DISPATCH')
+        if getattr(inner, 'fused_notify', False) is None:
+            # Unset: the two kernels even at one rank (`pipeline` may be switched on per call, and its readiness guard
+            # is theirs; a bound dispatch keeps its kernels)
+            inner.fused_notify = False
         settings = buf.group.allgather_object(self.pipeline)
         if len(set(settings)) != 1:
             raise ValueError('DEEPEP_CUPY_HYBRID_PIPELINE must be set alike on every rank')
