@@ -26,7 +26,7 @@ from deepep_cupy.features.ep import lean as ep_lean  # noqa: E402
 from deepep_cupy.features.ep import legacy as ep_legacy  # noqa: E402
 from deepep_cupy.features.ep import patch as ep_patch  # noqa: E402
 from deepep_cupy.jit import launch as jit_launch  # noqa: E402
-from deepep_cupy.runtime import interop  # noqa: E402
+from deepep_cupy.runtime import interop, streams  # noqa: E402
 
 R, M, H, K, E = ep_tests.R, ep_tests.M, ep_tests.H, ep_tests.K, ep_tests.E
 BOUND_FILE = ep_bound.__file__
@@ -404,23 +404,28 @@ HANDLE_SLOTS = ('_c', '_origin', 'num_recv_tokens', 'num_expanded_tokens', '_cou
                                   'cpu-sync', 'cpu-sync fp8', 'cpu-sync fp8 tma', 'cpu-sync expanded', 'cpu-sync large',
                                   'cpu-sync fp8 tma large', 'cpu-sync large on comm', 'cpu-sync sizes change',
                                   'cpu-sync fp8 tma sizes change', 'cpu-sync expanded sizes change',
-                                  'cpu-sync large sizes change', 'cpu-sync fp8 sizes change on comm'])
+                                  'cpu-sync large sizes change', 'cpu-sync fp8 sizes change on comm',
+                                  'cpu-sync async', 'cpu-sync fp8 sizes change async', 'cached async',
+                                  'cached fp8 large async'])
 def test_lean_paths_match_the_general_call(monkeypatch, case):
     """`BoundDispatch.run`'s lean paths (`run_cached`, `run_no_sync`, `run_cpu_sync`, also for outputs too large to
     carve: 'large', no-sync through `call_patch_x`, the others through `prepare_receive`'s own allocations of recv_x and
     recv_sf) launch what `__call__` launches (every argument; addresses relative to the workspace, the outputs'
     allocation and recv_x's / recv_sf's own; 'on comm': allocated on the comm stream), return outputs of the same
     shapes, strides, dtypes and places, and make a handle with the same slots (they set `EPHandle._new`'s slots
-    inline). A CPU-sync call speculates that the last call's sizes repeat: 'sizes change' runs calls whose counts
-    differ from the last ones and repeat them (some tokens' top-k ids masked to -1: fewer tokens; then some slots:
-    as many tokens, fewer expanded rows): a miss, a hit after it, a miss back, a miss on the expanded count alone, a
-    hit, a miss."""
+    inline); 'async': the event holds the same tensors. A CPU-sync call speculates that the last call's sizes repeat:
+    'sizes change' runs calls whose counts differ from the last ones and repeat them (some tokens' top-k ids masked to
+    -1: fewer tokens; then some slots: as many tokens, fewer expanded rows): a miss, a hit after it, a miss back, a
+    miss on the expanded count alone, a hit, a miss."""
     large = 'large' in case
     if large:
         monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', 0)
     if case.endswith('on comm'):    # (no CUDA here: an allocation ordered on a stream is a plain one)
         monkeypatch.setattr(interop, 'torch_stream', lambda ptr: None)
         monkeypatch.setattr(torch.cuda, 'stream', lambda stream: contextlib.nullcontext())
+    is_async = case.endswith('async')
+    if is_async:        # (no CUDA here: the event is the tensors it would hold)
+        monkeypatch.setattr(streams.StreamOrder, 'event', lambda self, kind, record=(), keep=(): keep)
     x, idx, w = ep_tests.make_inputs()
     buf = make_buffer(monkeypatch)
     expand = 'expanded' in case
@@ -438,9 +443,10 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
 
     def call(ids):
         if cached:
-            return buf.dispatch(xin, handle=handle, do_expand=expand)
+            return buf.dispatch(xin, handle=handle, do_expand=expand, async_with_compute_stream=is_async)
         return buf.dispatch(xin, ids, w, num_experts=E, do_cpu_sync='cpu-sync' in case, do_expand=expand,
-                            use_tma_aligned_col_major_sf=tma, allocate_on_comm_stream=case.endswith('on comm'))
+                            use_tma_aligned_col_major_sf=tma, allocate_on_comm_stream=case.endswith('on comm'),
+                            async_with_compute_stream=is_async)
     call(idx)       # binds (and a cached call learns its sizes)
     runs = []
     for lean in (True, False):
@@ -466,13 +472,17 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
                      ('x', x0.data_ptr(), x0.untyped_storage().nbytes()),
                      ('ids', ids.data_ptr(), ids.untyped_storage().nbytes())]
             bases += [(f'own{k}', s.data_ptr(), s.nbytes()) for k, s in enumerate(own)]
+
+            def describe(t, bases=bases):
+                return t.shape, t.stride(), t.dtype, _relative({0: t.data_ptr()}, bases)[0]
             # (a CPU-sync notify's host_seq counts the calls: the two differ by design)
             runs[-1].append(([(e.name, e.grid, {k: v for k, v in _relative(e.args, bases).items() if k != 'host_seq'})
                               for e in buf.launches],
                              [None if t is None else (t.shape, t.stride(), t.dtype, t.is_contiguous(),
                                                       _relative({0: t.data_ptr()}, bases)[0]) for t in tensors],
                              {s: getattr(h, s) for s in HANDLE_SLOTS}, h._meta_ptr - group.data_ptr(),
-                             h.recv_src_metadata.shape, h.topk_idx.shape, type(out[4]).__name__, out[4].event))
+                             h.recv_src_metadata.shape, h.topk_idx.shape,
+                             [describe(t) for t in out[4]] if is_async else (type(out[4]).__name__, out[4].event)))
         b.run = lean_run
     assert all(r[0] for r in runs[0]) and runs[0] == runs[1]
     if len(calls) > 1:      # (the counts differ as masked)
