@@ -123,11 +123,12 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     their pointers, the receive block's sizes, the new handle but its counts), so that on a hit the host's share after
     the counts is the receive's launch, the handle's counts and the event (issue #11: the CPU-sync dispatch's host
     time beyond the notify). Only outputs carved out of one allocation (at most `CARVED_RECV_MAX_BYTES`, 16 MiB) are
-    speculated; on a miss they are dropped before the right ones are allocated (no kernel saw them: the caller never
-    holds two groups, torch's caching allocator keeps the freed block for reuse), which costs about what the outputs
-    cost without speculating plus the unused group's allocation and views. A CPU-sync call cannot be captured into a
-    CUDA graph (the host reads back what its kernels wrote: captured, they would not run and the wait would time
-    out), so its event is `StreamOrder.leave_uncaptured`'s, which does not ask."""
+    speculated; on a miss they are freed before the right ones are allocated (no kernel saw them), so two groups are
+    never live at once, though the allocator's cache may keep the freed one (at most 16 MiB) for later calls; a miss
+    costs about what the outputs cost without speculating plus the unused group's allocation and views (spent before
+    the wait, while the GPU counts). A CPU-sync call cannot be captured into a CUDA graph (the host reads back what its
+    kernels wrote: captured, they would not run and the wait would time out), so its event is
+    `StreamOrder.leave_uncaptured`'s, which does not ask the stream."""
     if xp & 15:
         raise ValueError('x rows must start at 16-byte aligned addresses')
     if b._lean_blocked or ep.ready_guard is not None:
