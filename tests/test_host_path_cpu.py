@@ -73,9 +73,10 @@ def test_no_public_call_creates_an_event(api_counts):
 # of any layout; a cached size whose recv_x is not carved no longer takes the general call), which took the CPU-sync
 # dispatch from 1204 to 1017 (its host work after the counts from 481 to about 340); the range kernel per top-k
 # remembered: 972; the receive's input pointers patched while the GPU counts (after the counts: 306): 992. The
-# receive's outputs and handle prepared before the wait for the last call's sizes (`lean.prepare_receive`, speculated)
-# moved the CPU-sync dispatch's work after the counts from 306 bytecodes (7 C calls) to 90 (none: the receive's launch
-# and the event), its total staying at 960; the cached dispatch, sharing `prepare_receive`, went from 568 to 564.
+# receive's outputs and handle prepared before the wait for the last call's sizes (`lean.prepare_receive`, speculated;
+# `finish` split into it and the launch / event of each path) moved the CPU-sync dispatch's work after the counts from
+# 306 bytecodes (7 C calls) to 90 (none: the receive's launch and the event), its total staying at 960; the cached
+# dispatch, sharing `prepare_receive`, went from 568 to 564.
 PINNED_BYTECODES = {'dispatch cached': 570, 'dispatch no-sync': 630, 'dispatch fp8 no-sync': 700,
                     'dispatch cpu-sync': 980, 'combine': 450}
 # A CPU-sync dispatch's bytecodes after the host has the counts (`--trace`'s `after_counts`: its host time beyond the
