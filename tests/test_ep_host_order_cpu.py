@@ -2,7 +2,8 @@
 - order: without a CPU sync every allocation, view and argument patch comes before the first launch and the launches
   follow back to back (no host gap between the notify and the dispatch), for each launch structure (one launch,
   send + receive, the legacy kernels, the fused launch, a cached dispatch); a CPU-sync dispatch keeps notify, send,
-  the wait for the counts, the outputs' allocation, then the receive;
+  the wait for the counts, then the receive, its outputs allocated after the wait or, speculated for the last call's
+  sizes (lean path, outputs carved), before it (kept on a hit, freed before the right ones on a miss);
 - one allocation: decode-sized recv_x / recv_sf are carved out of the call's small-outputs allocation (no-sync: the
   workspace's), 256-byte aligned, disjoint from every other output, with the shapes, strides and dtypes (and kernel
   arguments but for the addresses) of separately allocated ones; above `CARVED_RECV_MAX_BYTES` they are separate
