@@ -240,12 +240,22 @@ def traced(fn, calls: int = 200):
     """Python work per call, counted (deterministic, unlike the timings on a loaded machine): bytecode instructions
     executed in deepep_cupy's frames (and the standard library's they call), Python calls and C calls made from them;
     this harness's and tests/fakes.py's frames are not counted (they stand in for CUDA). `gap`: the bytecodes between
-    a call's first and last kernel launch (the host gap the GPU sees between them; 0 for one launch)."""
+    a call's first and last kernel launch (the host gap the GPU sees between them; 0 for one launch). `after_counts`:
+    a CPU-sync dispatch's bytecodes after the host has the counts (`EP._wait_host_counts` returned: its host time
+    beyond the notify, perf/ep_profile.py's `[host] ... after the host has the counts`; 0 without a wait) and
+    `c_after_counts` its C calls then (torch ops, launches, event records: most of that time on the GPU host)."""
     global LAUNCH_MARKS
+    from deepep_cupy.features.ep.feature import EP
     skip = (os.path.abspath(__file__), os.path.abspath(fakes.__file__))
     count = TRACE_COUNT
     count.clear()
-    count.update(opcodes=0, py_calls=0, c_calls=0, gap=0)
+    count.update(opcodes=0, py_calls=0, c_calls=0, gap=0, after_counts=0, c_after_counts=0)
+    real_wait, counted = EP._wait_host_counts, []
+
+    def wait_host_counts(self, *a):       # (this file's frame: not counted)
+        out = real_wait(self, *a)
+        counted.append((count['opcodes'], count['c_calls']))
+        return out
 
     def tracer(frame, event, arg):
         if frame.f_code.co_filename in skip:
@@ -263,18 +273,24 @@ def traced(fn, calls: int = 200):
     for _ in range(min(200, calls)):
         fn()
     LAUNCH_MARKS = marks = []
+    EP._wait_host_counts = wait_host_counts
     sys.settrace(tracer)
     sys.setprofile(profiler)
     try:
         for _ in range(calls):
             marks.clear()
+            counted.clear()
             fn()
             if marks:
                 count['gap'] += marks[-1] - marks[0]
+            if counted:
+                count['after_counts'] += count['opcodes'] - counted[-1][0]
+                count['c_after_counts'] += count['c_calls'] - counted[-1][1]
     finally:
         sys.settrace(None)
         sys.setprofile(None)
         LAUNCH_MARKS = None
+        EP._wait_host_counts = real_wait
     return {k: v / calls for k, v in count.items()}
 
 
@@ -417,7 +433,8 @@ def main(argv=None) -> int:
                 work = traced(fn)
                 print(f'[trace]    {name:34s} {work["opcodes"]:7.0f} bytecodes, {work["py_calls"]:5.1f} Python calls, '
                       f'{work["c_calls"]:5.1f} C calls per call; {work["gap"]:5.0f} bytecodes between the first and '
-                      f'last launch', flush=True)
+                      f'last launch' + (f', {work["after_counts"]:4.0f} bytecodes and {work["c_after_counts"]:4.1f} '
+                                        f'C calls after the counts' if work['after_counts'] else ''), flush=True)
             if args.json:
                 print('[json] ' + json.dumps(dict(case=name, us=us, **api, **work)), flush=True)
     return 0

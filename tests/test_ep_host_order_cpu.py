@@ -2,7 +2,8 @@
 - order: without a CPU sync every allocation, view and argument patch comes before the first launch and the launches
   follow back to back (no host gap between the notify and the dispatch), for each launch structure (one launch,
   send + receive, the legacy kernels, the fused launch, a cached dispatch); a CPU-sync dispatch keeps notify, send,
-  the wait for the counts, the outputs' allocation, then the receive;
+  the wait for the counts, then the receive, its outputs allocated after the wait or, speculated for the last call's
+  sizes (lean path, outputs carved), before it (kept on a hit, freed before the right ones on a miss);
 - one allocation: decode-sized recv_x / recv_sf are carved out of the call's small-outputs allocation (no-sync: the
   workspace's), 256-byte aligned, disjoint from every other output, with the shapes, strides and dtypes (and kernel
   arguments but for the addresses) of separately allocated ones; above `CARVED_RECV_MAX_BYTES` they are separate
@@ -12,11 +13,13 @@
 import contextlib
 import functools
 import sys
+import weakref
 
 import pytest
 
 torch = pytest.importorskip('torch')
 
+import fakes  # noqa: E402
 import test_ep_checks_cpu as ep_tests  # noqa: E402
 
 from deepep_cupy.features.ep import bound as ep_bound  # noqa: E402
@@ -24,7 +27,7 @@ from deepep_cupy.features.ep import lean as ep_lean  # noqa: E402
 from deepep_cupy.features.ep import legacy as ep_legacy  # noqa: E402
 from deepep_cupy.features.ep import patch as ep_patch  # noqa: E402
 from deepep_cupy.jit import launch as jit_launch  # noqa: E402
-from deepep_cupy.runtime import interop  # noqa: E402
+from deepep_cupy.runtime import interop, streams  # noqa: E402
 
 R, M, H, K, E = ep_tests.R, ep_tests.M, ep_tests.H, ep_tests.K, ep_tests.E
 BOUND_FILE = ep_bound.__file__
@@ -42,7 +45,8 @@ ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__co
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
 PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv')} | \
-    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'run_cpu_sync', 'finish', 'views')} | \
+    {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'run_cpu_sync', 'prepare_receive', 'receive_event',
+                                    'views')} | \
     {(ep_legacy.__file__, 'v1_matrices')} | \
     {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
 
@@ -71,14 +75,30 @@ def record_host_calls(fn):
 
 
 def make_buffer(monkeypatch):
+    """tests/test_ep_checks_cpu.py's buffer; a CPU-sync call's counts are those of every rank sending what this one
+    sends (from the top-k ids its range check saw: a token with ids of -1 only, or a slot of -1, is not sent)."""
     monkeypatch.setattr(interop.Carver, 'allocator',
                         lambda self, shape, dtype: functools.partial(_allocate, self, shape, dtype))
     buf = ep_tests.make_buffer(monkeypatch)
+    checked = []
+
+    def start_range(topk_idx, ptr, n, k, stream):
+        checked.append(topk_idx)
+        return ep_tests.cpu_range_of(topk_idx)
 
     def wait_host_counts(seq, n):       # (named: the recorded sequence shows it as 'wait')
-        return R * M, R * M * K, [1] * n
+        sent = checked[-1] >= 0
+        return R * int(sent.any(1).sum()), R * int(sent.sum()), [1] * n
+    monkeypatch.setattr(buf._ep, '_start_range', start_range)
     monkeypatch.setattr(buf._ep, '_wait_host_counts', wait_host_counts)
     return buf
+
+
+def masked(idx, rows: int):
+    """`idx` with the top-k ids of its first `rows` tokens set to -1 (a CPU-sync dispatch then receives fewer)."""
+    idx = idx.clone()
+    idx[:rows] = -1
+    return idx
 
 
 def assert_launches_back_to_back(seen, num_launches):
@@ -133,13 +153,69 @@ def test_no_sync_dispatch_prepares_everything_then_launches_back_to_back(monkeyp
     assert seen.count('alloc') == allocs, seen
 
 
-def test_cpu_sync_dispatch_waits_for_the_counts_between_send_and_receive(monkeypatch):
+@pytest.mark.parametrize('carved', [True, False])
+def test_cpu_sync_dispatch_waits_for_the_counts_between_send_and_receive(monkeypatch, carved):
+    """The workspace, the notify, the send, the wait for the counts, the receive: its outputs are allocated after the
+    wait, or (lean path, outputs carved) before it for the last call's sizes; kept when the counts repeat them (a hit:
+    nothing but the receive's launch after the wait), else dropped before the right ones are allocated (a miss).
+    Outputs too large to carve (recv_x an allocation of its own) are never speculated."""
+    if not carved:
+        monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', 0)
     x, idx, w = ep_tests.make_inputs()
     buf = make_buffer(monkeypatch)
-    for _ in range(2):
-        _, seen = record_host_calls(lambda: buf.dispatch(x, idx, w, num_experts=E, num_sms=4))
+    live = []           # per allocation: the earlier allocations still alive then
+    made = []
+
+    def allocate(carver, shape, dtype):
+        live.append(sum(r() is not None for r in made))
+        t = carver.empty(shape, dtype)
+        made.append(weakref.ref(t))
+        return t
+    monkeypatch.setattr(interop.Carver, 'allocator',
+                        lambda self, shape, dtype: functools.partial(allocate, self, shape, dtype))
+    monkeypatch.setitem(ALLOC_CODES, allocate.__code__, 'alloc')
+    fewer = masked(idx, 5)
+    # (the first call is the general `__call__`'s, the second the lean path's first: no sizes met yet)
+    calls = ['first', 'learn', 'hit', 'miss', 'hit', 'miss', 'hit']
+    for what, ids in zip(calls, (idx, idx, idx, fewer, fewer, idx, idx)):
+        made.clear()
+        live.clear()
+        out, seen = record_host_calls(lambda ids=ids: buf.dispatch(x, ids, w, num_experts=E, num_sms=4))
+        assert out[3].num_recv_tokens == R * (M - 5 * (ids is fewer)), what
         order = [s for s in seen if s in ('launch', 'alloc', 'wait_host_counts()')]
-        assert order == ['alloc', 'launch', 'launch', 'wait_host_counts()', 'alloc', 'launch'], seen
+        if not carved:      # (the outputs' allocation, then recv_x's own, after the wait)
+            expect = ['wait_host_counts()', 'alloc', 'alloc']
+        elif what in ('first', 'learn'):
+            expect = ['wait_host_counts()', 'alloc']
+        else:
+            expect = ['alloc', 'wait_host_counts()'] + ['alloc'] * (what == 'miss')
+        assert order == ['alloc', 'launch', 'launch'] + expect + ['launch'], (what, seen)
+        if carved and what == 'miss':       # the speculated group is gone when the right one is allocated
+            assert live == [0, 1, 1], live
+    (b,) = buf._ep._bound.values()
+    assert b.run is ep_lean.run_cpu_sync
+
+
+def test_cpu_sync_dispatch_does_not_ask_whether_its_stream_captures(monkeypatch):
+    """A CPU-sync dispatch cannot be captured into a CUDA graph (its host waits for what its kernels wrote): the lean
+    path leaves through `StreamOrder.leave_uncaptured`, which records the mark behind the receive as not captured
+    without asking the stream (a cached dispatch, which a graph may capture, asks)."""
+    asked = []
+    monkeypatch.setattr(fakes.FakeStream, 'is_capturing', lambda self: asked.append(self.name) or False)
+    x, idx, w = ep_tests.make_inputs()
+    buf = make_buffer(monkeypatch)
+    out = buf.dispatch(x, idx, w, num_experts=E)
+    buf.dispatch(x, handle=out[3])
+    order = buf._ep._order
+    for _ in range(2):      # (the lean path's first call, then a speculated one)
+        order._mark_captured, order._marked = True, False       # (as after a captured call)
+        asked.clear()
+        buf.dispatch(x, idx, w, num_experts=E)
+        assert asked == [] and order._marked and not order._mark_captured
+    (b,) = [v for v in buf._ep._bound.values() if not v.cached]
+    assert b.run is ep_lean.run_cpu_sync
+    buf.dispatch(x, handle=out[3])
+    assert asked == ['current']
 
 
 def _outputs(buf, xin, idx, w, **kw):
@@ -327,23 +403,33 @@ HANDLE_SLOTS = ('_c', '_origin', 'num_recv_tokens', 'num_expanded_tokens', '_cou
                                   'no-sync fp8 tma large', 'no-sync fp8 large on comm', 'cached', 'cached expanded',
                                   'cached from cpu-sync', 'cached no handle copy', 'cached large', 'cached fp8 large',
                                   'cpu-sync', 'cpu-sync fp8', 'cpu-sync fp8 tma', 'cpu-sync expanded', 'cpu-sync large',
-                                  'cpu-sync fp8 tma large', 'cpu-sync large on comm'])
+                                  'cpu-sync fp8 tma large', 'cpu-sync large on comm', 'cpu-sync sizes change',
+                                  'cpu-sync fp8 tma sizes change', 'cpu-sync expanded sizes change',
+                                  'cpu-sync large sizes change', 'cpu-sync fp8 sizes change on comm',
+                                  'cpu-sync async', 'cpu-sync fp8 sizes change async', 'cached async',
+                                  'cached fp8 large async'])
 def test_lean_paths_match_the_general_call(monkeypatch, case):
     """`BoundDispatch.run`'s lean paths (`run_cached`, `run_no_sync`, `run_cpu_sync`, also for outputs too large to
-    carve: 'large', no-sync through `call_patch_x`, the others through `finish`'s own allocations of recv_x and recv_sf)
-    launch what `__call__` launches (every argument; addresses relative to the
-    workspace, the outputs' allocation and recv_x's / recv_sf's own; 'on comm': allocated on the comm stream), return
-    outputs of the same shapes, strides, dtypes and places, and make a handle with the same slots (they set
-    `EPHandle._new`'s slots inline)."""
+    carve: 'large', no-sync through `call_patch_x`, the others through `prepare_receive`'s own allocations of recv_x and
+    recv_sf) launch what `__call__` launches (every argument; addresses relative to the workspace, the outputs'
+    allocation and recv_x's / recv_sf's own; 'on comm': allocated on the comm stream), return outputs of the same
+    shapes, strides, dtypes and places, and make a handle with the same slots (they set `EPHandle._new`'s slots
+    inline); 'async': the event holds the same tensors. A CPU-sync call speculates that the last call's sizes repeat:
+    'sizes change' runs calls whose counts differ from the last ones and repeat them (some tokens' top-k ids masked to
+    -1: fewer tokens; then some slots: as many tokens, fewer expanded rows): a miss, a hit after it, a miss back, a
+    miss on the expanded count alone, a hit, a miss."""
     large = 'large' in case
     if large:
         monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', 0)
     if case.endswith('on comm'):    # (no CUDA here: an allocation ordered on a stream is a plain one)
         monkeypatch.setattr(interop, 'torch_stream', lambda ptr: None)
         monkeypatch.setattr(torch.cuda, 'stream', lambda stream: contextlib.nullcontext())
+    is_async = case.endswith('async')
+    if is_async:        # (no CUDA here: the event is the tensors it would hold)
+        monkeypatch.setattr(streams.StreamOrder, 'event', lambda self, kind, record=(), keep=(): keep)
     x, idx, w = ep_tests.make_inputs()
     buf = make_buffer(monkeypatch)
-    expand = case.endswith('expanded')
+    expand = 'expanded' in case
     xin = (x.to(torch.float8_e4m3fn), torch.ones(M, 2)) if 'fp8' in case else x
     tma = 'tma' in case
     sync = case == 'cached from cpu-sync'
@@ -352,13 +438,17 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
                          do_handle_copy=case != 'cached no handle copy')
     handle = first[3]
     lean_run = ep_lean.run_cached if cached else ep_lean.run_cpu_sync if 'cpu-sync' in case else ep_lean.run_no_sync
+    fewer, slots = masked(idx, 5), idx.clone()
+    slots[:7, -1] = -1      # (as many tokens received, fewer (token, expert) pairs)
+    calls = (fewer, fewer, idx, slots, slots, idx) if 'sizes change' in case else (idx,)
 
-    def call():
+    def call(ids):
         if cached:
-            return buf.dispatch(xin, handle=handle, do_expand=expand)
-        return buf.dispatch(xin, idx, w, num_experts=E, do_cpu_sync='cpu-sync' in case, do_expand=expand,
-                            use_tma_aligned_col_major_sf=tma, allocate_on_comm_stream=case.endswith('on comm'))
-    call()          # binds (and a cached call learns its sizes)
+            return buf.dispatch(xin, handle=handle, do_expand=expand, async_with_compute_stream=is_async)
+        return buf.dispatch(xin, ids, w, num_experts=E, do_cpu_sync='cpu-sync' in case, do_expand=expand,
+                            use_tma_aligned_col_major_sf=tma, allocate_on_comm_stream=case.endswith('on comm'),
+                            async_with_compute_stream=is_async)
+    call(idx)       # binds (and a cached call learns its sizes)
     runs = []
     for lean in (True, False):
         b = [v for v in buf._ep._bound.values() if v.run is not ep_bound.BoundDispatch.__call__ or not lean][-1]
@@ -366,31 +456,42 @@ def test_lean_paths_match_the_general_call(monkeypatch, case):
         assert lean_run is not ep_lean.run_no_sync or (b.call_patch_x is not None) == large
         if not lean:
             b.run = ep_bound.BoundDispatch.__call__
-        buf.launches.clear()
-        out = call()
-        h = out[3]
-        group = h._meta_of[0]
-        tensors = [t for t in (out[0] if type(out[0]) is tuple else (out[0],)) + out[1:3]]
-        # recv_x's and recv_sf's storage when not carved (each its own allocation, at its start)
-        own = [t.untyped_storage() for t in tensors[:2] if t is not None and t.dim() == 2 and
-               t.untyped_storage().data_ptr() != group.untyped_storage().data_ptr()]
-        assert len(own) == (('fp8' in case) + 1 if large else 0)
-        x0 = xin[0] if type(xin) is tuple else xin
-        bases = [('ws', h.workspace_ptr, h.workspace.untyped_storage().nbytes()),
-                 ('out', group.data_ptr(), group.untyped_storage().nbytes()),
-                 ('x', x0.data_ptr(), x0.untyped_storage().nbytes())]
-        bases += [(f'own{k}', s.data_ptr(), s.nbytes()) for k, s in enumerate(own)]
-        # (a CPU-sync notify's host_seq counts the calls: the two differ by design)
-        runs.append(([(e.name, e.grid, {k: v for k, v in _relative(e.args, bases).items() if k != 'host_seq'})
-                      for e in buf.launches],
-                     [None if t is None else (t.shape, t.stride(), t.dtype, t.is_contiguous(),
-                                              _relative({0: t.data_ptr()}, bases)[0]) for t in tensors],
-                     {s: getattr(h, s) for s in HANDLE_SLOTS}, h._meta_ptr - group.data_ptr(),
-                     h.recv_src_metadata.shape, h.topk_idx.shape, type(out[4]).__name__, out[4].event))
+        runs.append([])
+        for ids in calls:
+            buf.launches.clear()
+            out = call(ids)
+            h = out[3]
+            group = h._meta_of[0]
+            tensors = [t for t in (out[0] if type(out[0]) is tuple else (out[0],)) + out[1:3]]
+            # recv_x's and recv_sf's storage when not carved (each its own allocation, at its start)
+            own = [t.untyped_storage() for t in tensors[:2] if t is not None and t.dim() == 2 and
+                   t.untyped_storage().data_ptr() != group.untyped_storage().data_ptr()]
+            assert len(own) == (('fp8' in case) + 1 if large else 0)
+            x0 = xin[0] if type(xin) is tuple else xin
+            bases = [('ws', h.workspace_ptr, h.workspace.untyped_storage().nbytes()),
+                     ('out', group.data_ptr(), group.untyped_storage().nbytes()),
+                     ('x', x0.data_ptr(), x0.untyped_storage().nbytes()),
+                     ('ids', ids.data_ptr(), ids.untyped_storage().nbytes())]
+            bases += [(f'own{k}', s.data_ptr(), s.nbytes()) for k, s in enumerate(own)]
+
+            def describe(t, bases=bases):
+                return t.shape, t.stride(), t.dtype, _relative({0: t.data_ptr()}, bases)[0]
+            # (a CPU-sync notify's host_seq counts the calls: the two differ by design)
+            runs[-1].append(([(e.name, e.grid, {k: v for k, v in _relative(e.args, bases).items() if k != 'host_seq'})
+                              for e in buf.launches],
+                             [None if t is None else (t.shape, t.stride(), t.dtype, t.is_contiguous(),
+                                                      _relative({0: t.data_ptr()}, bases)[0]) for t in tensors],
+                             {s: getattr(h, s) for s in HANDLE_SLOTS}, h._meta_ptr - group.data_ptr(),
+                             h.recv_src_metadata.shape, h.topk_idx.shape,
+                             [describe(t) for t in out[4]] if is_async else (type(out[4]).__name__, out[4].event)))
         b.run = lean_run
-    assert runs[0][0] and runs[0] == runs[1]
+    assert all(r[0] for r in runs[0]) and runs[0] == runs[1]
+    if len(calls) > 1:      # (the counts differ as masked)
+        sizes = [(r[2]['num_recv_tokens'], r[2]['num_expanded_tokens']) for r in runs[0]]
+        fewer_sizes, full, slots_sizes = (R * (M - 5), R * (M - 5) * K), (R * M, R * M * K), (R * M, R * (M * K - 7))
+        assert sizes == [fewer_sizes, fewer_sizes, full, slots_sizes, slots_sizes, full]
     if large:       # (the kernel writes recv_x / recv_sf into their own allocations)
-        recv_args = runs[0][0][-1][2]
+        recv_args = runs[0][0][0][-1][2]
         assert recv_args['recv_x'] == ('own0', 0)
         assert recv_args['recv_sf'] == (('own1', 0) if 'fp8' in case else 0)
 

@@ -117,6 +117,18 @@ class StreamOrder:
             self._mark_captured = current.is_capturing()
         return empty_overlap()
 
+    def leave_uncaptured(self, current, stream) -> EventOverlap:
+        """`leave` of a synchronous call known not to be captured into a CUDA graph, without asking `current`: a call
+        whose host waited for what its kernels wrote on `stream` (an EP CPU-sync dispatch: a captured kernel does not
+        run, the wait would have timed out), so a local call's mark is recorded outside any capture."""
+        if stream is not current:
+            self.end(current)
+        elif stream is not self.comm:
+            self._mark.record(current)
+            self._marked = True
+            self._mark_captured = False
+        return empty_overlap()
+
     def settle(self):
         """The communication stream, ordered after every kernel the buffer enqueued (on it or on a caller's stream):
         what host waits and teardown wait for. Returns it."""

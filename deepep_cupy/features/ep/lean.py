@@ -5,9 +5,11 @@ CPU-sync call's top-k range; the handle's type and origin, shapes and flags are 
 (recv_x / recv_sf too large to be carved out of it: also theirs), the views, one generated patcher of the launch
 arguments, the launches (no-sync: back to back), the handle's slots, the event. Everything fixed per bound dispatch
 (or per output sizes: cached and CPU-sync, `learn_size`) is precomputed: the patchers, the views' arguments, the
-allocation functions, the handles' fixed slots; the cached and CPU-sync paths share their receive (`finish`). They
-fall back to `BoundDispatch.__call__` while it must run (the data region not yet claimed, a readiness guard set or
-left in a block).
+allocation functions, the handles' fixed slots; the cached and CPU-sync paths share their receive up to its launch
+(`prepare_receive`). A CPU-sync call prepares the receive of the last call's sizes while the GPU counts (speculated:
+kept when the counts repeat them, else dropped and prepared again; `run_cpu_sync`), so that what follows the counts
+is mostly the receive's launch and the event. They fall back to `BoundDispatch.__call__` while it must run (the data
+region not yet claimed, a readiness guard set or left in a block).
 
 Issue #11: the Python host path is what an eager decode-sized dispatch costs on the GPU host
 (tests/test_ep_host_order_cpu.py pins that these paths launch what `__call__` launches, tests/test_host_path_cpu.py
@@ -57,6 +59,7 @@ def bind(b, p: ep_plan.DispatchPlan) -> None:
     b._lean_blocked = b.claim
     b._lean_sizes = {}          # cached: (num_recv, num_expanded) -> `learn_size`'s entry
     b._lean_patchers = {}       # cached: the outputs' presence -> their patcher
+    b._lean_spec = None         # CPU-sync: (num_recv, num_expanded, entry) of the last call, if its outputs are carved
     plain = b.v1_channels is None and b.send is None
     # cached: whether the handles of this key keep their top-k ids in the workspace (the origin's do_handle_copy)
     b.topk_in_ws = p.cached and p.handle._topk_idx is None
@@ -100,18 +103,32 @@ def run_cached(b, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, eve
         tp = h.topk_idx_ptr
     if type(counts) is list:    # (the handle's list, which its caller may hold: copied now; numpy: shared)
         counts = list(counts)
-    return finish(b, ep, lean, current, comm, h.workspace, h.workspace_ptr, user_topk, counts, h._psum_expert, x_in,
-                  topk_idx, topk_weights, stats, xp, sp, tp, wp, cp)
+    made = prepare_receive(b, lean, comm, h.workspace, h.workspace_ptr, user_topk, h._psum_expert, xp, sp, tp, wp,
+                           cp)
+    made[3]._counts = counts
+    b.recv(comm)
+    if b.async_:
+        return made + (receive_event(b, ep, current, x_in, topk_idx, topk_weights, stats, made),)
+    return made + (ep._order.leave(b.kind, current, comm, False),)
 
 
 def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
                  cp: int):
     """`__call__` of a dispatch with a CPU sync, bound without V1 matrices: its per-call work only, in `__call__`'s
     order (the top-k range check started first and read back before any EP kernel; the notify and the send (several
-    ranks: its own launch); the host's wait for the counts; the exact outputs and the receive). What needs no count
-    comes before the wait: the notify's patch before the range's result (patching launches nothing), the receive's
-    input pointers while the GPU counts, so that the host's share after the counts is `finish`'s alone (issue #11:
-    the CPU-sync dispatch's host time beyond the notify); its patcher then writes the outputs' pointers only."""
+    ranks: its own launch); the host's wait for the counts; the receive of exact outputs). What needs no count comes
+    before the wait: the notify's patch before the range's result (patching launches nothing), the receive's input
+    pointers while the GPU counts, and, speculating that the sizes repeat (always at one rank without masked tokens,
+    often at decode), the outputs of the last call's sizes (`prepare_receive`: their allocation, views, the patch of
+    their pointers, the receive block's sizes, the new handle but its counts), so that on a hit the host's share after
+    the counts is the receive's launch, the handle's counts and the event (issue #11: the CPU-sync dispatch's host
+    time beyond the notify). Only outputs carved out of one allocation (at most `CARVED_RECV_MAX_BYTES`, 16 MiB) are
+    speculated; on a miss they are freed before the right ones are allocated (no kernel saw them), so two groups are
+    never live at once, though the allocator's cache may keep the freed one (at most 16 MiB) for later calls; a miss
+    costs about what the outputs cost without speculating plus the unused group's allocation and views (spent before
+    the wait, while the GPU counts). A CPU-sync call cannot be captured into a CUDA graph (the host reads back what its
+    kernels wrote: captured, they would not run and the wait would time out), so its event is
+    `StreamOrder.leave_uncaptured`'s, which does not ask the stream."""
     if xp & 15:
         raise ValueError('x rows must start at 16-byte aligned addresses')
     if b._lean_blocked or ep.ready_guard is not None:
@@ -133,21 +150,34 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     n(comm)
     if snd is not None:
         snd(comm)
-    # While the GPU counts: the receive's input pointers (its outputs' wait for the counts).
+    # While the GPU counts: the receive's input pointers, and the outputs of the last call's sizes (speculated).
     b.recv_in_patch(b.recv.u64, xp, sp, tp, wp, cp, ws_ptr)
+    user_topk = topk_idx if b.user_topk else None
+    spec = b._lean_spec
+    made = None if spec is None else prepare_receive(b, spec[2], comm, ws, ws_ptr, user_topk, None, xp, sp, tp, wp,
+                                                     cp)
     num_recv, num_expanded, counts = ep._wait_host_counts(seq, b.num_local_experts)
-    lean = b._lean_sizes.get((num_recv, num_expanded))
-    if lean is None:
-        lean = learn_size(b, num_recv, num_expanded)
-    return finish(b, ep, lean, current, comm, ws, ws_ptr, topk_idx if b.user_topk else None, counts, None, x_in,
-                  topk_idx, topk_weights, stats, xp, sp, tp, wp, cp)
+    if made is None or num_recv != spec[0] or num_expanded != spec[1]:
+        made = None             # (a miss: the speculated outputs go before the right ones are allocated)
+        lean = b._lean_sizes.get((num_recv, num_expanded))
+        if lean is None:
+            lean = learn_size(b, num_recv, num_expanded)
+        made = prepare_receive(b, lean, comm, ws, ws_ptr, user_topk, None, xp, sp, tp, wp, cp)
+        b._lean_spec = None if lean[7] else (num_recv, num_expanded, lean)     # (own_x: not speculated)
+    made[3]._counts = counts
+    b.recv(comm)
+    if b.async_:
+        return made + (receive_event(b, ep, current, x_in, topk_idx, topk_weights, stats, made),)
+    return made + (ep._order.leave_uncaptured(current, comm),)
 
 
-def finish(b, ep, lean, current, comm, ws, ws_ptr: int, user_topk, counts, psum_expert, x_in, topk_idx,
-           topk_weights, stats, xp: int, sp: int, tp: int, wp: int, cp: int):
-    """The receive of a cached or CPU-sync lean dispatch whose sizes are known (`lean`: `learn_size`'s entry): the
-    outputs' allocation and views (recv_x too large to carve: an allocation of its own, FP8 recv_sf's storage too, as
-    `__call__` makes them), one patch of the launch's pointers, the launch, the handle, the event."""
+def prepare_receive(b, lean, comm, ws, ws_ptr: int, user_topk, psum_expert, xp: int, sp: int, tp: int, wp: int,
+                    cp: int) -> tuple:
+    """The receive of a cached or CPU-sync lean dispatch up to its launch, for the sizes of `lean` (`learn_size`'s
+    entry; CPU-sync: maybe speculated, see `run_cpu_sync`): the outputs' allocation and views (recv_x too large to
+    carve: an allocation of its own, FP8 recv_sf's storage too, as `__call__` makes them), one patch of the launch's
+    pointers, the receive block's sizes, the new handle but its counts. Returns the call's result but its event:
+    (recv_x or (recv_x, recv_sf), recv_topk_idx, recv_topk_weights, handle)."""
     out, patch, tv, fixed, meta_byte, meta_of, alloc, own_x = lean
     carver = b.carver
     group = alloc() if alloc is not None else carver.empty(out.alloc_shape, out.alloc_dtype, comm)
@@ -170,18 +200,22 @@ def finish(b, ep, lean, current, comm, ws, ws_ptr: int, user_topk, counts, psum_
         patch(xp, sp, tp, wp, cp, ws_ptr, g0, out.byte_at)
     if out is not b._recv_sized or b._recv_free:
         b._size_recv(out, 0)
-    b.recv(comm)
-    # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them)
+    # (`EPHandle._new` inline: the same slots, tests/test_ep_host_order_cpu.py compares them; the caller sets
+    # `_counts`)
     nh = _new_handle()
     nh._c, nh.num_recv_tokens, nh.num_expanded_tokens, nh._meta = fixed
-    nh._origin, nh._counts, nh._meta_ptr, nh._meta_of = b, counts, g0 + meta_byte, (group, meta_of)
+    nh._origin, nh._meta_ptr, nh._meta_of = b, g0 + meta_byte, (group, meta_of)
     nh.workspace, nh.workspace_ptr, nh._topk_idx, nh._psum_expert = ws, ws_ptr, user_topk, psum_expert
-    if b.async_:
-        event_out = async_event(b, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
-                                recv_topk_idx, recv_topk_weights, ws, group, user_topk)
-    else:
-        event_out = ep._order.leave(b.kind, current, comm, False)
-    return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
+    return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh
+
+
+def receive_event(b, ep, current, x_in, topk_idx, topk_weights, stats, made: tuple):
+    """The `EventOverlap` of an asynchronous cached or CPU-sync lean call (`made`: `prepare_receive`'s result), holding
+    what `__call__`'s holds."""
+    x_out, recv_topk_idx, recv_topk_weights, nh = made
+    recv_x, recv_sf = x_out if b.fp8 else (x_out, None)
+    return async_event(b, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf, recv_topk_idx,
+                       recv_topk_weights, nh.workspace, nh._meta_of[0], nh._topk_idx)
 
 
 def run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
@@ -275,10 +309,11 @@ def view_args(out: _Outputs) -> tuple:
 
 
 def learn_size(b, num_recv: int, num_expanded: int) -> tuple:
-    """`finish`'s entry for these sizes (remembered): the outputs' layout, the patcher of the receive's pointers (a
-    CPU-sync binding's: the outputs' only, `run_cpu_sync` patched the inputs), the views' arguments, the new handles'
-    slots fixed by the sizes, the small outputs' allocation function. recv_x not carved (and FP8 recv_sf with it): the
-    patcher takes their own allocations' addresses (`xo`, `so`)."""
+    """`prepare_receive`'s entry for these sizes (remembered): the outputs' layout, the patcher of the receive's
+    pointers (a CPU-sync binding's: the outputs' only, `run_cpu_sync` patched the inputs), the views' arguments, the new
+    handles' slots fixed by the sizes, the metadata's byte offset and place, the small outputs' allocation function,
+    whether recv_x is not carved (`own_x`; then, with FP8 recv_sf, the patcher takes their own allocations' addresses
+    `xo`, `so`)."""
     out = b.outputs(num_recv, num_expanded)
     own_x = out.byte_at[0] < 0
     present = tuple(at >= 0 for at in out.byte_at) + (own_x and out.sf_shape is not None, own_x)
