@@ -134,6 +134,26 @@ __device__ __forceinline__ void st_release_gpu(uint64_t* ptr, uint64_t v) {
     asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(ptr), "l"(v) : "memory");
 }
 
+// Rounds of received tokens without a gap copied as one range (SelfCountingReceiver::receive).
+constexpr bool kFusedFlatRounds = true;
+
+// The block copies `num_bytes` (a multiple of 16, both pointers 16-byte aligned) as a plain copy does: thread i the
+// 16-byte chunks i, i + blockDim.x, ..., kCopyUnroll loads in flight per thread before the stores.
+__device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int64_t num_bytes) {
+    const int64_t num_chunks = num_bytes / 16;
+    for (int64_t base = threadIdx.x; base < num_chunks; base += kDispatchThreads * kCopyUnroll) {
+        Vec16 v[kCopyUnroll];
+        #pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u)
+            if (base + u * kDispatchThreads < num_chunks)
+                v[u] = ld_v4(src + (base + u * kDispatchThreads) * 16);
+        #pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u)
+            if (base + u * kDispatchThreads < num_chunks)
+                st_na_v4(dst + (base + u * kDispatchThreads) * 16, v[u]);
+    }
+}
+
 // A self-counting receiver (see the top): receiving block `block` of `num_blocks` (at most kFusedMaxCountBlocks =
 // kDispatchThreads) takes the tokens [block * T / n, (block + 1) * T / n) and writes their rows exactly as
 // dispatch_recv_blocks writes them from the notify's slots (non-expanded, own tokens: rank 0, no readiness guard),
@@ -256,12 +276,19 @@ struct SelfCountingReceiver {
         const int meta_cols = num_topk + 2;
         const int num_chunks = hidden_bytes / 16;
 
-        // Our rows, round by round (the first round's tokens are in s.token already).
+        // Our rows, round by round (the first round's tokens are in s.token already). A round whose tokens are all
+        // received (none masked: the usual case) and whose rows of x are dense is one contiguous range of bytes in x
+        // and in recv_x: the whole block copies it at once, walking memory as a plain copy does (and as no warp per
+        // row does: its loads spread over the block's rows); the warps then write the rows' other outputs.
         int row0 = s.first_row;
         for (int t0 = begin; t0 < end; t0 += kDispatchThreads) {
             const int n = t0 == begin ? s.num_first : gather(t0, received(t0 + static_cast<int>(threadIdx.x)));
             const int rows = max(0, min(n, num_recv - row0));
-            const RowSegments segs(rows, num_chunks, num_warps);
+            const bool flat = kFusedFlatRounds && n == min(kDispatchThreads, end - t0) && x_row_bytes == hidden_bytes;
+            if (flat)
+                block_copy(recv_x + static_cast<int64_t>(row0) * hidden_bytes,
+                           x + static_cast<int64_t>(t0) * x_row_bytes, static_cast<int64_t>(rows) * hidden_bytes);
+            const RowSegments segs(flat ? 0 : rows, num_chunks, num_warps);
             for (int item = warp; item < rows * segs.num; item += num_warps) {
                 const int j = item / segs.num, seg = item - j * segs.num;
                 const int i = row0 + j, tok = s.token[j];
@@ -296,9 +323,11 @@ struct SelfCountingReceiver {
                         reinterpret_cast<uint32_t*>(recv_sf)[i * recv_sf_stride_row + q * recv_sf_stride_col] =
                             sf_src[q * sf_stride_col];
                 }
-                const int c_begin = segs.begin(seg), c_bytes = (segs.end(seg, num_chunks) - c_begin) * 16;
-                warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes + c_begin * 16,
-                          x + tok * x_row_bytes + c_begin * 16, c_bytes, lane);
+                if (!flat) {
+                    const int c_begin = segs.begin(seg), c_bytes = (segs.end(seg, num_chunks) - c_begin) * 16;
+                    warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes + c_begin * 16,
+                              x + tok * x_row_bytes + c_begin * 16, c_bytes, lane);
+                }
             }
             row0 += n;
             __syncthreads();                                  // s.token is rewritten by the next round

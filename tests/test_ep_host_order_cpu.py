@@ -156,9 +156,10 @@ def test_no_sync_dispatch_prepares_everything_then_launches_back_to_back(monkeyp
 @pytest.mark.parametrize('carved', [True, False])
 def test_cpu_sync_dispatch_waits_for_the_counts_between_send_and_receive(monkeypatch, carved):
     """The workspace, the notify, the send, the wait for the counts, the receive: its outputs are allocated after the
-    wait, or (lean path, outputs carved) before it for the last call's sizes; kept when the counts repeat them (a hit:
-    nothing but the receive's launch after the wait), else dropped before the right ones are allocated (a miss).
-    Outputs too large to carve (recv_x an allocation of its own) are never speculated."""
+    wait, or (lean path, outputs carved, once two calls in a row had the same sizes) before it for the last call's
+    sizes; kept when the counts repeat them (a hit: nothing but the receive's launch after the wait), else dropped
+    before the right ones are allocated (a miss; the next call then does not speculate). Outputs too large to carve
+    (recv_x an allocation of its own) are never speculated."""
     if not carved:
         monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', 0)
     x, idx, w = ep_tests.make_inputs()
@@ -175,9 +176,10 @@ def test_cpu_sync_dispatch_waits_for_the_counts_between_send_and_receive(monkeyp
                         lambda self, shape, dtype: functools.partial(allocate, self, shape, dtype))
     monkeypatch.setitem(ALLOC_CODES, allocate.__code__, 'alloc')
     fewer = masked(idx, 5)
-    # (the first call is the general `__call__`'s, the second the lean path's first: no sizes met yet)
-    calls = ['first', 'learn', 'hit', 'miss', 'hit', 'miss', 'hit']
-    for what, ids in zip(calls, (idx, idx, idx, fewer, fewer, idx, idx)):
+    # (the first call is the general `__call__`'s, the second the lean path's first: no sizes met yet; 'repeat': the
+    # same sizes as the call before, which did not speculate: the next one will)
+    calls = ['first', 'learn', 'repeat', 'hit', 'miss', 'repeat', 'hit', 'miss', 'repeat', 'hit']
+    for what, ids in zip(calls, (idx, idx, idx, idx, fewer, fewer, fewer, idx, idx, idx)):
         made.clear()
         live.clear()
         out, seen = record_host_calls(lambda ids=ids: buf.dispatch(x, ids, w, num_experts=E, num_sms=4))
@@ -185,7 +187,7 @@ def test_cpu_sync_dispatch_waits_for_the_counts_between_send_and_receive(monkeyp
         order = [s for s in seen if s in ('launch', 'alloc', 'wait_host_counts()')]
         if not carved:      # (the outputs' allocation, then recv_x's own, after the wait)
             expect = ['wait_host_counts()', 'alloc', 'alloc']
-        elif what in ('first', 'learn'):
+        elif what in ('first', 'learn', 'repeat'):
             expect = ['wait_host_counts()', 'alloc']
         else:
             expect = ['alloc', 'wait_host_counts()'] + ['alloc'] * (what == 'miss')

@@ -59,7 +59,8 @@ def bind(b, p: ep_plan.DispatchPlan) -> None:
     b._lean_blocked = b.claim
     b._lean_sizes = {}          # cached: (num_recv, num_expanded) -> `learn_size`'s entry
     b._lean_patchers = {}       # cached: the outputs' presence -> their patcher
-    b._lean_spec = None         # CPU-sync: (num_recv, num_expanded, entry) of the last call, if its outputs are carved
+    b._lean_spec = None         # CPU-sync: (num_recv, num_expanded, entry) to speculate on (see `run_cpu_sync`)
+    b._lean_last = None         # CPU-sync: (num_recv, num_expanded) of the last call
     plain = b.v1_channels is None and b.send is None
     # cached: whether the handles of this key keep their top-k ids in the workspace (the origin's do_handle_copy)
     b.topk_in_ws = p.cached and p.handle._topk_idx is None
@@ -119,16 +120,17 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     ranks: its own launch); the host's wait for the counts; the receive of exact outputs). What needs no count comes
     before the wait: the notify's patch before the range's result (patching launches nothing), the receive's input
     pointers while the GPU counts, and, speculating that the sizes repeat (always at one rank without masked tokens,
-    often at decode), the outputs of the last call's sizes (`prepare_receive`: their allocation, views, the patch of
-    their pointers, the receive block's sizes, the new handle but its counts), so that on a hit the host's share after
-    the counts is the receive's launch, the handle's counts and the event (issue #11: the CPU-sync dispatch's host
-    time beyond the notify). Only outputs carved out of one allocation (at most `CARVED_RECV_MAX_BYTES`, 16 MiB) are
-    speculated; on a miss they are freed before the right ones are allocated (no kernel saw them), so two groups are
-    never live at once, though the allocator's cache may keep the freed one (at most 16 MiB) for later calls; a miss
-    costs about what the outputs cost without speculating plus the unused group's allocation and views (spent before
-    the wait, while the GPU counts). A CPU-sync call cannot be captured into a CUDA graph (the host reads back what its
-    kernels wrote: captured, they would not run and the wait would time out), so its event is
-    `StreamOrder.leave_uncaptured`'s, which does not ask the stream."""
+    often at decode; from the second of two calls in a row with the same sizes until a miss, so that sizes that vary
+    per call cost no speculation but the first miss's), the outputs of the last call's sizes (`prepare_receive`:
+    their allocation, views, the patch of their pointers, the receive block's sizes, the new handle but its counts),
+    so that on a hit the host's share after the counts is the receive's launch, the handle's counts and the event
+    (issue #11: the CPU-sync dispatch's host time beyond the notify). Only outputs carved out of one allocation (at
+    most `CARVED_RECV_MAX_BYTES`, 16 MiB) are speculated; on a miss they are freed before the right ones are
+    allocated (no kernel saw them), so two groups are never live at once, though the allocator's cache may keep the
+    freed one (at most 16 MiB) for later calls; a miss costs about what the outputs cost without speculating plus
+    the unused group's allocation and views (spent before the wait, while the GPU counts). A CPU-sync call cannot be
+    captured into a CUDA graph (the host reads back what its kernels wrote: captured, they would not run and the
+    wait would time out), so its event is `StreamOrder.leave_uncaptured`'s, which does not ask the stream."""
     if xp & 15:
         raise ValueError('x rows must start at 16-byte aligned addresses')
     if b._lean_blocked or ep.ready_guard is not None:
@@ -159,11 +161,14 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     num_recv, num_expanded, counts = ep._wait_host_counts(seq, b.num_local_experts)
     if made is None or num_recv != spec[0] or num_expanded != spec[1]:
         made = None             # (a miss: the speculated outputs go before the right ones are allocated)
-        lean = b._lean_sizes.get((num_recv, num_expanded))
+        key = (num_recv, num_expanded)
+        lean = b._lean_sizes.get(key)
         if lean is None:
             lean = learn_size(b, num_recv, num_expanded)
         made = prepare_receive(b, lean, comm, ws, ws_ptr, user_topk, None, xp, sp, tp, wp, cp)
-        b._lean_spec = None if lean[7] else (num_recv, num_expanded, lean)     # (own_x: not speculated)
+        # Speculate once two calls in a row had these sizes (own_x: never), until a miss
+        b._lean_spec = (num_recv, num_expanded, lean) if key == b._lean_last and not lean[7] else None
+        b._lean_last = key
     made[3]._counts = counts
     b.recv(comm)
     if b.async_:
