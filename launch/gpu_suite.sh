@@ -33,10 +33,10 @@
 #   tune       reduce-scatter sweep and load-balancing ring patterns (needs 2 GPUs)
 #   mps        hybrid P2 vs P1 (perf/hybrid_pipeline.py) with the two ranks on GPU 0 under CUDA MPS (not by default)
 #   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
-#   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default is off): the EP rank
-#              program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync dispatches take the fused kernel),
-#              the missing-rank check without CPU sync, the V1 adapter and DeepEP's test_ep.py with it (parallel;
-#              perf1 profiles the default and fused kernels alone)
+#   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
+#              without expansion): the EP rank program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync
+#              dispatches take the fused kernel), the missing-rank check without CPU sync, the V1 adapter and DeepEP's
+#              test_ep.py with it (parallel; perf1 profiles the fused default and the two kernels alone)
 # STEP_FILTER=REGEX keeps only the steps whose names match (e.g. STEP_FILTER='test_pp|gate' ... deepep gate).
 # Stages marked parallel below run their steps in lanes at the same time (logic only: ranks share the GPU anyway);
 # perf1 and bench run alone.
@@ -100,8 +100,9 @@ LL="$PY -m deepep_cupy.tests.legacy_low_latency --num-gpu-timeout-secs 60"
 if want perf1; then
     # Alone on the GPU: one rank, checks then perf lines; the snapshot before the refactor beside it when present.
     step "ep np=1 (perf)" 240 $ONE $R 1 $EP --num-create-destroy 5
-    step "ep_profile np=1 (default vs fused notify)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 \
-        --variants default,fused
+    # (at one rank the default no-sync dispatch is the fused kernel: beside it, the notify and dispatch kernels)
+    step "ep_profile np=1 (default vs two kernels)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 \
+        --variants default,two-kernels
     # Kernel spans of CUDA-graph replays with a decode-sized buffer and a 4096-token one, beside an empty kernel and a
     # plain copy (perf/kernel_probe.py; issue #11's decode and copy-ratio figures).
     step "kernel_probe np=1 (graph spans, decode and 4096 buffers)" 200 $ONE $PY perf/kernel_probe.py

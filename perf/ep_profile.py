@@ -4,9 +4,10 @@ against issue 11's targets.
 
     launch/run_local.sh 1 python perf/ep_profile.py [--tokens 128,4096] [--num-sms 22] [--variants default,legacy]
 
-Per variant (default: the dispatch kernel; no-overlap: DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0; legacy:
-DEEPEP_CUPY_EP_LEGACY_DISPATCH=1; fused: DEEPEP_CUPY_EP_FUSED_NOTIFY=1, the no-sync dispatch as one launch), tokens
-and dtype (BF16, FP8):
+Per variant (default: the library's defaults, at one rank the no-sync dispatch is the fused kernel; two-kernels:
+DEEPEP_CUPY_EP_FUSED_NOTIFY=0, the notify kernel then the dispatch kernel; no-overlap:
+DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0; legacy: DEEPEP_CUPY_EP_LEGACY_DISPATCH=1; fused: DEEPEP_CUPY_EP_FUSED_NOTIFY=1, the
+no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
   [host]      host wall time of one call: median from idle (GPU idle and ranks aligned before each call), and per call
               back to back (the best of --host-batches batches' means); CPU-sync dispatches also the median, from
               idle, from the moment the host has the receive counts to the call's return (issue 11's "beyond the
@@ -49,7 +50,8 @@ KERNELS = (('value_range_kernel', 'range'), ('fused_notify_and_dispatch', 'fused
            ('dispatch_impl_with_dispatch_copy_epilogue_impl', 'dispatch'), ('dispatch_send_legacy', 'send'),
            ('dispatch_recv_legacy', 'recv'), ('combine_impl_with_combine_reduce_epilogue_impl', 'combine'))
 VARIANTS = {'default': {}, 'no-overlap': {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'},
-            'legacy': {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}, 'fused': {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}}
+            'legacy': {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}, 'fused': {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'},
+            'two-kernels': {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '0'}}
 
 
 def _label(name: str):
@@ -460,7 +462,7 @@ def summary(runner, args, log):
         if name in res:
             line(f'host, {name}', res[name]['loop'], 25 * (2 if name == 'pp' else 1))
     copy = res.get(('copy', large, 'bf16'), {}).get('us')
-    for w in ('default', 'fused'):      # the fused notify and dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY) when run
+    for w in ('default', 'two-kernels', 'fused'):      # (the other variants when run)
         tag = '' if w == 'default' else f' [{w}]'
         span = get((w, large, 'bf16', 'dispatch no-sync'), 'span')
         if w == 'default' or span is not None:
