@@ -81,12 +81,6 @@ struct FusedArrival {
     }
 };
 
-__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
 // Thread 0 waits (bounded: twice the peers' timeout) for a local flag of this launch to reach `epoch` (acquire at GPU
 // scope: only blocks of this launch release it); every thread gets the result.
 __device__ __forceinline__ bool wait_fused_flag(const uint32_t* flag, uint32_t epoch, uint64_t timeout_ns,
@@ -122,16 +116,6 @@ __device__ __forceinline__ bool wait_fused_flag(const uint32_t* flag, uint32_t e
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
-__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* ptr) {
-    uint64_t v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void st_release_gpu(uint64_t* ptr, uint64_t v) {
-    asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(ptr), "l"(v) : "memory");
 }
 
 // Rounds of received tokens without a gap copied as one range (SelfCountingReceiver::receive).

@@ -29,9 +29,25 @@ __device__ __forceinline__ void st_release_sys(uint32_t* ptr, uint32_t v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(ptr), "r"(v) : "memory");
 }
 
-// Release at GPU scope: for flags read by other blocks of the same launch only (ep_fused.cu).
+// Release / acquire at GPU scope: for flags read by other blocks of the same launch only (ep_fused.cu).
 __device__ __forceinline__ void st_release_gpu(uint32_t* ptr, uint32_t v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(ptr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_gpu(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(ptr), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* ptr) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+    return v;
 }
 
 __device__ __forceinline__ void st_release_sys(int32_t* ptr, int32_t v) {
