@@ -198,11 +198,13 @@ struct SelfCountingReceiver {
 
     __device__ __forceinline__ void publish(bool here, uint64_t* counts, uint32_t epoch) const {
         const int n = gather(begin, here);
-        int rest = 0;
-        for (int t = begin + kDispatchThreads + static_cast<int>(threadIdx.x); t < end; t += kDispatchThreads)
-            rest += received(t) ? 1 : 0;
-        int count;
-        block_exclusive_scan(rest, count);
+        int count = 0;          // the share's received tokens past the first round (none in a share of one round)
+        if (end - begin > kDispatchThreads) {       // (uniform over the block: its barriers are safe)
+            int rest = 0;
+            for (int t = begin + kDispatchThreads + static_cast<int>(threadIdx.x); t < end; t += kDispatchThreads)
+                rest += received(t) ? 1 : 0;
+            block_exclusive_scan(rest, count);
+        }
         if (threadIdx.x == 0) {
             s.num_first = n;
             st_release_gpu(counts + block, (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(n + count));
