@@ -110,6 +110,10 @@ if want perf1; then
     step "host API costs (perf/host_api_gpu.py)" 300 $ONE $PY perf/host_api_gpu.py
     step "ep_profile np=1 on a side stream (host path)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128 \
         --variants default --side-stream
+    # Two ranks sharing GPU 0, for the host rows a single rank cannot give: PP send / recv (issue #11's <= 25 us per
+    # call); its kernel figures are logic-grade (both ranks' kernels share the GPU).
+    step "ep_profile np=2 (sharing GPU 0: PP and the features' host rows)" 240 $ONE $R 2 $PY perf/ep_profile.py \
+        --tokens 128 --variants default --graph-max-tokens 0
     if [ -d .baseline/deepep_cupy ]; then
         step "baseline: ep np=1 (perf)" 240 bash -c "cd .baseline && CUDA_VISIBLE_DEVICES=0 $ROOT/$R 1 \
             $PY -m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 --num-create-destroy 0 \
