@@ -200,8 +200,8 @@ def test_cpu_sync_dispatch_waits_for_the_counts_between_send_and_receive(monkeyp
 
 def test_cpu_sync_dispatch_does_not_ask_whether_its_stream_captures(monkeypatch):
     """A CPU-sync dispatch cannot be captured into a CUDA graph (its host waits for what its kernels wrote): the lean
-    path leaves through `StreamOrder.leave_uncaptured`, which records the mark behind the receive as not captured
-    without asking the stream (a cached dispatch, which a graph may capture, asks)."""
+    path leaves through `StreamOrder.leave(..., captured=False)`, which records the mark behind the receive as not
+    captured without asking the stream (a cached dispatch, which a graph may capture, asks)."""
     asked = []
     monkeypatch.setattr(fakes.FakeStream, 'is_capturing', lambda self: asked.append(self.name) or False)
     x, idx, w = ep_tests.make_inputs()

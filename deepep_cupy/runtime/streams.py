@@ -103,9 +103,11 @@ class StreamOrder:
         return self.begin(current, previous_event)
 
     def leave(self, kind: str, current, stream, async_with_compute_stream: bool,
-              tensors: Sequence[Any] = ()) -> EventOverlap:
+              tensors: Sequence[Any] = (), captured: Optional[bool] = None) -> EventOverlap:
         """`finish` of a call that ran on `stream` (what `enter` returned): after a local call, the mark is recorded
-        behind its kernels (nothing to wait for)."""
+        behind its kernels (nothing to wait for). `captured`: whether `current` is capturing a CUDA graph, when the
+        caller knows (None: `current` is asked; an EP CPU-sync dispatch passes False: its host waited for what its
+        kernels wrote, which a captured kernel would not have run)."""
         if async_with_compute_stream:
             live = tuple(t for t in tensors if t is not None)
             return self.event(kind, live, live)
@@ -114,19 +116,7 @@ class StreamOrder:
         elif stream is not self.comm:
             self._mark.record(current)
             self._marked = True
-            self._mark_captured = current.is_capturing()
-        return empty_overlap()
-
-    def leave_uncaptured(self, current, stream) -> EventOverlap:
-        """`leave` of a synchronous call known not to be captured into a CUDA graph, without asking `current`: a call
-        whose host waited for what its kernels wrote on `stream` (an EP CPU-sync dispatch: a captured kernel does not
-        run, the wait would have timed out), so a local call's mark is recorded outside any capture."""
-        if stream is not current:
-            self.end(current)
-        elif stream is not self.comm:
-            self._mark.record(current)
-            self._marked = True
-            self._mark_captured = False
+            self._mark_captured = current.is_capturing() if captured is None else captured
         return empty_overlap()
 
     def settle(self):

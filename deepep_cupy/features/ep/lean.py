@@ -130,7 +130,7 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     freed one (at most 16 MiB) for later calls; a miss costs about what the outputs cost without speculating plus
     the unused group's allocation and views (spent before the wait, while the GPU counts). A CPU-sync call cannot be
     captured into a CUDA graph (the host reads back what its kernels wrote: captured, they would not run and the
-    wait would time out), so its event is `StreamOrder.leave_uncaptured`'s, which does not ask the stream."""
+    wait would time out), so its event is `StreamOrder.leave`'s with `captured=False`: the stream is not asked."""
     if xp & 15:
         raise ValueError('x rows must start at 16-byte aligned addresses')
     if b._lean_blocked or ep.ready_guard is not None:
@@ -173,7 +173,7 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     b.recv(comm)
     if b.async_:
         return made + (receive_event(b, ep, current, x_in, topk_idx, topk_weights, stats, made),)
-    return made + (ep._order.leave_uncaptured(current, comm),)
+    return made + (ep._order.leave(b.kind, current, comm, False, captured=False),)
 
 
 def prepare_receive(b, lean, comm, ws, ws_ptr: int, user_topk, psum_expert, xp: int, sp: int, tp: int, wp: int,
