@@ -12,6 +12,8 @@ no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
               back to back (the best of --host-batches batches' means); CPU-sync dispatches also the median, from
               idle, from the moment the host has the receive counts to the call's return (issue 11's "beyond the
               notify", in the host's clock)
+  [wait]      the host's wait for a CPU-sync dispatch's counts beyond the notify kernel's end, beside a bare GPU-to-host
+              flag (perf/counts_wait.py; default variant, smallest size, BF16)
   [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
               kernel start to last kernel end (what the GPU sees of one call). CPU-sync calls start with the top-k range
               check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
@@ -337,6 +339,14 @@ def run_variant(variant, runner, args, group, timer):
                         tail = runner.after_counts(fn, buf._ep, args.num_calls)
                         runner.results[(variant, num_tokens, dtype, name)]['after_counts'] = tail
                         log(f'[host] {label}: {tail:7.1f} us per call from idle after the host has the counts')
+                        if variant == 'default' and dtype == 'bf16' and num_tokens == min(tokens):
+                            from counts_wait import measure
+                            cost, bare, early = measure(runner, fn, buf._ep, args.num_calls,
+                                                        lambda n: _label(n) == 'notify')
+                            runner.results['counts wait'] = dict(cost=cost, bare=bare)
+                            log(f'[wait] {label}: the host has the counts {cost:.1f} us after the later of the notify '
+                                f'kernel\'s end and its entry into the wait (median; it entered first in {early} of '
+                                f'{args.num_calls} calls); a bare GPU-to-host flag: {bare:.1f} us')
                     if args.lines:
                         timer.totals.clear()
                         for _ in range(args.num_calls):
@@ -458,6 +468,9 @@ def summary(runner, args, log):
     # call's return, in the host's clock (the profiled timeline's gaps are not the unprofiled host's).
     line(f'host, CPU-sync dispatch beyond notify, {small} tokens (counts seen .. return)',
          get((v, small, 'bf16', 'dispatch cpu-sync'), 'after_counts'), 25)
+    wait = res.get('counts wait')
+    line(f'host wait for the counts beyond the notify, {small} tokens (over a bare GPU-to-host flag)',
+         wait and wait['cost'] - wait['bare'], 1)
     for name in ('all_gather', 'reduce_scatter', 'all_reduce', 'engram_fetch', 'pp'):
         if name in res:
             line(f'host, {name}', res[name]['loop'], 25 * (2 if name == 'pp' else 1))
