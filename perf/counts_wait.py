@@ -1,21 +1,23 @@
-"""What the host's wait for a CPU-sync dispatch's receive counts costs beyond the GPU's notify (issue 11), measured in
-one profiled timeline (perf/ep_profile.py prints it).
+"""What the host's wait for a CPU-sync dispatch's receive counts costs beyond the GPU's notify (issue 11);
+perf/ep_profile.py prints it.
 
-The torch profiler puts the GPU's kernels and the host's annotated ranges on one clock. Per call, from idle:
-  - the notify kernel's end (GPU) and the host's wait for the counts (`EP._wait_host_counts`, annotated: entry and
-    return);
-  - the wait's cost beyond the notify = return - max(entry, notify end): how long after the later of "the notify is
-    done" and "the host is ready for the counts" the host has them.
-The control runs the same measurement on a bare signal: a one-thread kernel that writes a host-mapped word, the host
-spinning on it as the dispatch's wait does. The control is the floor of any GPU-to-host signal (PCIe visibility,
-profiler clock conversion); the dispatch's figure over the control is what the counts wait costs beyond the notify.
+Two passes over calls from idle (GPU idle, ranks aligned before each):
+  - unprofiled, in the host's clock: whether the counts were already there when the host entered the wait
+    (`EP._wait_host_counts`: then it costs one read), and how long the host spent in the wait;
+  - profiled (the torch profiler puts kernels and host annotations on one clock): for the calls whose host was in
+    the wait before the counts came (checked by a read at entry, no clock needed), the time from the notify kernel's
+    end to the host's return from the wait (a zero-length annotation). The same figure for a bare signal, a
+    one-thread kernel writing a host-mapped word that the host spins on as the dispatch's wait does, is the floor of
+    any GPU-to-host signal (PCIe visibility, the profiler's clock alignment, the annotation's own cost): the dispatch's
+    figure over it is what the counts wait costs beyond the notify.
 """
 
 import ctypes
+import time
 
 import numpy as np
 
-ANNOTATION = 'deepep_cupy counts wait'
+ANNOTATION = 'deepep_cupy counts seen'
 _FLAG_SOURCE = r'''
 extern "C" __global__ void counts_wait_flag(int* flag, int value) {
     __threadfence_system();
@@ -24,65 +26,87 @@ extern "C" __global__ void counts_wait_flag(int* flag, int value) {
 '''
 
 
-def _costs(events, kernel_match, num_calls: int):
-    """`(per-call costs in µs, calls where the host entered the wait before the kernel ended)` from a trace."""
+def _latencies(events, kernel_match, waited):
+    """µs from each call's kernel end to its `ANNOTATION`, for the calls in `waited` (indices)."""
     kernels = sorted([e for e in events if e.get('cat') == 'kernel' and kernel_match(e.get('name', ''))],
                      key=lambda e: e['ts'])
-    waits = sorted([e for e in events if e.get('name') == ANNOTATION], key=lambda e: e['ts'])
-    if len(kernels) != num_calls or len(waits) != num_calls:
-        raise RuntimeError(f'counts wait: {len(kernels)} kernels and {len(waits)} waits in the trace for '
-                           f'{num_calls} calls')
-    costs, early = [], 0
-    for k, w in zip(kernels, waits):
-        end, enter, seen = k['ts'] + k['dur'], w['ts'], w['ts'] + w['dur']
-        early += enter < end
-        costs.append(seen - max(enter, end))
-    return costs, early
+    seen = sorted([e for e in events if e.get('name') == ANNOTATION], key=lambda e: e['ts'])
+    if len(kernels) != len(seen):
+        raise RuntimeError(f'counts wait: {len(kernels)} kernels and {len(seen)} annotations in the trace')
+    return [seen[i]['ts'] - (kernels[i]['ts'] + kernels[i]['dur']) for i in waited]
 
 
 def measure(runner, fn, ep, num_calls: int, is_notify):
-    """`(dispatch µs, control µs, calls of the dispatch whose host waited for the notify)`: medians of the cost beyond
-    the kernel's end (see the module's doc) over `num_calls` calls of the CPU-sync dispatch `fn` (of the EP feature
-    `ep`; `is_notify(kernel name)` picks its notify kernel) and of the control, each from idle."""
+    """A dict of the CPU-sync dispatch `fn` (of the EP feature `ep`; `is_notify(kernel name)` picks its notify
+    kernel) over `num_calls` calls each pass: `ready` (unprofiled calls whose counts were there at the wait's entry),
+    `in_wait` (their median µs in the wait), `waited` (profiled calls whose host waited), `after_notify` and `bare`
+    (median µs from the kernel's end to the host's return, dispatch and bare signal), `beyond` (their difference;
+    0 when no profiled call waited). Ranks: the largest figures, the fewest ready calls."""
     import cupy
     torch = runner.torch
     from deepep_cupy.utils.testing import profiler_trace_events
-    record = torch.profiler.record_function
-    wait = ep._wait_host_counts
+    record, wait, host_record = torch.profiler.record_function, ep._wait_host_counts, ep._host_record
+    ready, in_wait = [], []
 
-    def annotated_wait(*a):
+    def timed_wait(seq, *a):
+        ready.append(host_record[0] == seq)
+        t0 = time.perf_counter()
+        out = wait(seq, *a)
+        in_wait.append(time.perf_counter() - t0)
+        return out
+
+    def marked_wait(seq, *a):
+        ready.append(host_record[0] == seq)
+        out = wait(seq, *a)
         with record(ANNOTATION):
-            return wait(*a)
+            pass
+        return out
 
     flag = torch.zeros(4, dtype=torch.int32, pin_memory=True)        # (pinned: mapped at its host address)
     word = (ctypes.c_int32 * 1).from_address(flag.data_ptr())
     kernel = cupy.RawKernel(_FLAG_SOURCE, 'counts_wait_flag')
 
-    def control(value):
-        kernel((1,), (1,), (flag.data_ptr(), np.int32(value)), stream=cupy.cuda.ExternalStream(
-            torch.cuda.current_stream().cuda_stream))
+    def bare(value):
+        kernel((1,), (1,), (flag.data_ptr(), np.int32(value)),
+               stream=cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
+        ready.append(word[0] == value)
+        while word[0] != value:
+            pass
         with record(ANNOTATION):
-            while word[0] != value:
-                pass
+            pass
 
-    control(1)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    ep._wait_host_counts = annotated_wait
-    try:
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(num_calls):
-                runner.aligned()
-                fn()
-            runner.aligned()
-    finally:
-        del ep._wait_host_counts
-    dispatch, early = _costs(profiler_trace_events(prof), is_notify, num_calls)
-    with torch.profiler.profile(activities=activities) as prof:
+    def calls(call):
         for i in range(num_calls):
             runner.aligned()
-            control(i + 2)
+            call(i)
         runner.aligned()
-    bare, _ = _costs(profiler_trace_events(prof), lambda n: 'counts_wait_flag' in n, num_calls)
+
+    def profiled(call):
+        ready.clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            calls(call)
+        return profiler_trace_events(prof), [i for i, r in enumerate(ready) if not r]
+
+    bare(1)
+    try:
+        ep._wait_host_counts = timed_wait
+        calls(lambda i: fn())
+        num_ready, unprofiled_wait = sum(ready), float(np.median(in_wait)) * 1e6
+        ep._wait_host_counts = marked_wait
+        events, waited = profiled(lambda i: fn())
+    finally:
+        del ep._wait_host_counts
+    after_notify = _latencies(events, is_notify, waited)
+    events, bare_waited = profiled(lambda i: bare(i + 2))
+    floor = _latencies(events, lambda n: 'counts_wait_flag' in n, bare_waited)
     group = runner.group
-    return (max(group.allgather_object(float(np.median(dispatch)))),
-            max(group.allgather_object(float(np.median(bare)))), min(group.allgather_object(early)))
+
+    def worst(v):
+        return max(group.allgather_object(v))
+    out = dict(ready=min(group.allgather_object(num_ready)), in_wait=worst(unprofiled_wait),
+               waited=min(group.allgather_object(len(waited))),
+               after_notify=worst(float(np.median(after_notify)) if after_notify else float('nan')),
+               bare=worst(float(np.median(floor)) if floor else float('nan')))
+    out['beyond'] = worst(out['after_notify'] - out['bare'] if after_notify and floor else 0.0)
+    return out

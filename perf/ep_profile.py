@@ -12,8 +12,8 @@ no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
               back to back (the best of --host-batches batches' means); CPU-sync dispatches also the median, from
               idle, from the moment the host has the receive counts to the call's return (issue 11's "beyond the
               notify", in the host's clock)
-  [wait]      the host's wait for a CPU-sync dispatch's counts beyond the notify kernel's end, beside a bare GPU-to-host
-              flag (perf/counts_wait.py; default variant, smallest size, BF16)
+  [wait]      the host's wait for a CPU-sync dispatch's counts: how often it waits, and beyond the notify kernel's end
+              beside a bare GPU-to-host flag (perf/counts_wait.py; default variant, smallest size, BF16)
   [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
               kernel start to last kernel end (what the GPU sees of one call). CPU-sync calls start with the top-k range
               check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
@@ -22,6 +22,7 @@ no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
   [features]  host time per call of all_gather (4 x 1 MiB), reduce_scatter (R x 1 MiB), all_reduce (1 MiB),
               engram_fetch and (2+ ranks) pp_send / pp_recv
   [targets]   issue 11's figures with their bounds
+  [machine]   this host's speed (CPU, a Python loop step, an empty kernel launch): the [host] rows move with it
   [profile]   (--profile, rank 0) cProfile of the host loop, top functions by own time
   [lines]     (--lines, rank 0) host time per call charged to each statement of dispatch / combine
 --side-stream runs every call on a torch side stream instead of the (legacy) default stream.
@@ -341,12 +342,13 @@ def run_variant(variant, runner, args, group, timer):
                         log(f'[host] {label}: {tail:7.1f} us per call from idle after the host has the counts')
                         if variant == 'default' and dtype == 'bf16' and num_tokens == min(tokens):
                             from counts_wait import measure
-                            cost, bare, early = measure(runner, fn, buf._ep, args.num_calls,
-                                                        lambda n: _label(n) == 'notify')
-                            runner.results['counts wait'] = dict(cost=cost, bare=bare)
-                            log(f'[wait] {label}: the host has the counts {cost:.1f} us after the later of the notify '
-                                f'kernel\'s end and its entry into the wait (median; it entered first in {early} of '
-                                f'{args.num_calls} calls); a bare GPU-to-host flag: {bare:.1f} us')
+                            w = measure(runner, fn, buf._ep, args.num_calls, lambda n: _label(n) == 'notify')
+                            runner.results['counts wait'] = w
+                            log(f'[wait] {label}: counts already there at the wait\'s entry in {w["ready"]} of '
+                                f'{args.num_calls} calls, {w["in_wait"]:.1f} us in the wait (median, unprofiled); '
+                                f'profiled, the host waited in {w["waited"]} calls and had the counts '
+                                f'{w["after_notify"]:.1f} us after the notify kernel\'s end, a bare GPU-to-host flag '
+                                f'{w["bare"]:.1f} us')
                     if args.lines:
                         timer.totals.clear()
                         for _ in range(args.num_calls):
@@ -470,7 +472,7 @@ def summary(runner, args, log):
          get((v, small, 'bf16', 'dispatch cpu-sync'), 'after_counts'), 25)
     wait = res.get('counts wait')
     line(f'host wait for the counts beyond the notify, {small} tokens (over a bare GPU-to-host flag)',
-         wait and wait['cost'] - wait['bare'], 1)
+         wait and wait['beyond'], 1)
     for name in ('all_gather', 'reduce_scatter', 'all_reduce', 'engram_fetch', 'pp'):
         if name in res:
             line(f'host, {name}', res[name]['loop'], 25 * (2 if name == 'pp' else 1))
@@ -499,6 +501,37 @@ def summary(runner, args, log):
                 log(f'[targets] span {variant:10s} {large} bf16 {mode}: {s:.1f} us')
 
 
+def machine_line(torch) -> str:
+    """This host's speed, for reading the [host] rows of runs on different machine starts (their times moved by up to
+    1.5x between starts with the same code): the CPU, a pure-Python loop, an empty kernel's launch from CuPy."""
+    import cupy
+    model = next((line.split(':', 1)[1].strip() for line in open('/proc/cpuinfo') if line.startswith('model name')),
+                 '?')
+
+    def best(fn, n):
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn(n)
+            times.append((time.perf_counter() - t0) / n)
+        return min(times)
+
+    def py_loop(n):
+        x = 0
+        for i in range(n):
+            x += i
+    kernel = cupy.RawKernel('extern "C" __global__ void machine_empty() {}', 'machine_empty')
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+    def launches(n):
+        for _ in range(n):
+            kernel((1,), (32,), (), stream=stream)
+        stream.synchronize()
+    launches(10)
+    return (f'[machine] {model}, {os.cpu_count()} CPUs: a Python loop step {best(py_loop, 200000) * 1e9:.0f} ns, an '
+            f'empty kernel launch (CuPy, back to back) {best(launches, 2000) * 1e6:.2f} us')
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     preflight.check_cuda()
@@ -517,6 +550,7 @@ def main(argv=None) -> int:
         for cls, name in ((EP, 'dispatch'), (EP, 'combine'), (BoundDispatch, '__call__'), (BoundCombine, '__call__')):
             setattr(cls, name, timer.instrument(getattr(cls, name), f'{cls.__name__}.{name}'))
     runner = Runner(args, group, log, torch)
+    log(machine_line(torch))
     side = torch.cuda.stream(torch.cuda.Stream()) if args.side_stream else contextlib.nullcontext()
     with side:
         if args.side_stream:
