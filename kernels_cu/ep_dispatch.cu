@@ -138,6 +138,44 @@ dispatch_send_blocks(const uint8_t* x, int64_t x_row_bytes, const uint8_t* sf, i
     return true;
 }
 
+// A received row's fields but its hidden bytes (dispatch_recv_blocks, and the fused kernel's self-counting receivers,
+// ep_fused.cu), by the whole warp; only the warp of the row's first segment (`first_seg`) writes. Lane k holds top-k
+// slot k's global expert `e` (-1: none) and weight `w`; the row came from rank `s`, token `t` there. Writes the
+// metadata's first two columns and recv_src_idx and, in the non-expanded layout (`plain`), this rank's top-k ids (the
+// local expert or -1) and weights (0 where not local), the metadata's -1 expert rows and the scale factors (`num_sf`
+// 4-byte words, `sf_step` words apart from `sf_src`). Returns the ballot of the slots whose expert is this rank's.
+template <int kMaxTopk>
+__device__ __forceinline__ uint32_t
+write_row_fields(int64_t i, int e, float w, int lane, int s, int t, bool first_seg, bool plain, int rank,
+                 int num_local_experts, int num_topk, int num_max_tokens_per_rank, const uint32_t* sf_src,
+                 int64_t sf_step, int num_sf, uint8_t* recv_sf, int64_t recv_sf_stride_row,
+                 int64_t recv_sf_stride_col, int64_t* recv_topk_idx, float* recv_topk_weights,
+                 int32_t* recv_src_metadata, int32_t* recv_src_idx) {
+    const int meta_cols = num_topk + 2;
+    const int owner = e >= 0 ? e / num_local_experts : -1;
+    const bool local = owner == rank;
+    // Combine slot: number of distinct owners among top-k slots before this rank's first slot.
+    const uint32_t local_mask = __ballot_sync(0xffffffffu, local);
+    const int combine_slot = topk_owners<kMaxTopk>(owner, lane, num_topk).ordinal(__ffs(local_mask) - 1);
+    if (first_seg && lane == 0) {
+        recv_src_metadata[i * meta_cols] = s * num_max_tokens_per_rank + t;
+        recv_src_metadata[i * meta_cols + 1] = s * num_topk + combine_slot;
+        if (recv_src_idx != nullptr)
+            recv_src_idx[i] = t;
+    }
+    if (first_seg && plain) {
+        if (lane < num_topk) {
+            recv_topk_idx[i * num_topk + lane] = local ? e - rank * num_local_experts : -1;
+            if (recv_topk_weights != nullptr)
+                recv_topk_weights[i * num_topk + lane] = local ? w : 0.f;
+            recv_src_metadata[i * meta_cols + 2 + lane] = -1;
+        }
+        for (int q = lane; q < num_sf; q += 32)
+            reinterpret_cast<uint32_t*>(recv_sf)[i * recv_sf_stride_row + q * recv_sf_stride_col] = sf_src[q * sf_step];
+    }
+    return local_mask;
+}
+
 // Copy the received rows into the user's tensors (own tokens straight from x and the input top-k arrays).
 //   Non-expanded (do_expand = 0): row i of recv_x / recv_sf / recv_topk_idx / recv_topk_weights / metadata is the
 //     i-th received token (sources ascending, then token index at the source). recv_topk_idx holds the local expert
@@ -226,31 +264,15 @@ dispatch_recv_blocks(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, co
             sf_step = 1;
         }
 
-        const int owner = e >= 0 ? e / num_local_experts : -1;
-        const bool local = owner == rank;
-        // Combine slot: number of distinct owners among top-k slots before this rank's first slot.
-        const uint32_t local_mask = __ballot_sync(0xffffffffu, local);
-        const int first_local = __ffs(local_mask) - 1;
-        const int combine_slot = topk_owners<kMaxTopk>(owner, lane, num_topk).ordinal(first_local);
-        // The first segment of a row writes its metadata, top-k and scale factors; every segment copies its chunks.
+        // The first segment of a row writes its fields (non-expanded: all but the hidden bytes); every segment
+        // copies its chunks.
         const bool first_seg = seg == 0;
-        if (first_seg && lane == 0) {
-            recv_src_metadata[static_cast<int64_t>(i) * meta_cols] = s * num_max_tokens_per_rank + t;
-            recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 1] = s * num_topk + combine_slot;
-            if (recv_src_idx != nullptr)
-                recv_src_idx[i] = t;
-        }
-
+        const uint32_t local_mask = write_row_fields<kMaxTopk>(
+            i, e, w, lane, s, t, first_seg, !do_expand, rank, num_local_experts, num_topk, num_max_tokens_per_rank,
+            sf_src, sf_step, num_sf, recv_sf, recv_sf_stride_row, recv_sf_stride_col, recv_topk_idx,
+            recv_topk_weights, recv_src_metadata, recv_src_idx);
+        const bool local = (local_mask >> lane) & 1u;
         if (!do_expand) {
-            if (first_seg && lane < num_topk) {
-                recv_topk_idx[static_cast<int64_t>(i) * num_topk + lane] = local ? e - rank * num_local_experts : -1;
-                if (recv_topk_weights != nullptr)
-                    recv_topk_weights[static_cast<int64_t>(i) * num_topk + lane] = local ? w : 0.f;
-                recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = -1;
-            }
-            for (int q = first_seg ? lane : num_sf; q < num_sf; q += 32)
-                reinterpret_cast<uint32_t*>(recv_sf)[i * recv_sf_stride_row + q * recv_sf_stride_col] =
-                    sf_src[q * sf_step];
             warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes + c_begin * 16, hidden_src + c_begin * 16,
                       c_bytes, lane);
         } else {

@@ -114,8 +114,13 @@ __device__ __forceinline__ bool wait_fused_flag(const uint32_t* flag, uint32_t e
     return ok;
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+// Into L2: the 128-byte lines start, start + stride, ... below num_lines of x's rows from first_row on (a row's
+// hidden bytes are lines_per_row lines; rows x_row_bytes apart).
+__device__ __forceinline__ void prefetch_rows_l2(const uint8_t* x, int64_t x_row_bytes, int64_t lines_per_row,
+                                                 int64_t first_row, int64_t num_lines, int64_t start, int64_t stride) {
+    for (int64_t i = start; i < num_lines; i += stride)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(x + (first_row + i / lines_per_row) * x_row_bytes +
+                                                         (i % lines_per_row) * 128));
 }
 
 // Rounds of received tokens without a gap copied as one range (SelfCountingReceiver::receive).
@@ -221,10 +226,9 @@ struct SelfCountingReceiver {
         const int num_warps = kDispatchThreads / 32;
         // Our rows into L2 while the other blocks publish (at most our share of kFusedPrefetchBytes).
         const int64_t lines_per_row = (hidden_bytes + 127) / 128;
-        const int64_t prefetch_lines = min(static_cast<int64_t>(end - begin) * lines_per_row,
-                                           kFusedPrefetchBytes / 128 / num_blocks);
-        for (int64_t i = threadIdx.x; i < prefetch_lines; i += kDispatchThreads)
-            prefetch_l2(x + (begin + i / lines_per_row) * x_row_bytes + (i % lines_per_row) * 128);
+        prefetch_rows_l2(x, x_row_bytes, lines_per_row, begin,
+                         min(static_cast<int64_t>(end - begin) * lines_per_row, kFusedPrefetchBytes / 128 / num_blocks),
+                         threadIdx.x, kDispatchThreads);
 
         // Every block's count: thread j waits for block j's (bounded: twice a peer's timeout, as wait_fused_flag).
         uint64_t word = 0;
@@ -279,35 +283,18 @@ struct SelfCountingReceiver {
                 const int j = item / segs.num, seg = item - j * segs.num;
                 const int i = row0 + j, tok = s.token[j];
                 if (seg == 0) {
-                    // Metadata, top-k, weights and scale factors (dispatch_recv_blocks' own-token row at rank 0: the
-                    // local expert of a global id e is e itself; an id past the experts is no expert here).
+                    // The row's fields but its hidden bytes, as dispatch_recv_blocks writes an own token's at rank 0
+                    // (the local expert of a global id e is e itself; an id past the experts is no expert here).
                     int e = -1;
                     float w = 0.f;
                     if (lane < num_topk) {
                         e = static_cast<int32_t>(topk_idx[static_cast<int64_t>(tok) * num_topk + lane]);
                         w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(tok) * num_topk + lane] : 0.f;
                     }
-                    const int owner = e >= 0 ? e / num_experts : -1;
-                    const bool local = owner == 0;
-                    const uint32_t local_mask = __ballot_sync(0xffffffffu, local);
-                    const int combine_slot =
-                        topk_owners<kMaxTopk>(owner, lane, num_topk).ordinal(__ffs(local_mask) - 1);
-                    if (lane == 0) {
-                        recv_src_metadata[static_cast<int64_t>(i) * meta_cols] = tok;
-                        recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 1] = combine_slot;
-                        if (recv_src_idx != nullptr)
-                            recv_src_idx[i] = tok;
-                    }
-                    if (lane < num_topk) {
-                        recv_topk_idx[static_cast<int64_t>(i) * num_topk + lane] = local ? e : -1;
-                        if (recv_topk_weights != nullptr)
-                            recv_topk_weights[static_cast<int64_t>(i) * num_topk + lane] = local ? w : 0.f;
-                        recv_src_metadata[static_cast<int64_t>(i) * meta_cols + 2 + lane] = -1;
-                    }
-                    const auto* sf_src = reinterpret_cast<const uint32_t*>(sf) + tok * sf_stride_token;
-                    for (int q = lane; q < num_sf; q += 32)
-                        reinterpret_cast<uint32_t*>(recv_sf)[i * recv_sf_stride_row + q * recv_sf_stride_col] =
-                            sf_src[q * sf_stride_col];
+                    write_row_fields<kMaxTopk>(i, e, w, lane, 0, tok, true, true, 0, num_experts, num_topk, 0,
+                                               reinterpret_cast<const uint32_t*>(sf) + tok * sf_stride_token,
+                                               sf_stride_col, num_sf, recv_sf, recv_sf_stride_row, recv_sf_stride_col,
+                                               recv_topk_idx, recv_topk_weights, recv_src_metadata, recv_src_idx);
                 }
                 if (!flat) {
                     const int c_begin = segs.begin(seg), c_bytes = (segs.end(seg, num_chunks) - c_begin) * 16;
@@ -405,11 +392,9 @@ fused_notify_and_dispatch(
         const int64_t lines_per_row = (hidden_bytes + 127) / 128;
         const int64_t rows = min(static_cast<int64_t>(num_tokens),
                                  max(static_cast<int64_t>(1), kFusedPrefetchBytes / (lines_per_row * 128)));
-        const int64_t stride = static_cast<int64_t>(gridDim.x - num_notify_blocks) * blockDim.x;
         const int64_t index = sender ? block : block - num_notify_blocks;     // among the blocks without notify work
-        for (int64_t i = index * blockDim.x + threadIdx.x;
-             i < rows * lines_per_row; i += stride)
-            prefetch_l2(x + (i / lines_per_row) * x_row_bytes + (i % lines_per_row) * 128);
+        prefetch_rows_l2(x, x_row_bytes, lines_per_row, 0, rows * lines_per_row, index * blockDim.x + threadIdx.x,
+                         static_cast<int64_t>(gridDim.x - num_notify_blocks) * blockDim.x);
         if (sender && kNumRanks > 1)
             ok = wait_all_peers(peers, kSigDataConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseDispatch);
     }
