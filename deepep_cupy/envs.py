@@ -9,9 +9,15 @@ from typing import Optional
 _TRUE = ('1', 'true', 'yes', 'on')
 
 
-def _get_bool(name: str, default: bool = False) -> bool:
+def _get_optional_bool(name: str) -> Optional[bool]:
+    """None when the variable is unset or blank, else whether it says yes."""
     value = os.environ.get(name)
-    return default if value is None or value == '' else value.strip().lower() in _TRUE
+    return None if value is None or value.strip() == '' else value.strip().lower() in _TRUE
+
+
+def _get_bool(name: str, default: bool = False) -> bool:
+    value = _get_optional_bool(name)
+    return default if value is None else value
 
 
 def _get_int(name: str, default: Optional[int] = None) -> Optional[int]:
@@ -135,8 +141,7 @@ def ep_fused_notify() -> Optional[bool]:
     dispatch in one launch (`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` on, or one rank) and is ignored with
     `DEEPEP_CUPY_EP_LEGACY_DISPATCH`; calls it cannot serve (features/ep/fused.py `fused_refusal`) use the two
     kernels. Read when a buffer's EP feature is made; every rank must set it alike."""
-    value = os.environ.get('DEEPEP_CUPY_EP_FUSED_NOTIFY')
-    return None if value is None or value.strip() == '' else _get_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
+    return _get_optional_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
 
 
 def ep_fused_cooperative() -> bool:
