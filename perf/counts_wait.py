@@ -89,6 +89,7 @@ def measure(runner, fn, ep, num_calls: int, is_notify):
         return profiler_trace_events(prof), [i for i, r in enumerate(ready) if not r]
 
     bare(1)
+    ready.clear()
     try:
         ep._wait_host_counts = timed_wait
         calls(lambda i: fn())

@@ -13,7 +13,7 @@ no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
               idle, from the moment the host has the receive counts to the call's return (issue 11's "beyond the
               notify", in the host's clock)
   [wait]      the host's wait for a CPU-sync dispatch's counts: how often it waits, and beyond the notify kernel's end
-              beside a bare GPU-to-host flag (perf/counts_wait.py; default variant, smallest size, BF16)
+              beside a bare GPU-to-host flag (perf/counts_wait.py; default variant, BF16)
   [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
               kernel start to last kernel end (what the GPU sees of one call). CPU-sync calls start with the top-k range
               check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
@@ -340,10 +340,10 @@ def run_variant(variant, runner, args, group, timer):
                         tail = runner.after_counts(fn, buf._ep, args.num_calls)
                         runner.results[(variant, num_tokens, dtype, name)]['after_counts'] = tail
                         log(f'[host] {label}: {tail:7.1f} us per call from idle after the host has the counts')
-                        if variant == 'default' and dtype == 'bf16' and num_tokens == min(tokens):
+                        if variant == 'default' and dtype == 'bf16':
                             from counts_wait import measure
                             w = measure(runner, fn, buf._ep, args.num_calls, lambda n: _label(n) == 'notify')
-                            runner.results['counts wait'] = w
+                            runner.results[('counts wait', num_tokens)] = w
                             log(f'[wait] {label}: counts already there at the wait\'s entry in {w["ready"]} of '
                                 f'{args.num_calls} calls, {w["in_wait"]:.1f} us in the wait (median, unprofiled); '
                                 f'profiled, the host waited in {w["waited"]} calls and had the counts '
@@ -470,9 +470,10 @@ def summary(runner, args, log):
     # call's return, in the host's clock (the profiled timeline's gaps are not the unprofiled host's).
     line(f'host, CPU-sync dispatch beyond notify, {small} tokens (counts seen .. return)',
          get((v, small, 'bf16', 'dispatch cpu-sync'), 'after_counts'), 25)
-    wait = res.get('counts wait')
-    line(f'host wait for the counts beyond the notify, {small} tokens (over a bare GPU-to-host flag)',
-         wait and wait['beyond'], 1)
+    for n in sorted({small, large}):
+        wait = res.get(('counts wait', n))
+        line(f'host wait for the counts beyond the notify, {n} tokens (over a bare GPU-to-host flag; 0: the counts '
+             f'were there before the host asked)', wait and wait['beyond'], 1)
     for name in ('all_gather', 'reduce_scatter', 'all_reduce', 'engram_fetch', 'pp'):
         if name in res:
             line(f'host, {name}', res[name]['loop'], 25 * (2 if name == 'pp' else 1))
