@@ -6,7 +6,8 @@ Two passes over calls from idle (GPU idle, ranks aligned before each):
     (`EP._wait_host_counts`: then it costs one read), and how long the host spent in the wait;
   - profiled (the torch profiler puts kernels and host annotations on one clock): for the calls whose host was in
     the wait before the counts came (checked by a read at entry, no clock needed), the time from the notify kernel's
-    end to the host's return from the wait (a zero-length annotation). The same figure for a bare signal, a
+    end to the host's return from the wait (a zero-length annotation); each call followed by the control below, in
+    the same profiled session (two sessions may align the clocks a few µs apart). The same figure for a bare signal, a
     one-thread kernel writing a host-mapped word that the host spins on as the dispatch's wait does, is the floor of
     any GPU-to-host signal (PCIe visibility, the profiler's clock alignment, the annotation's own cost): the dispatch's
     figure over it is what the counts wait costs beyond the notify.
@@ -17,7 +18,7 @@ import time
 
 import numpy as np
 
-ANNOTATION = 'deepep_cupy counts seen'
+SEEN, FLAG_SEEN = 'deepep_cupy counts seen', 'deepep_cupy flag seen'      # (the two annotations)
 _FLAG_SOURCE = r'''
 extern "C" __global__ void counts_wait_flag(int* flag, int value) {
     __threadfence_system();
@@ -26,13 +27,13 @@ extern "C" __global__ void counts_wait_flag(int* flag, int value) {
 '''
 
 
-def _latencies(events, kernel_match, waited):
-    """µs from each call's kernel end to its `ANNOTATION`, for the calls in `waited` (indices)."""
+def _latencies(events, kernel_match, annotation: str, waited):
+    """µs from each call's kernel end to its `annotation`, for the calls in `waited` (indices)."""
     kernels = sorted([e for e in events if e.get('cat') == 'kernel' and kernel_match(e.get('name', ''))],
                      key=lambda e: e['ts'])
-    seen = sorted([e for e in events if e.get('name') == ANNOTATION], key=lambda e: e['ts'])
+    seen = sorted([e for e in events if e.get('name') == annotation], key=lambda e: e['ts'])
     if len(kernels) != len(seen):
-        raise RuntimeError(f'counts wait: {len(kernels)} kernels and {len(seen)} annotations in the trace')
+        raise RuntimeError(f'counts wait: {len(kernels)} kernels and {len(seen)} {annotation!r} in the trace')
     return [seen[i]['ts'] - (kernels[i]['ts'] + kernels[i]['dur']) for i in waited]
 
 
@@ -58,7 +59,7 @@ def measure(runner, fn, ep, num_calls: int, is_notify):
     def marked_wait(seq, *a):
         ready.append(host_record[0] == seq)
         out = wait(seq, *a)
-        with record(ANNOTATION):
+        with record(SEEN):
             pass
         return out
 
@@ -69,10 +70,10 @@ def measure(runner, fn, ep, num_calls: int, is_notify):
     def bare(value):
         kernel((1,), (1,), (flag.data_ptr(), np.int32(value)),
                stream=cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
-        ready.append(word[0] == value)
+        bare_ready.append(word[0] == value)
         while word[0] != value:
             pass
-        with record(ANNOTATION):
+        with record(FLAG_SEEN):
             pass
 
     def calls(call):
@@ -81,26 +82,31 @@ def measure(runner, fn, ep, num_calls: int, is_notify):
             call(i)
         runner.aligned()
 
-    def profiled(call):
-        ready.clear()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            calls(call)
-        return profiler_trace_events(prof), [i for i, r in enumerate(ready) if not r]
-
+    bare_ready = []
     bare(1)
-    ready.clear()
     try:
         ep._wait_host_counts = timed_wait
         calls(lambda i: fn())
         num_ready, unprofiled_wait = sum(ready), float(np.median(in_wait)) * 1e6
+        # One profiled session, the dispatch and the bare flag in turn (one clock alignment for both).
         ep._wait_host_counts = marked_wait
-        events, waited = profiled(lambda i: fn())
+        ready.clear()
+        bare_ready.clear()
+
+        def both(i):
+            fn()
+            runner.aligned()
+            bare(i + 2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            calls(both)
     finally:
         del ep._wait_host_counts
-    after_notify = _latencies(events, is_notify, waited)
-    events, bare_waited = profiled(lambda i: bare(i + 2))
-    floor = _latencies(events, lambda n: 'counts_wait_flag' in n, bare_waited)
+    events = profiler_trace_events(prof)
+    waited = [i for i, r in enumerate(ready) if not r]
+    after_notify = _latencies(events, is_notify, SEEN, waited)
+    floor = _latencies(events, lambda n: 'counts_wait_flag' in n, FLAG_SEEN,
+                       [i for i, r in enumerate(bare_ready) if not r])
     group = runner.group
 
     def worst(v):
