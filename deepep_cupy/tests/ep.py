@@ -281,6 +281,12 @@ def test_errors(buf: ElasticBuffer, case: Case) -> list:
     expect('topk_idx int32', TypeError, lambda: buf.dispatch(x, idx.int(), w, num_experts=E))
     expect('topk_idx too large', ValueError, lambda: buf.dispatch(x, torch.full_like(idx, E), w, num_experts=E))
     expect('topk_idx below -1', ValueError, lambda: buf.dispatch(x, torch.full_like(idx, -2), w, num_experts=E))
+    # One bad id among good ones, last and first (the range kernel's unrolled loads and their tail)
+    for name, at, bad in (('last', -1, E), ('first', 0, -2)):
+        one_bad = idx.clone()
+        one_bad.view(-1)[at] = bad
+        expect(f'topk_idx one bad id ({name})', ValueError,
+               lambda one_bad=one_bad: buf.dispatch(x, one_bad, w, num_experts=E))
     expect('topk_idx wrong rows', ValueError, lambda: buf.dispatch(x, idx[:-1], w, num_experts=E) if x.shape[0] > 1
            else buf.dispatch(x, idx.repeat(2, 1), w, num_experts=E))
     idx_strided = torch.empty((idx.shape[0], 2 * idx.shape[1]), dtype=idx.dtype, device=idx.device)[:, ::2]
