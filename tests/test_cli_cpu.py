@@ -114,3 +114,24 @@ def test_ep_bench_reads_the_nccl_version():
     version = eval(proc.stdout)
     assert 'AttributeError' not in str(version)
     assert isinstance(version, int) or version.startswith('SetupError: NCCL (libnccl.so.2) is not installed')
+
+
+def test_counts_wait_pairs_each_call_with_its_kernel_and_annotation():
+    """perf/counts_wait.py `_latencies`: per call, the annotation's time after its own kernel's end (µs), for the calls
+    listed only; another kernel, annotation or event kind in the trace is not counted; unequal counts raise."""
+    cw = load_perf_script('counts_wait')
+    events = [
+        {'cat': 'kernel', 'name': 'notify_dispatch<1>', 'ts': 100.0, 'dur': 5.0},
+        {'cat': 'user_annotation', 'name': cw.SEEN, 'ts': 108.0, 'dur': 0.0},
+        {'cat': 'kernel', 'name': 'counts_wait_flag', 'ts': 110.0, 'dur': 1.0},
+        {'cat': 'user_annotation', 'name': cw.FLAG_SEEN, 'ts': 113.5, 'dur': 0.0},
+        {'cat': 'cuda_runtime', 'name': 'notify_dispatch<1>', 'ts': 99.0, 'dur': 1.0},
+        {'cat': 'kernel', 'name': 'notify_dispatch<1>', 'ts': 200.0, 'dur': 5.0},
+        {'cat': 'user_annotation', 'name': cw.SEEN, 'ts': 204.0, 'dur': 0.0},
+    ]
+    is_notify = lambda name: 'notify_dispatch' in name   # noqa: E731
+    assert cw._latencies(events, is_notify, cw.SEEN, [0, 1]) == [3.0, -1.0]
+    assert cw._latencies(events, is_notify, cw.SEEN, [1]) == [-1.0]
+    assert cw._latencies(events, lambda n: 'counts_wait_flag' in n, cw.FLAG_SEEN, [0]) == [2.5]
+    with pytest.raises(RuntimeError, match='2 kernels and 1'):
+        cw._latencies(events[:-1], is_notify, cw.SEEN, [0])
