@@ -408,7 +408,7 @@ class BoundDispatch:
             if snd is not None:
                 snd(comm)
         r(comm)
-
+        counts = counts.copy() if cpu_sync else counts      # (a host-mapped view: `EP._wait_host_counts`)
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
                                    (group, (carver, out.meta_shape, meta_at)), ws, ws_ptr, user_topk, psum_expert)
         if self.async_:

@@ -66,6 +66,7 @@ class EP:
         # makes scalar objects; the poll and the sizes of every CPU-sync dispatch read them)
         self._host_record = (ctypes.c_int32 * 3).from_buffer(self.host_counts)
         self.host_counts_ptr = self._host_ptr + HOST_COUNTS_OFFSET
+        self._counts_views: Dict[int, Any] = {}     # num_local_experts -> its counts' view (`_wait_host_counts`)
         self._error_state = buf.error_record        # word 0 != 0: a kernel reported a timeout
         self._topk_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
         self._range_what = f'dispatch on rank {buf.rank_idx} (topk_idx)'
@@ -233,7 +234,9 @@ class EP:
 
     def _wait_host_counts(self, seq: int, num_local_experts: int):
         """Poll the host-mapped counts written by the notify kernel (bounded by num_cpu_timeout_secs); returns
-        `(num_recv, num_expanded, aligned counts per local expert)` (a numpy array)."""
+        `(num_recv, num_expanded, aligned counts per local expert)`, the last a numpy VIEW of the host-mapped words:
+        the caller copies it once the receive is launched (the next CPU-sync dispatch rewrites them), so that nothing
+        but two reads lies between the counts' arrival and the receive's launch."""
         record = self._host_record
         polls = SPIN_POLLS
         while record[0] != seq and polls:      # the common case: the counts land within microseconds
@@ -250,8 +253,10 @@ class EP:
                 raise TimeoutError(f'deepep_cupy rank {buf.rank_idx}: Dispatch CPU wait for the receive counts timed '
                                    f'out after {buf.num_cpu_timeout_secs:g} s')
             wait_until(lambda: record[0] == seq, buf.num_cpu_timeout_secs, timed_out, check)
-        # The counts as a numpy copy (the next CPU-sync dispatch reuses the record; the handle makes the list).
-        return record[1], record[2], self.host_counts[3:3 + num_local_experts].copy()
+        view = self._counts_views.get(num_local_experts)
+        if view is None:
+            view = self._counts_views[num_local_experts] = self.host_counts[3:3 + num_local_experts]
+        return record[1], record[2], view
 
     # ---- combine -------------------------------------------------------------------------------------------------
     def combine(self, x, handle: EPHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
