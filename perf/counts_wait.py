@@ -1,119 +1,147 @@
 """What the host's wait for a CPU-sync dispatch's receive counts costs beyond the GPU's notify (issue 11);
-perf/ep_profile.py prints it.
+perf/ep_profile.py prints it beside its unprofiled host figures (`Runner.after_counts`: whether the counts were already
+there when the host entered `EP._wait_host_counts`, and the time spent in it).
 
-Two passes over calls from idle (GPU idle, ranks aligned before each):
-  - unprofiled, in the host's clock: whether the counts were already there when the host entered the wait
-    (`EP._wait_host_counts`: then it costs one read), and how long the host spent in the wait;
-  - profiled (the torch profiler puts kernels and host annotations on one clock): for the calls whose host was in
-    the wait before the counts came (checked by a read at entry, no clock needed), the time from the notify kernel's
-    end to the host's return from the wait (a zero-length annotation); each call followed by the control below, in
-    the same profiled session (two sessions may align the clocks a few µs apart). The same figure for a bare signal, a
-    one-thread kernel writing a host-mapped word that the host spins on as the dispatch's wait does, is the floor of
-    any GPU-to-host signal (PCIe visibility, the profiler's clock alignment, the annotation's own cost): the dispatch's
-    figure over it is what the counts wait costs beyond the notify.
+A round trip in the GPU's clock, no profiler (a profiled session aligns the host's and the GPU's clocks only to a few
+µs, which is more than the figure). Before each call, a one-thread probe kernel on a side stream spins on the
+host-mapped word the notify kernel writes last (the counts' sequence number); once it holds the call's number, the probe
+spins on an ack word that the host writes the moment its wait returns. The probe's time between the two is the counts'
+GPU-to-host visibility, the host's wait beyond it, and the ack's host-to-GPU visibility. The same round trip for a bare
+signal (a one-thread kernel writing a host-mapped word that the host spins on, then acks) has everything but the
+wait's own work: the dispatch's round trip over the bare one is what the wait costs beyond the notify. Only calls whose
+host entered the wait before the counts came count (read at entry, no clock needed).
 """
 
 import ctypes
-import time
 
 import numpy as np
 
-SEEN, FLAG_SEEN = 'deepep_cupy counts seen', 'deepep_cupy flag seen'      # (the two annotations)
-_FLAG_SOURCE = r'''
+PROBE_SOURCE = r'''
+__device__ __forceinline__ long long global_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// out[0]: SM clocks from `word` == value to `ack` == ack_value; out[1], out[2]: SM clocks and globaltimer ns over the
+// probe (their ratio converts out[0]); out[0] = -1 or -2: `word` or `ack` never came within timeout_ns.
+extern "C" __global__ void counts_wait_probe(const int* word, int value, const int* ack, int ack_value,
+                                             long long timeout_ns, long long* out) {
+    const volatile int* w = word;
+    const volatile int* a = ack;
+    const long long g0 = global_ns(), c0 = clock64();
+    long long seen, acked;
+    for (;;) {
+        const int v = *w;
+        seen = clock64();
+        if (v == value) break;
+        if (global_ns() - g0 > timeout_ns) { out[0] = -1; return; }
+    }
+    for (;;) {
+        const int v = *a;
+        acked = clock64();
+        if (v == ack_value) break;
+        if (global_ns() - g0 > timeout_ns) { out[0] = -2; return; }
+    }
+    out[0] = acked - seen;
+    out[1] = acked - c0;
+    out[2] = global_ns() - g0;
+}
+
 extern "C" __global__ void counts_wait_flag(int* flag, int value) {
     __threadfence_system();
     *reinterpret_cast<volatile int*>(flag) = value;
 }
 '''
+TIMEOUT_NS = 50_000_000
 
 
-def _latencies(events, kernel_match, annotation: str, waited):
-    """µs from each call's kernel end to its `annotation`, for the calls in `waited` (indices)."""
-    kernels = sorted([e for e in events if e.get('cat') == 'kernel' and kernel_match(e.get('name', ''))],
-                     key=lambda e: e['ts'])
-    seen = sorted([e for e in events if e.get('name') == annotation], key=lambda e: e['ts'])
-    if len(kernels) != len(seen):
-        raise RuntimeError(f'counts wait: {len(kernels)} kernels and {len(seen)} {annotation!r} in the trace')
-    return [seen[i]['ts'] - (kernels[i]['ts'] + kernels[i]['dur']) for i in waited]
+def round_trips_us(records, what: str):
+    """µs of each probe record (out[0..2] of `counts_wait_probe`, one row per call), converted with the SM clock
+    measured over all of them (the probes' clocks over their globaltimer ns); a record whose word or ack never came
+    raises, naming `what`."""
+    records = np.asarray(records, dtype=np.int64).reshape(-1, 3)
+    if len(records) == 0:
+        return []
+    for i, (cycles, _, _) in enumerate(records):
+        if cycles < 0:
+            raise RuntimeError(f'counts wait: {what} call {i}: the probe never saw '
+                               f'{"the host-mapped word" if cycles == -1 else "the host ack"} within '
+                               f'{TIMEOUT_NS / 1e6:g} ms')
+    ghz = records[:, 1].sum() / max(records[:, 2].sum(), 1)
+    return list(records[:, 0] / ghz / 1e3)
 
 
-def measure(runner, fn, ep, num_calls: int, is_notify):
-    """A dict of the CPU-sync dispatch `fn` (of the EP feature `ep`; `is_notify(kernel name)` picks its notify
-    kernel) over `num_calls` calls each pass: `ready` (unprofiled calls whose counts were there at the wait's entry),
-    `in_wait` (their median µs in the wait), `waited` (profiled calls whose host waited), `after_notify` and `bare`
-    (median µs from the kernel's end to the host's return, dispatch and bare signal), `beyond` (their difference;
-    0 when no profiled call waited). Ranks: the largest figures, the fewest ready calls."""
+def measure(runner, fn, ep, num_calls: int):
+    """A dict for the CPU-sync dispatch `fn` of the EP feature `ep`, `num_calls` calls each from idle, then as many bare
+    signals: `waited` (calls whose host entered the wait before the counts came), `round_trip` and `bare` (their
+    median µs; nan where none waited), `beyond` (the difference; 0 when no call waited). Ranks: the largest figures,
+    the fewest waits."""
     import cupy
     torch = runner.torch
-    from deepep_cupy.utils.testing import profiler_trace_events
-    record, wait, host_record = torch.profiler.record_function, ep._wait_host_counts, ep._host_record
-    ready, in_wait = [], []
+    wait, host_record = ep._wait_host_counts, ep._host_record
+    words = torch.zeros(4, dtype=torch.int32, pin_memory=True)    # flag, ack (pinned: mapped at their host address)
+    flag_ptr, ack_ptr = words.data_ptr(), words.data_ptr() + 4
+    flag, ack = (ctypes.c_int32 * 1).from_address(flag_ptr), (ctypes.c_int32 * 1).from_address(ack_ptr)
+    module = cupy.RawModule(code=PROBE_SOURCE)
+    probe, flag_kernel = module.get_function('counts_wait_probe'), module.get_function('counts_wait_flag')
+    side = cupy.cuda.Stream(non_blocking=True)
+    main = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    out = cupy.zeros((num_calls, 3), dtype=cupy.int64)
+    waited, entered_first = [], []
 
-    def timed_wait(seq, *a):
-        ready.append(host_record[0] == seq)
-        t0 = time.perf_counter()
-        out = wait(seq, *a)
-        in_wait.append(time.perf_counter() - t0)
-        return out
+    def acked_wait(seq, *a):
+        entered_first.append(host_record[0] != seq)
+        result = wait(seq, *a)
+        ack[0] = seq
+        return result
 
-    def marked_wait(seq, *a):
-        ready.append(host_record[0] == seq)
-        out = wait(seq, *a)
-        with record(SEEN):
+    def start_probe(i, word_ptr, value):
+        ack[0] = 0
+        probe((1,), (1,), (word_ptr, np.int32(value), ack_ptr, np.int32(value), np.int64(TIMEOUT_NS),
+                           out[i:].data.ptr), stream=side)
+
+    def dispatch(i):
+        seq = ep._host_seq % 0x7FFFFFFF + 1       # (`EP._next_host_seq`: the number this call's notify writes)
+        start_probe(i, ep.host_counts_ptr, seq)
+        fn()
+        if ep._host_seq != seq:
+            raise RuntimeError(f'counts wait: the call used sequence number {ep._host_seq}, not {seq}')
+
+    def bare(i):
+        value = i + 1
+        flag[0] = 0
+        start_probe(i, flag_ptr, value)
+        flag_kernel((1,), (1,), (flag_ptr, np.int32(value)), stream=main)
+        entered_first.append(flag[0] != value)
+        while flag[0] != value:
             pass
-        return out
+        ack[0] = value
 
-    flag = torch.zeros(4, dtype=torch.int32, pin_memory=True)        # (pinned: mapped at its host address)
-    word = (ctypes.c_int32 * 1).from_address(flag.data_ptr())
-    kernel = cupy.RawKernel(_FLAG_SOURCE, 'counts_wait_flag')
-
-    def bare(value):
-        kernel((1,), (1,), (flag.data_ptr(), np.int32(value)),
-               stream=cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
-        bare_ready.append(word[0] == value)
-        while word[0] != value:
-            pass
-        with record(FLAG_SEEN):
-            pass
-
-    def calls(call):
-        for i in range(num_calls):
-            runner.aligned()
-            call(i)
-        runner.aligned()
-
-    bare_ready = []
-    bare(1)
+    figures = {}
     try:
-        ep._wait_host_counts = timed_wait
-        calls(lambda i: fn())
-        num_ready, unprofiled_wait = sum(ready), float(np.median(in_wait)) * 1e6
-        # One profiled session, the dispatch and the bare flag in turn (one clock alignment for both).
-        ep._wait_host_counts = marked_wait
-        ready.clear()
-        bare_ready.clear()
-
-        def both(i):
-            fn()
+        ep._wait_host_counts = acked_wait
+        for name, call in (('round_trip', dispatch), ('bare', bare)):
+            entered_first.clear()
+            for i in range(num_calls):
+                runner.aligned()
+                call(i)
+            side.synchronize()
             runner.aligned()
-            bare(i + 2)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            calls(both)
+            if len(entered_first) != num_calls:
+                raise RuntimeError(f'counts wait: {len(entered_first)} waits in {num_calls} calls')
+            first = [i for i, f in enumerate(entered_first) if f]
+            trips = round_trips_us(out.get()[first], name)
+            if name == 'round_trip':
+                waited = first
+            figures[name] = float(np.median(trips)) if trips else float('nan')
     finally:
         del ep._wait_host_counts
-    events = profiler_trace_events(prof)
-    waited = [i for i, r in enumerate(ready) if not r]
-    after_notify = _latencies(events, is_notify, SEEN, waited)
-    floor = _latencies(events, lambda n: 'counts_wait_flag' in n, FLAG_SEEN,
-                       [i for i, r in enumerate(bare_ready) if not r])
     group = runner.group
 
     def worst(v):
         return max(group.allgather_object(v))
-    out = dict(ready=min(group.allgather_object(num_ready)), in_wait=worst(unprofiled_wait),
-               waited=min(group.allgather_object(len(waited))),
-               after_notify=worst(float(np.median(after_notify)) if after_notify else float('nan')),
-               bare=worst(float(np.median(floor)) if floor else float('nan')))
-    out['beyond'] = worst(out['after_notify'] - out['bare'] if after_notify and floor else 0.0)
-    return out
+    result = dict(waited=min(group.allgather_object(len(waited))), round_trip=worst(figures['round_trip']),
+                  bare=worst(figures['bare']))
+    result['beyond'] = worst(figures['round_trip'] - figures['bare'] if waited else 0.0)
+    return result

@@ -12,8 +12,9 @@ no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
               back to back (the best of --host-batches batches' means); CPU-sync dispatches also the median, from
               idle, from the moment the host has the receive counts to the call's return (issue 11's "beyond the
               notify", in the host's clock)
-  [wait]      the host's wait for a CPU-sync dispatch's counts: how often it waits, and beyond the notify kernel's end
-              beside a bare GPU-to-host flag (perf/counts_wait.py; default variant, BF16)
+  [wait]      the host's wait for a CPU-sync dispatch's counts: how often the counts were there first, the time in the
+              wait, and the round trip counts -> host -> GPU beside a bare GPU-to-host flag's (perf/counts_wait.py;
+              default variant, BF16)
   [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
               kernel start to last kernel end (what the GPU sees of one call). CPU-sync calls start with the top-k range
               check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
@@ -210,30 +211,38 @@ class Runner:
         return idle, max(self.group.allgather_object(min(loops) * 1e6))
 
     def after_counts(self, fn, ep, num_calls):
-        """Median µs, from idle, from the moment the host has the receive counts (`_wait_host_counts` returns) to the
-        CPU-sync call's return: the host's share beyond the notify kernel, in the host's own clock (max over ranks)."""
-        wait = ep._wait_host_counts
-        seen = []
+        """The CPU-sync call `fn`'s host figures around its wait for the counts (`_wait_host_counts`), unprofiled, in
+        the host's clock, `num_calls` calls from idle: `tail`, the median µs from the wait's return (the host has the
+        counts) to the call's return, the host's share beyond the notify kernel; `ready`, the calls whose counts were
+        there when the host entered the wait (then it costs one read and the return); `in_wait`, the median µs in the
+        wait. Ranks: the largest times, the fewest ready calls."""
+        wait, record = ep._wait_host_counts, ep._host_record
+        marks = []
 
-        def timed_wait(*a):
-            out = wait(*a)
-            seen.append(time.perf_counter())
+        def timed_wait(seq, *a):
+            t0 = time.perf_counter()
+            ready = record[0] == seq
+            out = wait(seq, *a)
+            marks.append((ready, t0, time.perf_counter()))
             return out
         ep._wait_host_counts = timed_wait
         try:
             tails = []
             for _ in range(num_calls):
                 self.aligned()
-                seen.clear()
                 fn()
                 t1 = time.perf_counter()
-                if len(seen) != 1:
-                    raise RuntimeError(f'a CPU-sync dispatch waited {len(seen)} times for the counts, not once')
-                tails.append(t1 - seen[0])
+                if len(marks) != len(tails) + 1:
+                    raise RuntimeError(f'a CPU-sync dispatch waited {len(marks) - len(tails)} times for the counts, '
+                                       f'not once')
+                tails.append(t1 - marks[-1][2])
         finally:
             del ep._wait_host_counts
         self.aligned()
-        return max(self.group.allgather_object(float(np.median(tails)) * 1e6))
+        g = self.group
+        return dict(tail=max(g.allgather_object(float(np.median(tails)) * 1e6)),
+                    ready=min(g.allgather_object(sum(m[0] for m in marks))),
+                    in_wait=max(g.allgather_object(float(np.median([m[2] - m[1] for m in marks])) * 1e6)))
 
     def timeline(self, fn, num_calls):
         torch = self.torch
@@ -337,18 +346,18 @@ def run_variant(variant, runner, args, group, timer):
                     label = f'{variant:10s} {num_tokens:5d} {dtype} {name:17s}'
                     runner.case(label, fn, key=(variant, num_tokens, dtype, name))
                     if name == 'dispatch cpu-sync':
-                        tail = runner.after_counts(fn, buf._ep, args.num_calls)
-                        runner.results[(variant, num_tokens, dtype, name)]['after_counts'] = tail
-                        log(f'[host] {label}: {tail:7.1f} us per call from idle after the host has the counts')
+                        a = runner.after_counts(fn, buf._ep, args.num_calls)
+                        runner.results[(variant, num_tokens, dtype, name)]['after_counts'] = a['tail']
+                        log(f'[host] {label}: {a["tail"]:7.1f} us per call from idle after the host has the counts')
                         if variant == 'default' and dtype == 'bf16':
                             from counts_wait import measure
-                            w = measure(runner, fn, buf._ep, args.num_calls, lambda n: _label(n) == 'notify')
+                            w = measure(runner, fn, buf._ep, args.num_calls)
                             runner.results[('counts wait', num_tokens)] = w
-                            log(f'[wait] {label}: counts already there at the wait\'s entry in {w["ready"]} of '
-                                f'{args.num_calls} calls, {w["in_wait"]:.1f} us in the wait (median, unprofiled); '
-                                f'profiled, the host waited in {w["waited"]} calls and had the counts '
-                                f'{w["after_notify"]:.1f} us after the notify kernel\'s end, a bare GPU-to-host flag '
-                                f'{w["bare"]:.1f} us')
+                            log(f'[wait] {label}: counts already there at the wait\'s entry in {a["ready"]} of '
+                                f'{args.num_calls} calls, {a["in_wait"]:.1f} us in the wait (median, unprofiled); '
+                                f'the host entered the wait first in {w["waited"]} of {args.num_calls} probed calls: '
+                                f'round trip counts -> host -> GPU {w["round_trip"]:.2f} us, a bare GPU-to-host '
+                                f'flag\'s {w["bare"]:.2f} us (medians, GPU clock)')
                     if args.lines:
                         timer.totals.clear()
                         for _ in range(args.num_calls):

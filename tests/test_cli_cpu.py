@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from deepep_cupy.tests import cli
@@ -116,22 +117,26 @@ def test_ep_bench_reads_the_nccl_version():
     assert isinstance(version, int) or version.startswith('SetupError: NCCL (libnccl.so.2) is not installed')
 
 
-def test_counts_wait_pairs_each_call_with_its_kernel_and_annotation():
-    """perf/counts_wait.py `_latencies`: per call, the annotation's time after its own kernel's end (µs), for the calls
-    listed only; another kernel, annotation or event kind in the trace is not counted; unequal counts raise."""
+def test_counts_wait_converts_probe_clocks_and_reports_a_missing_signal():
+    """perf/counts_wait.py `round_trips_us`: each call's SM clocks in µs at the clock rate of all the probes together
+    (their clocks over their globaltimer ns); a probe that never saw the host-mapped word or the ack raises, naming
+    which and the call."""
     cw = load_perf_script('counts_wait')
-    events = [
-        {'cat': 'kernel', 'name': 'notify_dispatch<1>', 'ts': 100.0, 'dur': 5.0},
-        {'cat': 'user_annotation', 'name': cw.SEEN, 'ts': 108.0, 'dur': 0.0},
-        {'cat': 'kernel', 'name': 'counts_wait_flag', 'ts': 110.0, 'dur': 1.0},
-        {'cat': 'user_annotation', 'name': cw.FLAG_SEEN, 'ts': 113.5, 'dur': 0.0},
-        {'cat': 'cuda_runtime', 'name': 'notify_dispatch<1>', 'ts': 99.0, 'dur': 1.0},
-        {'cat': 'kernel', 'name': 'notify_dispatch<1>', 'ts': 200.0, 'dur': 5.0},
-        {'cat': 'user_annotation', 'name': cw.SEEN, 'ts': 204.0, 'dur': 0.0},
-    ]
-    is_notify = lambda name: 'notify_dispatch' in name   # noqa: E731
-    assert cw._latencies(events, is_notify, cw.SEEN, [0, 1]) == [3.0, -1.0]
-    assert cw._latencies(events, is_notify, cw.SEEN, [1]) == [-1.0]
-    assert cw._latencies(events, lambda n: 'counts_wait_flag' in n, cw.FLAG_SEEN, [0]) == [2.5]
-    with pytest.raises(RuntimeError, match='2 kernels and 1'):
-        cw._latencies(events[:-1], is_notify, cw.SEEN, [0])
+    # 2 GHz over both probes (30000 + 10000 clocks in 15000 + 5000 ns): 3000 clocks = 1.5 us, 1000 = 0.5 us
+    assert cw.round_trips_us([[3000, 30000, 15000], [1000, 10000, 5000]], 'bare') == [1.5, 0.5]
+    assert cw.round_trips_us(np.zeros((0, 3), np.int64), 'bare') == []
+    with pytest.raises(RuntimeError, match='bare call 1: the probe never saw the host ack'):
+        cw.round_trips_us([[3000, 30000, 15000], [-2, 0, 0]], 'bare')
+    with pytest.raises(RuntimeError, match='round_trip call 0: the probe never saw the host-mapped word'):
+        cw.round_trips_us([[-1, 0, 0]], 'round_trip')
+
+
+def test_counts_wait_probe_kernels_compile_for_sm90():
+    """The probe and the bare flag of perf/counts_wait.py compile (NVRTC, sm_90): the perf scripts' kernels run only on
+    the GPU host, so CI checks their source here."""
+    cupy_compiler = pytest.importorskip('cupy.cuda.compiler')
+    cw = load_perf_script('counts_wait')
+    prog = cupy_compiler._NVRTCProgram(cw.PROBE_SOURCE, 'counts_wait.cu', method='ptx')
+    ptx = prog.compile(['-arch=compute_90'])[0]     # (the PTX, the name mapping)
+    ptx = ptx if isinstance(ptx, str) else ptx.decode()
+    assert '.entry counts_wait_probe' in ptx and '.entry counts_wait_flag' in ptx and '%globaltimer' in ptx
