@@ -78,6 +78,8 @@ def measure(runner, fn, ep, num_calls: int):
     median µs; nan where none waited), `beyond` (the difference; 0 when no call waited). Ranks: the largest figures,
     the fewest waits."""
     import cupy
+
+    from deepep_cupy.runtime.interop import external_stream
     torch = runner.torch
     wait, host_record = ep._wait_host_counts, ep._host_record
     words = torch.zeros(4, dtype=torch.int32, pin_memory=True)    # flag, ack (pinned: mapped at their host address)
@@ -86,7 +88,7 @@ def measure(runner, fn, ep, num_calls: int):
     module = cupy.RawModule(code=PROBE_SOURCE)
     probe, flag_kernel = module.get_function('counts_wait_probe'), module.get_function('counts_wait_flag')
     side = cupy.cuda.Stream(non_blocking=True)
-    main = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    main = external_stream(torch.cuda.current_stream().cuda_stream)
     out = cupy.zeros((num_calls, 3), dtype=cupy.int64)
     waited, entered_first = [], []
 

@@ -515,6 +515,8 @@ def machine_line(torch) -> str:
     """This host's speed, for reading the [host] rows of runs on different machine starts (their times moved by up to
     1.5x between starts with the same code): the CPU, a pure-Python loop, an empty kernel's launch from CuPy."""
     import cupy
+
+    from deepep_cupy.runtime.interop import external_stream
     model = next((line.split(':', 1)[1].strip() for line in open('/proc/cpuinfo') if line.startswith('model name')),
                  '?')
 
@@ -531,7 +533,7 @@ def machine_line(torch) -> str:
         for i in range(n):
             x += i
     kernel = cupy.RawKernel('extern "C" __global__ void machine_empty() {}', 'machine_empty')
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stream = external_stream(torch.cuda.current_stream().cuda_stream)
 
     def launches(n):
         for _ in range(n):

@@ -118,12 +118,14 @@ def main(argv=None) -> int:
     import cupy
     import torch
     from cupy_backends.cuda.api import driver
+
+    from deepep_cupy.runtime.interop import external_stream
     dev = torch.device('cuda', 0)
     torch.empty(1, device=dev)
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
     block = torch.empty(1 << 20, dtype=i32, device=dev)
     raw = torch._C._cuda_getCurrentRawStream
-    stream = cupy.cuda.ExternalStream(raw(0))
+    stream = external_stream(raw(0))
     comm = cupy.cuda.Stream(non_blocking=True)
     ev = cupy.cuda.Event(disable_timing=True)
     mod = cupy.RawModule(code='extern "C" __global__ void k(int* p) { if (p && threadIdx.x == 0) *p = 1; }')

@@ -32,6 +32,7 @@ def main():
     from ep_profile import kernel_timeline
 
     from deepep_cupy import ElasticBuffer
+    from deepep_cupy.runtime.interop import external_stream
     from deepep_cupy.utils.testing import profiler_trace_events
 
     def timeline(fn, n):
@@ -60,7 +61,7 @@ def main():
     empty((1,), (32,), ())
     torch.cuda.synchronize()
     with torch.cuda.graph(g, stream=s):
-        cs = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        cs = external_stream(torch.cuda.current_stream().cuda_stream)
         with cs:
             for _ in range(10):
                 empty((1,), (32,), ())
