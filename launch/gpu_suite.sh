@@ -100,9 +100,10 @@ LL="$PY -m deepep_cupy.tests.legacy_low_latency --num-gpu-timeout-secs 60"
 if want perf1; then
     # Alone on the GPU: one rank, checks then perf lines; the snapshot before the refactor beside it when present.
     step "ep np=1 (perf)" 240 $ONE $R 1 $EP --num-create-destroy 5
-    # (at one rank the default no-sync dispatch is the fused kernel: beside it, the notify and dispatch kernels)
+    # (at one rank the default no-sync dispatch is the fused kernel: beside it, the notify and dispatch kernels; the
+    # host rows again after the profiled timelines, beside the ones taken before any profiler ran)
     step "ep_profile np=1 (default vs two kernels)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 \
-        --variants default,two-kernels
+        --variants default,two-kernels --host-again
     # Kernel spans of CUDA-graph replays with a decode-sized buffer and a 4096-token one, beside an empty kernel and a
     # plain copy (perf/kernel_probe.py; issue #11's decode and copy-ratio figures).
     step "kernel_probe np=1 (graph spans, decode and 4096 buffers)" 200 $ONE $PY perf/kernel_probe.py

@@ -27,6 +27,10 @@ no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
   [profile]   (--profile, rank 0) cProfile of the host loop, top functions by own time
   [lines]     (--lines, rank 0) host time per call charged to each statement of dispatch / combine
 --side-stream runs every call on a torch side stream instead of the (legacy) default stream.
+
+Two steps in one process: every host figure first ([host], [wait], [features]), then the profiled timelines and the
+copies, so that no host figure runs after a profiler session; --host-again measures the [host] rows once more after the
+timelines ([host after a profile]), --no-timeline skips the timelines.
 """
 import argparse
 import ast
@@ -169,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f'dispatch variants, comma separated, of {sorted(VARIANTS)}')
     p.add_argument('--skip-features', action='store_true', help='skip the other features\' host times')
     p.add_argument('--profile', action='store_true', help='cProfile of each case (rank 0)')
+    p.add_argument('--no-timeline', action='store_true', help='host times only: no profiled [timeline] or span')
+    p.add_argument('--host-again', action='store_true',
+                   help='after the timelines, the [host] figures once more ([host after a profile]; not in [targets])')
     p.add_argument('--lines', action='store_true', help='time per statement of dispatch/combine (rank 0)')
     p.add_argument('--side-stream', action='store_true',
                    help='run every call on a torch side stream (non-blocking) instead of the default stream: launches '
@@ -182,6 +189,7 @@ class Runner:
     def __init__(self, args, group, log, torch):
         self.args, self.group, self.log, self.torch = args, group, log, torch
         self.results = {}
+        self.step = 'host'      # 'host': host figures only; 'timeline': profiled GPU timelines only ('main')
 
     def aligned(self):
         self.torch.cuda.synchronize()
@@ -256,17 +264,23 @@ class Runner:
         return out
 
     def case(self, label, fn, key=None, timeline=True):
+        """The host step's [host] figures of `fn`, or the timeline step's [timeline] (`timeline`: whether it has one),
+        kept in `results[key]`."""
         args = self.args
-        idle, loop = self.host(fn, args.num_calls)
-        self.log(f'[host] {label}: {idle:7.1f} us per call from idle, {loop:7.1f} us per call back to back')
-        tl = (None, None, [])
-        if timeline:
+        r = self.results.setdefault(key, {})
+        if self.step != 'timeline':
+            idle, loop = self.host(fn, args.num_calls)
+            tag = '[host]' if self.step == 'host' else '[host after a profile]'
+            self.log(f'{tag} {label}: {idle:7.1f} us per call from idle, {loop:7.1f} us per call back to back')
+            if self.step == 'host':
+                r.update(idle=idle, loop=loop)
+            else:
+                r.update(loop_after_profile=loop)
+        elif timeline:
             tl = self.timeline(fn, args.num_calls)
-            for r, t in enumerate(self.group.allgather_object(tl[0])):
-                self.log(f'[timeline] {label} rank {r}: {t}')
-        if key is not None:
-            self.results[key] = dict(idle=idle, loop=loop, span=tl[1], parts=tl[2])
-        return idle, loop, tl
+            for rank, t in enumerate(self.group.allgather_object(tl[0])):
+                self.log(f'[timeline] {label} rank {rank}: {t}')
+            r.update(span=tl[1], parts=tl[2])
 
     def copy_us(self, num_bytes):
         """µs of one device copy of `num_bytes` (CUDA events over back-to-back copies)."""
@@ -345,6 +359,8 @@ def run_variant(variant, runner, args, group, timer):
                 for name, fn in cases.items():
                     label = f'{variant:10s} {num_tokens:5d} {dtype} {name:17s}'
                     runner.case(label, fn, key=(variant, num_tokens, dtype, name))
+                    if runner.step != 'host':
+                        continue
                     if name == 'dispatch cpu-sync':
                         a = runner.after_counts(fn, buf._ep, args.num_calls)
                         runner.results[(variant, num_tokens, dtype, name)]['after_counts'] = a['tail']
@@ -375,6 +391,8 @@ def run_variant(variant, runner, args, group, timer):
                             s = io.StringIO()
                             pstats.Stats(prof_c, stream=s).sort_stats('tottime').print_stats(18)
                             log(f'[profile] {label}\n' + s.getvalue())
+                if runner.step != 'timeline':
+                    continue
                 key = ('copy', num_tokens, dtype)
                 if key not in runner.results:
                     runner.results[key] = dict(bytes=received, us=runner.copy_us(received))
@@ -497,6 +515,11 @@ def summary(runner, args, log):
         if w == 'default' or graph is not None:
             line(f'decode dispatch span in a graph, {small} tokens{tag}', graph, 10)
     line(f'decode combine span in a graph, {small} tokens', get((v, small, 'bf16', 'combine graph'), 'span'), 7)
+    after = [(n, get((v, small, 'bf16', n), 'loop_after_profile')) for n in ('dispatch no-sync', 'dispatch cached',
+                                                                            'combine', 'dispatch graph')]
+    if all(a is not None for _, a in after):
+        log(f'[targets] (not a target) the same host rows after the profiled timelines, {small} tokens bf16, back to '
+            f'back: ' + ', '.join(f'{n} {a:.1f} us' for n, a in after))
     # The cached dispatch kernel against the uncached one: a CPU-sync call's receive launch runs the same kernel (the
     # no-sync call's may be the fused kernel, which also counts)
     cached = dict(get((v, large, 'bf16', 'dispatch cached'), 'parts') or [])
@@ -570,9 +593,14 @@ def main(argv=None) -> int:
         for variant in args.variants.split(','):
             if variant not in VARIANTS:
                 raise SystemExit(f'--variants: unknown variant {variant!r}; choose from {sorted(VARIANTS)}')
-            run_variant(variant, runner, args, group, timer)
-        if not args.skip_features:
-            run_features(runner, args, group)
+        # Every host figure before the process's first profiled session, the timelines after (see the docstring).
+        steps = ['host'] + ([] if args.no_timeline else ['timeline']) + (['again'] if args.host_again else [])
+        for step in steps:
+            runner.step = step
+            for variant in args.variants.split(','):
+                run_variant(variant, runner, args, group, timer)
+            if step != 'timeline' and not args.skip_features:
+                run_features(runner, args, group)
     summary(runner, args, log)
     return 0
 

@@ -140,3 +140,42 @@ def test_counts_wait_probe_kernels_compile_for_sm90():
     ptx = prog.compile(['-arch=compute_90'])[0]     # (the PTX, the name mapping)
     ptx = ptx if isinstance(ptx, str) else ptx.decode()
     assert '.entry counts_wait_probe' in ptx and '.entry counts_wait_flag' in ptx and '%globaltimer' in ptx
+
+
+def test_ep_profile_takes_host_figures_and_timelines_in_separate_steps():
+    """perf/ep_profile.py `Runner.case`: the host step measures host figures only, the timeline step profiles only the
+    cases that have a timeline, the again step keeps its host figure apart (`loop_after_profile`), and the summary
+    reads each from its step."""
+    ep = load_perf_script('ep_profile')
+    args = ep.build_parser().parse_args(['--tokens', '128,4096'])
+    lines = []
+    runner = ep.Runner(args, group=None, log=lines.append, torch=None)
+    calls = []
+    runner.host = lambda fn, n: (calls.append('host'), (40.0, 30.0))[1]
+    runner.timeline = lambda fn, n: (calls.append('timeline'), ('fused 9.0 | span 9.0 us', 9.0, [('fused', 9.0)]))[1]
+
+    class Group:
+        @staticmethod
+        def allgather_object(v):
+            return [v]
+    runner.group = Group()
+    key = ('default', 128, 'bf16', 'dispatch no-sync')
+    runner.case('no-sync', None, key=key)
+    runner.case('gather', None, key='all_gather', timeline=False)
+    assert calls == ['host', 'host'] and runner.results[key] == dict(idle=40.0, loop=30.0)
+    runner.step = 'timeline'
+    runner.case('no-sync', None, key=key)
+    runner.case('gather', None, key='all_gather', timeline=False)
+    assert calls[2:] == ['timeline'] and runner.results['all_gather'] == dict(idle=40.0, loop=30.0)
+    assert runner.results[key] == dict(idle=40.0, loop=30.0, span=9.0, parts=[('fused', 9.0)])
+    runner.step = 'again'
+    runner.host = lambda fn, n: (44.0, 33.0)
+    for name in ('dispatch no-sync', 'dispatch cached', 'combine', 'dispatch graph'):
+        runner.case(name, None, key=('default', 128, 'bf16', name))
+    assert runner.results[key]['loop'] == 30.0 and runner.results[key]['loop_after_profile'] == 33.0
+    assert lines[-1].startswith('[host after a profile] dispatch graph')
+    del lines[:]
+    ep.summary(runner, args, lines.append)
+    assert '[targets] host, no-sync dispatch, 128 tokens, back to back: 30.0 us (target <= 35 us) OK' in lines
+    assert any(line.startswith('[targets] (not a target) the same host rows after the profiled timelines')
+               and 'dispatch no-sync 33.0 us' in line for line in lines)
