@@ -486,7 +486,7 @@ def summary(runner, args, log):
         if value is None:
             log(f'[targets] {what}: -')
         else:
-            log(f'[targets] {what}: {value:.1f} {unit} (target <= {bound} {unit}) '
+            log(f'[targets] {what}: {value:.{2 if unit == "x" else 1}f} {unit} (target <= {bound} {unit}) '
                 f'{"OK" if value <= bound else "over"}')
     v = 'default'
     line(f'host, no-sync dispatch, {small} tokens, back to back', get((v, small, 'bf16', 'dispatch no-sync'), 'loop'),
@@ -504,13 +504,13 @@ def summary(runner, args, log):
     for name in ('all_gather', 'reduce_scatter', 'all_reduce', 'engram_fetch', 'pp'):
         if name in res:
             line(f'host, {name}', res[name]['loop'], 25 * (2 if name == 'pp' else 1))
-    copy = res.get(('copy', large, 'bf16'), {}).get('us')
     for w in ('default', 'two-kernels', 'fused'):      # (the other variants when run)
         tag = '' if w == 'default' else f' [{w}]'
-        span = get((w, large, 'bf16', 'dispatch no-sync'), 'span')
-        if w == 'default' or span is not None:
-            ratio = span / copy if span and copy else None
-            line(f'dispatch span / plain copy, {large} tokens bf16 no-sync{tag}', ratio, 1.3, 'x')
+        for dtype in ('bf16', 'fp8'):
+            span, copy = get((w, large, dtype, 'dispatch no-sync'), 'span'), get(('copy', large, dtype), 'us')
+            if (w == 'default' and dtype == 'bf16') or span is not None:
+                ratio = span / copy if span and copy else None
+                line(f'dispatch span / plain copy, {large} tokens {dtype} no-sync{tag}', ratio, 1.3, 'x')
         graph = get((w, small, 'bf16', 'dispatch graph'), 'span')
         if w == 'default' or graph is not None:
             line(f'decode dispatch span in a graph, {small} tokens{tag}', graph, 10)

@@ -177,5 +177,13 @@ def test_ep_profile_takes_host_figures_and_timelines_in_separate_steps():
     del lines[:]
     ep.summary(runner, args, lines.append)
     assert '[targets] host, no-sync dispatch, 128 tokens, back to back: 30.0 us (target <= 35 us) OK' in lines
+    # (the span over the copy to 2 places: 1.29 is not "1.3"; FP8 too where measured)
+    runner.results[('default', 4096, 'bf16', 'dispatch no-sync')] = dict(span=39.6)
+    runner.results[('default', 4096, 'fp8', 'dispatch no-sync')] = dict(span=23.0)
+    runner.results[('copy', 4096, 'bf16')], runner.results[('copy', 4096, 'fp8')] = dict(us=30.7), dict(us=17.4)
+    del lines[:]
+    ep.summary(runner, args, lines.append)
+    assert '[targets] dispatch span / plain copy, 4096 tokens bf16 no-sync: 1.29 x (target <= 1.3 x) OK' in lines
+    assert '[targets] dispatch span / plain copy, 4096 tokens fp8 no-sync: 1.32 x (target <= 1.3 x) over' in lines
     assert any(line.startswith('[targets] (not a target) the same host rows after the profiled timelines')
                and 'dispatch no-sync 33.0 us' in line for line in lines)
