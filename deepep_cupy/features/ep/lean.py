@@ -106,8 +106,8 @@ def run_cached(b, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, eve
         counts = list(counts)
     made = prepare_receive(b, lean, comm, h.workspace, h.workspace_ptr, user_topk, h._psum_expert, xp, sp, tp, wp,
                            cp)
+    made[3]._counts = counts
     b.recv(comm)
-    made[3]._counts = counts.copy()     # (after the launch: `EP._wait_host_counts`)
     if b.async_:
         return made + (receive_event(b, ep, current, x_in, topk_idx, topk_weights, stats, made),)
     return made + (ep._order.leave(b.kind, current, comm, False),)
