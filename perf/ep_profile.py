@@ -15,9 +15,10 @@ no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
   [wait]      the host's wait for a CPU-sync dispatch's counts: how often the counts were there first, the time in the
               wait, and the round trip counts -> host -> GPU beside a bare GPU-to-host flag's (perf/counts_wait.py;
               default variant, BF16)
-  [timeline]  per kernel: mean duration; per gap: mean idle time between consecutive kernels of a call; span: first
-              kernel start to last kernel end (what the GPU sees of one call). CPU-sync calls start with the top-k range
-              check (`range`, on the caller's stream). Graph cases replay a captured no-sync dispatch / combine.
+  [timeline]  per kernel: median duration; per gap: median idle time between consecutive kernels of a call; span:
+              first kernel start to last kernel end (what the GPU sees of one call); medians over the calls. CPU-sync
+              calls start with the top-k range check (`range`, on the caller's stream). Graph cases replay a captured
+              no-sync dispatch / combine.
   [copy]      a plain device copy of the bytes the dispatch receives (recv_x, scales, top-k ids and weights), and the
               no-sync dispatch span (eager and in a graph) over it
   [features]  host time per call of all_gather (4 x 1 MiB), reduce_scatter (R x 1 MiB), all_reduce (1 MiB),
@@ -67,8 +68,10 @@ def _label(name: str):
 
 
 def kernel_timeline(trace_events, num_calls: int):
-    """`(text, spans, parts)` of one call's kernels from a chrome trace: mean duration per kernel and gap between
-    consecutive kernels, the median span; `parts` = [(label, mean µs)] with gaps as ('gap', µs)."""
+    """`(text, span, parts)` of one call's kernels from a chrome trace: the median over the calls of each kernel's
+    duration, of each gap between consecutive kernels and of the span; `parts` = [(label, µs)] with gaps as
+    ('gap', µs). (Medians: one call in which the host fell behind would make a mean gap of several µs out of gaps of
+    about one, beside a median span that has none.)"""
     events = [e for e in trace_events if e.get('cat') == 'kernel' and _label(e.get('name', ''))]
     events.sort(key=lambda e: e['ts'])
     if not events or len(events) % num_calls:
@@ -76,23 +79,22 @@ def kernel_timeline(trace_events, num_calls: int):
     per_call = len(events) // num_calls
     names = [_label(e['name']) for e in events[:per_call]]
     names = [n if names[:i].count(n) == 0 else f'{n}#{names[:i].count(n) + 1}' for i, n in enumerate(names)]
-    durs = np.zeros(per_call)
-    gaps = np.zeros(max(0, per_call - 1))
-    spans = []
+    durs = np.zeros((num_calls, per_call))
+    gaps = np.zeros((num_calls, max(0, per_call - 1)))
+    spans = np.zeros(num_calls)
     for c in range(num_calls):
         call = events[c * per_call:(c + 1) * per_call]
         for i, e in enumerate(call):
-            durs[i] += e['dur']
+            durs[c, i] = e['dur']
             if i:
-                gaps[i - 1] += e['ts'] - (call[i - 1]['ts'] + call[i - 1]['dur'])
-        spans.append(call[-1]['ts'] + call[-1]['dur'] - call[0]['ts'])
-    durs /= num_calls
-    gaps /= num_calls
+                gaps[c, i - 1] = e['ts'] - (call[i - 1]['ts'] + call[i - 1]['dur'])
+        spans[c] = call[-1]['ts'] + call[-1]['dur'] - call[0]['ts']
+    durs, gaps = np.median(durs, axis=0), np.median(gaps, axis=0)
     parts = []
     for i, n in enumerate(names):
         if i:
-            parts.append(('gap', gaps[i - 1]))
-        parts.append((n, durs[i]))
+            parts.append(('gap', float(gaps[i - 1])))
+        parts.append((n, float(durs[i])))
     text = ' | '.join(f'{n} {v:.1f}' for n, v in parts) + f' | span {np.median(spans):.1f} us (median)'
     return text, float(np.median(spans)), parts
 

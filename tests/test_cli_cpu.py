@@ -187,3 +187,20 @@ def test_ep_profile_takes_host_figures_and_timelines_in_separate_steps():
     assert '[targets] dispatch span / plain copy, 4096 tokens fp8 no-sync: 1.32 x (target <= 1.3 x) over' in lines
     assert any(line.startswith('[targets] (not a target) the same host rows after the profiled timelines')
                and 'dispatch no-sync 33.0 us' in line for line in lines)
+
+
+def test_ep_profile_timeline_parts_are_medians():
+    """perf/ep_profile.py `kernel_timeline`: per kernel and per gap the median over the calls, so that one call whose
+    second launch came late (the host behind) does not show as a gap of several µs in every call."""
+    ep = load_perf_script('ep_profile')
+    events = []
+    for c, late in enumerate((0.0, 0.0, 40.0)):        # the third call's dispatch starts 40 us late
+        t0 = 1000.0 * c
+        events.append({'cat': 'kernel', 'name': 'notify_dispatch<1, 8>', 'ts': t0, 'dur': 9.0})
+        events.append({'cat': 'kernel', 'name': 'dispatch_impl_with_dispatch_copy_epilogue_impl<1>',
+                       'ts': t0 + 10.0 + late, 'dur': 33.0 + c})
+    events.append({'cat': 'cuda_runtime', 'name': 'notify_dispatch<1, 8>', 'ts': 5.0, 'dur': 1.0})     # not a kernel
+    text, span, parts = ep.kernel_timeline(events, 3)
+    assert parts == [('notify', 9.0), ('gap', 1.0), ('dispatch', 34.0)]
+    assert span == 44.0 and text.endswith('span 44.0 us (median)')
+    assert ep.kernel_timeline(events[:-2], 3)[1] is None       # (5 kernels for 3 calls: no timeline)
