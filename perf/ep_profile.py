@@ -191,7 +191,7 @@ class Runner:
     def __init__(self, args, group, log, torch):
         self.args, self.group, self.log, self.torch = args, group, log, torch
         self.results = {}
-        self.step = 'host'      # 'host': host figures only; 'timeline': profiled GPU timelines only ('main')
+        self.step = 'host'      # set by `main`: 'host' (host figures), 'timeline' (profiled), 'again' (--host-again)
 
     def aligned(self):
         self.torch.cuda.synchronize()
