@@ -26,6 +26,16 @@
 // received ones and publishes the count (kCtrlFusedCounts[r] = e << 32 | count, released at GPU scope); thread j
 // reads block j's count (all at once: no chain of blocks), so every block learns where its rows start and the
 // receive count, and copies its rows in token order. Same rows, bit for bit, as the notify's slots give.
+// Speculation (SelfCountingReceiver::speculate), when the receivers are the blocks without notify work, x's rows are
+// dense and the outputs hold a row for every token: every token is received unless all its top-k ids are masked, and
+// then token t's row is t, so the receivers copy x's rows into recv_x from the launch's first instant, as ONE copy
+// spread over the grid (16-byte chunk c by copy thread c mod the grid's copy threads, as a plain copy walks memory),
+// while one warp per block reads the epoch, counts the block's share and reads the other blocks' counts. A receive
+// count of num_tokens confirms it (each block then writes its share's other fields); a miss (a token received by
+// nobody) waits for every block's copy to end, then receives as above (recv_x's rows past the receive count, which
+// no caller reads, then hold speculated bytes). Before it (one H200, 4096 tokens of 7168 BF16, globaltimer stamps per
+// block): the copy began 4.4 us after the launch (the epoch read, then the counts), and the blocks' shares of ~470 KB
+// ended 29 to 37 us in (their shares of HBM are uneven), where a plain copy of the same bytes takes 30.7 us.
 // At one rank block 0 publishes the data epoch without the ticket and its system-scope fences (as ep_dispatch.cu):
 // only later kernels of the stream read it. Every block counts itself in kCtrlFusedStarted right after reading the
 // epoch (released at GPU scope), and block 0 stores the epoch only once the count is the grid, so that no block of
@@ -126,22 +136,52 @@ __device__ __forceinline__ void prefetch_rows_l2(const uint8_t* x, int64_t x_row
 // Rounds of received tokens without a gap copied as one range (SelfCountingReceiver::receive).
 constexpr bool kFusedFlatRounds = true;
 
-// The block copies `num_bytes` (a multiple of 16, both pointers 16-byte aligned) as a plain copy does: thread i the
-// 16-byte chunks i, i + blockDim.x, ..., kCopyUnroll loads in flight per thread before the stores.
-__device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int64_t num_bytes) {
+// Copy threads [0, num_threads) of the grid copy `num_bytes` (a multiple of 16, both pointers 16-byte aligned) as a
+// plain copy does: copy thread i the 16-byte chunks i, i + num_threads, ..., kCopyUnroll loads in flight per thread
+// before the stores.
+__device__ __forceinline__ void grid_copy(uint8_t* dst, const uint8_t* src, int64_t num_bytes, int64_t thread,
+                                          int64_t num_threads) {
     const int64_t num_chunks = num_bytes / 16;
-    for (int64_t base = threadIdx.x; base < num_chunks; base += kDispatchThreads * kCopyUnroll) {
+    for (int64_t base = thread; base < num_chunks; base += num_threads * kCopyUnroll) {
         Vec16 v[kCopyUnroll];
         #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u)
-            if (base + u * kDispatchThreads < num_chunks)
-                v[u] = ld_v4(src + (base + u * kDispatchThreads) * 16);
+            if (base + u * num_threads < num_chunks)
+                v[u] = ld_v4(src + (base + u * num_threads) * 16);
         #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u)
-            if (base + u * kDispatchThreads < num_chunks)
-                st_na_v4(dst + (base + u * kDispatchThreads) * 16, v[u]);
+            if (base + u * num_threads < num_chunks)
+                st_na_v4(dst + (base + u * num_threads) * 16, v[u]);
     }
 }
+
+// The block copies `num_bytes` as grid_copy's threads, its own threads only.
+__device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int64_t num_bytes) {
+    grid_copy(dst, src, num_bytes, threadIdx.x, kDispatchThreads);
+}
+
+// Count words of the self-counting receivers (kCtrlFusedCounts): epoch << 32 | kFusedSpecDone? | count.
+constexpr uint64_t kFusedSpecDone = 1ull << 31;         // the block's speculative copy is done (a miss only)
+constexpr uint64_t kFusedCountMask = kFusedSpecDone - 1;
+
+// A self-counting receiver's inputs and outputs (the kernel's arguments of the same names).
+struct RecvArgs {
+    const uint8_t* x;
+    int64_t x_row_bytes;
+    int hidden_bytes;
+    const uint8_t* sf;
+    int64_t sf_stride_token, sf_stride_col;
+    int num_sf;
+    const float* topk_weights;
+    int num_meta_rows;
+    uint8_t* recv_x;
+    uint8_t* recv_sf;
+    int64_t recv_sf_stride_row, recv_sf_stride_col;
+    int64_t* recv_topk_idx;
+    float* recv_topk_weights;
+    int32_t* recv_src_metadata;
+    int32_t* recv_src_idx;
+};
 
 // A self-counting receiver (see the top): receiving block `block` of `num_blocks` (at most kFusedMaxCountBlocks =
 // kDispatchThreads) takes the tokens [block * T / n, (block + 1) * T / n) and writes their rows exactly as
@@ -216,17 +256,79 @@ struct SelfCountingReceiver {
         }
     }
 
-    __device__ __forceinline__ bool
-    receive(const uint8_t* x, int64_t x_row_bytes, int hidden_bytes, const uint8_t* sf, int64_t sf_stride_token,
-            int64_t sf_stride_col, int num_sf, const float* topk_weights, int num_meta_rows, uint8_t* recv_x,
-            uint8_t* recv_sf, int64_t recv_sf_stride_row, int64_t recv_sf_stride_col, int64_t* recv_topk_idx,
-            float* recv_topk_weights, int32_t* recv_src_metadata, int32_t* recv_src_idx, const uint64_t* counts,
-            uint32_t epoch, uint64_t timeout_ns, const ErrorSink& sink) const {
+    // Thread `lane` of one warp (or of the block, lane < 32 taking part) waits for the count words of the blocks
+    // lane, lane + 32, ... to carry `epoch` (and kFusedSpecDone where `done`), bounded as wait_fused_flag; sums
+    // their counts over every block (`total`) and over the blocks before ours (`first`). Uniform over the warp.
+    __device__ __forceinline__ bool warp_counts(const uint64_t* counts, uint32_t epoch, bool done, uint64_t timeout_ns,
+                                                const ErrorSink& sink, int& first, int& total) const {
+        const int lane = threadIdx.x % 32;
+        const uint64_t longer = timeout_ns > (~0ull >> 2) ? timeout_ns : 2 * timeout_ns;
+        const uint64_t need = done ? kFusedSpecDone : 0;
+        bool ok = true;
+        int mine = 0, all = 0;
+        const uint64_t start = global_timer_ns();
+        for (int j = lane; j < num_blocks && ok; j += 32) {
+            uint64_t word = ld_acquire_gpu(counts + j);
+            for (uint32_t iter = 0; static_cast<uint32_t>(word >> 32) != epoch || (word & need) != need; ++iter) {
+                if ((iter & 255) == 255) {
+                    if (global_timer_ns() - start > longer) {
+                        report_timeout(sink, kPhaseDispatch, 0, 0, epoch, static_cast<uint32_t>(word >> 32),
+                                       kAuxFusedCounts);
+                        ok = false;
+                        break;
+                    }
+                    if (timeout_reported(sink)) {
+                        ok = false;
+                        break;
+                    }
+                }
+                word = ld_acquire_gpu(counts + j);
+            }
+            const int count = static_cast<int>(word & kFusedCountMask);
+            all += count;
+            mine += j < block ? count : 0;
+        }
+        first = __reduce_add_sync(0xffffffffu, mine);
+        total = __reduce_add_sync(0xffffffffu, all);
+        return __all_sync(0xffffffffu, ok);
+    }
+
+    // Row i's fields but its hidden bytes, for token tok, by one warp, as dispatch_recv_blocks writes an own token's
+    // at rank 0 (the local expert of a global id e is e itself; an id past the experts is no expert here).
+    __device__ __forceinline__ void row_fields(const RecvArgs& a, int i, int tok, int lane) const {
+        int e = -1;
+        float w = 0.f;
+        if (lane < num_topk) {
+            e = static_cast<int32_t>(topk_idx[static_cast<int64_t>(tok) * num_topk + lane]);
+            w = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * num_topk + lane] : 0.f;
+        }
+        write_row_fields<kMaxTopk>(i, e, w, lane, 0, tok, true, true, 0, num_experts, num_topk, 0,
+                                   reinterpret_cast<const uint32_t*>(a.sf) + tok * a.sf_stride_token, a.sf_stride_col,
+                                   a.num_sf, a.recv_sf, a.recv_sf_stride_row, a.recv_sf_stride_col, a.recv_topk_idx,
+                                   a.recv_topk_weights, a.recv_src_metadata, a.recv_src_idx);
+    }
+
+    // Worst-case outputs (no CPU sync): our share of the marks of the token rows past the receive count.
+    __device__ __forceinline__ void marks(const RecvArgs& a, int num_recv) const {
+        const int meta_cols = num_topk + 2;
+        const int64_t tid = static_cast<int64_t>(block) * blockDim.x + threadIdx.x;
+        const int64_t num_threads = static_cast<int64_t>(num_blocks) * blockDim.x;
+        for (int64_t idx = tid; idx < static_cast<int64_t>(a.num_meta_rows - num_recv) * num_topk; idx += num_threads)
+            a.recv_topk_idx[static_cast<int64_t>(num_recv) * num_topk + idx] = -1;
+        for (int64_t idx = tid; idx < static_cast<int64_t>(a.num_meta_rows - num_recv) * meta_cols; idx += num_threads)
+            a.recv_src_metadata[static_cast<int64_t>(num_recv) * meta_cols + idx] = -1;
+    }
+
+    // `first_gathered`: publish() left the first round's tokens in s (else the first round is gathered here);
+    // `done`: wait for every block's kFusedSpecDone (after a speculation that missed).
+    __device__ __forceinline__ bool receive(const RecvArgs& a, const uint64_t* counts, uint32_t epoch,
+                                            uint64_t timeout_ns, const ErrorSink& sink, bool first_gathered,
+                                            bool done) const {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int num_warps = kDispatchThreads / 32;
         // Our rows into L2 while the other blocks publish (at most our share of kFusedPrefetchBytes).
-        const int64_t lines_per_row = (hidden_bytes + 127) / 128;
-        prefetch_rows_l2(x, x_row_bytes, lines_per_row, begin,
+        const int64_t lines_per_row = (a.hidden_bytes + 127) / 128;
+        prefetch_rows_l2(a.x, a.x_row_bytes, lines_per_row, begin,
                          min(static_cast<int64_t>(end - begin) * lines_per_row, kFusedPrefetchBytes / 128 / num_blocks),
                          threadIdx.x, kDispatchThreads);
 
@@ -235,10 +337,11 @@ struct SelfCountingReceiver {
         bool ok = true;
         if (static_cast<int>(threadIdx.x) < num_blocks) {
             const uint64_t longer = timeout_ns > (~0ull >> 2) ? timeout_ns : 2 * timeout_ns;
+            const uint64_t need = done ? kFusedSpecDone : 0;
             const uint64_t* src = counts + threadIdx.x;
             word = ld_acquire_gpu(src);
             const uint64_t start = global_timer_ns();
-            for (uint32_t iter = 0; static_cast<uint32_t>(word >> 32) != epoch; ++iter) {
+            for (uint32_t iter = 0; static_cast<uint32_t>(word >> 32) != epoch || (word & need) != need; ++iter) {
                 if ((iter & 255) == 255) {
                     if (global_timer_ns() - start > longer) {
                         report_timeout(sink, kPhaseDispatch, 0, 0, epoch, static_cast<uint32_t>(word >> 32),
@@ -258,62 +361,104 @@ struct SelfCountingReceiver {
             return false;
         int total;
         const int before = block_exclusive_scan(
-            static_cast<int>(threadIdx.x) < num_blocks ? static_cast<int>(word & 0xffffffffu) : 0, total);
+            static_cast<int>(threadIdx.x) < num_blocks ? static_cast<int>(word & kFusedCountMask) : 0, total);
         if (static_cast<int>(threadIdx.x) == block)
             s.first_row = before;
         __syncthreads();
-        const int num_recv = min(total, num_meta_rows);       // rows past num_meta_rows are not written
-        const int meta_cols = num_topk + 2;
-        const int num_chunks = hidden_bytes / 16;
+        const int num_recv = min(total, a.num_meta_rows);       // rows past num_meta_rows are not written
+        const int num_chunks = a.hidden_bytes / 16;
 
-        // Our rows, round by round (the first round's tokens are in s.token already). A round whose tokens are all
-        // received (none masked: the usual case) and whose rows of x are dense is one contiguous range of bytes in x
-        // and in recv_x: the whole block copies it at once, walking memory as a plain copy does (and as no warp per
-        // row does: its loads spread over the block's rows); the warps then write the rows' other outputs.
+        // Our rows, round by round (the first round's tokens are in s.token already where `first_gathered`). A round
+        // whose tokens are all received (none masked: the usual case) and whose rows of x are dense is one contiguous
+        // range of bytes in x and in recv_x: the whole block copies it at once, walking memory as a plain copy does
+        // (and as no warp per row does: its loads spread over the block's rows); the warps then write the rows'
+        // other outputs.
         int row0 = s.first_row;
         for (int t0 = begin; t0 < end; t0 += kDispatchThreads) {
-            const int n = t0 == begin ? s.num_first : gather(t0, received(t0 + static_cast<int>(threadIdx.x)));
+            const int n = (t0 == begin && first_gathered) ? s.num_first
+                                                          : gather(t0, received(t0 + static_cast<int>(threadIdx.x)));
             const int rows = max(0, min(n, num_recv - row0));
-            const bool flat = kFusedFlatRounds && n == min(kDispatchThreads, end - t0) && x_row_bytes == hidden_bytes;
+            const bool flat = kFusedFlatRounds && n == min(kDispatchThreads, end - t0) &&
+                              a.x_row_bytes == a.hidden_bytes;
             if (flat)
-                block_copy(recv_x + static_cast<int64_t>(row0) * hidden_bytes,
-                           x + static_cast<int64_t>(t0) * x_row_bytes, static_cast<int64_t>(rows) * hidden_bytes);
+                block_copy(a.recv_x + static_cast<int64_t>(row0) * a.hidden_bytes,
+                           a.x + static_cast<int64_t>(t0) * a.x_row_bytes,
+                           static_cast<int64_t>(rows) * a.hidden_bytes);
             const RowSegments segs(flat ? 0 : rows, num_chunks, num_warps);
             for (int item = warp; item < rows * segs.num; item += num_warps) {
                 const int j = item / segs.num, seg = item - j * segs.num;
                 const int i = row0 + j, tok = s.token[j];
-                if (seg == 0) {
-                    // The row's fields but its hidden bytes, as dispatch_recv_blocks writes an own token's at rank 0
-                    // (the local expert of a global id e is e itself; an id past the experts is no expert here).
-                    int e = -1;
-                    float w = 0.f;
-                    if (lane < num_topk) {
-                        e = static_cast<int32_t>(topk_idx[static_cast<int64_t>(tok) * num_topk + lane]);
-                        w = topk_weights != nullptr ? topk_weights[static_cast<int64_t>(tok) * num_topk + lane] : 0.f;
-                    }
-                    write_row_fields<kMaxTopk>(i, e, w, lane, 0, tok, true, true, 0, num_experts, num_topk, 0,
-                                               reinterpret_cast<const uint32_t*>(sf) + tok * sf_stride_token,
-                                               sf_stride_col, num_sf, recv_sf, recv_sf_stride_row, recv_sf_stride_col,
-                                               recv_topk_idx, recv_topk_weights, recv_src_metadata, recv_src_idx);
-                }
+                if (seg == 0)
+                    row_fields(a, i, tok, lane);
                 if (!flat) {
                     const int c_begin = segs.begin(seg), c_bytes = (segs.end(seg, num_chunks) - c_begin) * 16;
-                    warp_copy(recv_x + static_cast<int64_t>(i) * hidden_bytes + c_begin * 16,
-                              x + tok * x_row_bytes + c_begin * 16, c_bytes, lane);
+                    warp_copy(a.recv_x + static_cast<int64_t>(i) * a.hidden_bytes + c_begin * 16,
+                              a.x + tok * a.x_row_bytes + c_begin * 16, c_bytes, lane);
                 }
             }
             row0 += n;
             __syncthreads();                                  // s.token is rewritten by the next round
         }
-
-        // Worst-case outputs (no CPU sync): our share of the marks of the token rows past the receive count.
-        const int64_t tid = static_cast<int64_t>(block) * blockDim.x + threadIdx.x;
-        const int64_t num_threads = static_cast<int64_t>(num_blocks) * blockDim.x;
-        for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * num_topk; idx += num_threads)
-            recv_topk_idx[static_cast<int64_t>(num_recv) * num_topk + idx] = -1;
-        for (int64_t idx = tid; idx < static_cast<int64_t>(num_meta_rows - num_recv) * meta_cols; idx += num_threads)
-            recv_src_metadata[static_cast<int64_t>(num_recv) * meta_cols + idx] = -1;
+        marks(a, num_recv);
         return true;
+    }
+
+    // The speculative receive (see the top), every thread of the block, at the start of the kernel: the last warp
+    // reads the data epoch (into `epoch`; it also counts the block in kCtrlFusedStarted), counts the share, publishes
+    // the count and reads every block's, while the other warps copy their part of x's first num_tokens rows into
+    // recv_x's (copy thread c of the grid: the 16-byte chunks c, c + copy threads, ...). Every token received (the
+    // receive count is num_tokens): token t's row is t and the copy is the rows' hidden bytes; the block writes its
+    // share's other fields. Else (a token received by nobody: its top-k ids all masked) every block, once its copy is
+    // done, republishes its count with kFusedSpecDone, and receives as receive() does once every block's copy is
+    // done (no speculative write can then land on a row written right). False after a timeout.
+    __device__ __forceinline__ bool speculate(const RecvArgs& a, uint32_t* ctrl, uint64_t* counts, uint32_t& epoch,
+                                              uint64_t timeout_ns, const ErrorSink& sink) const {
+        __shared__ uint32_t s_epoch;
+        __shared__ int s_ok, s_count, s_total;
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        constexpr int kCopyWarps = kDispatchThreads / 32 - 1;
+        if (warp == kCopyWarps) {
+            uint32_t e = 0;
+            if (lane == 0) {
+                e = read_local(ctrl + kCtrlDataEpoch) + 1;
+                red_add_release_gpu(ctrl + kCtrlFusedStarted, 1u);
+            }
+            e = __shfl_sync(0xffffffffu, e, 0);
+            int mine = 0;
+            for (int t = begin + lane; t < end; t += 32)
+                mine += received(t) ? 1 : 0;
+            const int count = __reduce_add_sync(0xffffffffu, mine);
+            if (lane == 0)
+                st_release_gpu(counts + block, (static_cast<uint64_t>(e) << 32) | static_cast<uint32_t>(count));
+            int first, total;
+            const bool ok = warp_counts(counts, e, false, timeout_ns, sink, first, total);
+            if (lane == 0) {
+                s_epoch = e;
+                s_ok = ok;
+                s_count = count;
+                s_total = total;
+            }
+        } else {
+            grid_copy(a.recv_x, a.x, static_cast<int64_t>(num_tokens) * a.hidden_bytes,
+                      static_cast<int64_t>(block) * kCopyWarps * 32 + threadIdx.x,
+                      static_cast<int64_t>(num_blocks) * kCopyWarps * 32);
+        }
+        __syncthreads();
+        epoch = s_epoch;
+        if (!s_ok)
+            return false;
+        if (s_total == num_tokens) {
+            for (int t = begin + warp; t < end; t += kDispatchThreads / 32)
+                row_fields(a, t, t, lane);
+            marks(a, num_tokens);
+            return true;
+        }
+        if (threadIdx.x == 0) {
+            __threadfence();
+            st_release_gpu(counts + block, (static_cast<uint64_t>(epoch) << 32) | kFusedSpecDone |
+                                               static_cast<uint32_t>(s_count));
+        }
+        return receive(a, counts, epoch, timeout_ns, sink, false, true);
     }
 };
 
@@ -354,55 +499,68 @@ fused_notify_and_dispatch(
     __shared__ typename SelfCountingReceiver<kMaxTopk>::Shared s_counting;
     const SelfCountingReceiver<kMaxTopk> counter(topk_idx, num_tokens, num_topk, num_experts, recv_block,
                                                  num_receivers - num_idle, s_counting);
-    const bool first_here = counting && counter.first_ids();
-    // Read by every block before any block can store it: with several ranks the last block stores it, after every
-    // block passed its waits; at one rank block 0 stores it once every block counted itself in kCtrlFusedStarted
-    // (each block's count is released after its read: the read cannot see the store).
-    __shared__ uint32_t s_epoch;
-    if (threadIdx.x == 0) {
-        s_epoch = read_local(ctrl + kCtrlDataEpoch) + 1;
-        if (kNumRanks == 1)
-            red_add_release_gpu(ctrl + kCtrlFusedStarted, 1u);
-    }
-    __syncthreads();
-    const uint32_t epoch = s_epoch;
+    const RecvArgs recv_args{x, x_row_bytes, hidden_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_weights,
+                             num_meta_rows, recv_x, recv_sf, recv_sf_stride_row, recv_sf_stride_col, recv_topk_idx,
+                             recv_topk_weights, recv_src_metadata, recv_src_idx};
     uint64_t* const counts = reinterpret_cast<uint64_t*>(ctrl + kCtrlFusedCounts);
-    if (counting)
-        counter.publish(first_here, counts, epoch);
+    // The speculative receive (see the top): the counting blocks are the blocks without notify work, x's rows are
+    // dense and recv_x and the metadata hold a row for every token (uniform over the grid).
+    const bool speculate = counting && num_idle > 0 && x_row_bytes == hidden_bytes && num_tokens <= num_out_rows &&
+                           num_tokens <= num_meta_rows;
+    uint32_t epoch;
     bool ok = true;
-    if (notify_block >= 0 && notify_block < num_notify_blocks) {
-        ok = notify_body<kNumRanks, kMaxTopk, kDispatchThreads>(
-            topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases, rank,
-            error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert, do_expand,
-            cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts, num_channels,
-            channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot, send_count,
-            notify_block, num_notify_blocks, smem,
-            FusedArrival{ctrl, kCtrlFusedArrivals, kCtrlFusedPositions, epoch,
-                         static_cast<uint32_t>(num_notify_blocks)});
-        if (notify_block == 0) {
-            // Every thread's layout words are written: release them to the receivers.
-            __syncthreads();
-            if (ok && threadIdx.x == 0) {
-                __threadfence();
-                st_release_gpu(ctrl + kCtrlFusedLayout, epoch);
-            }
+    if (speculate) {
+        ok = counter.speculate(recv_args, ctrl, counts, epoch, timeout_ns, sink);
+    } else {
+        const bool first_here = counting && counter.first_ids();
+        // Read by every block before any block can store it: with several ranks the last block stores it, after
+        // every block passed its waits; at one rank block 0 stores it once every block counted itself in
+        // kCtrlFusedStarted (each block's count is released after its read: the read cannot see the store).
+        __shared__ uint32_t s_epoch;
+        if (threadIdx.x == 0) {
+            s_epoch = read_local(ctrl + kCtrlDataEpoch) + 1;
+            if (kNumRanks == 1)
+                red_add_release_gpu(ctrl + kCtrlFusedStarted, 1u);
         }
-    } else if (!counting) {
-        // x's rows into L2 while the notify blocks work (the first kFusedPrefetchBytes of them).
-        const int64_t lines_per_row = (hidden_bytes + 127) / 128;
-        const int64_t rows = min(static_cast<int64_t>(num_tokens),
-                                 max(static_cast<int64_t>(1), kFusedPrefetchBytes / (lines_per_row * 128)));
-        const int64_t index = sender ? block : block - num_notify_blocks;     // among the blocks without notify work
-        prefetch_rows_l2(x, x_row_bytes, lines_per_row, 0, rows * lines_per_row, index * blockDim.x + threadIdx.x,
-                         static_cast<int64_t>(gridDim.x - num_notify_blocks) * blockDim.x);
-        if (sender && kNumRanks > 1)
-            ok = wait_all_peers(peers, kSigDataConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseDispatch);
+        __syncthreads();
+        epoch = s_epoch;
+        if (counting)
+            counter.publish(first_here, counts, epoch);
+        if (notify_block >= 0 && notify_block < num_notify_blocks) {
+            ok = notify_body<kNumRanks, kMaxTopk, kDispatchThreads>(
+                topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases,
+                rank, error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert,
+                do_expand, cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts,
+                num_channels, channel_prefix_matrix, recv_channel_prefix_matrix, rank_prefix_matrix, token_of_slot,
+                send_count, notify_block, num_notify_blocks, smem,
+                FusedArrival{ctrl, kCtrlFusedArrivals, kCtrlFusedPositions, epoch,
+                             static_cast<uint32_t>(num_notify_blocks)});
+            if (notify_block == 0) {
+                // Every thread's layout words are written: release them to the receivers.
+                __syncthreads();
+                if (ok && threadIdx.x == 0) {
+                    __threadfence();
+                    st_release_gpu(ctrl + kCtrlFusedLayout, epoch);
+                }
+            }
+        } else if (!counting) {
+            // x's rows into L2 while the notify blocks work (the first kFusedPrefetchBytes of them).
+            const int64_t lines_per_row = (hidden_bytes + 127) / 128;
+            const int64_t rows = min(static_cast<int64_t>(num_tokens),
+                                     max(static_cast<int64_t>(1), kFusedPrefetchBytes / (lines_per_row * 128)));
+            const int64_t index = sender ? block : block - num_notify_blocks;   // among the blocks without notify work
+            prefetch_rows_l2(x, x_row_bytes, lines_per_row, 0, rows * lines_per_row,
+                             index * blockDim.x + threadIdx.x,
+                             static_cast<int64_t>(gridDim.x - num_notify_blocks) * blockDim.x);
+            if (sender && kNumRanks > 1)
+                ok = wait_all_peers(peers, kSigDataConsumed, kNumRanks, epoch - 1, timeout_ns, sink, kPhaseDispatch);
+        }
+        // `ok` is uniform over the block here (every failure above is a block's).
+        if (ok && (sender || (receives && !self_counting)))
+            ok = wait_fused_flag(ctrl + kCtrlFusedPositions, epoch, timeout_ns, sink, rank, kAuxFusedPositions);
+        if (ok && receives && !self_counting)
+            ok = wait_fused_flag(ctrl + kCtrlFusedLayout, epoch, timeout_ns, sink, rank, kAuxFusedLayout);
     }
-    // `ok` is uniform over the block here (every failure above is a block's).
-    if (ok && (sender || (receives && !self_counting)))
-        ok = wait_fused_flag(ctrl + kCtrlFusedPositions, epoch, timeout_ns, sink, rank, kAuxFusedPositions);
-    if (ok && receives && !self_counting)
-        ok = wait_fused_flag(ctrl + kCtrlFusedLayout, epoch, timeout_ns, sink, rank, kAuxFusedLayout);
 
     const MessageLayout msg(num_topk, num_sf, hidden_bytes);
     const int num_chunks = hidden_bytes / 16;
@@ -411,11 +569,9 @@ fused_notify_and_dispatch(
             x, x_row_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_idx, topk_weights, send_expert_pos,
             token_of_slot, send_count, num_tokens, num_topk, num_max_tokens_per_rank, msg, num_chunks, peers, rank,
             recv_offset, sink, timeout_ns, epoch, block, num_send_blocks, chunk_rows, chunk_stride);
-    } else if (ok && counting) {
-        ok = counter.receive(x, x_row_bytes, hidden_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_weights,
-                             num_meta_rows, recv_x, recv_sf, recv_sf_stride_row, recv_sf_stride_col, recv_topk_idx,
-                             recv_topk_weights, recv_src_metadata, recv_src_idx, counts, epoch, timeout_ns, sink);
-    } else if (ok && receives) {
+    } else if (ok && counting && !speculate) {
+        ok = counter.receive(recv_args, counts, epoch, timeout_ns, sink, true, false);
+    } else if (ok && receives && !counting) {
         ok = dispatch_recv_blocks<kNumRanks, kMaxTopk>(
             x, x_row_bytes, hidden_bytes, sf, sf_stride_token, sf_stride_col, num_sf, topk_idx, topk_weights,
             send_expert_pos, token_of_slot, recv_layout, num_tokens, num_topk, num_experts, num_max_tokens_per_rank,

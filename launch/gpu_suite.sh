@@ -37,7 +37,8 @@
 #              without expansion): the EP rank program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync
 #              dispatches take the fused kernel), the missing-rank check without CPU sync, the V1 adapter and DeepEP's
 #              test_ep.py with it (parallel; perf1 profiles the fused default and the two kernels alone)
-# STEP_FILTER=REGEX keeps only the steps whose names match (e.g. STEP_FILTER='test_pp|gate' ... deepep gate).
+# STEP_FILTER=REGEX keeps only the steps whose names match (e.g. STEP_FILTER='test_pp|gate' ... deepep gate);
+# STEP_EXCLUDE=REGEX drops the steps whose names match (e.g. STEP_EXCLUDE='MPS|baseline').
 # Stages marked parallel below run their steps in lanes at the same time (logic only: ranks share the GPU anyway);
 # perf1 and bench run alone.
 set -uo pipefail
@@ -63,6 +64,7 @@ step() {
     local name=$1 limit=$2; shift 2
     # STEP_FILTER (a bash regex) keeps only the steps whose names match it: re-runs of a few steps of several stages.
     [ -n "${STEP_FILTER:-}" ] && ! [[ $name =~ $STEP_FILTER ]] && return 0
+    [ -n "${STEP_EXCLUDE:-}" ] && [[ $name =~ $STEP_EXCLUDE ]] && return 0
     local tmp; tmp=$(mktemp)
     echo "=== [$name] $*" >> "$tmp"
     local t0; t0=$(date +%s%N)
@@ -457,6 +459,10 @@ fuse_lane() {
     # tokens received by nobody).
     step "fuse: ep np=1 pressure 1100 tokens" 300 $F $R 1 $EP --num-tokens 1100 --hidden 1024 --num-topk 2 \
         --masked-ratio 0.5 --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0
+    # One rank, 100 seeds with no id masked: every token received, the receivers' speculative copy confirmed (the
+    # masked runs above take its miss path).
+    step "fuse: ep np=1 pressure 2048 tokens unmasked" 300 $F $R 1 $EP --num-tokens 2048 --hidden 1024 \
+        --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0
     # One rank, 34 notify blocks of 132 receivers (fewer than 3/4 others): the notify blocks receive too (their counts
     # published before their notify work).
     # (first mode only: its no-sync dispatch takes the fused kernel; all 144 modes' host references at 17000 tokens
