@@ -38,10 +38,14 @@
 #              dispatches take the fused kernel), the missing-rank check without CPU sync, the V1 adapter and DeepEP's
 #              test_ep.py with it (parallel; perf1 profiles the fused default and the two kernels alone)
 # STEP_FILTER=REGEX keeps only the steps whose names match (e.g. STEP_FILTER='test_pp|gate' ... deepep gate);
-# STEP_EXCLUDE=REGEX drops the steps whose names match (e.g. STEP_EXCLUDE='MPS|baseline').
+# STEP_EXCLUDE=REGEX drops the steps whose names match (e.g. STEP_EXCLUDE='MPS|baseline'); STEP_LIST=FILE keeps only
+# the steps named in FILE, one exact name per line. launch/verify_steps.txt is the verification of a one-GPU machine in
+# one device call (~7 min: every logic lane at once on one GPU runs out of its memory, so it leaves some steps out):
+#   STEP_LIST=launch/verify_steps.txt bash launch/gpu_suite.sh perf1 ep legacy fuse coll hybrid host deepep deepep25 ll
 # Stages marked parallel below run their steps in lanes at the same time (logic only: ranks share the GPU anyway);
 # perf1 and bench run alone.
 set -uo pipefail
+[ -n "${STEP_LIST:-}" ] && STEP_LIST=$(realpath "$STEP_LIST")
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$PWD/out}
@@ -65,6 +69,7 @@ step() {
     # STEP_FILTER (a bash regex) keeps only the steps whose names match it: re-runs of a few steps of several stages.
     [ -n "${STEP_FILTER:-}" ] && ! [[ $name =~ $STEP_FILTER ]] && return 0
     [ -n "${STEP_EXCLUDE:-}" ] && [[ $name =~ $STEP_EXCLUDE ]] && return 0
+    [ -n "${STEP_LIST:-}" ] && ! grep -qxF -- "$name" "$STEP_LIST" && return 0
     local tmp; tmp=$(mktemp)
     echo "=== [$name] $*" >> "$tmp"
     local t0; t0=$(date +%s%N)
