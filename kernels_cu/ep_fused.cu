@@ -35,15 +35,18 @@
 // nobody) waits for every block's copy to end, then receives as above (recv_x's rows past the receive count, which
 // no caller reads, then hold speculated bytes). Before it (one H200, 4096 tokens of 7168 BF16, globaltimer stamps per
 // block): the copy began 4.4 us after the launch (the epoch read, then the counts), and the blocks' shares of ~470 KB
-// ended 29 to 37 us in (their shares of HBM are uneven), where a plain copy of the same bytes takes 30.7 us.
+// ended 29 to 37 us in (their shares of HBM are uneven), where a plain copy of the same bytes takes 30.7 us. With
+// it: a span of 34.6-36.3 us, 1.10-1.17x the copy (FP8: 1.16-1.23x); what is left is the copy's spread between blocks
+// (a static split still ends 21 to 31 us in), the share's fields after it (~4 us; FP8 ~8 us with its scales) and, at
+// FP8, the notify blocks (~18 us beside the copy). perf/results/1xh200_s10_probe_fused_stamps.md has the stamps.
 // At one rank block 0 publishes the data epoch without the ticket and its system-scope fences (as ep_dispatch.cu):
 // only later kernels of the stream read it. Every block counts itself in kCtrlFusedStarted right after reading the
 // epoch (released at GPU scope), and block 0 stores the epoch only once the count is the grid, so that no block of
 // this launch can read the new epoch (it would wait for flags one epoch ahead); block 0 resets the count.
 // Before the flags, the blocks without notify work do what needs no layout: they prefetch their share of x into L2
-// (at most kFusedPrefetchBytes; self-counting receivers their own rows, once their count is published), and the
-// senders wait for their destinations' data_consumed (ep_dispatch.cu's senders do that first; they then find it
-// done).
+// (at most kFusedPrefetchBytes; self-counting receivers their own rows, once their count is published; speculating
+// ones copy at once instead), and the senders wait for their destinations' data_consumed (ep_dispatch.cu's senders do
+// that first; they then find it done).
 // Every wait is bounded (timeout.cuh): a notify block that timed out never raises a flag, and the blocks waiting for
 // it give up once its record is written. They wait twice as long as a wait on a peer, so that a missing peer is
 // reported as such (by the notify block that waited for it) rather than as a flag of this rank that never came; only a
@@ -164,6 +167,27 @@ __device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int
 constexpr uint64_t kFusedSpecDone = 1ull << 31;         // the block's speculative copy is done (a miss only)
 constexpr uint64_t kFusedCountMask = kFusedSpecDone - 1;
 
+// One thread waits for a self-counting receiver's count word to carry `epoch` and every bit of `need`
+// (kFusedSpecDone or 0), bounded at twice a peer's timeout (as wait_fused_flag), from `start`; `word` gets the last
+// value read. False after a timeout (reported as kAuxFusedCounts) or once another wait reported one.
+__device__ __forceinline__ bool wait_count_word(const uint64_t* src, uint32_t epoch, uint64_t need, uint64_t start,
+                                                uint64_t timeout_ns, const ErrorSink& sink, uint64_t& word) {
+    const uint64_t longer = timeout_ns > (~0ull >> 2) ? timeout_ns : 2 * timeout_ns;
+    word = ld_acquire_gpu(src);
+    for (uint32_t iter = 0; static_cast<uint32_t>(word >> 32) != epoch || (word & need) != need; ++iter) {
+        if ((iter & 255) == 255) {
+            if (global_timer_ns() - start > longer) {
+                report_timeout(sink, kPhaseDispatch, 0, 0, epoch, static_cast<uint32_t>(word >> 32), kAuxFusedCounts);
+                return false;
+            }
+            if (timeout_reported(sink))
+                return false;
+        }
+        word = ld_acquire_gpu(src);
+    }
+    return true;
+}
+
 // A self-counting receiver's inputs and outputs (the kernel's arguments of the same names).
 struct RecvArgs {
     const uint8_t* x;
@@ -262,28 +286,12 @@ struct SelfCountingReceiver {
     __device__ __forceinline__ bool warp_counts(const uint64_t* counts, uint32_t epoch, bool done, uint64_t timeout_ns,
                                                 const ErrorSink& sink, int& first, int& total) const {
         const int lane = threadIdx.x % 32;
-        const uint64_t longer = timeout_ns > (~0ull >> 2) ? timeout_ns : 2 * timeout_ns;
-        const uint64_t need = done ? kFusedSpecDone : 0;
         bool ok = true;
         int mine = 0, all = 0;
         const uint64_t start = global_timer_ns();
         for (int j = lane; j < num_blocks && ok; j += 32) {
-            uint64_t word = ld_acquire_gpu(counts + j);
-            for (uint32_t iter = 0; static_cast<uint32_t>(word >> 32) != epoch || (word & need) != need; ++iter) {
-                if ((iter & 255) == 255) {
-                    if (global_timer_ns() - start > longer) {
-                        report_timeout(sink, kPhaseDispatch, 0, 0, epoch, static_cast<uint32_t>(word >> 32),
-                                       kAuxFusedCounts);
-                        ok = false;
-                        break;
-                    }
-                    if (timeout_reported(sink)) {
-                        ok = false;
-                        break;
-                    }
-                }
-                word = ld_acquire_gpu(counts + j);
-            }
+            uint64_t word;
+            ok = wait_count_word(counts + j, epoch, done ? kFusedSpecDone : 0, start, timeout_ns, sink, word);
             const int count = static_cast<int>(word & kFusedCountMask);
             all += count;
             mine += j < block ? count : 0;
@@ -335,28 +343,9 @@ struct SelfCountingReceiver {
         // Every block's count: thread j waits for block j's (bounded: twice a peer's timeout, as wait_fused_flag).
         uint64_t word = 0;
         bool ok = true;
-        if (static_cast<int>(threadIdx.x) < num_blocks) {
-            const uint64_t longer = timeout_ns > (~0ull >> 2) ? timeout_ns : 2 * timeout_ns;
-            const uint64_t need = done ? kFusedSpecDone : 0;
-            const uint64_t* src = counts + threadIdx.x;
-            word = ld_acquire_gpu(src);
-            const uint64_t start = global_timer_ns();
-            for (uint32_t iter = 0; static_cast<uint32_t>(word >> 32) != epoch || (word & need) != need; ++iter) {
-                if ((iter & 255) == 255) {
-                    if (global_timer_ns() - start > longer) {
-                        report_timeout(sink, kPhaseDispatch, 0, 0, epoch, static_cast<uint32_t>(word >> 32),
-                                       kAuxFusedCounts);
-                        ok = false;
-                        break;
-                    }
-                    if (timeout_reported(sink)) {
-                        ok = false;
-                        break;
-                    }
-                }
-                word = ld_acquire_gpu(src);
-            }
-        }
+        if (static_cast<int>(threadIdx.x) < num_blocks)
+            ok = wait_count_word(counts + threadIdx.x, epoch, done ? kFusedSpecDone : 0, global_timer_ns(), timeout_ns,
+                                 sink, word);
         if (__syncthreads_or(!ok))
             return false;
         int total;
