@@ -173,15 +173,9 @@ fused_notify_and_dispatch(
         ok = counter.speculate(recv_args, ctrl, counts, epoch, timeout_ns, sink);
     } else {
         const bool first_here = counting && counter.first_ids();
-        // Read by every block before any block can store it: with several ranks the last block stores it, after
-        // every block passed its waits; at one rank block 0 stores it once every block counted itself in
-        // kCtrlFusedStarted (each block's count is released after its read: the read cannot see the store).
         __shared__ uint32_t s_epoch;
-        if (threadIdx.x == 0) {
-            s_epoch = read_local(ctrl + kCtrlDataEpoch) + 1;
-            if (kNumRanks == 1)
-                red_add_release_gpu(ctrl + kCtrlFusedStarted, 1u);
-        }
+        if (threadIdx.x == 0)
+            s_epoch = fused_read_epoch(ctrl, kNumRanks == 1);
         __syncthreads();
         epoch = s_epoch;
         if (counting)

@@ -48,6 +48,17 @@ __device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int
     grid_copy(dst, src, num_bytes, threadIdx.x, kDispatchThreads);
 }
 
+// A block's data epoch for this launch, read by one thread: ctrl[kCtrlDataEpoch] + 1. It is read by every block
+// before any block can store it: with several ranks the last block stores it, after every block passed its waits; at
+// one rank (`count_started`) block 0 stores it once every block counted itself in kCtrlFusedStarted, released after
+// the read, so the read cannot see the store.
+__device__ __forceinline__ uint32_t fused_read_epoch(uint32_t* ctrl, bool count_started) {
+    const uint32_t epoch = read_local(ctrl + kCtrlDataEpoch) + 1;
+    if (count_started)
+        red_add_release_gpu(ctrl + kCtrlFusedStarted, 1u);
+    return epoch;
+}
+
 // Count words of the self-counting receivers (kCtrlFusedCounts): epoch << 32 | kFusedSpecDone? | count.
 constexpr uint64_t kFusedSpecDone = 1ull << 31;         // the block's speculative copy is done (a miss only)
 constexpr uint64_t kFusedCountMask = kFusedSpecDone - 1;
@@ -165,10 +176,10 @@ struct SelfCountingReceiver {
         }
     }
 
-    // Thread `lane` of one warp (or of the block, lane < 32 taking part) waits for the count words of the blocks
-    // lane, lane + 32, ... to carry `epoch` (and kFusedSpecDone where `done`), bounded as wait_fused_flag; sums
-    // their counts over every block (`total`) and over the blocks before ours (`first`). Uniform over the warp.
-    __device__ __forceinline__ bool warp_counts(const uint64_t* counts, uint32_t epoch, bool done, uint64_t timeout_ns,
+    // Lane l of one warp waits for the count words of the blocks l, l + 32, ... to carry `epoch`, bounded as
+    // wait_fused_flag; sums their counts over every block (`total`) and over the blocks before ours (`first`).
+    // Uniform over the warp.
+    __device__ __forceinline__ bool warp_counts(const uint64_t* counts, uint32_t epoch, uint64_t timeout_ns,
                                                 const ErrorSink& sink, int& first, int& total) const {
         const int lane = threadIdx.x % 32;
         bool ok = true;
@@ -176,7 +187,7 @@ struct SelfCountingReceiver {
         const uint64_t start = global_timer_ns();
         for (int j = lane; j < num_blocks && ok; j += 32) {
             uint64_t word;
-            ok = wait_count_word(counts + j, epoch, done ? kFusedSpecDone : 0, start, timeout_ns, sink, word);
+            ok = wait_count_word(counts + j, epoch, 0, start, timeout_ns, sink, word);
             const int count = static_cast<int>(word & kFusedCountMask);
             all += count;
             mine += j < block ? count : 0;
@@ -293,10 +304,8 @@ struct SelfCountingReceiver {
         constexpr int kCopyWarps = kDispatchThreads / 32 - 1;
         if (warp == kCopyWarps) {
             uint32_t e = 0;
-            if (lane == 0) {
-                e = read_local(ctrl + kCtrlDataEpoch) + 1;
-                red_add_release_gpu(ctrl + kCtrlFusedStarted, 1u);
-            }
+            if (lane == 0)
+                e = fused_read_epoch(ctrl, true);
             e = __shfl_sync(0xffffffffu, e, 0);
             int mine = 0;
             for (int t = begin + lane; t < end; t += 32)
@@ -305,7 +314,7 @@ struct SelfCountingReceiver {
             if (lane == 0)
                 st_release_gpu(counts + block, (static_cast<uint64_t>(e) << 32) | static_cast<uint32_t>(count));
             int first, total;
-            const bool ok = warp_counts(counts, e, false, timeout_ns, sink, first, total);
+            const bool ok = warp_counts(counts, e, timeout_ns, sink, first, total);
             if (lane == 0) {
                 s_epoch = e;
                 s_ok = ok;
