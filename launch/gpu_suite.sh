@@ -33,6 +33,9 @@
 #   tune       reduce-scatter sweep and load-balancing ring patterns (needs 2 GPUs)
 #   mps        hybrid P2 vs P1 (perf/hybrid_pipeline.py) with the two ranks on GPU 0 under CUDA MPS (not by default)
 #   firsthour  the README's commands in a fresh virtual environment (next to the preinstalled packages)
+#   frameworks Megatron-Core's MoE layer on our deep_ep (tests.megatron_moe: EP=1, and EP=2 with both ranks on GPU 0,
+#              Megatron's NCCL groups through per-rank NCCL_HOSTIDs; megatron-core from a wheel in .whl/ when it is not
+#              installed) and the vLLM / SGLang call replay (tests.serving_replay) at 1, 2 and 4 ranks sharing GPU 0
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
 #              without expansion): the EP rank program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync
 #              dispatches take the fused kernel), the missing-rank check without CPU sync, the V1 adapter and DeepEP's
@@ -59,7 +62,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 PY=${PYTHON:-python3}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(info jit perf1 ep ll legacy coll hybrid fuse deepep deepep25 gate launchers host pytest
-                                   bench)
+                                   bench frameworks)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # step NAME TIMEOUT_S COMMAND...: run, log, record PASS/FAIL with the wall time. Each step's output lands in suite.log
@@ -334,6 +337,28 @@ coll_lane() {
     step "barrier np=$np (sharing 1 GPU)" 300 $ONE $R $np $PY -m deepep_cupy.tests.barrier --num-barriers 100 \
         --num-rounds 8 --skip-perf-test
 }
+frameworks_lane() {
+    # megatron-core's wheel travels in .whl/ (it is not in the GPU image); installed into a folder of its own.
+    local site=/tmp/deepep_cupy_frameworks_site wheel
+    wheel=$(ls .whl/megatron_core-*.whl 2>/dev/null | tail -1)
+    [ -n "$wheel" ] && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$wheel" >> "$LOG" 2>&1
+    local MP="env PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}"
+    if $MP $PY -c 'import megatron.core' 2>/dev/null; then
+        step "megatron MoE EP=1 (fused_a2a, np=1)" 300 $MP $ONE $R 1 $PY -m deepep_cupy.tests.megatron_moe
+        step "megatron MoE EP=2 v1+v2 (flex/deep_ep vs alltoall, sharing GPU 0)" 600 $MP $ONE $R 2 $PY \
+            -m deepep_cupy.tests.megatron_moe
+    else
+        echo "megatron-core is neither installed nor in .whl/: the Megatron steps did not run" | tee -a "$LOG"
+        step "megatron MoE (megatron-core missing)" 10 false
+    fi
+    if [ -f deepep_cupy/tests/serving_replay.py ]; then
+        for n in 1 2 4; do
+            step "serving replay np=$n (vLLM / SGLang call sequences, sharing GPU 0)" 400 $ONE $R $n $PY \
+                -m deepep_cupy.tests.serving_replay
+        done
+    fi
+}
 deepep_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep"
     [ -d $U ] || { echo "no .upstream/ (DeepEP's programs): skipped" >> "$LOG"; return; }
@@ -531,6 +556,7 @@ want deepep25 && MASTER_PORT=18661 lane deepep_v25_np2_lane
 want gate && [ -d .upstream ] && lane step "DeepEP utils/test_gate.py" ${GATE_TIMEOUT:-420} $ONE $PY \
     -m deepep_cupy.as_deep_ep .upstream/head/tests/utils/test_gate.py
 want firsthour && lane firsthour_lane
+want frameworks && MASTER_PORT=18761 lane frameworks_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
 # domains x 1 rank sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: the two

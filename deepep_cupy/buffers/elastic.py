@@ -19,6 +19,7 @@ from ..features.agrs.plan import (
 )
 from ..features.engram.feature import Engram
 from ..features.engram.plan import storage_size_hint
+from ..features.ep import feature as ep_feature
 from ..features.ep import layout as ep_layout
 from ..features.ep import plan as ep_plan
 from ..features.ep.feature import EP
@@ -179,6 +180,14 @@ class ElasticBuffer(BufferBase):
         communicator) only gives the number of ranks; nothing is communicated."""
         return ep_layout.buffer_size_hint(group_size(group, comm), num_max_tokens_per_rank, hidden, num_topk,
                                           allow_multiple_reduction)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """The SMs of every dispatch that passes `num_sms=0` (and no handle), on every buffer, from now on (0: the
+        SM policy of `get_theoretical_num_sms` again). DeepEP V2 takes `num_sms` per call only; Megatron-Core calls
+        this where `ElasticBuffer` has it, as it calls V1's `Buffer.set_num_sms`."""
+        check_int('new_num_sms', new_num_sms, 0)
+        ep_feature.set_default_num_sms(new_num_sms)
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, nvlink_gbs: float = 0,
                                 sm_read_gbs: float = 200, sm_write_gbs: float = 50) -> int:

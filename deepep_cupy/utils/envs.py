@@ -70,12 +70,37 @@ def _num_cuda_devices(torch=None) -> int:
     return 0
 
 
+# NCCL between ranks that share one GPU: NCCL refuses two ranks of a communicator on one GPU ("Duplicate GPU")
+# unless each rank names its own host with NCCL_HOSTID; it then takes them for separate hosts and connects them
+# with its socket transport over the loopback (logic tests only, never timings).
+NCCL_SHARED_GPU_ENV = {'NCCL_P2P_DISABLE': '1', 'NCCL_SHM_DISABLE': '1', 'NCCL_IB_DISABLE': '1',
+                       'NCCL_SOCKET_IFNAME': 'lo'}
+
+
+def nccl_hosts_emulated() -> bool:
+    """Whether this rank names its own NCCL host (`NCCL_HOSTID`), so NCCL accepts it beside ranks on its GPU."""
+    return bool(os.environ.get('NCCL_HOSTID', '').strip())
+
+
+def emulate_nccl_host(host: str) -> None:
+    """Let NCCL run between ranks sharing a GPU: `NCCL_HOSTID=host` (unique per rank, or per would-be host) and the
+    transports that need no second GPU (`NCCL_SHARED_GPU_ENV`; a variable the caller set keeps its value). Call it
+    before NCCL's first communicator in this process."""
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f'host must be a non-empty name without spaces, got {host!r}')
+    os.environ['NCCL_HOSTID'] = host
+    for name, value in NCCL_SHARED_GPU_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def torch_backend(num_local_ranks: int, torch=None) -> str:
     """The torch.distributed backend for `num_local_ranks` ranks per host: NCCL (CUDA tensors) plus gloo (CPU) when
-    every rank can have its own GPU, gloo alone when ranks must share one (NCCL refuses two ranks on one GPU) or torch
-    sees no GPU."""
+    every rank can have its own GPU, or when ranks share GPUs but each names its own NCCL host (`NCCL_HOSTID`, see
+    `emulate_nccl_host`); gloo alone when ranks share a GPU otherwise (NCCL would refuse them) or torch sees no
+    GPU."""
     torch = torch or _import_torch()
-    if torch is not None and torch.cuda.is_available() and torch.cuda.device_count() >= max(1, num_local_ranks):
+    if torch is not None and torch.cuda.is_available() and (
+            torch.cuda.device_count() >= max(1, num_local_ranks) or nccl_hosts_emulated()):
         return TORCH_BACKEND_OWN_GPUS
     return TORCH_BACKEND_SHARED_GPUS
 

@@ -12,6 +12,8 @@ See kernels_cu/ep_*.cu for the protocols.
 """
 
 import ctypes
+import dataclasses
+import weakref
 from typing import Any, Dict, Optional
 
 from ... import envs
@@ -31,6 +33,19 @@ HOST_COUNTS_OFFSET = workspace.HOST_EP_COUNTS.offset    # the dispatch counts in
 HOST_RANGE_OFFSET = workspace.HOST_EP_RANGE.offset      # the top-k range check's [seq, lo, hi] (int64)
 DATA_REGION_OWNER = 'EP dispatch/combine'
 MAX_BOUND_CALLS = 256       # call signatures remembered (bound.py); more are forgotten all at once
+
+_live_features: 'weakref.WeakSet[EP]' = weakref.WeakSet()     # every EP feature alive (`set_default_num_sms`)
+_default_num_sms = 0
+
+
+def set_default_num_sms(num_sms: int) -> None:
+    """The SMs of every dispatch given `num_sms=0` without a handle, on every buffer, built or to be built (0: the SM
+    policy again); the bound calls of live buffers are forgotten, so the next call of each signature plans anew."""
+    global _default_num_sms
+    _default_num_sms = num_sms
+    for feature in list(_live_features):
+        feature.settings = dataclasses.replace(feature.settings, default_num_sms=num_sms)
+        feature._bound = {}
 
 
 class EP:
@@ -54,7 +69,9 @@ class EP:
             data_offset=buf.data_offset, sym_num_bytes=buf.data_offset + buf.num_bytes,      # end of the data region
             num_device_sms=buf.num_device_sms,
             allow_multiple_reduction=allow_multiple_reduction,
-            prefer_overlap_with_compute=prefer_overlap_with_compute, nvlink_gbs=nvlink_gbs)
+            prefer_overlap_with_compute=prefer_overlap_with_compute, nvlink_gbs=nvlink_gbs,
+            default_num_sms=_default_num_sms)
+        _live_features.add(self)
         self.layout = None
         self._kernels: Dict[int, EPKernels] = {}
         self._range_kernels: Dict[int, Any] = {}     # num_topk -> its bucket's range kernel (`_start_range`)

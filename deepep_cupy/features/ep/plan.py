@@ -37,6 +37,7 @@ class EPSettings:
     allow_multiple_reduction: bool
     prefer_overlap_with_compute: bool
     nvlink_gbs: float
+    default_num_sms: int = 0           # SMs of a dispatch given num_sms=0 (`ElasticBuffer.set_num_sms`; 0: the policy)
 
 
 # ---- SM and QP policy ----------------------------------------------------------------------------------------------
@@ -323,7 +324,7 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
             lay.scratch_bytes(R * layout.NUM_MAX_LOCAL_EXPERTS):
         raise ValueError('num_max_tokens_per_rank is larger than the buffer was built for')
     # A cached dispatch sends like the dispatch that made its handle (as combine does).
-    num_sms = num_sms or (handle.num_sms if cached else theoretical_num_sms(
+    num_sms = num_sms or (handle.num_sms if cached else s.default_num_sms or theoretical_num_sms(
         R, num_experts, K, s.nvlink_gbs, s.num_device_sms, s.prefer_overlap_with_compute))
     num_sms = min(num_sms, s.num_device_sms)
     if range_check is not None:
