@@ -301,3 +301,45 @@ PARSERS = {
     'legacy_low_latency': legacy_low_latency_parser, 'legacy_intranode': legacy_intranode_parser,
     'v25': v25_parser,
 }
+
+
+def serving_replay_parser() -> argparse.ArgumentParser:
+    """`serving_replay`: vLLM's and SGLang's DeepEP V1 backends replayed call for call (issue #27)."""
+    cases = ('vllm_ht_bf16', 'vllm_ht_fp8', 'vllm_ht_sync_finalize', 'vllm_ht_dbo', 'vllm_ht_idle_ranks',
+             'vllm_ll_bf16', 'vllm_ll_fp8', 'vllm_ll_fp8_ue8m0', 'vllm_ll_sync_finalize', 'vllm_ll_dbo',
+             'vllm_ll_idle_ranks', 'vllm_ll_cuda_graph', 'vllm_ll_fault_tolerance', 'sglang_normal_fp8',
+             'sglang_normal_ue8m0', 'sglang_normal_tbo', 'sglang_normal_idle_ranks', 'sglang_normal_prefill_growth',
+             'sglang_ll_fp8', 'sglang_ll_ue8m0', 'sglang_ll_bf16', 'sglang_ll_idle_ranks', 'sglang_ll_cuda_graph',
+             'sglang_auto')
+    extra = ('sglang_normal_sync',)
+    p = _parser('serving_replay', 'vLLM\'s and SGLang\'s DeepEP V1 backends (deepep_high_throughput, '
+                                  'deepep_low_latency; deepep normal, low_latency,\nauto) replayed call for call on '
+                                  'deep_ep = deepep_cupy, buffers sized as the frameworks size them (from their\n'
+                                  'environment: VLLM_DEEPEP_BUFFER_SIZE_MB, VLLM_MOE_DP_CHUNK_SIZE, VLLM_DBO_COMM_SMS,'
+                                  '\n'
+                                  'SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, ...); every output checked bit for '
+                                  'bit against host\nreferences. Runs on 1, 2 or 4 ranks sharing one GPU.')
+    p.add_argument('--num-tokens', type=int, default=128,
+                   help='normal-mode (prefill) tokens of rank 0 (rank r: max(1, num_tokens - r))')
+    p.add_argument('--num-ll-tokens', type=int, default=32,
+                   help='low-latency (decode) tokens of rank 0 (rank r: num_ll_tokens - r); at most the frameworks\' '
+                        'max tokens per rank (vLLM 256, SGLang 128 by default)')
+    p.add_argument('--num-prefill-tokens', type=int, default=0,
+                   help='tokens per rank of sglang_normal_prefill_growth (0: what DeepEP\'s default configs hold in '
+                        'flight, more than SGLang\'s FP8-sized buffer has slots for)')
+    p.add_argument('--hidden', type=int, default=2048,
+                   help='hidden size (vLLM\'s low-latency cases need one of 2048, 2560, 3072, 4096, 5120, 6144, 7168, '
+                        '8192; FP8 UE8M0 a multiple of 512)')
+    p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=64,
+                   help='experts in all (rounded down to a multiple of the rank count)')
+    p.add_argument('--seeds', type=str, default='0', help='comma-separated seeds; every case runs once per seed')
+    p.add_argument('--cases', type=str, default='all',
+                   help=f'comma-separated case names, or all (every case but the extras); cases: {", ".join(cases)}; '
+                        f'extras: {", ".join(extra)}')
+    p.add_argument('--skip-perf-test', action='store_true',
+                   help='accepted like in every rank program; this one prints no timings, so it changes nothing')
+    return p
+
+
+PARSERS['serving_replay'] = serving_replay_parser
