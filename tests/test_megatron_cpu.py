@@ -21,7 +21,7 @@ def test_megatron_program_help_works_without_torch_or_megatron():
             "runpy.run_module('deepep_cupy.tests.megatron_moe', run_name='__main__')")
     proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert '--num-tokens' in proc.stdout and "'v2' ElasticBuffer" in proc.stdout and 'mpirun -np N' in proc.stdout
+    assert '--num-tokens' in proc.stdout and "'v2' ElasticBuffer" in proc.stdout
 
 
 def _fake_torch(num_devices: int):

@@ -250,7 +250,7 @@ class Buffer(LowLatencyMethods):
             of each expert, whether each token goes to each rank. The two counts are views of one allocation.
         """
         self._check_alive()
-        check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
+        previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         p = plan_layout(topk_idx, num_experts, self.group_size, self.device)
         current = interop.current_stream(topk_idx)
         comm = self._order.enter(current, as_event_handle(previous_event),
@@ -296,7 +296,7 @@ class Buffer(LowLatencyMethods):
             handle: see `legacy_normal.LegacyHandle`. Cached: `(recv_x, None, None, None, None, event)`.
         """
         self._check_alive()
-        check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
+        previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         num_sms = self._config(config, 'dispatch')
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
@@ -340,7 +340,7 @@ class Buffer(LowLatencyMethods):
             None, event)`.
         """
         self._check_alive()
-        check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
+        previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         num_sms = self._config(config, 'combine')
         return NormalMode.combine(x, expected_handle_type(handle), topk_weights, bias, num_sms, previous_event,
                                   async_finish, allocate_on_comm_stream)

@@ -138,11 +138,15 @@ class LegacyHandle(tuple):
 
 
 # ---- argument checks (pure) ------------------------------------------------------------------------------------------
-def check_event_rule(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+def check_event_rule(previous_event, async_finish: bool, allocate_on_comm_stream: bool):
     """V1's rule: `allocate_on_comm_stream` needs `previous_event` and `async_finish` (a `previous_event` alone is
-    legal)."""
+    legal). Returns `previous_event`, None for an `EventOverlap` holding no event: V1 passes its `.event` on, so an
+    empty one means none (SGLang's synchronous normal dispatch hands the layout's empty event to dispatch)."""
+    if type(previous_event) is EventOverlap and previous_event.event is None:
+        previous_event = None
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
         raise ValueError('allocate_on_comm_stream=True needs previous_event and async_finish=True (DeepEP V1 rule)')
+    return previous_event
 
 
 def check_num_sms(config) -> int:

@@ -343,3 +343,27 @@ def serving_replay_parser() -> argparse.ArgumentParser:
 
 
 PARSERS['serving_replay'] = serving_replay_parser
+
+
+def megatron_moe_parser() -> argparse.ArgumentParser:
+    """`megatron_moe`: Megatron-Core's MoE layer on deep_ep (issue #27)."""
+    p = _parser('megatron_moe', "Megatron-Core's MoE layer, unmodified, on deep_ep = deepep_cupy: the flex dispatcher "
+                'with its DeepEP backend against the all-to-all dispatcher, forward and backward, several SGD steps '
+                "(EP = the number of ranks; at one rank Megatron's fused_a2a functions alone). Needs megatron-core.")
+    p.add_argument('--num-tokens', type=int, default=256, help='tokens per rank (sequence length, batch 1)')
+    p.add_argument('--hidden', type=int, default=512, help='hidden size')
+    p.add_argument('--ffn-hidden', type=int, default=768, help='expert FFN hidden size')
+    p.add_argument('--num-experts', type=int, default=8, help='routed experts (a multiple of EP)')
+    p.add_argument('--num-topk', type=int, default=2, help='top-k of the top-k cases')
+    p.add_argument('--num-steps', type=int, default=3, help='training steps per case')
+    p.add_argument('--lr', type=float, default=1e-2, help='SGD learning rate between steps')
+    p.add_argument('--api', choices=('v1', 'v2', 'both'), default='both',
+                   help="deep_ep API Megatron calls: 'v1' Buffer (megatron-core 0.19), 'v2' ElasticBuffer "
+                        "(Megatron main's path), or both")
+    p.add_argument('--seed', type=int, default=0, help='seed of weights and inputs')
+    p.add_argument('--skip-perf-test', action='store_true',
+                   help='accepted like every rank program\'s (this one prints no perf lines: its checks are logic)')
+    return p
+
+
+PARSERS['megatron_moe'] = megatron_moe_parser

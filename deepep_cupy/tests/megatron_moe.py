@@ -23,39 +23,20 @@ Ranks sharing a GPU get NCCL for Megatron's process groups through per-rank `NCC
 (`deepep_cupy.utils.envs.emulate_nccl_host`); deep_ep's buffer itself runs over CUDA IPC inside the GPU.
 """
 
-import argparse
 import os
 import sys
 import time
 
 from ..runtime import preflight
+from . import cli
 
 TOLERANCE = 'calc_diff <= 1e-5 and |a - b| <= 2**-6 * max|a| per tensor (two BF16 ulps of its largest element)'
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m deepep_cupy.tests.megatron_moe', description=__doc__.split('\n')[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                epilog='Start the ranks with mpirun -np N (or torchrun); in a checkout, '
-                                       'launch/run_local.sh N python -m deepep_cupy.tests.megatron_moe')
-    p.add_argument('--num-tokens', type=int, default=256, help='tokens per rank (sequence length, batch 1)')
-    p.add_argument('--hidden', type=int, default=512, help='hidden size')
-    p.add_argument('--ffn-hidden', type=int, default=768, help='expert FFN hidden size')
-    p.add_argument('--num-experts', type=int, default=8, help='routed experts (a multiple of EP)')
-    p.add_argument('--num-topk', type=int, default=2, help='top-k of the top-k cases')
-    p.add_argument('--num-steps', type=int, default=3, help='training steps per case')
-    p.add_argument('--lr', type=float, default=1e-2, help='SGD learning rate between steps')
-    p.add_argument('--api', choices=('v1', 'v2', 'both'), default='both',
-                   help="deep_ep API Megatron calls: 'v1' Buffer (megatron-core 0.19), 'v2' ElasticBuffer "
-                        "(Megatron main's path), or both")
-    p.add_argument('--seed', type=int, default=0, help='seed of weights and inputs')
-    return p
 
 
 try:
     import torch
 except ImportError as e:
-    preflight.exit_if_main(e, __name__, build_parser)
+    preflight.exit_if_main(e, __name__, cli.megatron_moe_parser)
     raise
 
 
@@ -195,7 +176,7 @@ def run_ep1(args) -> str:
 
 
 def main() -> int:
-    args = build_parser().parse_args()
+    args = cli.megatron_moe_parser().parse_args()
     setup = shared_gpu_setup()
     import deepep_cupy
     deepep_cupy.install_as_deep_ep()
