@@ -309,8 +309,8 @@ def serving_replay_parser() -> argparse.ArgumentParser:
              'vllm_ll_bf16', 'vllm_ll_fp8', 'vllm_ll_fp8_ue8m0', 'vllm_ll_sync_finalize', 'vllm_ll_dbo',
              'vllm_ll_idle_ranks', 'vllm_ll_cuda_graph', 'vllm_ll_fault_tolerance', 'sglang_normal_fp8',
              'sglang_normal_ue8m0', 'sglang_normal_tbo', 'sglang_normal_idle_ranks', 'sglang_normal_prefill_growth',
-             'sglang_normal_sync', 'sglang_ll_fp8', 'sglang_ll_ue8m0', 'sglang_ll_bf16', 'sglang_ll_idle_ranks', 'sglang_ll_cuda_graph',
-             'sglang_auto')
+             'sglang_normal_sync', 'sglang_ll_fp8', 'sglang_ll_ue8m0', 'sglang_ll_bf16', 'sglang_ll_idle_ranks',
+             'sglang_ll_cuda_graph', 'sglang_auto')
     p = _parser('serving_replay', 'vLLM\'s and SGLang\'s DeepEP V1 backends (deepep_high_throughput, '
                                   'deepep_low_latency; deepep normal, low_latency,\nauto) replayed call for call on '
                                   'deep_ep = deepep_cupy, buffers sized as the frameworks size them (from their\n'
