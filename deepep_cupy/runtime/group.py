@@ -182,6 +182,42 @@ def _torch_distributed_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _is_mpi_comm(obj) -> bool:
+    """Whether `obj` is an mpi4py communicator (or quacks like one: Get_rank, Get_size, allgather)."""
+    mpi = sys.modules.get('mpi4py.MPI')
+    if mpi is not None and isinstance(obj, mpi.Comm):
+        return True
+    return all(callable(getattr(obj, name, None)) for name in ('Get_rank', 'Get_size', 'allgather'))
+
+
+def _is_torch_group(obj) -> bool:
+    """Whether `obj` is a `torch.distributed` ProcessGroup (or quacks like one: rank() and size() methods)."""
+    cls = getattr(sys.modules.get('torch.distributed'), 'ProcessGroup', None)
+    if isinstance(cls, type) and isinstance(obj, cls):
+        return True
+    return callable(getattr(obj, 'rank', None)) and callable(getattr(obj, 'size', None))
+
+
+def _type_name(obj) -> str:
+    cls = type(obj)
+    return cls.__qualname__ if cls.__module__ == 'builtins' else f'{cls.__module__}.{cls.__qualname__}'
+
+
+def _check_group_args(group, comm) -> None:
+    """`TypeError` naming the argument when `group` or `comm` is not what it takes."""
+    if group is not None and not isinstance(group, ProcessGroup):
+        if _is_mpi_comm(group):
+            raise TypeError(f'group: got an mpi4py communicator ({_type_name(group)}), but group takes a '
+                            f'torch.distributed ProcessGroup (as in DeepEP) or a deepep_cupy ProcessGroup: pass an '
+                            f'mpi4py communicator as comm= (e.g. comm=MPI.COMM_WORLD), or neither under mpirun')
+        if not _is_torch_group(group):
+            raise TypeError(f'group must be None, a torch.distributed ProcessGroup or a deepep_cupy ProcessGroup '
+                            f'(an mpi4py communicator goes to comm=), got {_type_name(group)}')
+    if comm is not None and not _is_mpi_comm(comm):
+        hint = ' (a torch.distributed ProcessGroup goes to group=)' if _is_torch_group(comm) else ''
+        raise TypeError(f'comm must be None or an mpi4py communicator{hint}, got {_type_name(comm)}')
+
+
 def get_group(group=None, comm=None, timeout: Optional[float] = None) -> ProcessGroup:
     """Build the process group from what the user passed, else from how the job was launched.
 
@@ -196,11 +232,14 @@ def get_group(group=None, comm=None, timeout: Optional[float] = None) -> Process
         group.
 
     Raises:
+        TypeError: `group` is an mpi4py communicator (it belongs in `comm`) or anything else but a process group;
+            `comm` is not an mpi4py communicator.
         RuntimeError: the environment announces several ranks (torchrun, SLURM, RANK/WORLD_SIZE) but nothing joined
             them: running on as a 1-rank world would silently give N independent jobs.
     """
     if group is not None and comm is not None:
         raise ValueError('pass either group= (torch.distributed) or comm= (mpi4py), not both')
+    _check_group_args(group, comm)
     if isinstance(group, ProcessGroup):
         return group
     if group is not None:
