@@ -3,6 +3,7 @@ per job (rank 0), with exit status 1. The host parts are faked by monkeypatching
 also runs for real where this machine has no NVIDIA driver."""
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +37,7 @@ def host(monkeypatch):
     monkeypatch.setattr(preflight, 'installed_cupy', lambda: 'cupy-cuda13x')
     monkeypatch.setattr(preflight, '_nvrtc_version', lambda: (13, 0))
     monkeypatch.setattr(preflight, '_device_count', lambda cupy: 2)
+    monkeypatch.setattr(preflight, 'in_checkout', lambda: True)     # hints name `pip install -e ".[...]"`
     for name in preflight.RANK_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
@@ -91,6 +93,110 @@ def test_cupy_missing_names_the_extra_of_the_driver(host, driver, extra):
     host.setattr(preflight, '_import_cupy', no_cupy)
     message = setup_error(preflight.check_cuda)
     assert message.startswith(f'CuPy is not installed: pip install -e ".[{extra}]"')
+
+
+def test_this_checkout_is_seen_as_one():
+    assert (ROOT / 'setup.cfg').is_file() and preflight.in_checkout()
+
+
+@pytest.mark.parametrize('checkout', [True, False])
+def test_install_hints_fit_a_checkout_and_a_wheel(host, checkout):
+    """In a checkout the hints say `pip install -e ".[extras]"`; an installed wheel has no checkout to point at, so
+    they say `pip install "deepep_cupy[extras]"` (pip keeps the installed package and adds the extras)."""
+    host.setattr(preflight, 'in_checkout', lambda: checkout)
+    host.setattr(preflight, 'suggested_cuda_major', lambda: 13)
+
+    def form(extras):
+        return f'pip install -e ".[{extras}]"' if checkout else f'pip install "deepep_cupy[{extras}]"'
+    assert preflight.pip_install('cu13,mpi') == form('cu13,mpi')
+    for module, extras in (('torch', 'cu13,mpi,torch'), ('cupy', 'cu13'), ('cupy_backends', 'cu13'),
+                           ('mpi4py', 'mpi'), ('matplotlib', 'perf')):
+        message = str(preflight.missing_module_error(ModuleNotFoundError(f'No module named {module!r}', name=module)))
+        assert form(extras) in message and message.count('pip install') == 1, message
+
+    def no_cupy():
+        raise ModuleNotFoundError("No module named 'cupy'", name='cupy')
+    with host.context() as m:
+        m.setattr(preflight, '_import_cupy', no_cupy)
+        assert setup_error(preflight.check_cuda).startswith(f'CuPy is not installed: {form("cu13")} (the extra')
+    with host.context() as m:
+        m.setattr(preflight, 'driver_cuda_version', lambda: 12040)
+        assert f'&& {form("cu12")}), or upgrade the driver' in setup_error(preflight.check_cuda)
+    with host.context() as m:
+        m.setattr(preflight, '_nccl_module', None)
+
+        def no_nccl():
+            raise ModuleNotFoundError("No module named 'cupy'", name='cupy')
+        m.setattr(preflight, '_import_nccl', no_nccl)
+        assert setup_error(preflight.nccl).endswith(f'NCCL is reached through it: {form("cu13")}')
+    with host.context() as m:
+        m.setattr(preflight, 'driver_cuda_version', REAL_DRIVER_CUDA_VERSION)
+
+        def no_lib():
+            raise OSError('no libcuda')
+        m.setattr(preflight, '_load_libcuda', no_lib)
+        message = setup_error(preflight.check_cuda)      # the CPU tests live in a checkout only
+        assert message.startswith('no NVIDIA driver on this host') and ('pytest' in message) == checkout
+
+
+# Every buffer class, built where CuPy (or NVRTC) is missing, in a process of its own: the one-line SetupError of
+# preflight.check_cuda, not CuPy's ModuleNotFoundError. argv[1]: 'no-cupy' (a CUDA 13 driver, CuPy hidden), 'no-nvrtc'
+# (a CUDA 13 driver, NVRTC failing to load), 'no-driver' (this host as it is, CuPy hidden).
+BUILD_BUFFERS = r'''
+import importlib.util, json, sys
+torch = importlib.util.find_spec('torch') is not None
+if sys.argv[1] in ('no-cupy', 'no-driver'):
+    sys.modules['cupy'] = sys.modules['cupy_backends'] = None
+import deepep_cupy
+from deepep_cupy.runtime import preflight
+if sys.argv[1] != 'no-driver':
+    preflight.driver_cuda_version = lambda: 13000
+if sys.argv[1] == 'no-nvrtc':
+    def no_nvrtc():
+        raise RuntimeError('Failure finding "libnvrtc.so.13"')
+    preflight._nvrtc_version = no_nvrtc
+calls = {
+    'ElasticBuffer': lambda: deepep_cupy.ElasticBuffer(num_max_tokens_per_rank=128, hidden=256, num_topk=8),
+    'ElasticBuffer(num_bytes)': lambda: deepep_cupy.ElasticBuffer(num_bytes=2 << 20),
+    'EPBuffer': lambda: deepep_cupy.EPBuffer(num_max_tokens_per_rank=128, hidden=256, num_topk=8),
+    'Buffer': lambda: deepep_cupy.Buffer(None, num_nvl_bytes=2 << 20),
+    'Buffer(low_latency_mode)': lambda: deepep_cupy.Buffer(None, num_rdma_bytes=2 << 20, low_latency_mode=True),
+    'PPBuffer': lambda: deepep_cupy.PPBuffer(None, 2 << 20),
+    'EngramBuffer': lambda: deepep_cupy.EngramBuffer(None, 2 << 20, num_allocated_qps=1, qp_depth=1),
+    'get_physical_domain_size': lambda: deepep_cupy.get_physical_domain_size(),
+}
+if torch:           # its storage is a torch tensor: it needs torch before anything else
+    calls['BucketBuffer'] = lambda: deepep_cupy.BucketBuffer(None, 2 << 20)
+out = {}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = 'no error'
+    except Exception as e:
+        out[name] = f'{type(e).__module__}.{type(e).__name__}: {e}'
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize('mode, message', [
+    ('no-cupy', 'CuPy is not installed: pip install -e ".[cu13]" (the extra for this host\'s CUDA 13.0 driver)'),
+    ('no-nvrtc', 'NVRTC (libnvrtc.so.13), the CUDA compiler deepep_cupy uses at run time, cannot be loaded '
+                 '(RuntimeError): pip install "nvidia-cuda-nvrtc==13.0.*" (part of the [cu13] extra)'),
+    ('no-driver', 'no NVIDIA driver on this host (libcuda.so.1 cannot be loaded)')])
+def test_every_buffer_class_without_cupy_raises_the_setup_error(mode, message):
+    if mode == 'no-nvrtc':
+        pytest.importorskip('cupy')
+    if mode == 'no-driver' and has_driver():
+        pytest.skip('this machine has an NVIDIA driver')
+    env = {'PATH': '/usr/bin:/bin', 'PYTHONPATH': str(ROOT), 'HOME': '/tmp'}
+    proc = subprocess.run([sys.executable, '-c', BUILD_BUFFERS, mode], capture_output=True, text=True, cwd='/',
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) >= 8
+    for name, result in results.items():
+        assert result.startswith(f'deepep_cupy.runtime.preflight.SetupError: {message}'), (name, result)
+        assert '\n' not in result, (name, result)
 
 
 @pytest.mark.parametrize('cupy_major, package', [(13, 'nvidia-cuda-nvrtc==13.0.*'), (12, 'nvidia-cuda-nvrtc-cu12')])

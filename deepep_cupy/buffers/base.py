@@ -103,8 +103,10 @@ class BufferBase:
                     'num_gpu_timeout_secs': self.num_gpu_timeout_secs, **(config or {})}
         self.group.check_same(f'{type(self).__name__} configuration', settings, timeout=self.num_cpu_timeout_secs)
 
-        import cupy
+        # select_device checks the host first (preflight.check_cuda): no driver, no CuPy, no NVRTC or no GPU raise its
+        # one-line SetupError, so CuPy is imported only after it
         self.device = select_device(self.group, device)
+        import cupy
         self.topology: Topology = detect_topology(self.group, self.device, self.allow_hybrid_mode)
         t = self.topology
         self.num_scaleup_ranks, self.num_scaleout_ranks = t.num_scaleup_ranks, t.num_scaleout_ranks

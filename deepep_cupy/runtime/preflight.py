@@ -15,12 +15,13 @@ import importlib.metadata
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Callable, Optional
 
 # Launchers' rank variables, in the order they are trusted (mpirun: Open MPI, MPICH/Hydra, PMIx; torchrun; srun).
 RANK_ENV_VARS = ('OMPI_COMM_WORLD_RANK', 'PMI_RANK', 'PMIX_RANK', 'RANK', 'SLURM_PROCID')
 
-# What `pip install -e ".[...]"` brings for each CUDA major version, and the packages behind it.
+# The install extra for each CUDA major version, and the packages behind it.
 CUDA_EXTRAS = {
     13: {'extra': 'cu13', 'cupy': 'cupy-cuda13x', 'nvrtc': 'nvidia-cuda-nvrtc==13.0.*', 'nccl': 'nvidia-nccl-cu13'},
     12: {'extra': 'cu12', 'cupy': 'cupy-cuda12x', 'nvrtc': 'nvidia-cuda-nvrtc-cu12', 'nccl': 'nvidia-nccl-cu12'},
@@ -54,8 +55,21 @@ def _cuda_version_text(version: int) -> str:
     return f'{version // 1000}.{version % 1000 // 10}'
 
 
+def in_checkout() -> bool:
+    """Whether deepep_cupy runs from a source checkout (the package's parent directory holds setup.cfg), not from an
+    installed wheel."""
+    return (Path(__file__).resolve().parents[2] / 'setup.cfg').is_file()
+
+
+def pip_install(extras: str) -> str:
+    """The command that adds `extras` (e.g. `'cu13,mpi'`) to this installation: `pip install -e ".[cu13,mpi]"` in a
+    checkout (run in its root), `pip install "deepep_cupy[cu13,mpi]"` for an installed wheel (pip keeps the installed
+    deepep_cupy and adds what the extras bring)."""
+    return f'pip install -e ".[{extras}]"' if in_checkout() else f'pip install "deepep_cupy[{extras}]"'
+
+
 def _install_hint(major: int) -> str:
-    return f'pip install -e ".[{CUDA_EXTRAS.get(major, CUDA_EXTRAS[DEFAULT_CUDA_MAJOR])["extra"]}]"'
+    return pip_install(CUDA_EXTRAS.get(major, CUDA_EXTRAS[DEFAULT_CUDA_MAJOR])['extra'])
 
 
 def _load_libcuda():
@@ -72,9 +86,9 @@ def driver_cuda_version() -> int:
     try:
         lib = _load_libcuda()
     except OSError:
-        raise SetupError('no NVIDIA driver on this host (libcuda.so.1 cannot be loaded): run on a machine with an '
-                         'NVIDIA GPU and its driver (nvidia-smi must work); the CPU tests need no GPU: '
-                         'python -m pytest -q tests -m "not slow"') from None
+        cpu_tests = '; the CPU tests need no GPU: python -m pytest -q tests -m "not slow"' if in_checkout() else ''
+        raise SetupError(f'no NVIDIA driver on this host (libcuda.so.1 cannot be loaded): run on a machine with an '
+                         f'NVIDIA GPU and its driver (nvidia-smi must work){cpu_tests}') from None
     version = ctypes.c_int(0)
     if lib.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value <= 0:
         raise SetupError('the NVIDIA driver did not report its CUDA version (cuDriverGetVersion failed): check that '
@@ -158,8 +172,8 @@ def check_cuda() -> None:
         remove = ' '.join(p.split('=')[0] for p in (wrong.get('cupy', cupy_name), wrong.get('nvrtc', ''),
                                                       wrong.get('nccl', '')) if p)
         raise SetupError(f'the NVIDIA driver supports CUDA {_cuda_version_text(driver)}, but {cupy_name} needs a CUDA '
-                         f'{cupy_major} driver: use the [{fit["extra"]}] extra (pip uninstall -y {remove} && pip '
-                         f'install -e ".[{fit["extra"]}]"), or upgrade the driver')
+                         f'{cupy_major} driver: use the [{fit["extra"]}] extra (pip uninstall -y {remove} && '
+                         f'{pip_install(fit["extra"])}), or upgrade the driver')
     packages = CUDA_EXTRAS.get(cupy_major, CUDA_EXTRAS[DEFAULT_CUDA_MAJOR])
     try:
         nvrtc_major = _nvrtc_version()[0]
@@ -202,8 +216,8 @@ def nccl():
     try:
         module = _import_nccl()
     except ImportError:
-        raise SetupError(f'CuPy is not installed, and NCCL is reached through it: pip install -e '
-                         f'".[{packages["extra"]}]"') from None
+        raise SetupError(f'CuPy is not installed, and NCCL is reached through it: '
+                         f'{pip_install(packages["extra"])}') from None
     if not getattr(module, 'available', True):
         raise SetupError(f'NCCL (libnccl.so.2) is not installed, and this needs it (scale-out transport, NCCL '
                          f'baselines): pip install {packages["nccl"]} (part of the [{packages["extra"]}] extra)')
@@ -211,26 +225,28 @@ def nccl():
     return module
 
 
-# Optional packages the programs import, and what brings each one.
+# Optional packages the programs import: the message, with `{install}` for the command that adds the extras (`{cuda}`:
+# the CUDA extra that fits this host's driver).
 MISSING_MODULE_HINTS = {
-    'torch': 'PyTorch is not installed, and this program needs it: pip install -e ".[{cuda},mpi,torch]" (PyPI\'s '
-             'default torch is a CUDA build of several GB; see the README for other builds)',
-    'cupy': 'CuPy is not installed: pip install -e ".[{cuda}]" (use [cu12] for a CUDA 12 driver, [cu13] for CUDA 13)',
-    'cupy_backends': 'CuPy is not installed: pip install -e ".[{cuda}]" (use [cu12] for a CUDA 12 driver, [cu13] for '
-                     'CUDA 13)',
-    'mpi4py': 'mpi4py is not installed, and ranks started by mpirun talk through it: pip install -e ".[mpi]" (mpi4py '
-              'with MPICH), or start the ranks with torchrun (see the README, Launching)',
-    'matplotlib': 'matplotlib is not installed, and the plot needs it: pip install -e ".[perf]"',
+    'torch': ('{cuda},mpi,torch', 'PyTorch is not installed, and this program needs it: {install} (PyPI\'s default '
+                                  'torch is a CUDA build of several GB; see the README for other builds)'),
+    'cupy': ('{cuda}', 'CuPy is not installed: {install} (use [cu12] for a CUDA 12 driver, [cu13] for CUDA 13)'),
+    'cupy_backends': ('{cuda}', 'CuPy is not installed: {install} (use [cu12] for a CUDA 12 driver, [cu13] for '
+                                'CUDA 13)'),
+    'mpi4py': ('mpi', 'mpi4py is not installed, and ranks started by mpirun talk through it: {install} (mpi4py with '
+                      'MPICH), or start the ranks with torchrun (see the README, Launching)'),
+    'matplotlib': ('perf', 'matplotlib is not installed, and the plot needs it: {install}'),
 }
 
 
 def missing_module_error(error: ImportError) -> Optional[SetupError]:
     """A `SetupError` naming the install extra for a missing optional package, or None for any other import error."""
     name = (getattr(error, 'name', None) or '').split('.')[0]
-    hint = MISSING_MODULE_HINTS.get(name)
-    if hint is None:
+    if name not in MISSING_MODULE_HINTS:
         return None
-    return SetupError(hint.format(cuda=CUDA_EXTRAS[suggested_cuda_major()]['extra']))
+    extras, hint = MISSING_MODULE_HINTS[name]
+    extras = extras.format(cuda=CUDA_EXTRAS[suggested_cuda_major()]['extra'])
+    return SetupError(hint.format(install=pip_install(extras)))
 
 
 def exit_if_main(error: ImportError, module_name: str, build_parser: Callable) -> None:
