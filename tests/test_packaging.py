@@ -1,5 +1,7 @@
 """Packaging: a built wheel (non-editable install) carries the kernel sources and finds them at run time."""
 
+import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -69,3 +71,37 @@ def test_installed_wheel_finds_and_compiles_kernels(wheel, tmp_path):
     found, ok = proc.stdout.split()
     assert Path(found).resolve() == (site / 'deepep_cupy' / 'kernels_cu').resolve()
     assert ok == 'True'
+
+
+# What an installed wheel says to its user: no file of a checkout (launch/, perf/) without "in a checkout", and the
+# setup hints in the form that works without one.
+WHEEL_TEXTS = r'''
+import json, re
+from deepep_cupy.runtime import preflight
+from deepep_cupy.tests import cli
+helps = {name: build().format_help() for name, build in cli.PARSERS.items()}
+print(json.dumps({'in_checkout': preflight.in_checkout(), 'pip_install': preflight.pip_install('cu13'),
+                  'helps': helps}))
+'''
+
+
+def test_installed_wheel_points_at_no_checkout(wheel, tmp_path):
+    site = tmp_path / 'site'
+    subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--target', str(site), str(wheel)],
+                   check=True, capture_output=True)
+    env = {'PYTHONPATH': str(site), 'PATH': '/usr/bin:/bin', 'HOME': str(tmp_path)}
+    proc = subprocess.run([sys.executable, '-c', WHEEL_TEXTS], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out['in_checkout'] is False and out['pip_install'] == 'pip install "deepep_cupy[cu13]"'
+    assert sum('Start the ranks' in text for text in out['helps'].values()) >= 10
+    for name, text in out['helps'].items():
+        flat = ' '.join(text.split())
+        if 'Start the ranks' in flat:           # every multi-rank program (jit_timing runs in one process)
+            assert f'mpirun -np N python -m deepep_cupy.tests.{name} [options]' in flat, name
+        for m in re.finditer(r'\b(launch|perf|tools)/', flat):      # not tests/: DeepEP's are named too
+            assert flat[:m.start()].endswith(('In a checkout, ', 'in a checkout, ')), (name, flat[m.start() - 40:])
+    proc = subprocess.run([sys.executable, '-m', 'deepep_cupy.tests.ep', '--help'], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert 'mpirun -np N python -m deepep_cupy.tests.ep [options]' in proc.stdout

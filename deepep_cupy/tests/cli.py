@@ -8,9 +8,11 @@ defaults follow DeepEP's test programs where the program has a DeepEP counterpar
 import argparse
 import re
 
-LAUNCH = ('Start the ranks with a launcher, e.g. mpirun on this host:\n'
-          '  launch/run_local.sh N python -m deepep_cupy.tests.{name} [options]\n'
-          'torchrun and srun work too (see the README, Launching).')
+LAUNCH = ('Start the ranks with a launcher, e.g. mpirun (the [mpi] extra brings one):\n'
+          '  mpirun -np N python -m deepep_cupy.tests.{name} [options]\n'
+          'In a checkout, launch/run_local.sh N python -m deepep_cupy.tests.{name} [options] does the same with\n'
+          'NVLink multicast off and, for Open MPI, the root and oversubscription flags. torchrun and srun work too\n'
+          '(see the README, Launching).')
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
