@@ -8,11 +8,16 @@
 # Each rank binds to GPU (local rank % GPU count) itself; more ranks than GPUs share GPUs (logic tests only).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0) unless the caller set it explicitly.
 set -euo pipefail
-if [ $# -lt 2 ]; then
-    echo "usage: $0 NUM_RANKS COMMAND [ARGS...]" >&2
+usage() {
+    echo "usage: $0 NUM_RANKS COMMAND [ARGS...]   (NUM_RANKS: a positive integer)" >&2
+    [ -n "${1:-}" ] && echo "$0: $1" >&2
     exit 2
-fi
-n=$1; shift
+}
+[ $# -ge 1 ] || usage "no NUM_RANKS and no command"
+# Checked here: MPICH's mpirun runs one rank for -np abc or -np 0, without a word.
+[[ $1 =~ ^[0-9]{1,6}$ ]] && [ "$((10#$1))" -gt 0 ] || usage "NUM_RANKS must be a positive integer, got '$1'"
+[ $# -ge 2 ] || usage "no command to run"
+n=$((10#$1)); shift
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
