@@ -167,3 +167,22 @@ def combine_cap_all_sms() -> bool:
     meaning, `num_sms` sending SMs, the reducers take the SMs left (features/ep/plan.py `combine_blocks`). Read when a
     buffer's EP feature is made."""
     return _get_bool('DEEPEP_CUPY_COMBINE_CAP_ALL_SMS')
+
+
+def check_tcp_secret(value: str) -> str:
+    """`value` if it can serve as `DEEPEP_CUPY_TCP_SECRET` (at least 16 characters), else `ValueError`."""
+    if not isinstance(value, str) or len(value) < 16:
+        length = len(value) if isinstance(value, str) else type(value).__name__
+        raise ValueError(f'DEEPEP_CUPY_TCP_SECRET must be a string of at least 16 characters (got {length}), the same '
+                         f'on every rank, e.g. $(python -c "import secrets; print(secrets.token_hex(32))")')
+    return value
+
+
+def tcp_secret() -> Optional[str]:
+    """`DEEPEP_CUPY_TCP_SECRET` (str of at least 16 characters, default unset): the secret every rank of a job shares
+    to authenticate the TCP host group (jobs without torch and MPI; runtime/tcp_group.py): HMAC-SHA256 on the
+    handshake and every frame. Unset: a job meeting at a loopback MASTER_ADDR gets a per-job secret from rank 0
+    through a file only this user can read; a job meeting at another address is refused (launch/slurm_srun.sh sets
+    one per job)."""
+    value = os.environ.get('DEEPEP_CUPY_TCP_SECRET')
+    return None if value is None or value == '' else check_tcp_secret(value)
