@@ -52,9 +52,15 @@ def test_metadata_classifiers_urls_and_extras(wheel):
     for line in ('License: MIT', 'Classifier: Environment :: GPU :: NVIDIA CUDA :: 12',
                  'Classifier: Environment :: GPU :: NVIDIA CUDA :: 13',
                  'Classifier: Operating System :: POSIX :: Linux',
-                 'Classifier: Topic :: Scientific/Engineering :: Artificial Intelligence', 'Project-URL: Source, ',
+                 'Classifier: Topic :: Scientific/Engineering :: Artificial Intelligence',
+                 'Project-URL: DeepEP, https://github.com/deepseek-ai/DeepEP',
                  'Requires-Dist: matplotlib; extra == "perf"', 'Requires-Dist: torch; extra == "torch"'):
         assert line in meta, line
+    # No made-up address: every URL of the metadata (headers and the README as long description) is a real one.
+    headers = meta.split('\n\n', 1)[0]
+    assert [line for line in headers.splitlines() if 'http' in line] == [
+        'Project-URL: DeepEP, https://github.com/deepseek-ai/DeepEP']
+    assert 'deepep-cupy/' not in meta and 'TODO' not in meta
 
 
 def test_installed_wheel_finds_and_compiles_kernels(wheel, tmp_path):
