@@ -87,7 +87,7 @@ def make_config(ep: int, dispatcher: str, topk: int, capacity, args):
         num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn_hidden, moe_ffn_hidden_size=args.ffn_hidden,
         num_attention_heads=4, num_moe_experts=args.num_experts, moe_router_topk=topk,
         moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend='deepep', moe_router_dtype='fp32',
-        moe_router_load_balancing_type='none', moe_expert_capacity_factor=capacity,
+        moe_router_load_balancing_type='none', moe_expert_capacity_factor=capacity, moe_router_pre_softmax=topk == 1,
         expert_model_parallel_size=ep, tensor_model_parallel_size=1, use_cpu_initialization=True,
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
 
