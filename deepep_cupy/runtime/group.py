@@ -163,6 +163,16 @@ class TorchProcessGroup(ProcessGroup):
         # An object collective, not dist.barrier: with init_dist's 'cpu:gloo,cuda:nccl' it stays on gloo
         self.allgather_object(None)
 
+    # A buffer's `group` is this wrapper, and callers compare it with the torch group they passed (Megatron rebuilds
+    # its buffer whenever `buffer.group != group`): the wrapper equals the torch group it wraps.
+    def __eq__(self, other):
+        if isinstance(other, TorchProcessGroup):
+            return self.group is other.group
+        return other is self.group
+
+    def __hash__(self):
+        return hash(self.group)
+
 
 _default_group: Optional[ProcessGroup] = None
 
