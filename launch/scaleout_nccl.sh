@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Hybrid mode with NCCL rails between GPUs, on one host with (at least) two GPUs: domain d runs on GPU d and acts as
-# host "node<d>" (DEEPEP_CUPY_HOST), so every rail crosses the GPUs and the rail transport is NCCL (one communicator
-# per rail, no world communicator). Each shape runs twice: NCCL as it chooses (P2P over NVLink), then with
+# Hybrid mode with NCCL rails, on one host: domain d runs on GPU d % (GPU count) and acts as host "node<d>"
+# (DEEPEP_CUPY_HOST), so every rail joins two domains and the rail transport is NCCL (one communicator per rail, no
+# world communicator). With fewer GPUs than domains (one GPU: logic only), domain d also names its own NCCL host
+# (NCCL_HOSTID=node<d>), so NCCL accepts rail members on one GPU and joins them with its socket transport over the
+# loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo). Each shape runs twice: NCCL as it chooses (P2P over NVLink), then with
 # NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, i.e. the socket transport over the loopback interface (what crosses a
 # network between real nodes). Logic only (--skip-perf-test). Logs under $OUT (default ./out/scaleout_nccl).
 #
@@ -35,29 +37,38 @@ run() {
     local log="$OUT/${name//[^A-Za-z0-9_.-]/_}.log"
     local prog=${PROG:-"-m deepep_cupy.tests.ep $ARGS"}
     echo "=== [$name] ($n domains x $r ranks, NCCL rails)" | tee "$log"
-    env "$@" DEEPEP_CUPY_RAIL_TRANSPORT=nccl timeout --kill-after=10 900 launch/run_local.sh $((n * r)) bash -c \
-        "g=\${OMPI_COMM_WORLD_RANK:-\${PMI_RANK:-0}}; d=\$((g / $r)); export DEEPEP_CUPY_HOST=node\$d \
-         DEEPEP_CUPY_DEVICE=\$((d % $NGPU)); exec $PY $prog" >> "$log" 2>&1
+    local hostid=''
+    [ "$n" -gt "$NGPU" ] && hostid='NCCL_HOSTID=node$d'
+    env "$@" DEEPEP_CUPY_RAIL_TRANSPORT=nccl timeout --kill-after=10 "${RUN_TIMEOUT:-900}" launch/run_local.sh \
+        $((n * r)) bash -c "g=\${OMPI_COMM_WORLD_RANK:-\${PMI_RANK:-0}}; d=\$((g / $r)); export \
+        DEEPEP_CUPY_HOST=node\$d $hostid DEEPEP_CUPY_DEVICE=\$((d % $NGPU)); exec $PY $prog" >> "$log" 2>&1
     local rc=$?
     tail -3 "$log"
     if [ $rc -ne 0 ]; then echo "FAIL(rc=$rc) $name"; fails=$((fails + 1)); else echo "PASS $name"; fi
 }
 
-if [ "$NGPU" -lt 2 ]; then
-    echo "scaleout_nccl.sh needs 2 GPUs (NCCL refuses two ranks of a rail on one GPU); found $NGPU" >&2
+if [ "$NGPU" -lt 1 ]; then
+    echo "scaleout_nccl.sh needs a GPU; found none" >&2
     exit 2
 fi
+SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
 for shape in "${shapes[@]}"; do
     n=${shape%x*}; r=${shape#*x}
     if [ "$n" -gt "$NGPU" ]; then
-        echo "skip $shape: $n domains on $NGPU GPUs would put two rail members on one GPU"; continue
+        # Domains share GPUs: NCCL between them only as separate NCCL hosts, over sockets.
+        # shellcheck disable=SC2086
+        run "hybrid $shape NCCL socket (an NCCL host per domain, sharing GPUs)" "$n" "$r" $SOCKETS
+        # shellcheck disable=SC2086
+        run "hybrid $shape NCCL P2 pipelined (an NCCL host per domain)" "$n" "$r" $SOCKETS \
+            DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32
+        continue
     fi
     run "hybrid $shape NCCL" "$n" "$r"
     run "hybrid $shape NCCL socket (P2P and SHM off)" "$n" "$r" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
         NCCL_SOCKET_IFNAME=lo
     run "hybrid $shape NCCL P2 pipelined" "$n" "$r" DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32
 done
-if [ "${PIPELINE_PERF:-1}" != 0 ]; then
+if [ "${PIPELINE_PERF:-1}" != 0 ] && [ "$NGPU" -ge 2 ]; then      # timings: one rank per GPU only
     PROG="perf/hybrid_pipeline.py --out $OUT" run "hybrid 2x1 NCCL P2 vs P1 perf" 2 1
 fi
 echo "scaleout_nccl: $fails failed"

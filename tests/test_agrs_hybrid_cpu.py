@@ -486,7 +486,8 @@ class _FakeNcclModule:
 
 def _rails_buffer(group, N, R, pci=None):
     buf = _hybrid_host_buffer(group, N, R, 2 * MiB)
-    buf.topology = SimpleNamespace(pci_bus_ids=pci or [f'gpu{g}' for g in range(N * R)])
+    ids = pci or [f'gpu{g}' for g in range(N * R)]
+    buf.topology = SimpleNamespace(pci_bus_ids=ids, nccl_gpu_ids=ids)
     return buf
 
 

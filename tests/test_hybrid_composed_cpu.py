@@ -229,3 +229,19 @@ def test_rank_program_reorders_references_into_the_hybrid_order():
         assert torch.equal(out.recv_x, ref.recv_x[torch.from_numpy(perm)])
         per_src = ref.num_recv_tokens_per_rank
         assert out.num_recv_tokens_per_rank.tolist() == [int(per_src[r::R].sum()) for r in range(R)]
+
+
+def test_ranks_sharing_a_gpu_under_different_nccl_hosts_may_use_nccl(monkeypatch):
+    # The ids are Topology.nccl_gpu_ids: '<NCCL_HOSTID or hostname>/<PCI bus id>'. One GPU, two NCCL hosts: NCCL
+    # accepts the pair (its socket transport), so do we; one GPU under one host: the refusal names the way out.
+    from deepep_cupy.runtime import topology
+    one_gpu = ['node0/0000:18:00.0', 'node1/0000:18:00.0']
+    assert hplan.choose_transport('nccl', one_gpu) == 'nccl'
+    assert hplan.choose_transport('auto', one_gpu) == 'nccl'
+    with pytest.raises(ValueError, match='NCCL_HOSTID'):
+        hplan.choose_transport('nccl', ['h/0000:18:00.0', 'h/0000:18:00.0'])
+    monkeypatch.setenv('NCCL_HOSTID', 'node7')
+    assert topology.nccl_host() == 'node7'
+    monkeypatch.setenv('NCCL_HOSTID', '  ')
+    import socket
+    assert topology.nccl_host() == socket.gethostname()

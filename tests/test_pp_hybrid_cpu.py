@@ -284,7 +284,8 @@ def hybrid_buffer(monkeypatch, num_domains, num_scaleup, rank, gpus, setting, nc
     buf = fakes.make_buffer(num_ranks=W, rank=rank, group=group, sym=sym, num_scaleup_ranks=R,
                             num_scaleout_ranks=num_domains, scaleup_rank_idx=rank % R, scaleout_rank_idx=rank // R,
                             error_rank_base=base, topology=SimpleNamespace(
-                                pci_bus_ids=tuple(gpus), scaleup_peers=list(range(base, base + R))))
+                                pci_bus_ids=tuple(gpus),
+                                nccl_gpu_ids=tuple(gpus), scaleup_peers=list(range(base, base + R))))
     log = []
     buf.launches = log
     kernels = SimpleNamespace(send=Kernel(pp.SEND_SPEC, log), recv=Kernel(pp.RECV_SPEC, log),
@@ -453,3 +454,12 @@ def test_launch_declarations_of_the_link_kernels_match_pp_cu():
     spec.loader.exec_module(module)
     module.compile_probe('pp', [pp.WAIT_SPEC, pp.BUMP_SPEC])
     assert launch.KernelSpec is type(pp.WAIT_SPEC)
+
+
+def test_link_kind_takes_nccl_between_nccl_hosts_on_one_gpu():
+    from deepep_cupy.features.pp.links import link_kind
+    ids = ['node0/0000:18:00.0', 'node1/0000:18:00.0']
+    assert link_kind(0, 1, 1, ids, 'nccl') == 'nccl' and link_kind(0, 1, 1, ids, 'auto') == 'nccl'
+    with pytest.raises(ValueError, match='NCCL_HOSTID'):
+        link_kind(0, 1, 1, ['h/0000:18:00.0'] * 2, 'nccl')
+    assert link_kind(0, 1, 1, ['h/0000:18:00.0'] * 2, 'auto') == 'loopback'

@@ -278,7 +278,8 @@ def run_hybrid(monkeypatch, num_domains, num_scaleup, gpus, setting, body, data_
         buf = fakes.make_buffer(num_ranks=W, rank=g, num_bytes=data_bytes, sym=sym, num_scaleup_ranks=R,
                                 num_scaleout_ranks=num_domains, scaleup_rank_idx=g % R, scaleout_rank_idx=g // R,
                                 error_rank_base=base, topology=SimpleNamespace(
-                                    pci_bus_ids=tuple(gpus), scaleup_peers=list(range(base, base + R))))
+                                    pci_bus_ids=tuple(gpus),
+                                nccl_gpu_ids=tuple(gpus), scaleup_peers=list(range(base, base + R))))
         buf.group, buf.num_gpu_timeout_secs = ThreadGroup(g, shared), timeout
         monkeypatch.setattr(buf, 'synchronize', lambda stream=None, buf=buf: buf.check_usable(), raising=False)
         dev.buffers[bases[g]] = buf

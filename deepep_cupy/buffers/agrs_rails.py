@@ -36,7 +36,7 @@ class AGRSRails:
         n_dom = self.rails.num_domains
         if n_dom > MAX_DOMAINS:
             raise ValueError(f'all-gather / reduce-scatter support at most {MAX_DOMAINS} scale-up domains, got {n_dom}')
-        gpus = [buf.topology.pci_bus_ids[g] for g in self.rails.rail_ranks]
+        gpus = [buf.topology.nccl_gpu_ids[g] for g in self.rails.rail_ranks]
         self.kind = choose_transport(transport or envs.rail_transport(), gpus)
         kinds = buf.group.allgather_object(self.kind)
         if len(set(kinds)) != 1:

@@ -7,6 +7,7 @@ scale-up domains are consecutive: `scaleout_idx = rank // num_scaleup`, `scaleup
 """
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -105,6 +106,9 @@ class Topology:
         scaleup_rank_idx, scaleout_rank_idx: this rank's position.
         physical_scaleup: the NVLink-reachable domain size before any override.
         device: this rank's CUDA device; pci_bus_ids: every rank's GPU (ranks sharing a GPU share the id).
+        nccl_gpu_ids: every rank's GPU as NCCL tells GPUs apart, `'<NCCL host>/<PCI bus id>'` with the host
+            `NCCL_HOSTID` or else the hostname: ranks that NCCL refuses in one communicator ("Duplicate GPU") have
+            equal ids, so ranks sharing a GPU but naming different NCCL hosts can be joined by NCCL.
     """
     num_ranks: int
     rank: int
@@ -115,6 +119,7 @@ class Topology:
     physical_scaleup: int
     device: int
     pci_bus_ids: tuple
+    nccl_gpu_ids: tuple = ()
 
     @property
     def scaleup_peers(self):
@@ -144,8 +149,9 @@ def detect_topology(group: ProcessGroup, device: int, allow_hybrid_mode: bool = 
     """
     import cupy
     pci = cupy.cuda.runtime.deviceGetPCIBusId(device)
-    infos = group.allgather_object((group.host_idx, pci, device))
+    infos = group.allgather_object((group.host_idx, pci, device, nccl_host()))
     pci_ids = tuple(i[1] for i in infos)
+    nccl_ids = tuple(f'{i[3]}/{i[1]}' for i in infos)
 
     # Peer access from this process to every other GPU of its host
     host_ranks = [r for r in range(group.size) if infos[r][0] == group.host_idx]
@@ -195,7 +201,12 @@ def detect_topology(group: ProcessGroup, device: int, allow_hybrid_mode: bool = 
     return Topology(num_ranks=group.size, rank=group.rank, num_scaleup_ranks=scaleup,
                     num_scaleout_ranks=group.size // scaleup, scaleup_rank_idx=group.rank % scaleup,
                     scaleout_rank_idx=group.rank // scaleup, physical_scaleup=physical, device=device,
-                    pci_bus_ids=pci_ids)
+                    pci_bus_ids=pci_ids, nccl_gpu_ids=nccl_ids)
+
+
+def nccl_host() -> str:
+    """The host NCCL takes this process for: `NCCL_HOSTID` when set (NCCL's own variable), else the hostname."""
+    return os.environ.get('NCCL_HOSTID', '').strip() or socket.gethostname()
 
 
 def get_physical_domain_size(group=None, comm=None):

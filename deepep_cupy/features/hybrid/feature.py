@@ -60,7 +60,7 @@ class HybridRails:
         import cupy
         topo = buf.topology
         self.rails = rail_topology(buf.num_ranks, buf.num_scaleup_ranks, buf.rank_idx)
-        gpus = [topo.pci_bus_ids[g] for g in self.rails.rail_ranks]
+        gpus = [topo.nccl_gpu_ids[g] for g in self.rails.rail_ranks]
         self.kind = hplan.choose_transport(transport or envs.rail_transport(), gpus)
         self.area, self.mem, self.own_ptr = area, None, 0
         kinds = buf.group.allgather_object(self.kind)

@@ -85,13 +85,15 @@ def payloads(peers: Sequence[int], rows: Optional[Dict[int, int]], num_max_token
 
 
 def choose_transport(setting: str, rail_gpu_ids: Sequence[str]) -> str:
-    """`'nccl'` or `'loopback'` for `DEEPEP_CUPY_RAIL_TRANSPORT` = `setting` and the GPUs (PCI bus ids) of this rank's
-    rail members. Every member sees the same ids, so a rail agrees; auto picks loopback when two members share a GPU
-    (NCCL refuses two ranks of one communicator on one GPU)."""
+    """`'nccl'` or `'loopback'` for `DEEPEP_CUPY_RAIL_TRANSPORT` = `setting` and the GPUs of this rank's rail members
+    as NCCL tells them apart (`Topology.nccl_gpu_ids`: NCCL host and PCI bus id). Every member sees the same ids, so a
+    rail agrees; auto picks loopback when two members share a GPU of one NCCL host (NCCL refuses two ranks of one
+    communicator there; ranks sharing a GPU that name different hosts with NCCL_HOSTID are accepted)."""
     if setting in ('nccl', 'loopback'):
         if setting == 'nccl' and len(set(rail_gpu_ids)) < len(rail_gpu_ids):
-            raise ValueError('DEEPEP_CUPY_RAIL_TRANSPORT=nccl, but two members of a rail share a GPU, which NCCL '
-                             'refuses; use loopback (or auto) for ranks that share GPUs')
+            raise ValueError('DEEPEP_CUPY_RAIL_TRANSPORT=nccl, but two members of a rail share a GPU and one NCCL '
+                             'host, which NCCL refuses: give each domain its own NCCL_HOSTID (README: Testing '
+                             'scale-out on one GPU), or use loopback (or auto) for ranks that share GPUs')
         return setting
     if setting != 'auto':
         raise ValueError(f'rail transport must be auto, nccl or loopback, got {setting!r}')

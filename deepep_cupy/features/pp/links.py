@@ -64,14 +64,16 @@ class Neighbour:
 
 def link_kind(a: int, b: int, num_scaleup_ranks: int, gpu_of_rank: Sequence[Any], setting: str) -> str:
     """How ring neighbours `a` and `b` are joined: `nvlink` inside a domain, else what `DEEPEP_CUPY_RAIL_TRANSPORT` =
-    `setting` picks for their GPUs, by the rule of the hybrid rails (features/hybrid/plan.py `choose_transport`): auto
-    = loopback when they share a GPU (NCCL refuses that), else NCCL."""
+    `setting` picks for their GPUs (as NCCL tells them apart: `Topology.nccl_gpu_ids`), by the rule of the hybrid
+    rails (features/hybrid/plan.py `choose_transport`): auto = loopback when they share a GPU of one NCCL host (NCCL
+    refuses that), else NCCL."""
     if a // num_scaleup_ranks == b // num_scaleup_ranks:
         return LINK_NVLINK
     shared = gpu_of_rank[a] == gpu_of_rank[b]
     if setting == LINK_NCCL and shared:
         raise ValueError(f'DEEPEP_CUPY_RAIL_TRANSPORT=nccl, but ring neighbours {a} and {b} (different domains) share '
-                         f'a GPU, which NCCL refuses; use loopback (or auto) for ranks that share GPUs')
+                         f'a GPU and one NCCL host, which NCCL refuses: give each domain its own NCCL_HOSTID, or use '
+                         f'loopback (or auto) for ranks that share GPUs')
     if setting in (LINK_NCCL, LINK_LOOPBACK):
         return setting
     if setting != 'auto':
@@ -283,7 +285,7 @@ class HybridPeers:
         self._ipc_close = ipc_close or _ipc_close
         timeout = buf.num_cpu_timeout_secs
         buf.group.check_same('DEEPEP_CUPY_RAIL_TRANSPORT (PP links between domains)', setting, timeout=timeout)
-        gpus = list(buf.topology.pci_bus_ids)
+        gpus = list(buf.topology.nccl_gpu_ids)
         # Every pair first: an invalid setting (NCCL on a shared GPU) raises on every rank, not only at the pair.
         pairs = crossing_pairs(self.num_ranks, R, gpus, setting)
         self.neighbours = ring_neighbours(self.num_ranks, R, self.rank, gpus, setting)
