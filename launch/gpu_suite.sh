@@ -36,6 +36,8 @@
 #   frameworks Megatron-Core's MoE layer on our deep_ep (tests.megatron_moe: EP=1, and EP=2 with both ranks on GPU 0,
 #              Megatron's NCCL groups through per-rank NCCL_HOSTIDs; megatron-core from a wheel in .whl/ when it is not
 #              installed) and the vLLM / SGLang call replay (tests.serving_replay) at 1, 2 and 4 ranks sharing GPU 0
+#   nccl1      scale-out over real NCCL on one GPU (each domain its own NCCL_HOSTID, NCCL's sockets over lo):
+#              launch/scaleout_nccl.sh 2x1 with and without the missing-rank test, PP 2x1 over NCCL links
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
 #              without expansion): the EP rank program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync
 #              dispatches take the fused kernel), the missing-rank check without CPU sync, the V1 adapter and DeepEP's
@@ -359,6 +361,24 @@ frameworks_lane() {
         done
     fi
 }
+nccl1_lane() {
+    # Domain d = node<d> for us (DEEPEP_CUPY_HOST) and for NCCL (NCCL_HOSTID), so NCCL accepts two rail members on one
+    # GPU and joins them with sockets over the loopback.
+    local sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
+    local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export DEEPEP_CUPY_HOST=node$g NCCL_HOSTID=node$g;'
+    step "nccl1: ep hybrid 2x1 NCCL rails (no missing-rank test)" 300 env OUT="$OUT/nccl1_data" RUN_TIMEOUT=240 \
+        PIPELINE_PERF=0 PROG="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 \
+        --num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test --num-create-destroy 1 --skip-timeout-test" \
+        $ONE bash launch/scaleout_nccl.sh 2x1
+    step "nccl1: ep hybrid 2x1 NCCL rails, missing-rank test" 200 env OUT="$OUT/nccl1_timeout" RUN_TIMEOUT=150 \
+        PIPELINE_PERF=0 PROG="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 20 --num-cpu-timeout-secs 40 \
+        --num-tokens 128 --hidden 1024 --num-experts 64 --skip-perf-test --num-create-destroy 0" $ONE bash \
+        launch/scaleout_nccl.sh 2x1
+    # (a port of its own: a rank of a run the step before killed may still hold the lane's)
+    step "nccl1: pp hybrid 2x1 NCCL links" 150 env $sock MASTER_PORT=19061 DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl \
+        $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.pp --skip-perf-test"
+}
 deepep_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep"
     [ -d $U ] || { echo "no .upstream/ (DeepEP's programs): skipped" >> "$LOG"; return; }
@@ -557,6 +577,7 @@ want gate && [ -d .upstream ] && lane step "DeepEP utils/test_gate.py" ${GATE_TI
     -m deepep_cupy.as_deep_ep .upstream/head/tests/utils/test_gate.py
 want firsthour && lane firsthour_lane
 want frameworks && MASTER_PORT=18761 lane frameworks_lane
+want nccl1 && MASTER_PORT=18861 lane nccl1_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
 # domains x 1 rank sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: the two
