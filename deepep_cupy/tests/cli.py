@@ -48,10 +48,13 @@ def _skip(p: argparse.ArgumentParser, *which: str) -> None:
         'error': 'skip the invalid-argument checks',
         'timeout': 'skip the check that a missing rank makes every other rank raise TimeoutError',
         'baselines': 'no peer-copy floor or NCCL baseline next to the timings',
+        # (`--skip-perf-test` of a program without timings: every rank program takes the flag)
+        'noperf': 'accepted like in every rank program; this one prints no timings, so it changes nothing',
     }
     for w in which:
-        p.add_argument(f'--skip-{w}-test' if w in ('perf', 'error', 'timeout') else f'--skip-{w}',
-                       action='store_true', help=texts[w])
+        flag = {'perf': '--skip-perf-test', 'noperf': '--skip-perf-test', 'error': '--skip-error-test',
+                'timeout': '--skip-timeout-test'}.get(w, f'--skip-{w}')
+        p.add_argument(flag, action='store_true', help=texts[w])
 
 
 def ep_parser() -> argparse.ArgumentParser:
@@ -206,8 +209,7 @@ def allocation_parser() -> argparse.ArgumentParser:
                               'materialises them in a buffer\nand checks offsets, views and peer reads; then the '
                               'misuse cases.')
     _timeouts(p)
-    p.add_argument('--skip-perf-test', action='store_true',
-                   help='accepted like in every rank program; this one prints no timings, so it changes nothing')
+    _skip(p, 'noperf')
     return p
 
 
@@ -337,8 +339,7 @@ def serving_replay_parser() -> argparse.ArgumentParser:
     p.add_argument('--seeds', type=str, default='0', help='comma-separated seeds; every case runs once per seed')
     p.add_argument('--cases', type=str, default='all',
                    help=f'comma-separated case names, or all; cases: {", ".join(cases)}')
-    p.add_argument('--skip-perf-test', action='store_true',
-                   help='accepted like in every rank program; this one prints no timings, so it changes nothing')
+    _skip(p, 'noperf')
     return p
 
 
@@ -361,8 +362,7 @@ def megatron_moe_parser() -> argparse.ArgumentParser:
                    help="deep_ep API Megatron calls: 'v1' Buffer (megatron-core 0.19), 'v2' ElasticBuffer "
                         "(Megatron main's path), or both")
     p.add_argument('--seed', type=int, default=0, help='seed of weights and inputs')
-    p.add_argument('--skip-perf-test', action='store_true',
-                   help='accepted like every rank program\'s (this one prints no perf lines: its checks are logic)')
+    _skip(p, 'noperf')
     return p
 
 

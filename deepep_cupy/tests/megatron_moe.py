@@ -71,10 +71,10 @@ def compare(name: str, a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
 
 def shared_gpu_setup() -> str:
     """Per-rank NCCL hosts when this job's ranks outnumber the GPUs (before torch.distributed starts NCCL)."""
+    from ..runtime.launcher import detect_launch
     from ..utils import envs as utils_envs
-    size = next((int(os.environ[v]) for v in ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'WORLD_SIZE')
-                 if os.environ.get(v, '').isdigit()), 1)
-    rank = preflight.job_rank() or 0
+    launch = detect_launch()
+    size, rank = max(launch.size, 1), max(launch.rank, 0)
     if size > 1 and torch.cuda.device_count() < size and not utils_envs.nccl_hosts_emulated():
         utils_envs.emulate_nccl_host(f'megatron_rank{rank}')
         return f'{size} ranks on {torch.cuda.device_count()} GPU(s): NCCL_HOSTID per rank, sockets over lo'
