@@ -25,6 +25,8 @@
 // hybrid_unpack_meta      (grid-stride)  union top-k / weights of the rail rows, fwd_src / fwd_count, ready = 0
 // hybrid_unpack_payload   (block/row)    scales and x of rail rows [row_begin, row_end) into their union rows
 // hybrid_ready            (1 thread)     release-store the rows-ready counter the intranode dispatch's guard polls
+//
+// deterministic=True (DeepEP's order, below): hybrid_sort_keys, hybrid_sort_plan, hybrid_sort_rows, hybrid_sort_meta.
 #include "common/ep.cuh"
 #include "common/timeout.cuh"
 
@@ -491,6 +493,146 @@ __global__ void hybrid_ready(uint32_t* ready, uint32_t value) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         __threadfence_system();
         st_release_sys(ready, value);
+    }
+}
+
+// ---- deterministic=True: DeepEP's row order (deep_ep/buffers/elastic.py `EPHandle.deterministic_sort`) ----------
+// DeepEP sorts every received row by src_token_global_idx = (s * R + r) * M + t (source domain s, source scale-up
+// index r, token t), and, expanded, each expert's rows among themselves. The intranode engine of the composed path
+// hands them over in ascending intranode key (r * N + s) * M + t (forwarder r, union row s * M + t): a group (all
+// rows, or one expert's expanded rows) is W = R * N runs, run q = r * N + s in token order. DeepEP's sort is then a
+// transposition of the runs: row e of run q goes to lo + base[q] + (e - start[q]), start[q] the first row of run q
+// (a binary search: the keys ascend inside a group), base[q] the rows of the runs before q in (s, r) order. Host
+// model: features/hybrid/plan.py `sort_transposition` (against DeepEP's sort: tests/test_hybrid_deterministic_cpu.py).
+//
+// hybrid_sort_keys  (grid-stride)  the intranode key of every expanded row (its receive row's metadata column 0)
+// hybrid_sort_plan  (block/group)  row_src [dst] = src and row_dst [src] = dst of every row (identity outside groups)
+// hybrid_sort_rows  (block/row)    move rows of an array through row_src (dispatch) or row_dst (combine's input)
+// hybrid_sort_meta  (grid-stride)  the handle's recv_src_metadata in DeepEP's order, column 0 as the global index
+constexpr int kHybridMaxRuns = kHybridMaxDomains * kNotifyMaxRanks;
+
+__global__ void __launch_bounds__(kHybridThreads)
+hybrid_sort_keys(const int32_t* meta, int num_topk, int num_meta_rows, const int32_t* num_recv, int32_t* keys,
+                 int num_rows) {
+    const int rows = min(max(*num_recv, 0), num_meta_rows);
+    const int64_t total = static_cast<int64_t>(rows) * num_topk;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int32_t* m = meta + (i / num_topk) * (num_topk + 2);
+        const int e = m[2 + static_cast<int>(i % num_topk)];
+        if (e >= 0 && e < num_rows)
+            keys[e] = m[0];
+    }
+}
+
+// Block g: group g's rows [lo, hi) and the rows up to the next group's start (alignment gaps; the last block: up to
+// num_rows), which stay. Groups: lo = 0 for g = 0, else align(group_end[g - 1], alignment); hi = group_end[g]
+// (inclusive prefix sums: the intranode handle's psum per scale-up rank, last entry, or its psum per expert).
+__global__ void __launch_bounds__(kHybridThreads)
+hybrid_sort_plan(const int32_t* keys, int key_stride, const int32_t* group_end, int num_groups, int alignment,
+                 int num_rows, int num_domains, int num_scaleup_ranks, int num_max_tokens, int32_t* row_src,
+                 int32_t* row_dst) {
+    __shared__ int s_start[kHybridMaxRuns + 1];
+    __shared__ int s_base[kHybridMaxRuns];
+    const int g = blockIdx.x;
+    if (g >= num_groups)
+        return;
+    auto clamp = [&](int64_t v) { return static_cast<int>(v < 0 ? 0 : (v > num_rows ? num_rows : v)); };
+    auto aligned = [&](int v) { return static_cast<int64_t>(v + alignment - 1) / alignment * alignment; };
+    const int lo = g == 0 ? 0 : clamp(aligned(group_end[g - 1]));
+    const int hi = max(lo, clamp(group_end[g]));
+    const int next = g + 1 < num_groups ? max(hi, clamp(aligned(group_end[g]))) : num_rows;
+    const int W = num_domains * num_scaleup_ranks;
+    for (int q = threadIdx.x; q <= W; q += blockDim.x) {
+        int a = lo, b = hi;         // the first row of [lo, hi) whose key is >= q * M
+        if (q == W) {
+            a = hi;
+        } else {
+            const int64_t v = static_cast<int64_t>(q) * num_max_tokens;
+            while (a < b) {
+                const int mid = a + (b - a) / 2;
+                if (keys[static_cast<int64_t>(mid) * key_stride] < v)
+                    a = mid + 1;
+                else
+                    b = mid;
+            }
+        }
+        s_start[q] = a;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int run = 0;
+        for (int i = 0; i < W; ++i) {       // DeepEP's order: source domain, then scale-up index
+            const int q = (i % num_scaleup_ranks) * num_domains + i / num_scaleup_ranks;
+            s_base[q] = run;
+            run += s_start[q + 1] - s_start[q];
+        }
+    }
+    __syncthreads();
+    for (int e = lo + static_cast<int>(threadIdx.x); e < next; e += blockDim.x) {
+        int dst = e;
+        if (e < hi) {
+            int q = keys[static_cast<int64_t>(e) * key_stride] / num_max_tokens;
+            q = q < 0 ? 0 : (q >= W ? W - 1 : q);
+            dst = lo + s_base[q] + (e - s_start[q]);
+            dst = (dst < lo || dst >= hi) ? e : dst;        // (keys out of order: a bug; stay inside the group)
+        }
+        row_dst[e] = dst;
+        row_src[dst] = e;
+    }
+}
+
+// Rows of a [num_rows, num_cols] array of `elem_bytes`-byte elements (4, 8 or 16; strides in elements, alike for src
+// and dst), one block per row j (grid-stride); i = index[j] (j itself from num_index on, or out of range).
+// mode 0: dst[j] = src[i] for every row (combine's input into the intranode order, from the caller's array);
+// mode 1: dst[j] = src[i] where i != j; mode 2: dst[j] = src[j] where i != j. An in-place sort of an array A through
+// row_src is mode 2 (A -> scratch) then mode 1 (scratch -> A): a row that moves comes from a row that moves.
+__global__ void __launch_bounds__(kHybridThreads)
+hybrid_sort_rows(const uint8_t* src, uint8_t* dst, const int32_t* index, int num_index, int num_rows, int num_cols,
+                 int elem_bytes, int64_t row_stride, int64_t col_stride, int mode) {
+    for (int64_t j = blockIdx.x; j < num_rows; j += gridDim.x) {
+        int64_t i = j < num_index ? index[j] : j;
+        i = (i < 0 || i >= num_rows) ? j : i;
+        if (mode != 0 && i == j)
+            continue;
+        const int64_t from = (mode == 2 ? j : i) * row_stride, to = j * row_stride;
+        for (int c = threadIdx.x; c < num_cols; c += blockDim.x) {
+            const int64_t a = from + c * col_stride, b = to + c * col_stride;
+            if (elem_bytes == 16)
+                st_v4(dst + b * 16, ld_v4(src + a * 16));
+            else if (elem_bytes == 8)
+                reinterpret_cast<uint64_t*>(dst)[b] = reinterpret_cast<const uint64_t*>(src)[a];
+            else
+                reinterpret_cast<uint32_t*>(dst)[b] = reinterpret_cast<const uint32_t*>(src)[a];
+        }
+    }
+}
+
+// out[j] = meta[row_src[j]] (j itself from num_index on): column 0 as src_token_global_idx (the intranode index
+// r * (N * M) + s * M + t as (s * R + r) * M + t; negative values stay: features/hybrid/plan.py translate_src_index),
+// column 1 as is, columns 2.. (expanded rows) through exp_dst when given (their places after the expanded sort).
+__global__ void __launch_bounds__(kHybridThreads)
+hybrid_sort_meta(const int32_t* meta, int32_t* out, const int32_t* row_src, int num_index, int num_rows, int num_topk,
+                 const int32_t* exp_dst, int num_exp_rows, int num_domains, int num_scaleup_ranks,
+                 int num_max_tokens) {
+    const int cols = num_topk + 2;
+    const int64_t total = static_cast<int64_t>(num_rows) * cols;
+    const int64_t nm = static_cast<int64_t>(num_domains) * num_max_tokens;
+    for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < total;
+         x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t j = x / cols;
+        const int c = static_cast<int>(x % cols);
+        int64_t i = j < num_index ? row_src[j] : j;
+        i = (i < 0 || i >= num_rows) ? j : i;
+        int32_t v = meta[i * cols + c];
+        if (c == 0 && v >= 0) {
+            const int64_t r = v / nm, rem = v % nm;
+            v = static_cast<int32_t>(((rem / num_max_tokens) * num_scaleup_ranks + r) * num_max_tokens +
+                                     rem % num_max_tokens);
+        } else if (c >= 2 && exp_dst != nullptr && v >= 0 && v < num_exp_rows) {
+            v = exp_dst[v];
+        }
+        out[j * cols + c] = v;
     }
 }
 

@@ -37,7 +37,11 @@
 #              Megatron's NCCL groups through per-rank NCCL_HOSTIDs; megatron-core from a wheel in .whl/ when it is not
 #              installed) and the vLLM / SGLang call replay (tests.serving_replay) at 1, 2 and 4 ranks sharing GPU 0
 #   nccl1      scale-out over real NCCL on one GPU (each domain its own NCCL_HOSTID, NCCL's sockets over lo):
-#              launch/scaleout_nccl.sh 2x1 with and without the missing-rank test, PP 2x1 over NCCL links
+#              launch/scaleout_nccl.sh 2x1 (all modes, graph, errors, missing rank) and 2x2 (deterministic), P1 and
+#              P2 each; PP 2x1 over NCCL links and all-gather / reduce-scatter 2x1 over NCCL rails, with their
+#              timeout cases (parallel beside faults)
+#   faults     tests.faults: a rank SIGKILLed before a dispatch, inside a dispatch's host wait, before a combine,
+#              inside a low-latency call, inside a CUDA-graph replay; 2 and 4 ranks, CUDA IPC and NCCL rails
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
 #              without expansion): the EP rank program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync
 #              dispatches take the fused kernel), the missing-rank check without CPU sync, the V1 adapter and DeepEP's
@@ -209,6 +213,9 @@ hybrid_lane() {
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $EP $H --skip-error-test --skip-graph-test \
             --num-create-destroy 1 $([ $np -ge 8 ] && echo --test-first-only)
     done
+    # deterministic=True: DeepEP's one sort of all received rows by source token (2 x 2: rows move)
+    step "hybrid 2x2 np=4 deterministic all modes (loopback rails)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=2 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 4 $EP $H --deterministic --skip-timeout-test --num-create-destroy 0
     # 2 x 4 over every mode (the shape loop above runs its first mode only: 8 ranks on one GPU take a while)
     step "hybrid 2x4 np=8 all modes (loopback rails, sharing 1 GPU)" 400 env DEEPEP_CUPY_SCALEUP_SIZE=4 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 8 $EP --num-tokens 128 --hidden 1024 --num-experts 64 \
@@ -363,21 +370,37 @@ frameworks_lane() {
 }
 nccl1_lane() {
     # Domain d = node<d> for us (DEEPEP_CUPY_HOST) and for NCCL (NCCL_HOSTID), so NCCL accepts two rail members on one
-    # GPU and joins them with sockets over the loopback.
+    # GPU and joins them with sockets over the loopback (launch/scaleout_nccl.sh sets both). Each EP shape runs P1 and
+    # P2 (pipelined).
     local sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export DEEPEP_CUPY_HOST=node$g NCCL_HOSTID=node$g;'
-    step "nccl1: ep hybrid 2x1 NCCL rails (no missing-rank test)" 300 env OUT="$OUT/nccl1_data" RUN_TIMEOUT=240 \
-        PIPELINE_PERF=0 PROG="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 60 --num-cpu-timeout-secs 120 \
-        --num-tokens 256 --hidden 2048 --num-experts 64 --skip-perf-test --num-create-destroy 1 --skip-timeout-test" \
-        $ONE bash launch/scaleout_nccl.sh 2x1
-    step "nccl1: ep hybrid 2x1 NCCL rails, missing-rank test" 200 env OUT="$OUT/nccl1_timeout" RUN_TIMEOUT=150 \
-        PIPELINE_PERF=0 PROG="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 20 --num-cpu-timeout-secs 40 \
-        --num-tokens 128 --hidden 1024 --num-experts 64 --skip-perf-test --num-create-destroy 0" $ONE bash \
-        launch/scaleout_nccl.sh 2x1
-    # (a port of its own: a rank of a run the step before killed may still hold the lane's)
-    step "nccl1: pp hybrid 2x1 NCCL links" 150 env $sock MASTER_PORT=19061 DEEPEP_CUPY_SCALEUP_SIZE=1 \
-        DEEPEP_CUPY_RAIL_TRANSPORT=nccl \
-        $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.pp --skip-perf-test"
+    local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 20 --num-cpu-timeout-secs 40 --num-tokens 128 \
+--hidden 1024 --num-experts 64 --skip-perf-test"
+    step "nccl1: ep hybrid 2x1 NCCL rails, all modes, graph, errors, missing rank (P1, P2)" 340 env \
+        OUT="$OUT/nccl1_2x1" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 \
+        PROG="$EPA --num-create-destroy 1" $ONE bash launch/scaleout_nccl.sh 2x1
+    step "nccl1: ep hybrid 2x2 NCCL rails, all modes, deterministic, graph (P1, P2)" 340 env \
+        OUT="$OUT/nccl1_2x2" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 \
+        PROG="$EPA --num-create-destroy 0 --deterministic --skip-timeout-test --skip-error-test" $ONE bash \
+        launch/scaleout_nccl.sh 2x2
+    # (ports of their own: a rank of a run the step before killed may still hold the lane's)
+    step "nccl1: pp hybrid 2x1 NCCL links + timeout" 150 env $sock MASTER_PORT=19061 DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl PYTHONFAULTHANDLER=1 \
+        $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.pp --skip-perf-test --num-tokens 256 --hidden 2048"
+    step "nccl1: agrs hybrid 2x1 NCCL rails + failures" 200 env $sock MASTER_PORT=19161 DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl PYTHONFAULTHANDLER=1 \
+        $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.agrs --skip-perf-test"
+}
+faults_lane() {
+    # A rank SIGKILLed at each kill point: the program starts its own ranks on GPU 0 (a dead rank ends an mpirun job);
+    # every survivor must raise naming the phase and the dead peer, destroy and exit by itself. Logs: $OUT/faults*.
+    local F="$PY -m deepep_cupy.tests.faults"
+    step "faults nccl 2x1 (a rank killed at each point)" 300 $ONE $F --mode nccl --num-ranks 2 --out "$OUT/faults"
+    step "faults ipc np=2 (a rank killed at each point)" 300 $ONE $F --mode ipc --num-ranks 2 --out "$OUT/faults"
+    step "faults nccl 2x2 (a rank killed at each point)" 400 $ONE $F --mode nccl --num-ranks 4 --out "$OUT/faults"
+    step "faults ipc np=4 (a rank killed at each point)" 300 $ONE $F --mode ipc --num-ranks 4 --out "$OUT/faults"
+    step "faults ipc np=4 victim rank 0 (the TCP group's root)" 300 $ONE $F --mode ipc --num-ranks 4 --victim 0 \
+        --out "$OUT/faults_victim0"
 }
 deepep_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep"
@@ -578,6 +601,7 @@ want gate && [ -d .upstream ] && lane step "DeepEP utils/test_gate.py" ${GATE_TI
 want firsthour && lane firsthour_lane
 want frameworks && MASTER_PORT=18761 lane frameworks_lane
 want nccl1 && MASTER_PORT=18861 lane nccl1_lane
+want faults && lane faults_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
 # domains x 1 rank sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: the two

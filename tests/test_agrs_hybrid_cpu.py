@@ -17,7 +17,7 @@ from deepep_cupy.features.agrs import feature as agrs_feature
 from deepep_cupy.features.agrs import kernels as agrs_kernels
 from deepep_cupy.features.agrs import plan as agrs_plan
 from deepep_cupy.features.agrs import reference as ref
-from deepep_cupy.runtime import interop, rails, streams, workspace
+from deepep_cupy.runtime import interop, rail_nccl, rails, streams, workspace
 from deepep_cupy.runtime.group import ProcessGroup
 
 MiB = 1 << 20
@@ -191,7 +191,7 @@ class _RecordingNccl:
         pass
 
 
-class _EmuNcclTransport(rails.NcclRailTransport):
+class _EmuNcclTransport(rail_nccl.NcclRailTransport):
     """`NcclRailTransport` on a recording fake; after each exchange every rank checks its calls against its rail peers'
     (what real NCCL needs to match) and pulls the bytes of its receives from the peers' host memory. `strict = False`
     lets sizes differ (the loopback transport's pull semantics: the receiver's size)."""

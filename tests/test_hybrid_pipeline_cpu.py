@@ -19,7 +19,7 @@ from test_rails_cpu import FakeRailNccl  # noqa: E402
 from deepep_cupy.features.hybrid import feature as hfeature  # noqa: E402
 from deepep_cupy.features.hybrid import kernels as hkernels  # noqa: E402
 from deepep_cupy.features.hybrid import plan as hplan  # noqa: E402
-from deepep_cupy.runtime import rails  # noqa: E402
+from deepep_cupy.runtime import rail_nccl, rails  # noqa: E402
 
 
 # ---- split rows and chunk plans --------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_nccl_pipelined_exchange_moves_the_split_rows(exact):
     for n in range(N):
         top = rails.rail_topology(N, 1, n)
         module, comm = fake.member(n)
-        t = rails.NcclRailTransport(top, bufs[n].ctypes.data, comm, nccl=module)
+        t = rail_nccl.NcclRailTransport(top, bufs[n].ctypes.data, comm, nccl=module)
         send = {m: int(counts[n][m]) for m in top.peer_domains} if exact else None
         recv = {m: int(counts[m][n]) for m in top.peer_domains} if exact else None
         meta = rails.plan_exchange(top, area, 'dispatch', hplan.payloads(top.peer_domains, send, M, rows.meta_bytes),

@@ -214,13 +214,16 @@ class SideStream:
     def wait_event(self, event):
         self.waited.append(event)
 
+    def synchronize(self):
+        pass
+
 
 def test_nccl_links_one_communicator_per_directed_pair_in_the_global_order():
     pairs = [(s, d) for s, d, _ in links.crossing_pairs(4, 1, ['a', 'b', 'c', 'd'], 'nccl')]
     nccl = FakeNccl(1)
     streams = iter(SideStream(f's{i}') for i in range(10))
     world = WorldOfIds(1, 4, pairs)
-    lk = links.NcclPairLinks(world, 1, pairs, nccl, lambda: next(streams))
+    lk = links.NcclPairLinks(world, 1, pairs, nccl, lambda: next(streams), scratch_ptr=0x9000)
     assert len(world.calls) == 1 and set(world.calls[0]) == {(1, 0), (1, 2)}     # ids of the pairs it sends on
     inits = [e for e in nccl.log if e[0] == 'init']
     # rank 1: pairs {0,1} then {1,2}; inside a pair, the direction with the lower sender first
@@ -230,12 +233,19 @@ def test_nccl_links_one_communicator_per_directed_pair_in_the_global_order():
     assert inits[1][1] == world.calls[0][(1, 0)] and inits[2][1] == world.calls[0][(1, 2)]
     assert set(lk.comms) == {(0, 1), (1, 0), (1, 2), (2, 1)}
     assert len({id(s) for s in lk.streams.values()}) == 4
+    # then each communicator connected, pair by pair in the same order: one byte, one group each
+    moves = [e for e in nccl.log if e[0] in ('send', 'recv')]
+    assert [(e[0], e[1], e[2], e[3]) for e in moves] == [
+        ('recv', 'uid-0-1', 0x9001, 1), ('send', inits[1][1], 0x9000, 1), ('send', inits[2][1], 0x9000, 1),
+        ('recv', 'uid-2-1', 0x9001, 1)]
+    assert sum(1 for e in nccl.log if e[0] == 'groupStart') == 4
 
 
 def test_nccl_send_recv_program_issues_one_group_per_message_then_the_bump():
     pairs = [(0, 1), (1, 0)]
     nccl = FakeNccl(0)
-    lk = links.NcclPairLinks(WorldOfIds(0, 2, pairs), 0, pairs, nccl, lambda: SideStream('side'))
+    lk = links.NcclPairLinks(WorldOfIds(0, 2, pairs), 0, pairs, nccl, lambda: SideStream('side'),
+                              scratch_ptr=0x9000)
     del nccl.log[:]
     bumped = []
     s = lk.send(1, [(0x1000, 16), (0x2000, 4096)], 'ev0', lambda st: bumped.append(('send', st)))
@@ -255,7 +265,8 @@ def test_nccl_send_recv_program_issues_one_group_per_message_then_the_bump():
         lk.send(1, [(0x1000, 16)], 'ev', lambda st: None)
     lk.destroy()
     assert not any(e[0] == 'destroy' for e in nccl.log)        # aborted communicators are not destroyed again
-    lk2 = links.NcclPairLinks(WorldOfIds(0, 2, pairs), 0, pairs, nccl, lambda: SideStream('side'))
+    lk2 = links.NcclPairLinks(WorldOfIds(0, 2, pairs), 0, pairs, nccl, lambda: SideStream('side'),
+                              scratch_ptr=0x9000)
     lk2.destroy()
     assert sum(1 for e in nccl.log if e[0] == 'destroy') == 2
 
@@ -352,8 +363,8 @@ def test_nccl_neighbour_send_and_recv_sequence(monkeypatch):
     nccl = buf.fake.nccl
     assert [e[3] for e in nccl.log if e[0] == 'init'] == [0, 1]     # sender of 0->1, receiver of 1->0
     box = links.Outbox(4096, 2)
-    assert buf.fake.allocs == [box.num_bytes]
-    outbox = 0x6000_0000 + 0x1000_0000
+    assert buf.fake.allocs == [2, box.num_bytes]      # the connecting exchange's 2 bytes, the outbox
+    outbox = 0x6000_0000 + 0x1000_0000 * 2
     assert buf.fake.tables[-1][1 + 1] == outbox and h.bases[1] == outbox
     del nccl.log[:]
     x = torch.zeros(1000, dtype=torch.uint8)

@@ -166,6 +166,10 @@ class Stream:
         with self.dev.cond:
             return not self.queue and not self.busy
 
+    def synchronize(self):
+        with self.dev.cond:
+            self.dev.cond.wait_for(lambda: not self.queue and not self.busy, timeout=30)
+
     def _run(self):
         dev = self.dev
         while True:

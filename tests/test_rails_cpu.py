@@ -14,7 +14,7 @@ import pytest
 from deepep_cupy.features.hybrid import layout as hlay
 from deepep_cupy.features.hybrid import messages
 from deepep_cupy.features.hybrid import reference as href
-from deepep_cupy.runtime import rails
+from deepep_cupy.runtime import rail_nccl, rails
 from deepep_cupy.runtime.group import ProcessGroup
 
 
@@ -262,12 +262,24 @@ def test_nccl_transport_carries_a_dispatch(N, R, exact):
     d = href.dispatch(shape, topk)
     bufs = [np.zeros(lay.end_offset, dtype=np.uint8) for _ in range(shape.num_ranks)]
     fakes = {r: FakeRailNccl(N) for r in range(R)}
-    transports = []
+    transports, scratch = [], []
     for g in range(shape.num_ranks):
         top = rails.rail_topology(shape.num_ranks, R, g)
         module, _ = fakes[top.scaleup_idx].member(top.domain_idx)
         world = WorldView(g, shape.num_ranks, lambda r, obj: b'u' * 128 if r < R else None)
-        transports.append(rails.NcclRailTransport.create(world, top, bufs[g].ctypes.data, nccl=module))
+        synced = []
+        connect_stream = SimpleNamespace(ptr=0x6, synchronize=lambda s=synced, g=g: s.append(g))
+        scratch.append(np.zeros(rails.HEADER_BYTES * (N + 1), dtype=np.uint8))
+        transports.append(rail_nccl.NcclRailTransport.create(world, top, bufs[g].ctypes.data, nccl=module,
+                                                         stream=connect_stream, scratch_ptr=scratch[-1].ctypes.data))
+        assert synced == [g]                     # construction waits for its connecting exchange
+    for rail in fakes.values():                  # one group: a header each way with every rail peer, zeros only
+        assert rail.run() == 1
+        for m, calls in rail.calls.items():
+            assert sorted((c[0], c[4]) for c in calls if c[0] in ('send', 'recv')) == sorted(
+                (kind, p) for p in range(N) if p != m for kind in ('send', 'recv'))
+        rail.calls = {m: [] for m in rail.calls}
+    assert not any(b.any() for b in bufs) and not any(b.any() for b in scratch)
     stream = SimpleNamespace(ptr=0x5)
 
     def exchange(plans):
@@ -304,7 +316,7 @@ def test_static_plans_issue_identical_calls_on_every_rail_peer():
     for n in range(N):
         top = rails.rail_topology(N * R, R, n * R + 1)
         module, comm = fake.member(n)
-        t = rails.NcclRailTransport(top, 0x1000_0000 * (n + 1), comm, nccl=module)
+        t = rail_nccl.NcclRailTransport(top, 0x1000_0000 * (n + 1), comm, nccl=module)
         plan = rails.plan_exchange(top, areas, 'dispatch', dict.fromkeys(top.peer_domains, cap),
                                    dict.fromkeys(top.peer_domains, cap), chunk_bytes=1024)
         t.exchange(plan, SimpleNamespace(ptr=3))
@@ -470,7 +482,7 @@ def _watched_transport(N=3, R=2, g=2):
     top = rails.rail_topology(N * R, R, g)
     fake = FakeRailNccl(N)
     module, comm = fake.member(top.domain_idx)
-    t = rails.NcclRailTransport(top, 0x1000, comm, nccl=module)
+    t = rail_nccl.NcclRailTransport(top, 0x1000, comm, nccl=module)
     events = FakeEvents()
     t.watch_timeouts(5.0, events)
     assert isinstance(t.watchdog, RailWatchdog)
@@ -534,3 +546,67 @@ def test_watchdog_thread_fires_on_its_own():
     w.close()
     with pytest.raises(ValueError, match='timeout_s'):
         RailWatchdog(0, lambda *a: None, events)
+
+
+def test_watchdog_thread_leaves_other_threads_captures_alone():
+    """The thread sets thread-local capture mode before its first query (a query in global mode from another
+    thread invalidates a graph being captured), and a thread that cannot set it stores why and stops."""
+    from deepep_cupy.runtime import rail_watchdog as wd
+    seen = []
+
+    class Lib:
+        def __init__(self, rc):
+            self.rc = rc
+
+        def cuThreadExchangeStreamCaptureMode(self, mode_ptr):     # noqa: N802 (the driver's name)
+            seen.append(ctypes.cast(mode_ptr, ctypes.POINTER(ctypes.c_int)).contents.value)
+            return self.rc
+
+    wd.thread_local_capture_mode(Lib(0))
+    assert seen == [wd.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL]
+    with pytest.raises(RuntimeError, match='CUresult 900'):
+        wd.thread_local_capture_mode(Lib(900))
+
+    class Events:
+        def bind_thread(self):
+            raise RuntimeError('no context')
+
+    dog = wd.RailWatchdog(1.0, lambda phase, peers: TimeoutError(phase), Events())
+    dog._run()
+    with pytest.raises(RuntimeError, match='could not start: no context'):
+        dog.raise_if_failed()
+
+
+def test_watchdog_probe_aborts_on_nccl_async_error_between_exchanges():
+    """A rail peer that dies while nothing is pending (a CUDA-graph replay enqueues nothing the watchdog times):
+    NCCL's asynchronous error, polled by the watchdog thread, aborts the communicator and names the rail peer."""
+    import time
+    top = rails.rail_topology(4, 2, 1)          # domain 0, scale-up index 1: rail peer rank 3 (domain 1)
+
+    class Comm:
+        broken, aborted = False, 0
+
+        def check_async_error(self):
+            if self.broken:
+                raise RuntimeError('NCCL_ERROR_REMOTE_ERROR')
+
+        def abort(self):
+            Comm.aborted += 1
+
+    comm = Comm()
+    t = rail_nccl.NcclRailTransport(top, 0x1000, comm, nccl=SimpleNamespace(NCCL_UINT8=7))
+    t.watch_timeouts(5.0, events=SimpleNamespace())
+    t.watchdog.probe_s = 0.01
+    time.sleep(0.05)
+    assert t.watchdog.error is None and not t.aborted
+    comm.broken = True
+    for _ in range(200):
+        if t.aborted:
+            break
+        time.sleep(0.01)
+    assert t.aborted and Comm.aborted == 1
+    with pytest.raises(RuntimeError, match=r'NCCL reported an error on the rail with peer rank 3 \(domains \[1\]'):
+        t.check()
+    with pytest.raises(RuntimeError, match='NCCL_ERROR_REMOTE_ERROR'):
+        t.exchange(rails.RailPlan('x', 0, ()), SimpleNamespace(ptr=0))
+    t.destroy()

@@ -11,7 +11,8 @@ from ..features.hybrid.kernels import MAX_SIGNALS, KernelSignals, epoch_begin_sp
 from ..features.hybrid.plan import choose_transport
 from ..jit.launch import load_kernels
 from ..runtime import workspace
-from ..runtime.rails import IpcLoopbackTransport, NcclRailTransport, RailGroup, plan_ranges, rail_topology
+from ..runtime.rail_nccl import NcclRailTransport
+from ..runtime.rails import IpcLoopbackTransport, RailGroup, plan_ranges, rail_topology
 
 
 class AGRSRails:

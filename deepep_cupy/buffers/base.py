@@ -280,9 +280,24 @@ class BufferBase:
         """Release memory a feature holds outside the symmetric buffer (the hybrid rails), once no kernel runs;
         `collective`: every rank does it now (else local, as for garbage collection)."""
 
+    def _transports_failed(self) -> bool:
+        """Whether a transport outside the GPU timeouts (the hybrid rails) gave up after a timeout."""
+        return False
+
+    def _abort_transports(self) -> None:
+        """Abort what may still wait for a peer outside the GPU timeouts (the hybrid rails' NCCL communicators), so
+        that a failed buffer's teardown never waits for a dead peer; local."""
+
     def destroy(self) -> None:
-        """Release all GPU memory (collective: every rank must call it). Idempotent."""
+        """Release all GPU memory (collective: every rank must call it). Idempotent. A buffer that failed (a wait
+        timed out: `is_usable()` is False, or a rail transport gave up) is released locally instead: its peers may
+        be gone, so no host barrier runs, and its rail transports are aborted first (ncclCommAbort: no NCCL kernel
+        keeps waiting for them)."""
         if self._destroyed:
+            return
+        if self._failed is not None or int(self.error_record[0]) != 0 or self._transports_failed():
+            self._abort_transports()
+            self._release_local()
             return
         import cupy
         self._destroyed = True

@@ -67,7 +67,9 @@ class ElasticBuffer(BufferBase):
         num_max_tokens_per_rank: most tokens a rank dispatches per call (all ranks must agree).
         hidden: hidden size; num_topk: top-k (0: size for up to 32).
         use_fp8_dispatch: accepted for DeepEP compatibility (the buffer is sized for BF16, which covers FP8).
-        deterministic: accepted; dispatch is always deterministic here (rows ordered by source rank, then token).
+        deterministic: received rows in DeepEP's deterministic order, one sort by source token index
+            (`src_token_global_idx`). Inside one domain that is the order dispatch always gives; across domains with
+            several ranks each, the rows are moved into it after the dispatch (psums and counts unchanged).
         allow_hybrid_mode: NVLink inside a scale-up domain and rails (NCCL, or the IPC loopback when rail members
             share a GPU: `DEEPEP_CUPY_RAIL_TRANSPORT`) between domains. With several domains dispatch / combine take
             the composed hybrid path (features/hybrid/feature.py; rows in DeepEP V2's hybrid order, combine reduced
@@ -168,6 +170,12 @@ class ElasticBuffer(BufferBase):
 
     def _release_extra(self, collective: bool) -> None:
         hybrid.release(self, collective)
+
+    def _transports_failed(self) -> bool:
+        return hybrid.failed(self)
+
+    def _abort_transports(self) -> None:
+        hybrid.abort(self)
 
     # ---- sizes and SM / QP policy ------------------------------------------------------------------------------
     @staticmethod

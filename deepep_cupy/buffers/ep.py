@@ -143,6 +143,12 @@ class EPBuffer(V25Methods, BufferBase):
     def _release_extra(self, collective: bool) -> None:
         hybrid.release(self, collective)
 
+    def _transports_failed(self) -> bool:
+        return hybrid.failed(self)
+
+    def _abort_transports(self) -> None:
+        hybrid.abort(self)
+
     # ---- sizes and SM / QP policy ------------------------------------------------------------------------------
     @staticmethod
     def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,

@@ -50,3 +50,29 @@ def release(buf, collective: bool) -> None:
         hybrid.release(collective)
     if agrs_rails is not None:
         agrs_rails.release(collective)
+
+
+def _transports(buf):
+    """The rail transports of a buffer's EP feature (`buf._ep`, a `HybridEP`) and all-gather / reduction feature
+    (`buf._agrs_rails`)."""
+    ep = getattr(buf, '_ep', None)
+    for rails in (ep.rails if isinstance(ep, HybridEP) else None, getattr(buf, '_agrs_rails', None)):
+        transport = getattr(rails, 'transport', None)
+        if transport is not None:
+            yield transport
+
+
+def failed(buf) -> bool:
+    """`BufferBase._transports_failed`: whether a rail transport gave up (aborted after a timeout)."""
+    return any(t.aborted for t in _transports(buf))
+
+
+def abort(buf) -> None:
+    """`BufferBase._abort_transports`: abort the rail transports (before the teardown waits for the streams). An
+    NCCL transport's watchdog is stopped first, so that it cannot abort the communicator at the same time."""
+    for transport in list(_transports(buf)):
+        watchdog = getattr(transport, 'watchdog', None)
+        if watchdog is not None:
+            watchdog.close()
+        if not transport.aborted:
+            transport.abort()

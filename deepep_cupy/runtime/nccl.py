@@ -10,6 +10,8 @@ Used for the scale-out transport and for the NCCL reference paths in `deepep_cup
 NVLink fast path.
 """
 
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -61,6 +63,33 @@ def _row_bytes(info: interop.TensorInfo) -> int:
     for s in info.shape[1:]:
         num_row_elems *= s
     return num_row_elems * info.itemsize
+
+
+ABORT_WAIT_SECS = 20.0
+
+
+def abort_bounded(comm: Any, what: str, limit: float = ABORT_WAIT_SECS) -> bool:
+    """`comm.abort()` (`ncclCommAbort`) from a helper thread, waited for at most `limit` seconds; returns whether it
+    returned. The timeout path must not hang where NCCL does: on 1xH100 over NCCL sockets, a rank whose peer had
+    already aborted and closed its sockets blocked inside `ncclCommAbort`. Past the bound the communicator is left
+    to the process's exit (a warning on stderr says so), and the caller goes on failing cleanly."""
+    failure = []
+
+    def run():
+        try:
+            comm.abort()
+        except Exception as e:  # noqa: BLE001 (reported below: the abort is the failure path already)
+            failure.append(e)
+    thread = threading.Thread(target=run, name='deepep_cupy-nccl-abort', daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        print(f'deepep_cupy: ncclCommAbort of {what} did not return within {limit:.0f} s; left to the process exit',
+              file=sys.stderr, flush=True)
+        return False
+    if failure:
+        print(f'deepep_cupy: ncclCommAbort of {what} failed: {failure[0]}', file=sys.stderr, flush=True)
+    return True
 
 
 def exchange_unique_id(group: ProcessGroup) -> Any:

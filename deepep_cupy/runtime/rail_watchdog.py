@@ -9,6 +9,10 @@ group; a daemon thread queries the pending events, and one still pending after t
 hung returns too) and stores a `TimeoutError` naming the phase and the rail peers, raised by the transport's next
 call. Exchanges captured into a CUDA graph are not watched (a replay does not pass through Python).
 
+The thread puts itself in thread-local stream-capture mode before its first query (as torch's NCCL watchdog does):
+in the default global mode, an event query from any thread while another thread captures a CUDA graph invalidates
+that capture (`cudaErrorStreamCaptureInvalidated`, seen on 1xH100 in hybrid P1 over NCCL sockets).
+
 CUDA is reached through an injectable `events` object (create / record / query / destroy), so the logic is tested on
 the CPU (tests/test_rails_cpu.py).
 """
@@ -16,6 +20,23 @@ the CPU (tests/test_rails_cpu.py).
 import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1      # CUstreamCaptureMode (cuda.h)
+
+
+def thread_local_capture_mode(lib: Any = None) -> None:
+    """Set the calling thread's stream-capture interaction mode to thread-local (`cuThreadExchangeStreamCaptureMode`,
+    the driver call behind `cudaThreadExchangeStreamCaptureMode`): this thread's unsafe calls (event queries) no
+    longer invalidate captures begun in global mode by other threads. `lib`: the driver library (default
+    libcuda.so.1); raises RuntimeError when the call fails."""
+    import ctypes
+    if lib is None:
+        from .preflight import _load_libcuda
+        lib = _load_libcuda()
+    mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    rc = lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+    if rc != 0:
+        raise RuntimeError(f'cuThreadExchangeStreamCaptureMode failed with CUresult {rc}')
 
 
 class CudaEvents:
@@ -43,9 +64,11 @@ class CudaEvents:
         cupy.cuda.runtime.eventDestroy(event)
 
     def bind_thread(self) -> None:
-        """Make the watchdog thread's current device the transport's (event queries need its context)."""
+        """Make the watchdog thread's current device the transport's (event queries need its context), and its
+        stream-capture mode thread-local, so its queries never invalidate another thread's graph capture."""
         import cupy
         cupy.cuda.runtime.setDevice(self.device)
+        thread_local_capture_mode()
 
     def capturing(self, stream_ptr: int) -> bool:
         import cupy
@@ -65,7 +88,7 @@ class RailWatchdog:
     """
 
     def __init__(self, timeout_s: float, on_timeout: Callable[[str, Sequence[int]], BaseException], events: Any,
-                 poll_s: float = 0.005):
+                 poll_s: float = 0.005, probe: Optional[Callable[[], None]] = None, probe_s: float = 0.1):
         if not timeout_s > 0:
             raise ValueError(f'timeout_s must be positive, got {timeout_s}')
         self.timeout_s, self.on_timeout, self.events, self.poll_s = float(timeout_s), on_timeout, events, poll_s
@@ -76,6 +99,9 @@ class RailWatchdog:
         self._wake = threading.Event()
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        # Called from the thread every `probe_s` while nothing failed (e.g. NCCL's asynchronous error); it stores
+        # its own error in `self.error`.
+        self.probe, self.probe_s = probe, probe_s
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -92,10 +118,15 @@ class RailWatchdog:
         self.events.record(event, stream_ptr)
         with self._lock:
             self._pending.append((event, time.monotonic() + self.timeout_s, phase, tuple(peers)))
-            if self._thread is None:
+        self.start()
+        self._wake.set()
+
+    def start(self) -> None:
+        """Start the thread (the first `watch` does; with a probe, the owner starts it at once)."""
+        with self._lock:
+            if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name='deepep_cupy-rail-watchdog', daemon=True)
                 self._thread.start()
-        self._wake.set()
 
     def poll(self, now: Optional[float] = None) -> None:
         """One pass (the thread's loop body; tests call it directly): retire completed exchanges, fire on the first
@@ -126,10 +157,21 @@ class RailWatchdog:
     def _run(self) -> None:
         bind = getattr(self.events, 'bind_thread', None)
         if bind is not None:
-            bind()
+            try:
+                bind()
+            except Exception as e:      # without the device or the capture mode, its queries would do harm
+                self.error = RuntimeError(f'rail watchdog could not start: {e}')
+                return
+        next_probe = 0.0
         while not self._closed:
+            if self.probe is not None and self.error is None and time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + self.probe_s
+                try:
+                    self.probe()
+                except Exception as e:  # noqa: BLE001 (a failing probe: stop probing, say why)
+                    self.error = self.error or RuntimeError(f'rail watchdog probe failed: {e}')
             if self.num_pending == 0:
-                self._wake.wait(0.1)
+                self._wake.wait(self.probe_s if self.probe is not None else 0.1)
                 self._wake.clear()
                 continue
             try:

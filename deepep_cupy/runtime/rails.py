@@ -8,12 +8,13 @@ the GPU with the same local index on every other node, which is also the NIC-ali
 Transports (`ScaleoutTransport`): a rail exchange moves, for every rail peer, one byte range of this rank's buffer to
 the peer and one byte range from it, stream-ordered, as a `RailPlan` says:
 
-- `NcclRailTransport`: one NCCL communicator per rail (N ranks, no world communicator), made from a unique id that the
-  rail's first rank (domain 0) creates and the host process group carries; each chunk of a plan is one NCCL group of
-  `send`/`recv` of bytes on the given stream. Every rail peer issues the same number of groups, and between every
-  pair the same operations in the same order with the same sizes (a transfer always carries its 16-byte header, so
-  none is empty): the matching NCCL needs, kept by construction (`plan_exchange`) rather than by luck.
-  `abort()` is the timeout path (`ncclCommAbort`: pending NCCL work returns, no hang).
+- `NcclRailTransport` (`runtime/rail_nccl.py`): one NCCL communicator per rail (N ranks, no world communicator),
+  made from a unique id that the rail's first rank (domain 0) creates and the host process group carries, and
+  connected to every rail peer at construction; each chunk of a plan is one NCCL group of `send`/`recv` of bytes on
+  the given stream. Every rail peer issues the same number of groups, and between every pair the same operations in
+  the same order with the same sizes (a transfer always carries its 16-byte header, so none is empty): the matching
+  NCCL needs, kept by construction (`plan_exchange`) rather than by luck. `abort()` is the timeout path
+  (`ncclCommAbort`: pending NCCL work returns, no hang).
 - `IpcLoopbackTransport`: a test double for more domains than GPUs on one host: the rail peers map each other's
   buffer (CUDA IPC), and each rank pulls what its peers packed for it with `cudaMemcpyAsync`, between stream-ordered
   epoch flags (ready before the copies, consumed after) that an injected `StreamSignals` writes and waits for.
@@ -270,6 +271,11 @@ class ScaleoutTransport:
         same order."""
         raise NotImplementedError
 
+    def check(self) -> None:
+        """Raise if the transport failed (host waits call it while they poll, and once the wait is over: a wait
+        that a timeout's abort released has read nothing valid)."""
+        self._check_usable()
+
     def abort(self) -> None:
         """Give up on pending transfers (the timeout path); the transport is unusable afterwards."""
         self.aborted = True
@@ -288,100 +294,6 @@ class ScaleoutTransport:
         return TimeoutError(f'rank {self.rails.rank}: hybrid {phase}: rail peer rank {peer} (domain {peer_domain}, '
                             f'scale-up index {self.rails.scaleup_idx}) did not arrive within {seconds:.1f} s; the '
                             f'{self.name} rail transport was aborted')
-
-
-class NcclRailTransport(ScaleoutTransport):
-    """The rail hop over NCCL point-to-point: one communicator per rail.
-
-    Args:
-        rails: this rank's rails.
-        base_ptr: device address of this rank's buffer.
-        comm: a `cupy.cuda.nccl.NcclCommunicator` of this rank's rail (N ranks, rank = domain index), or a fake with
-            `send`, `recv`, `abort`, `destroy`.
-        nccl: the module with `groupStart`, `groupEnd` and `NCCL_UINT8` (default `cupy.cuda.nccl`).
-    """
-
-    name = 'NCCL'
-
-    def __init__(self, rails: RailTopology, base_ptr: int, comm: Any, nccl: Any = None):
-        super().__init__(rails, base_ptr)
-        if nccl is None:
-            from .preflight import nccl as _nccl
-            nccl = _nccl()
-        self.comm, self.nccl = comm, nccl
-        # Called after each chunk's group with (chunk, stream): pipelining bumps a chunk counter there (P2).
-        self.after_chunk: Optional[Callable[[int, Any], None]] = None
-        # Bounds exchanges no host wait covers (runtime/rail_watchdog.py); `watch_timeouts` sets it.
-        self.watchdog: Any = None
-
-    def watch_timeouts(self, timeout_s: float, events: Any = None) -> None:
-        """Bound every exchange enqueued outside a CUDA-graph capture by `timeout_s` from the host: a rail peer
-        that never arrives aborts the communicator (no hang) and the next call raises `TimeoutError` naming the
-        phase and the peers. `events`: the watchdog's event operations (default: CUDA events on this device)."""
-        from .rail_watchdog import CudaEvents, RailWatchdog
-        if events is None:
-            import cupy
-            events = CudaEvents(cupy.cuda.runtime.getDevice())
-        self.watchdog = RailWatchdog(timeout_s, self._watchdog_fired, events)
-
-    def _watchdog_fired(self, phase: str, peer_domains) -> BaseException:
-        ranks = [self.rails.rail_rank_of(m) for m in peer_domains]
-        self.abort()
-        return TimeoutError(f'rank {self.rails.rank}: hybrid rail {phase}: the NCCL exchange with rail peer ranks '
-                            f'{ranks} (domains {list(peer_domains)}, scale-up index {self.rails.scaleup_idx}) did '
-                            f'not complete within {self.watchdog.timeout_s:.1f} s; a peer never arrived, the NCCL '
-                            f'rail transport was aborted (build a new buffer)')
-
-    def _check_usable(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.raise_if_failed()
-        super()._check_usable()
-
-    @classmethod
-    def create(cls, world: ProcessGroup, rails: RailTopology, base_ptr: int, nccl: Any = None) -> 'NcclRailTransport':
-        """Make this rank's rail communicator (a host collective of the world: every rank calls it, each on its own
-        GPU). Two ranks of one rail must not share a GPU (NCCL refuses); ranks of one domain may."""
-        if nccl is None:
-            from .preflight import nccl as _nccl
-            nccl = _nccl()
-        uid = exchange_rail_unique_ids(world, rails, nccl.get_unique_id)
-        comm = nccl.NcclCommunicator(rails.num_domains, uid, rails.domain_idx)
-        return cls(rails, base_ptr, comm, nccl)
-
-    def exchange(self, plan: RailPlan, stream: Any) -> None:
-        self._check_usable()
-        nccl, uint8 = self.nccl, self.nccl.NCCL_UINT8
-        for c in range(plan.num_chunks):
-            nccl.groupStart()
-            try:
-                for op in plan.chunk_ops(c):
-                    fn = self.comm.send if op.kind == 'send' else self.comm.recv
-                    fn(self.base_ptr + op.offset, op.num_bytes, uint8, op.peer, stream.ptr)
-            finally:
-                nccl.groupEnd()
-            if self.after_chunk is not None:
-                self.after_chunk(c, stream)
-        if self.watchdog is not None and plan.num_chunks:
-            self.watchdog.watch(stream.ptr, plan.phase, plan.peers)
-
-    def check(self) -> None:
-        """Raise NCCL's asynchronous error, if any (host polling loops call it while they wait)."""
-        check = getattr(self.comm, 'check_async_error', None)
-        if check is not None and not self.aborted:
-            check()
-
-    def abort(self) -> None:
-        if not self.aborted and self.comm is not None:
-            self.comm.abort()
-        super().abort()
-
-    def destroy(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.close()
-        if self.comm is not None:
-            comm, self.comm = self.comm, None
-            if not self.aborted:
-                comm.destroy()
 
 
 class StreamSignals(Protocol):

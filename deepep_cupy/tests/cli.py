@@ -73,7 +73,8 @@ def ep_parser() -> argparse.ArgumentParser:
     p.add_argument('--allow-multiple-reduction', type=int, default=1, choices=(0, 1),
                    help='ElasticBuffer(allow_multiple_reduction=...): 1 reduces expanded rows per rank before sending')
     p.add_argument('--deterministic', action='store_true',
-                   help='ElasticBuffer(deterministic=True); accepted, dispatch order is always deterministic here')
+                   help='ElasticBuffer(deterministic=True): rows sorted by source token, as DeepEP (across '
+                        'domains of several ranks the rows move; inside one domain they already are)')
     p.add_argument('--seed', type=int, default=0, help='seed of the inputs (rank r draws from seed * 1000 + r)')
     p.add_argument('--unbalanced-ratio', type=float, default=1.0,
                    help='load of the hottest rank relative to the others (1.0: balanced routing)')
@@ -367,3 +368,50 @@ def megatron_moe_parser() -> argparse.ArgumentParser:
 
 
 PARSERS['megatron_moe'] = megatron_moe_parser
+
+
+# ---- faults: its own launcher (a killed rank would end an mpirun job), so no LAUNCH epilog ------------------------
+FAULT_CASES = ('before_dispatch', 'in_dispatch_wait', 'before_combine', 'in_low_latency', 'in_low_latency_combine',
+               'in_graph_replay')
+
+
+def faults_parser() -> argparse.ArgumentParser:
+    """`faults`: a rank SIGKILLed at a chosen point; every other rank must raise, destroy and exit (issue #28)."""
+    p = argparse.ArgumentParser(
+        prog='python -m deepep_cupy.tests.faults', formatter_class=HelpFormatter,
+        description='Fault test (no hang, ever, when a rank dies): starts --num-ranks child ranks itself, all on GPU '
+                    '0, joined by the TCP\nhost group; per case one rank SIGKILLs itself at the case\'s point and '
+                    'every survivor must raise TimeoutError or\nRuntimeError naming the phase and the dead peer within '
+                    'the timeout plus --slack-secs, then destroy() must return and\nthe process exit 0. One line per '
+                    'case, a summary, exit status 0 only if every case passed.\nCases: ' + ', '.join(FAULT_CASES) + '.')
+    p.add_argument('--mode', choices=('ipc', 'nccl'), default='ipc',
+                   help='ipc: one scale-up domain (CUDA IPC); nccl: hybrid mode over two domains (rank g in domain '
+                        'g // (num_ranks / 2)), NCCL rails over sockets on the loopback')
+    p.add_argument('--num-ranks', type=int, choices=(2, 4), default=2, help='child ranks (all on GPU 0)')
+    p.add_argument('--cases', type=str, default='all',
+                   help='comma-separated cases, or all (those that apply to the mode: the low-latency ones need ipc)')
+    p.add_argument('--victim', type=int, default=-1, help='the rank that is killed (-1: the last rank)')
+    _timeouts(p, cpu=True)
+    p.set_defaults(num_gpu_timeout_secs=8.0, num_cpu_timeout_secs=16.0)
+    p.add_argument('--slack-secs', type=float, default=10.0,
+                   help='allowed on top of the timeout between the start of the survivor\'s faulted step and its error')
+    p.add_argument('--delay-secs', type=float, default=2.0,
+                   help='in_* cases: survivors start their step this much after the victim, so it dies inside its call')
+    p.add_argument('--num-rounds', type=int, default=3,
+                   help='rounds of the workload a survivor runs from the fault until a call raises')
+    p.add_argument('--setup-secs', type=float, default=240.0,
+                   help='bound on a child\'s start (imports, JIT, buffers, warm-up) and its rendezvous timeout')
+    p.add_argument('--num-tokens', type=int, default=128, help='tokens per rank (also num_max_tokens_per_rank)')
+    p.add_argument('--hidden', type=int, default=2048, help='hidden size')
+    p.add_argument('--num-experts', type=int, default=64, help='experts in all (a multiple of the rank count)')
+    p.add_argument('--num-topk', type=int, default=4, help='experts per token')
+    p.add_argument('--seed', type=int, default=0, help='seed of the inputs')
+    p.add_argument('--out', type=str, default='out/faults',
+                   help='directory of the children\'s logs and the JSON report')
+    p.add_argument('--child', type=str, default='',
+                   help='internal: run as one rank of this case (the parent starts the children with it)')
+    _skip(p, 'noperf')
+    return p
+
+
+PARSERS['faults'] = faults_parser

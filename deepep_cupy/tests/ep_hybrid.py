@@ -1,9 +1,12 @@
 """Hybrid mode in the EP rank program (deepep_cupy/tests/ep.py switches to it when the buffer has several scale-up
 domains, e.g. `DEEPEP_CUPY_SCALEUP_SIZE=1` with ranks sharing a GPU; the rails then go through the IPC loopback):
 
-- `hybrid_case_class(Case)`: the same inputs, with every reference in DeepEP V2's hybrid row order
-  (`features.hybrid.reference.hybrid_row_order`: source scale-up index, source domain, token), psum per scale-up
-  index, and combine expected as `refs.combine(..., num_domains, ..., reduce_in_scaleup=True)`;
+- `hybrid_case_class(Case)`: the same inputs, with every reference in the hybrid row order
+  (`features.hybrid.reference.hybrid_row_order`: source scale-up index, source domain, token), or, with
+  `--deterministic`, in DeepEP's `deterministic=True` order (`EPHandle.deterministic_sort`: all rows by
+  src_token_global_idx, i.e. `refs.dispatch_from_gathered`'s own order; expanded rows by expert, then that index);
+  psum per scale-up index either way (DeepEP's sort rewrites no count), and combine expected as
+  `refs.combine(..., num_domains, ..., reduce_in_scaleup=True)`;
 - `test_misc`: domain sizes, rail barrier, QPs, the handle's hybrid fields;
 - `test_graph`: a 128-token dispatch (no CPU sync) + combine captured in one CUDA graph, replayed on new inputs;
 - `test_timeout`: a missing rank gives TimeoutError on every other rank (its rail peers and domain peers name it).
@@ -29,14 +32,18 @@ def _reorder(ref: refs.DispatchRef, perm: np.ndarray, R: int) -> refs.DispatchRe
 
 
 def hybrid_case_class(Case, num_domains: int):
-    """A `Case` subclass whose references follow the hybrid order of `num_domains` domains."""
+    """A `Case` subclass whose references follow the row order of a hybrid dispatch over `num_domains` domains:
+    grouped by source scale-up index, or DeepEP's sorted one when the buffer is deterministic (`--deterministic`)."""
 
     class HybridCase(Case):
         def __init__(self, args, group, rank, num_ranks, seed, num_max_tokens_per_rank=None, num_tokens=None):
             super().__init__(args, group, rank, num_ranks, seed, num_max_tokens_per_rank, num_tokens)
             self.num_domains, R = num_domains, num_ranks // num_domains
             src = self.ref.recv_src_token_global_idx.long().numpy()
-            perm = hybrid_row_order(src // self.M, src % self.M, R)
+            if args.deterministic:      # DeepEP's order is the reference's: sorted by src_token_global_idx
+                perm = np.arange(src.size)
+            else:
+                perm = hybrid_row_order(src // self.M, src % self.M, R)
             self.ref, self.ref_fp8 = _reorder(self.ref, perm, R), _reorder(self.ref_fp8, perm, R)
             self.layouts = {a: refs.expanded_layout(self.ref.recv_topk_idx, self.L, a) for a in (1, 128)}
             src = self.ref.recv_src_token_global_idx.to('cuda').long()
@@ -81,6 +88,17 @@ def test_misc(buf, case) -> None:
     epd = case.E // N
     own = ((case.topk_idx >= n * epd) & (case.topk_idx < (n + 1) * epd)).any(dim=1).nonzero().flatten().cpu()
     check_equal(tmaf[n, :own.numel(), 0].cpu().long(), own, 'token_metadata_at_forward (own domain)')
+    if case.args.deterministic:
+        # DeepEP's deterministic_sort: one sort of every row by src_token_global_idx (so not grouped by scale-up index
+        # where R > 1), counts untouched (check_dispatch compares the psum per scale-up index with every call); the
+        # reference checks compare every output with that order bit for bit.
+        src = h.recv_src_metadata[:case.num_recv, 0].cpu().long()
+        check(bool((src[1:] > src[:-1]).all()), 'deterministic: rows sorted by src_token_global_idx (DeepEP)')
+        grouped = hybrid_row_order((src // case.M).numpy(), (src % case.M).numpy(), R)
+        moved = int((grouped != np.arange(src.numel())).sum())
+        if buf.rank_idx == 0:
+            print(f'[deterministic] rank 0: {moved} of {src.numel()} rows are not where the grouped order puts them',
+                  flush=True)
     buf.barrier()
 
 

@@ -14,6 +14,7 @@ Modules:
     feature.py            P1: `HybridEP` (dispatch / combine), `HybridRails` (rail memory and transport)
     plan.py, checks.py    P1: rail area, row sizes, payloads, transport choice, metadata translation; argument checks
     handle.py, kernels.py P1: `HybridHandle`; kernel declarations and the loopback's stream signals
+    deterministic.py      P1: `deterministic=True`, DeepEP's row order (one sort by src_token_global_idx)
     layout.py             sizes and offsets (symmetric data region, rail regions, message formats), the size hint
     reference.py          host reference of dispatch: routing, positions, rails, forwarding, receive layout
     combine_reference.py  host reference of combine: in-domain reduction at the forwarder, the final one at the origin
@@ -35,8 +36,10 @@ Dispatch, at origin s = (n, r):
     rank (m, l) whose forward slot is >= 0, and records `token_metadata_at_forward[n][p] = [t, K expert ids]`.
  4. receive (rank (m, l)): rows grouped by the source's scale-up index r (`psum_num_recv_tokens_per_scaleup_rank`,
     `[R]` inclusive: group r = all sources (*, r), everything local peer r wrote), inside a group by source domain,
-    then source token: `src_token_global_idx` ascending inside each group, DeepEP's `deterministic=True` order.
-    `reference.hybrid_row_order` maps `refs.dispatch_from_gathered`'s (source rank, token) order onto it. Expanded
+    then source token: `src_token_global_idx` ascending inside each group. DeepEP's `deterministic=True` sorts ALL
+    rows by `src_token_global_idx` in one sort ((source rank, token): `refs.dispatch_from_gathered`'s order), which
+    differs once R > 1: deterministic.py moves the rows into it after the intranode dispatch (P1) and combine's input
+    back. `reference.hybrid_row_order` maps the sorted order onto the grouped one. Expanded
     rows: `start[j] + src_base[region][j] + send_expert_pos` (receive-row order inside each expert). Metadata
     column 1 = `stage_row * K + stage_slot` (this rank's ordinal among the token's destination ranks of its domain, by
     first top-k appearance).

@@ -150,3 +150,19 @@ def check_combine_args(feat, x, handle, bias) -> List[Any]:
         if not bi.dtype_matches('bfloat16'):
             raise TypeError(f'bias must be bfloat16, got {bi.dtype}')
     return biases
+
+
+def check_sorted_combine_args(handle, x, topk_weights) -> None:
+    """A combine of a deterministic dispatch's handle moves its input before the intranode combine sees it: check
+    here what that one would (rows, contiguity), so that nothing runs on a bad input."""
+    rows, K = handle.inner.num_rows, handle.topk_idx.shape[1]
+    xi = tensor_info(x, 'x')
+    if xi.shape[0] != rows or not xi.is_contiguous():
+        raise ValueError(f'x must be contiguous [{rows}, hidden] (the dispatch\'s rows), got {xi.shape}')
+    if topk_weights is not None:
+        wi = tensor_info(topk_weights, 'topk_weights')
+        want = (rows,) if handle.inner.do_expand else (rows, K)
+        if not wi.dtype_matches('float32'):
+            raise TypeError(f'topk_weights must be float32, got {wi.dtype}')
+        if wi.shape != want or not wi.is_contiguous():
+            raise ValueError(f'topk_weights must be contiguous {list(want)}, got {wi.shape}')

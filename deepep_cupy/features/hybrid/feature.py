@@ -12,6 +12,9 @@ Dispatch at rank (n, r), all on the caller's current stream, then the intranode 
     fills have top-k -1 and go nowhere.
  4. the intranode dispatch of the union over the domain (E / N experts, N * M tokens per rank): every row reaches every
     local owner; rows arrive grouped by forwarder r, then union row (source domain, token) = `hybrid_row_order`.
+ 5. `deterministic=True` (the buffer's, read per call; R > 1): the rows are moved into DeepEP's order, one sort by
+    src_token_global_idx (deterministic.py; on the communication stream when asynchronous), the handle keeps the
+    permutation, and combine moves its input back before the intranode combine.
 Combine: the intranode combine back to the forwarder's union rows (FP32 in-domain reduction, one rounding: DeepEP's
 reduce_in_scaleup=True), hybrid_combine_pack of the rows of other domains' tokens into the rail send regions (rail
 order), the reverse rail exchange, then hybrid_combine_final at the origin: bias, then each domain's partial in
@@ -42,10 +45,12 @@ from ... import envs
 from ...runtime import interop, workspace
 from ...runtime.event import EventHandle, EventOverlap, as_event_handle
 from ...runtime.polling import wait_until
-from ...runtime.rails import IpcLoopbackTransport, NcclRailTransport, plan_exchange, rail_topology
+from ...runtime.rail_nccl import NcclRailTransport
+from ...runtime.rails import IpcLoopbackTransport, plan_exchange, rail_topology
 from ...runtime.sizes import ceil_div
+from . import deterministic as hdet
 from . import plan as hplan
-from .checks import check_combine_args, check_dispatch_args
+from .checks import check_combine_args, check_dispatch_args, check_sorted_combine_args
 from .handle import HybridHandle
 from .kernels import MAX_DOMAINS, MAX_SIGNALS, ROUTE_THREADS, THREADS, HybridKernels, KernelSignals
 from .plan import NUM_MAX_TOPK, topk_bucket
@@ -326,10 +331,33 @@ class HybridEP:
         else:
             user_topk = topk.clone() if do_handle_copy and hasattr(topk, 'clone') else \
                 (topk.copy() if do_handle_copy else topk)
+        order = None
+        if self.R > 1 and getattr(self._buf, 'deterministic', False):
+            order, event = self._sort(k, inner_handle, recv_x, recv_topk, recv_w, Mc, stream, event,
+                                      async_with_compute_stream)
         h = HybridHandle(inner_handle, user_topk, a.num_experts, Mc, N, self.R, n, domain_pos, fwd_src, fwd_count,
                          send_counts, recv_counts, union_topk if handle is None else handle.union_topk,
-                         (union_x, union_sf, union_topk, union_w, fwd, counts), id(self))
+                         (union_x, union_sf, union_topk, union_w, fwd, counts), id(self), order)
         return recv_x, recv_topk, recv_w, h, event
+
+    def _sort(self, k, inner_handle, recv_x, recv_topk, recv_w, num_max_tokens: int, stream, event, async_: bool):
+        """`deterministic=True`: the intranode dispatch's outputs moved (in place) into DeepEP's order
+        (deterministic.py), on the current stream, or, asynchronous, on the communication stream where they are
+        written (the returned event then covers the sort). Returns `(SortedRows, event)`."""
+        fp8 = isinstance(recv_x, tuple)
+        rx, rsf = recv_x if fp8 else (recv_x, None)
+        on = self._buf.comm_stream if async_ else stream
+        order, scratch = hdet.sort_dispatch(k, inner_handle, rx, rsf, recv_topk, recv_w, self.N, self.R,
+                                            num_max_tokens, on)
+        if async_:
+            made = [t for t in (order.meta, scratch) + order.keep if t is not None]
+            if interop.is_torch(rx) and rx.is_cuda:
+                comm = interop.torch_stream(on.ptr)
+                for t in made:
+                    t.record_stream(comm)
+            kept = tuple(getattr(event, 'extra_tensors', None) or ())
+            event = EventOverlap(EventHandle(on), extra_tensors=kept + tuple(made))
+        return order, event
 
     def _payload_stream(self):
         """The side stream of the pipelined payload (made once; never destroyed, as the buffers' streams)."""
@@ -371,9 +399,12 @@ class HybridEP:
                         domain=n, host_out=self._host_ptr, seq=seq)
         buf = self._buf
 
+        transport = self.rails.transport
+
         def check():
             if int(buf.error_record[0]) != 0:
                 buf.check_usable()          # raises the GPU's timeout report (phase and peer)
+            transport.check()               # the rail watchdog's error (an NCCL peer that never came, or died)
 
         def timed_out():
             buf.fail('hybrid notify timed out')
@@ -395,12 +426,22 @@ class HybridEP:
         """`ElasticBuffer.combine` across domains (see there): bitwise `refs.combine(..., reduce_in_scaleup=True)`."""
         self.inner._check_usable()
         biases = check_combine_args(self, x, handle, bias)
-        cx, cw, _ = self.inner.combine(x, handle.inner, topk_weights, None, num_sms, num_qps, previous_event, None,
-                                       False, allocate_on_comm_stream)
         N, n, Mc, T = self.N, self.domain, handle.num_max_tokens_per_rank, handle.num_tokens
         K, hidden = handle.topk_idx.shape[1], x.shape[1]
         k = self._kernels_of(K)
         stream = interop.current_stream(x)
+        unsorted = ()
+        if handle.sorted_rows is not None:
+            # A deterministic dispatch's rows: back into the intranode order first (on this stream, after the
+            # caller's previous event; the intranode engine's stream then waits for the move instead).
+            check_sorted_combine_args(handle, x, topk_weights)
+            if previous_event is not None:
+                as_event_handle(previous_event).stream_wait(stream)
+            x, topk_weights = unsorted = hdet.unsort_combine(k, handle.sorted_rows, x, topk_weights, stream)
+            if previous_event is not None:
+                previous_event = EventHandle(stream)
+        cx, cw, _ = self.inner.combine(x, handle.inner, topk_weights, None, num_sms, num_qps, previous_event, None,
+                                       False, allocate_on_comm_stream)
         area, base, rails = self.area, self.rails.base, self.rails.rails
         k.combine_pack.launch(N * Mc, THREADS, stream=stream, combined_x=cx, combined_weights=_ptr(cw), hidden=hidden,
                               num_topk=K, fwd_src=handle.fwd_src, fwd_count=handle.fwd_count, num_domains=N,
@@ -444,6 +485,6 @@ class HybridEP:
             self.rails.exchange(plan, stream)
             if T:
                 k.combine_final.launch(T, THREADS, stream=stream, token_begin=0, **fargs)
-        handle.keep_combine = (cx, cw)
+        handle.keep_combine = (cx, cw) + tuple(unsorted)
         event = EventOverlap(EventHandle(stream) if async_with_compute_stream else None)
         return out_x, out_w, event

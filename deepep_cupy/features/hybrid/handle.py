@@ -16,7 +16,9 @@ class HybridHandle:
         psum_num_recv_tokens_per_scaleup_rank: `[R]` int32, inclusive: group r = rows forwarded by local rank r =
             every source (*, r), in source domain then token order (DeepEP V2's hybrid order).
         num_experts, num_max_tokens_per_rank, topk_idx: the user's (global experts, M of the call, `[T, K]`).
-        recv_src_metadata: column 0 translated to `src_rank * M + token` (a copy made on first access).
+        recv_src_metadata: column 0 translated to `src_rank * M + token` (a copy made on first access); after a
+            `deterministic=True` dispatch (R > 1) the sorted copy made with it (rows in DeepEP's order, expanded rows
+            in columns 2.. after the sort: deterministic.py).
         token_metadata_at_forward: `[N, M, 1 + K]` int32 made on first access: per source domain and rail position
             (own domain: position among this rank's tokens with an expert here) the source token and the K expert
             ids of THIS domain (-1 elsewhere).
@@ -26,7 +28,8 @@ class HybridHandle:
             and the cached dispatches made from its handle.
         channel_linked_list: None (the composed path keeps no channel lists).
     Rail state: domain_pos `[T, N]` int32, fwd_src `[N * M]`, fwd_count `[N]` (device), send_counts / recv_counts
-    (host lists after a CPU sync, else None).
+    (host lists after a CPU sync, else None). sorted_rows: the `deterministic.SortedRows` of a deterministic dispatch
+    (its rows are in DeepEP's order, the intranode handle's are not: combine moves its input back), else None.
     """
 
     channel_linked_list = None
@@ -34,7 +37,7 @@ class HybridHandle:
     def __init__(self, inner, topk_idx: Any, num_experts: int, num_max_tokens_per_rank: int, num_domains: int,
                  num_scaleup_ranks: int, domain: int, domain_pos: Any, fwd_src: Any, fwd_count: Any,
                  send_counts: Optional[List[int]], recv_counts: Optional[List[int]], union_topk: Any, keep: tuple,
-                 buffer_id: int):
+                 buffer_id: int, sorted_rows: Any = None):
         self.inner = inner
         self.topk_idx = topk_idx
         self.num_experts = num_experts
@@ -45,6 +48,7 @@ class HybridHandle:
         self.union_topk = union_topk
         self.keep = keep                # the union input and other arrays the intranode calls read
         self.buffer_id = buffer_id
+        self.sorted_rows = sorted_rows
         self._meta = self._tmaf = None
 
     @property
@@ -62,6 +66,8 @@ class HybridHandle:
 
     @property
     def recv_src_metadata(self):
+        if self.sorted_rows is not None:
+            return self.sorted_rows.meta
         if self._meta is None:
             inner = self.inner.recv_src_metadata
             meta = inner.clone() if hasattr(inner, 'clone') else inner.copy()

@@ -13,6 +13,7 @@ THREADS = 256               # kHybridThreads
 ROUTE_THREADS = 1024        # kHybridRouteThreads
 MAX_DOMAINS = 16            # kHybridMaxDomains
 MAX_SIGNALS = 8             # kHybridMaxSignals: rail peers one signal / wait launch names
+MAX_SORT_RUNS = MAX_DOMAINS * 8     # kHybridMaxRuns: domains x ranks of a domain (kNotifyMaxRanks) a sort transposes
 PHASE_AUX = {'notify': 1, 'dispatch': 2, 'combine': 3, 'barrier': 4,
              'all-gather': 5, 'reduce-scatter': 6, 'all-reduce': 7}     # the last three: features/agrs
 
@@ -95,6 +96,34 @@ def ready_spec() -> KernelSpec:
     return KernelSpec(FAMILY, 'deepep::hybrid_ready', (_P('ready', PTR), _P('value', np.uint32)))
 
 
+# ---- deterministic=True: DeepEP's row order (deterministic.py) ---------------------------------------------------
+def sort_keys_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::hybrid_sort_keys', (
+        _P('meta', PTR), _P('num_topk', np.int32), _P('num_meta_rows', np.int32), _P('num_recv', PTR),
+        _P('keys', PTR), _P('num_rows', np.int32)))
+
+
+def sort_plan_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::hybrid_sort_plan', (
+        _P('keys', PTR), _P('key_stride', np.int32), _P('group_end', PTR), _P('num_groups', np.int32),
+        _P('alignment', np.int32), _P('num_rows', np.int32), _P('num_domains', np.int32),
+        _P('num_scaleup_ranks', np.int32), _P('num_max_tokens', np.int32), _P('row_src', PTR), _P('row_dst', PTR)))
+
+
+def sort_rows_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::hybrid_sort_rows', (
+        _P('src', PTR), _P('dst', PTR), _P('index', PTR), _P('num_index', np.int32), _P('num_rows', np.int32),
+        _P('num_cols', np.int32), _P('elem_bytes', np.int32), _P('row_stride', np.int64), _P('col_stride', np.int64),
+        _P('mode', np.int32)))
+
+
+def sort_meta_spec() -> KernelSpec:
+    return KernelSpec(FAMILY, 'deepep::hybrid_sort_meta', (
+        _P('meta', PTR), _P('out', PTR), _P('row_src', PTR), _P('num_index', np.int32), _P('num_rows', np.int32),
+        _P('num_topk', np.int32), _P('exp_dst', PTR), _P('num_exp_rows', np.int32), _P('num_domains', np.int32),
+        _P('num_scaleup_ranks', np.int32), _P('num_max_tokens', np.int32)))
+
+
 _ADDRS = tuple(_P(f'a{i}', np.uint64) for i in range(MAX_SIGNALS))
 _PEERS = tuple(_P(f'p{i}', np.int32) for i in range(MAX_SIGNALS))
 
@@ -116,7 +145,8 @@ def wait_spec() -> KernelSpec:
 def specs_for(bucket: int) -> List[KernelSpec]:
     return [route_spec(bucket), pack_spec(bucket), report_spec(), unpack_spec(bucket), combine_pack_spec(),
             combine_final_spec(bucket), epoch_begin_spec(), signal_spec(), wait_spec(), pack_split_spec(bucket),
-            unpack_meta_spec(bucket), unpack_payload_spec(), ready_spec()]
+            unpack_meta_spec(bucket), unpack_payload_spec(), ready_spec(), sort_keys_spec(), sort_plan_spec(),
+            sort_rows_spec(), sort_meta_spec()]
 
 
 def shipped_specs() -> Dict[str, List[KernelSpec]]:
@@ -146,6 +176,10 @@ class HybridKernels:
         self.unpack_meta = loaded[unpack_meta_spec(bucket).name]
         self.unpack_payload = loaded[unpack_payload_spec().name]
         self.ready = loaded[ready_spec().name]
+        self.sort_keys = loaded[sort_keys_spec().name]
+        self.sort_plan = loaded[sort_plan_spec().name]
+        self.sort_rows = loaded[sort_rows_spec().name]
+        self.sort_meta = loaded[sort_meta_spec().name]
 
 
 def _padded(values: Sequence[int], what: str) -> List[int]:

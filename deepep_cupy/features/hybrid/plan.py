@@ -219,3 +219,56 @@ def combine_tokens_ready(chunk: int, chunk_bytes: int, row_bytes: int, num_chunk
     if chunk >= num_chunks - 1:
         return num_tokens
     return max(0, min(num_tokens, ((chunk + 1) * chunk_bytes - HEADER_BYTES) // row_bytes))
+
+
+# ---- deterministic=True: DeepEP's row order (deterministic.py, kernels_cu/hybrid.cu hybrid_sort_plan) ---------------
+def sort_transposition(keys, group_end: Sequence[int], alignment: int, num_rows: int, num_domains: int,
+                       num_scaleup_ranks: int, num_max_tokens: int):
+    """Host model of `hybrid_sort_plan` (every block): DeepEP's sort by src_token_global_idx of rows that come in the
+    intranode order, as a transposition of runs.
+
+    Group g spans rows `[lo, hi)`: lo = 0 for g = 0, else `align(group_end[g - 1], alignment)`, hi = `group_end[g]`;
+    rows from hi to the next group's lo (the last group: to `num_rows`) stay. Inside a group the intranode keys
+    `(r * N + s) * M + t` ascend (forwarder r, source domain s, token t), so run q = r * N + s is contiguous; DeepEP's
+    key `(s * R + r) * M + t` orders the runs by (s, r) and keeps each run's order.
+
+    Args:
+        keys: `[num_rows]` intranode keys (only rows inside groups are read).
+        group_end: inclusive ends: `[psum_num_recv_tokens_per_scaleup_rank[-1]]` (all rows), or the expanded
+            `psum_num_recv_tokens_per_expert` (one group per expert).
+        alignment: the expert alignment (1 for the rows' one group).
+        num_rows, num_domains, num_scaleup_ranks, num_max_tokens: the array's rows, N, R, M (the call's).
+
+    Returns:
+        `(row_src, row_dst)` int32 `[num_rows]`: DeepEP row j holds intranode row `row_src[j]`; intranode row e goes
+        to `row_dst[e]`.
+    """
+    import numpy as np
+    keys = np.asarray(keys, dtype=np.int64)
+    N, R, M = num_domains, num_scaleup_ranks, num_max_tokens
+    W = N * R
+    row_src = np.arange(num_rows, dtype=np.int32)
+    row_dst = np.arange(num_rows, dtype=np.int32)
+    ends = [int(e) for e in group_end]
+
+    def clamp(v: int) -> int:
+        return min(max(v, 0), num_rows)
+    for g, end in enumerate(ends):
+        lo = 0 if g == 0 else clamp(align(ends[g - 1], alignment))
+        hi = max(lo, clamp(end))
+        start = np.searchsorted(keys[lo:hi], np.arange(W + 1, dtype=np.int64) * M) + lo
+        start[W] = hi
+        count = np.diff(start)
+        base = np.zeros(W, dtype=np.int64)
+        run = 0
+        for i in range(W):
+            q = (i % R) * N + i // R
+            base[q] = run
+            run += int(count[q])
+        e = np.arange(lo, hi)
+        q = np.clip(keys[lo:hi] // M, 0, W - 1)
+        dst = lo + base[q] + (e - start[q])
+        row_dst[lo:hi] = dst
+        row_src[dst] = e
+    return row_src, row_dst
+

@@ -21,9 +21,11 @@ The protocol (features/hybrid/__init__.py has the whole design):
    `send_pos[t][m * R + l]`) and the forwarder (m, r) writes it into region (r, n) of each destination (m, l).
 4. Receive (rank d = (m, l)): rows grouped by scale-up index r of the source (DeepEP's
    `psum_num_recv_tokens_per_scaleup_rank`, `[R]` inclusive), inside a group by source domain n, then source token
-   index: the region order `r * N + n`. With `deterministic=True` DeepEP sorts each group by
-   `src_token_global_idx`, which is this order. `refs.dispatch_from_gathered` sorts by (source rank, token):
-   `hybrid_row_order` maps one order onto the other.
+   index: the region order `r * N + n` (the composed path's intranode engine gives the same order). With
+   `deterministic=True` DeepEP sorts ALL rows by `src_token_global_idx` in one sort (`EPHandle.deterministic_sort`,
+   deep_ep/buffers/elastic.py; `deepep_deterministic_sort` below is its host version): (source rank, token), which
+   is `refs.dispatch_from_gathered`'s order, not this one once R > 1 and N > 1; its counts and psums stay.
+   `hybrid_row_order` maps the sorted order onto this one; features/hybrid/deterministic.py moves rows back.
 5. Expanded layout: expert j's rows from `align(...)`-ed starts, in receive-row order; the kernels' row is
    `start[j] + src_base[region][j] + send_expert_pos` with `src_base` the exclusive prefix over regions (row order).
 6. Metadata `[rows, K + 2]`: `src_token_global_idx`; `stage_row * K + stage_slot` where `stage_row = n * M +
@@ -363,3 +365,61 @@ def worst_case_rows(shape: HybridShape, expert_alignment: int = 1) -> Tuple[int,
     `W * M * min(K, L) + (A - 1) * L` rounded up to A)."""
     W, M, K, L = shape.num_ranks, shape.num_max_tokens_per_rank, shape.num_topk, shape.num_local_experts
     return W * M, align(W * M * min(K, L) + (expert_alignment - 1) * L, expert_alignment)
+
+
+@dataclass
+class DeterministicSort:
+    """DeepEP's `deterministic=True` epilogue on one rank's rows (`deepep_deterministic_sort`).
+
+    Attributes:
+        row_src: `[rows]` int64, non-expanded row j after the sort = row `row_src[j]` before (rows past the received
+            count stay, in order; expanded, the order of the keys, which DeepEP does not apply to any array).
+        recv_src_metadata: `[rows, K + 2]` int32, the handle's metadata after the sort as DeepEP leaves it:
+            non-expanded, rows moved by `row_src`; expanded, rows not moved and columns 2.. remapped.
+        expanded_row_src: `[expanded rows]` int64, expanded row j after the sort = row `expanded_row_src[j]` before
+            (expanded dispatches; else None).
+    """
+    row_src: np.ndarray
+    recv_src_metadata: np.ndarray
+    expanded_row_src: Optional[np.ndarray] = None
+
+
+def deepep_deterministic_sort(recv_src_metadata: np.ndarray, num_recv_tokens: int, do_expand: bool = False,
+                              psum_num_recv_tokens_per_expert: Optional[np.ndarray] = None,
+                              num_unaligned_recv_tokens_per_expert: Optional[np.ndarray] = None,
+                              num_expanded_rows: int = 0) -> DeterministicSort:
+    """Host version of DeepEP's `EPHandle.deterministic_sort` (deep_ep/buffers/elastic.py, non-cached dispatch), step
+    by step: keys = `recv_src_metadata[:, 0]`, rows past `num_recv_tokens` keyed INT32_MAX, one sort (stable here:
+    DeepEP's keys of received rows are distinct, so only the rows past the count, which it leaves unspecified, could
+    differ). Expanded: key `expert * 1e10 - 5e9 + src_token_global_idx` for each valid (row, slot) pair's expanded row
+    and `expert * 1e10` for padding, the expert of a row found by bucketize over `psum - unaligned`, a stable sort, and
+    `recv_src_metadata[:, 2:]` remapped through the inverse permutation.
+
+    Args:
+        recv_src_metadata: `[rows, K + 2]` int32 before the sort.
+        num_recv_tokens: received rows (`psum_num_recv_tokens_per_scaleup_rank[-1]`).
+        do_expand, psum_num_recv_tokens_per_expert, num_unaligned_recv_tokens_per_expert, num_expanded_rows: the
+            expanded layout (`[L]` int32 each; rows of the expanded outputs).
+    """
+    meta = np.array(recv_src_metadata, dtype=np.int32, copy=True)
+    rows = meta.shape[0]
+    keys = meta[:, 0].astype(np.int64)
+    oob = np.arange(rows) >= num_recv_tokens
+    keys[oob] = np.iinfo(np.int32).max
+    orig = np.argsort(keys, kind='stable')
+    if not do_expand:
+        return DeterministicSort(orig, meta[orig])
+    big = 10_000_000_000
+    psum = np.asarray(psum_num_recv_tokens_per_expert, dtype=np.int64)
+    start = psum - np.asarray(num_unaligned_recv_tokens_per_expert, dtype=np.int64)
+    expert_of_row = np.searchsorted(start[1:], np.arange(num_expanded_rows), side='right')     # bucketize(right)
+    exp_keys = expert_of_row.astype(np.int64) * big
+    slots = meta[:, 2:]
+    valid = (slots >= 0) & ~oob[:, None]
+    src = np.broadcast_to(meta[:, :1].astype(np.int64), slots.shape)
+    np.add.at(exp_keys, slots[valid], -big // 2 + src[valid])
+    exp_orig = np.argsort(exp_keys, kind='stable')
+    to_index = np.empty_like(exp_orig)
+    to_index[exp_orig] = np.arange(exp_orig.size)
+    meta[:, 2:][valid] = to_index[slots[valid]]
+    return DeterministicSort(orig, meta, exp_orig)

@@ -183,10 +183,12 @@ class NcclPairLinks:
             `NCCL_UINT8`.
         make_stream: a new side stream (an object with `.ptr` and `.wait_event(event)`), one per pair.
         timeout: host collective timeout.
+        scratch_ptr: device address of 2 bytes the connecting exchange moves (default: allocated for it).
     """
 
     def __init__(self, group, rank: int, pairs: Sequence[Tuple[int, int]], nccl: Any = None,
-                 make_stream: Optional[Callable[[], Any]] = None, timeout: Optional[float] = None):
+                 make_stream: Optional[Callable[[], Any]] = None, timeout: Optional[float] = None,
+                 scratch_ptr: Optional[int] = None):
         if nccl is None:
             from ...runtime.preflight import nccl as _nccl
             nccl = _nccl()
@@ -205,9 +207,38 @@ class NcclPairLinks:
                 uid = everyone[s][(s, d)]
                 self.comms[(s, d)] = nccl.NcclCommunicator(2, uid, 0 if rank == s else 1)
                 self.streams[(s, d)] = make_stream()
+            self._connect(mine, scratch_ptr)
         except BaseException:
             self.abort()
             raise
+
+    def _connect(self, mine: Sequence[Tuple[int, int]], scratch_ptr: Optional[int]) -> None:
+        """Open each communicator's connection now, pair by pair in the global order: one byte from sender to
+        receiver, waited for. NCCL connects a peer lazily inside the `groupEnd` of the first transfer, and that host
+        call blocks until the peer calls too; with one communicator per direction, rank 0's first send (on 0->1)
+        and rank 1's first send (on 1->0) would each block for the other: the PP hang over NCCL links on 1xH100.
+        In the global order, the first unconnected pair always finds both its ranks at it, so this cannot deadlock.
+        `scratch_ptr`: 2 bytes of device memory (default: allocated here for the duration)."""
+        if not mine:
+            return
+        own = None
+        if scratch_ptr is None:
+            import cupy
+            own = cupy.zeros(2, dtype=cupy.uint8)
+            scratch_ptr = own.data.ptr
+        nccl, uint8 = self.nccl, self.nccl.NCCL_UINT8
+        for s, d in mine:
+            comm, stream = self.comms[(s, d)], self.streams[(s, d)]
+            nccl.groupStart()
+            try:
+                if self.rank == s:
+                    comm.send(scratch_ptr, 1, uint8, 1, stream.ptr)
+                else:
+                    comm.recv(scratch_ptr + 1, 1, uint8, 0, stream.ptr)
+            finally:
+                nccl.groupEnd()
+            stream.synchronize()
+        del own
 
     def _transfer(self, pair: Tuple[int, int], is_send: bool, ranges: Sequence[Tuple[int, int]], after,
                   bump: Callable[[Any], None]) -> Any:
@@ -245,11 +276,9 @@ class NcclPairLinks:
         """`ncclCommAbort` on every communicator: pending transfers return, the links are unusable."""
         if not self.aborted:
             self.aborted = True
-            for comm in self.comms.values():
-                try:
-                    comm.abort()
-                except Exception:  # noqa: BLE001 (best effort on the failure path)
-                    pass
+            from ...runtime.nccl import abort_bounded
+            for (s, d), comm in self.comms.items():
+                abort_bounded(comm, f'the PP link {s}->{d}')
 
     def destroy(self) -> None:
         """Release the communicators (after their work finished, else `abort` first). Idempotent."""
@@ -309,7 +338,10 @@ class HybridPeers:
         nccl_pairs = [(s, d) for s, d, kind in pairs if kind == LINK_NCCL]
         if nccl_pairs:
             try:
-                self.links = NcclPairLinks(buf.group, self.rank, nccl_pairs, nccl, make_stream, timeout)
+                scratch_ptr, scratch = self._alloc(2)       # for the connecting exchange only
+                self.links = NcclPairLinks(buf.group, self.rank, nccl_pairs, nccl, make_stream, timeout,
+                                           scratch_ptr)
+                del scratch
             except BaseException:
                 self.release(True, 0)
                 raise

@@ -1,0 +1,197 @@
+"""The rail hop over NCCL point-to-point: one communicator per rail (`runtime/rails.py` has the topology, the
+exchange plans and the loopback transport; `runtime/rail_watchdog.py` bounds the exchanges no host wait covers)."""
+
+import threading
+from typing import Any, Callable, Optional
+
+from .group import ProcessGroup
+from .nccl import abort_bounded
+from .rails import HEADER_BYTES, RailPlan, RailTopology, ScaleoutTransport, exchange_rail_unique_ids
+
+
+class NcclRailTransport(ScaleoutTransport):
+    """The rail hop over NCCL point-to-point: one communicator per rail.
+
+    Args:
+        rails: this rank's rails.
+        base_ptr: device address of this rank's buffer.
+        comm: a `cupy.cuda.nccl.NcclCommunicator` of this rank's rail (N ranks, rank = domain index), or a fake with
+            `send`, `recv`, `abort`, `destroy`.
+        nccl: the module with `groupStart`, `groupEnd` and `NCCL_UINT8` (default `cupy.cuda.nccl`).
+    """
+
+    name = 'NCCL'
+
+    def __init__(self, rails: RailTopology, base_ptr: int, comm: Any, nccl: Any = None):
+        super().__init__(rails, base_ptr)
+        if nccl is None:
+            from .preflight import nccl as _nccl
+            nccl = _nccl()
+        self.comm, self.nccl = comm, nccl
+        # Every call on the communicator holds it: the watchdog thread's abort must never run beside the main
+        # thread's enqueue or error query on the same communicator (NCCL does not allow that; an abort frees it).
+        self._lock = threading.Lock()
+        # Called after each chunk's group with (chunk, stream): pipelining bumps a chunk counter there (P2).
+        self.after_chunk: Optional[Callable[[int, Any], None]] = None
+        # Bounds exchanges no host wait covers (runtime/rail_watchdog.py); `watch_timeouts` sets it.
+        self.watchdog: Any = None
+
+    def watch_timeouts(self, timeout_s: float, events: Any = None) -> None:
+        """Bound every exchange enqueued outside a CUDA-graph capture by `timeout_s` from the host: a rail peer
+        that never arrives aborts the communicator (no hang) and the next call raises `TimeoutError` naming the
+        phase and the peers. `events`: the watchdog's event operations (default: CUDA events on this device)."""
+        from .rail_watchdog import CudaEvents, RailWatchdog
+        if events is None:
+            import cupy
+            events = CudaEvents(cupy.cuda.runtime.getDevice())
+        self.watchdog = RailWatchdog(timeout_s, self._watchdog_fired, events, probe=self._probe)
+        self.watchdog.start()
+
+    def _probe(self) -> None:
+        """The watchdog's check of NCCL's asynchronous error, between exchanges too (CUDA-graph replays enqueue
+        nothing the watchdog could time): a rail peer whose process died closes its sockets, NCCL records the
+        error, and this aborts the communicator, so the replay's NCCL kernels return and the next call (and
+        `buffer.synchronize()`) raises naming the rail peers. Skipped while the main thread holds the
+        communicator."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            check = getattr(self.comm, 'check_async_error', None)
+            if check is None or self.aborted:
+                return
+            try:
+                check()
+                return
+            except Exception as e:  # noqa: BLE001 (NCCL's error, reported below with the peers)
+                reason = f'{type(e).__name__}: {e}'
+        finally:
+            self._lock.release()
+        peers = self.rails.peer_domains
+        ranks = [self.rails.rail_rank_of(m) for m in peers]
+        error = RuntimeError(f'rank {self.rails.rank}: hybrid rail: NCCL reported an error on the rail with peer '
+                             f'rank{"s" if len(ranks) > 1 else ""} {", ".join(map(str, ranks))} (domains {peers}, '
+                             f'scale-up index {self.rails.scaleup_idx}): {reason}; a rail peer died or left, the '
+                             f'NCCL rail transport was aborted (build a new buffer)')
+        self.watchdog.error = error
+        self.abort()
+
+    def _watchdog_fired(self, phase: str, peer_domains) -> BaseException:
+        ranks = [self.rails.rail_rank_of(m) for m in peer_domains]
+        peers = (f'rail peer rank {ranks[0]} (domain {peer_domains[0]}' if len(ranks) == 1 else
+                 f'rail peer ranks {ranks} (domains {list(peer_domains)}')
+        error = TimeoutError(f'rank {self.rails.rank}: hybrid rail {phase}: the NCCL exchange with {peers}, scale-up '
+                            f'index {self.rails.scaleup_idx}) did not complete within {self.watchdog.timeout_s:.1f} '
+                            f's; a peer never arrived, the NCCL rail transport was aborted (build a new buffer)')
+        # Stored before the abort: a caller that sees the transport aborted finds this error, not a bare one.
+        self.watchdog.error = error
+        self.abort()
+        return error
+
+    def _check_usable(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.raise_if_failed()
+        super()._check_usable()
+
+    @classmethod
+    def create(cls, world: ProcessGroup, rails: RailTopology, base_ptr: int, nccl: Any = None,
+               stream: Any = None, scratch_ptr: Optional[int] = None) -> 'NcclRailTransport':
+        """Make this rank's rail communicator and connect it to every rail peer (`connect`; a host collective of
+        the world: every rank calls it). Two ranks of one rail may share a GPU only as different NCCL hosts
+        (`NCCL_HOSTID`); ranks of one domain may. With an injected `nccl` (tests) it connects only when `stream`
+        and `scratch_ptr` are given too."""
+        real = nccl is None
+        if real:
+            from .preflight import nccl as _nccl
+            nccl = _nccl()
+        uid = exchange_rail_unique_ids(world, rails, nccl.get_unique_id)
+        comm = nccl.NcclCommunicator(rails.num_domains, uid, rails.domain_idx)
+        transport = cls(rails, base_ptr, comm, nccl)
+        try:
+            if real or (stream is not None and scratch_ptr is not None):
+                transport.connect(stream, scratch_ptr)
+        except BaseException:
+            transport.abort()
+            raise
+        return transport
+
+    def connect(self, stream: Any = None, scratch_ptr: Optional[int] = None) -> None:
+        """Open NCCL's connections to every rail peer now: one group of a header-sized send and receive with each.
+
+        NCCL connects point-to-point peers lazily, inside the `groupEnd` of their first transfer, and that host call
+        blocks until the peer makes its own first call to this rank. Left to the first dispatch, a rail peer that
+        never comes blocks the host inside `groupEnd`, before any bounded wait (the missing-rank hang seen on 1xH100
+        over NCCL sockets), and a first transfer inside a CUDA-graph capture would connect during the capture.
+
+        Args:
+            stream: an object with `.ptr` and `.synchronize()` (default a new non-blocking CuPy stream).
+            scratch_ptr: device memory of `HEADER_BYTES * (num_domains + 1)` bytes (default allocated here).
+        """
+        peers = self.rails.peer_domains
+        if not peers:
+            return
+        keep = None
+        if stream is None or scratch_ptr is None:
+            import cupy
+            stream = stream or cupy.cuda.Stream(non_blocking=True)
+            if scratch_ptr is None:
+                keep = cupy.zeros(HEADER_BYTES * (self.rails.num_domains + 1), dtype=cupy.uint8)
+                scratch_ptr = keep.data.ptr
+        uint8 = self.nccl.NCCL_UINT8
+        self.nccl.groupStart()
+        try:
+            for m in peers:
+                self.comm.send(scratch_ptr, HEADER_BYTES, uint8, m, stream.ptr)
+                self.comm.recv(scratch_ptr + HEADER_BYTES * (1 + m), HEADER_BYTES, uint8, m, stream.ptr)
+        finally:
+            self.nccl.groupEnd()
+        stream.synchronize()
+        del keep
+
+    def exchange(self, plan: RailPlan, stream: Any) -> None:
+        self._check_usable()
+        nccl, uint8 = self.nccl, self.nccl.NCCL_UINT8
+        with self._lock:
+            self._check_usable()            # (the watchdog may have aborted meanwhile)
+            for c in range(plan.num_chunks):
+                nccl.groupStart()
+                try:
+                    for op in plan.chunk_ops(c):
+                        fn = self.comm.send if op.kind == 'send' else self.comm.recv
+                        fn(self.base_ptr + op.offset, op.num_bytes, uint8, op.peer, stream.ptr)
+                finally:
+                    nccl.groupEnd()
+                if self.after_chunk is not None:
+                    self.after_chunk(c, stream)
+        if self.watchdog is not None and plan.num_chunks:
+            self.watchdog.watch(stream.ptr, plan.phase, plan.peers)
+
+    def check(self) -> None:
+        """Raise the watchdog's timeout, or NCCL's asynchronous error, if any (host polling loops call it while
+        they wait)."""
+        self._check_usable()
+        with self._lock:
+            check = getattr(self.comm, 'check_async_error', None)
+            if check is not None and not self.aborted:
+                check()
+
+    def abort(self) -> None:
+        """`ncclCommAbort` once, from whichever thread comes first (the holder of an enqueue finishes it first;
+        after 10 s the abort goes ahead regardless, better than a hang)."""
+        locked = self._lock.acquire(timeout=10.0)
+        try:
+            if not self.aborted and self.comm is not None:
+                self.aborted = True
+                abort_bounded(self.comm, 'the NCCL rail communicator')
+            super().abort()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def destroy(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        with self._lock:
+            if self.comm is not None:
+                comm, self.comm = self.comm, None
+                if not self.aborted:
+                    comm.destroy()
