@@ -610,3 +610,38 @@ def test_watchdog_probe_aborts_on_nccl_async_error_between_exchanges():
     with pytest.raises(RuntimeError, match='NCCL_ERROR_REMOTE_ERROR'):
         t.exchange(rails.RailPlan('x', 0, ()), SimpleNamespace(ptr=0))
     t.destroy()
+
+
+def test_nccl_error_inside_an_exchange_names_the_phase_and_the_peer():
+    """NCCL already saw the peer go when the next exchange is enqueued (groupEnd raises NcclError): the caller gets
+    a RuntimeError naming the phase and the rail peer, the communicator is aborted once, later calls raise it."""
+    top = rails.rail_topology(2, 1, 0)
+
+    class NcclError(Exception):
+        pass
+
+    class Comm:
+        aborted = 0
+
+        def send(self, *a):
+            pass
+
+        def recv(self, *a):
+            pass
+
+        def abort(self):
+            Comm.aborted += 1
+
+    def group_end():
+        raise NcclError('NCCL_ERROR_REMOTE_ERROR: remote process exited')
+    module = SimpleNamespace(NCCL_UINT8=7, groupStart=lambda: None, groupEnd=group_end)
+    t = rail_nccl.NcclRailTransport(top, 0x1000, Comm(), nccl=module)
+    areas = SimpleNamespace(region_bytes=4096, send_region=lambda a, b: 0, recv_region=lambda a, b: 4096)
+    plan = rails.plan_exchange(top, areas, 'notify', {1: 0}, {1: 0})
+    with pytest.raises(RuntimeError, match=r'hybrid notify: NCCL reported an error on the rail with peer rank 1 '
+                                           r'\(domains \[1\].*REMOTE_ERROR') as info:
+        t.exchange(plan, SimpleNamespace(ptr=0))
+    assert type(info.value.__cause__).__name__ == 'NcclError' and t.aborted and Comm.aborted == 1
+    with pytest.raises(RuntimeError, match='hybrid notify: NCCL reported'):
+        t.check()
+    t.destroy()

@@ -217,8 +217,8 @@ class BufferBase:
         self._data_region_owner = owner
 
     def is_usable(self) -> bool:
-        """Neither destroyed nor failed (without looking at the error record)."""
-        return not self._destroyed and self._failed is None
+        """Neither destroyed nor failed, and no rail transport gave up (without looking at the error record)."""
+        return not self._destroyed and self._failed is None and not self._transports_failed()
 
     def fail(self, reason: str) -> None:
         """Mark the buffer unusable (a wait timed out): every later call raises `RuntimeError` with `reason`."""
@@ -267,10 +267,13 @@ class BufferBase:
             self._failed = 'host wait for the GPU timed out'
             raise TimeoutError(f'deepep_cupy rank {self.rank_idx}: the GPU did not finish within {limit:g} s and '
                                f'reported no timeout')
-        # Done, or a kernel reported a timeout (the stream then ends soon: the waits give up).
-        wait_until(lambda: event.done or int(self.error_record[0]) != 0, limit, timed_out, spin=False)
+        # Done, or a kernel reported a timeout (the stream then ends soon: the waits give up), or a rail transport
+        # failed (an NCCL peer died during a graph replay: the watchdog aborted, the replay's NCCL kernels return).
+        wait_until(lambda: event.done or int(self.error_record[0]) != 0, limit, timed_out, self._check_transports,
+                   spin=False)
         event.synchronize()
         self.check_usable()
+        self._check_transports()
 
     # Teardown
     def _destroy_features(self) -> None:
@@ -283,6 +286,9 @@ class BufferBase:
     def _transports_failed(self) -> bool:
         """Whether a transport outside the GPU timeouts (the hybrid rails) gave up after a timeout."""
         return False
+
+    def _check_transports(self) -> None:
+        """Raise a transport's failure outside the GPU timeouts (the hybrid rails' watchdog error, or NCCL's)."""
 
     def _abort_transports(self) -> None:
         """Abort what may still wait for a peer outside the GPU timeouts (the hybrid rails' NCCL communicators), so

@@ -177,6 +177,9 @@ class ElasticBuffer(BufferBase):
     def _abort_transports(self) -> None:
         hybrid.abort(self)
 
+    def _check_transports(self) -> None:
+        hybrid.check(self)
+
     # ---- sizes and SM / QP policy ------------------------------------------------------------------------------
     @staticmethod
     def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,

@@ -67,6 +67,13 @@ def failed(buf) -> bool:
     return any(t.aborted for t in _transports(buf))
 
 
+def check(buf) -> None:
+    """`BufferBase._check_transports`: raise a rail transport's failure (its watchdog's error, NCCL's, or that it
+    was aborted)."""
+    for transport in _transports(buf):
+        transport.check()
+
+
 def abort(buf) -> None:
     """`BufferBase._abort_transports`: abort the rail transports (before the teardown waits for the streams). An
     NCCL transport's watchdog is stopped first, so that it cannot abort the communicator at the same time."""

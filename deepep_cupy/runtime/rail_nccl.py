@@ -35,6 +35,10 @@ class NcclRailTransport(ScaleoutTransport):
         self.after_chunk: Optional[Callable[[int, Any], None]] = None
         # Bounds exchanges no host wait covers (runtime/rail_watchdog.py); `watch_timeouts` sets it.
         self.watchdog: Any = None
+        # The phase of the latest exchange (named when NCCL reports an error between calls), and the error that
+        # ended the transport, if any.
+        self.last_phase = 'connect'
+        self.failure: Optional[BaseException] = None
 
     def watch_timeouts(self, timeout_s: float, events: Any = None) -> None:
         """Bound every exchange enqueued outside a CUDA-graph capture by `timeout_s` from the host: a rail peer
@@ -66,14 +70,22 @@ class NcclRailTransport(ScaleoutTransport):
                 reason = f'{type(e).__name__}: {e}'
         finally:
             self._lock.release()
+        self._nccl_failed(self.last_phase, reason)
+
+    def _nccl_failed(self, phase: str, reason: str) -> RuntimeError:
+        """NCCL reported an error (`reason`) during or after the rail exchange of `phase`: store the error naming the
+        phase and the rail peers (the watchdog's, so every later call raises it), abort, and return it."""
         peers = self.rails.peer_domains
         ranks = [self.rails.rail_rank_of(m) for m in peers]
-        error = RuntimeError(f'rank {self.rails.rank}: hybrid rail: NCCL reported an error on the rail with peer '
+        error = RuntimeError(f'rank {self.rails.rank}: hybrid {phase}: NCCL reported an error on the rail with peer '
                              f'rank{"s" if len(ranks) > 1 else ""} {", ".join(map(str, ranks))} (domains {peers}, '
                              f'scale-up index {self.rails.scaleup_idx}): {reason}; a rail peer died or left, the '
                              f'NCCL rail transport was aborted (build a new buffer)')
-        self.watchdog.error = error
+        if self.watchdog is not None and self.watchdog.error is None:
+            self.watchdog.error = error
+        self.failure = error
         self.abort()
+        return error
 
     def _watchdog_fired(self, phase: str, peer_domains) -> BaseException:
         ranks = [self.rails.rail_rank_of(m) for m in peer_domains]
@@ -90,6 +102,8 @@ class NcclRailTransport(ScaleoutTransport):
     def _check_usable(self) -> None:
         if self.watchdog is not None:
             self.watchdog.raise_if_failed()
+        if self.failure is not None:
+            raise self.failure
         super()._check_usable()
 
     @classmethod
@@ -150,18 +164,27 @@ class NcclRailTransport(ScaleoutTransport):
     def exchange(self, plan: RailPlan, stream: Any) -> None:
         self._check_usable()
         nccl, uint8 = self.nccl, self.nccl.NCCL_UINT8
+        failure = None
         with self._lock:
             self._check_usable()            # (the watchdog may have aborted meanwhile)
-            for c in range(plan.num_chunks):
-                nccl.groupStart()
-                try:
-                    for op in plan.chunk_ops(c):
-                        fn = self.comm.send if op.kind == 'send' else self.comm.recv
-                        fn(self.base_ptr + op.offset, op.num_bytes, uint8, op.peer, stream.ptr)
-                finally:
-                    nccl.groupEnd()
-                if self.after_chunk is not None:
-                    self.after_chunk(c, stream)
+            self.last_phase = plan.phase
+            try:
+                for c in range(plan.num_chunks):
+                    nccl.groupStart()
+                    try:
+                        for op in plan.chunk_ops(c):
+                            fn = self.comm.send if op.kind == 'send' else self.comm.recv
+                            fn(self.base_ptr + op.offset, op.num_bytes, uint8, op.peer, stream.ptr)
+                    finally:
+                        nccl.groupEnd()
+                    if self.after_chunk is not None:
+                        self.after_chunk(c, stream)
+            except Exception as e:
+                if type(e).__name__ != 'NcclError':
+                    raise
+                failure = e                 # NCCL already saw a peer go (e.g. NCCL_ERROR_REMOTE_ERROR)
+        if failure is not None:
+            raise self._nccl_failed(plan.phase, f'{type(failure).__name__}: {failure}') from failure
         if self.watchdog is not None and plan.num_chunks:
             self.watchdog.watch(stream.ptr, plan.phase, plan.peers)
 
@@ -169,10 +192,16 @@ class NcclRailTransport(ScaleoutTransport):
         """Raise the watchdog's timeout, or NCCL's asynchronous error, if any (host polling loops call it while
         they wait)."""
         self._check_usable()
+        reason = None
         with self._lock:
             check = getattr(self.comm, 'check_async_error', None)
             if check is not None and not self.aborted:
-                check()
+                try:
+                    check()
+                except Exception as e:  # noqa: BLE001 (NCCL's error, raised below with the phase and the peers)
+                    reason = f'{type(e).__name__}: {e}'
+        if reason is not None:
+            raise self._nccl_failed(self.last_phase, reason)
 
     def abort(self) -> None:
         """`ncclCommAbort` once, from whichever thread comes first (the holder of an enqueue finishes it first;
