@@ -39,7 +39,8 @@
 #   nccl1      scale-out over real NCCL on one GPU (each domain its own NCCL_HOSTID, NCCL's sockets over lo):
 #              launch/scaleout_nccl.sh 2x1 (all modes, graph, errors, missing rank) and 2x2 (deterministic), P1 and
 #              P2 each; PP 2x1 over NCCL links and all-gather / reduce-scatter 2x1 over NCCL rails, with their
-#              timeout cases (parallel beside faults)
+#              timeout cases; beside them EP 4x1 and 2x4, PP and all-gather 2x2, the barrier 2x1, and DeepEP's
+#              test_ep.py (2x1, 2x2), test_agrs.py and V2.5 pp/test_pp.py over NCCL rails (parallel beside faults)
 #   faults     tests.faults: a rank SIGKILLed before a dispatch, inside a dispatch's host wait, before a combine,
 #              inside a low-latency call, inside a CUDA-graph replay; 2 and 4 ranks, CUDA IPC and NCCL rails
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
@@ -391,6 +392,39 @@ nccl1_lane() {
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl PYTHONFAULTHANDLER=1 \
         $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.agrs --skip-perf-test"
 }
+nccl1_more_lane() {
+    # The other shapes and programs over real NCCL on one GPU (beside nccl1_lane): EP 2x4 and 4x1, PP and all-gather /
+    # reduce-scatter 2x2, the barrier 2x1 (each rank its own NCCL host where domains hold several ranks), and DeepEP's
+    # own programs in hybrid mode (init_dist gives each rank its own NCCL host when NCCL rails share a GPU).
+    local sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
+    local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
+    local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60 --num-tokens 128 \
+--hidden 1024 --num-experts 64 --skip-perf-test --num-create-destroy 0 --skip-timeout-test"
+    step "nccl1: ep hybrid 4x1 NCCL rails, all modes, graph (P1, P2)" 400 env OUT="$OUT/nccl1_4x1" RUN_TIMEOUT=190 \
+        PIPELINE_PERF=0 PROG="$EPA" $ONE bash launch/scaleout_nccl.sh 4x1
+    step "nccl1: ep hybrid 2x4 NCCL rails, first mode, graph (P1, P2)" 400 env OUT="$OUT/nccl1_2x4" RUN_TIMEOUT=190 \
+        PIPELINE_PERF=0 PROG="$EPA --test-first-only" $ONE bash launch/scaleout_nccl.sh 2x4
+    step "nccl1: pp hybrid 2x2 NCCL links + timeout" 200 env $sock MASTER_PORT=19261 DEEPEP_CUPY_SCALEUP_SIZE=2 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $PY -m deepep_cupy.tests.pp --skip-perf-test \
+        --num-tokens 256 --hidden 2048"
+    step "nccl1: agrs hybrid 2x2 NCCL rails + failures" 300 env $sock MASTER_PORT=19361 DEEPEP_CUPY_SCALEUP_SIZE=2 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $PY -m deepep_cupy.tests.agrs --skip-perf-test"
+    step "nccl1: barrier hybrid 2x1 over NCCL" 200 env $sock MASTER_PORT=19461 DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.barrier"
+    [ -d .upstream ] || { echo "no .upstream/ (DeepEP's programs): skipped" >> "$LOG"; return; }
+    local RUN="$PY -m deepep_cupy.as_deep_ep" NC="DEEPEP_CUPY_RAIL_TRANSPORT=nccl"
+    step "nccl1: DeepEP elastic/test_ep.py np=2 hybrid 2x1 NCCL (checks)" 500 env MASTER_PORT=19561 $NC \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 $ONE $RUN .upstream/head/tests/elastic/test_ep.py --num-processes 2 \
+        --num-tokens 256 --hidden 2048 --skip-perf-test
+    step "nccl1: DeepEP elastic/test_ep.py np=4 hybrid 2x2 NCCL (checks)" 600 env MASTER_PORT=19661 $NC \
+        DEEPEP_CUPY_SCALEUP_SIZE=2 $ONE $RUN .upstream/head/tests/elastic/test_ep.py --num-processes 4 \
+        --num-tokens 128 --hidden 2048 --skip-perf-test
+    step "nccl1: DeepEP elastic/test_agrs.py np=2 hybrid 2x1 NCCL" 400 env MASTER_PORT=19761 $NC \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 $ONE $RUN .upstream/head/tests/elastic/test_agrs.py --num-processes 2
+    step "nccl1: DeepEP v25 pp/test_pp.py np=2 hybrid 2x1 NCCL" 400 env MASTER_PORT=19861 $NC \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 $ONE $RUN .upstream/v25/tests/pp/test_pp.py --num-processes 2 \
+        --num-stress-iterations 2
+}
 faults_lane() {
     # A rank SIGKILLed at each kill point: the program starts its own ranks on GPU 0 (a dead rank ends an mpirun job);
     # every survivor must raise naming the phase and the dead peer, destroy and exit by itself. Logs: $OUT/faults*.
@@ -601,6 +635,7 @@ want gate && [ -d .upstream ] && lane step "DeepEP utils/test_gate.py" ${GATE_TI
 want firsthour && lane firsthour_lane
 want frameworks && MASTER_PORT=18761 lane frameworks_lane
 want nccl1 && MASTER_PORT=18861 lane nccl1_lane
+want nccl1 && lane nccl1_more_lane
 want faults && lane faults_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2

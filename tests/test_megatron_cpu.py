@@ -131,3 +131,37 @@ def test_megatron_comparison_rule():
         m.compare('t', a, c, exact=False)
     with pytest.raises(m.Failure, match='shape/dtype'):
         m.compare('t', a, a.float(), exact=False)
+
+
+@pytest.mark.parametrize('transport,num_devices,emulated', [('nccl', 1, True), ('nccl', 2, False),
+                                                            ('loopback', 1, False), ('auto', 1, False)])
+def test_deepeps_init_dist_gives_each_rank_an_nccl_host_for_nccl_rails_on_shared_gpus(monkeypatch, transport,
+                                                                                      num_devices, emulated):
+    """DeepEP's programs in hybrid mode with NCCL rails on one GPU: init_dist (DeepEP's form) makes every rank its
+    own NCCL host before torch's NCCL starts, so NCCL accepts the ranks; never otherwise."""
+    torch = pytest.importorskip('torch')
+    import torch.distributed as dist
+
+    from deepep_cupy.utils import envs as utils_envs
+    for name in ('NCCL_HOSTID', *utils_envs.NCCL_SHARED_GPU_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv('DEEPEP_CUPY_RAIL_TRANSPORT', transport)
+    monkeypatch.setenv('RANK', '0')
+    monkeypatch.setenv('WORLD_SIZE', '1')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: num_devices)
+    monkeypatch.setattr(utils_envs, '_bind_device', lambda local_rank, torch: None)
+    seen = {}
+    monkeypatch.setattr(dist, 'is_initialized', lambda: False)
+    monkeypatch.setattr(utils_envs.group_mod, 'init_torch_distributed',
+                        lambda rank, size, addr, port, backend, origin=None: seen.update(
+                            rank=rank, backend=backend, host=os.environ.get('NCCL_HOSTID')))
+    monkeypatch.setattr(dist, 'new_group', lambda ranks: 'group')
+    monkeypatch.setattr(dist, 'get_rank', lambda: 1)
+    monkeypatch.setattr(dist, 'get_world_size', lambda: 2)
+    monkeypatch.setattr(utils_envs.group_mod, 'TorchProcessGroup', lambda g: g)
+    utils_envs._init_spawned(1, 2, torch)
+    assert seen['rank'] == 1
+    assert seen['host'] == ('deepep_cupy_rank1' if emulated else None)
+    assert seen['backend'] == (utils_envs.TORCH_BACKEND_OWN_GPUS if emulated or num_devices >= 2
+                               else utils_envs.TORCH_BACKEND_SHARED_GPUS)

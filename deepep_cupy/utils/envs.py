@@ -197,6 +197,12 @@ def _init_spawned(local_rank, num_local_ranks, torch):
         group_mod.set_default_group(pg)
         return rank, size, pg, pg, local_rank
     import torch.distributed as dist
+    if (lib_envs.rail_transport() == 'nccl' and not nccl_hosts_emulated() and torch.cuda.is_available()
+            and torch.cuda.device_count() < num_local_ranks):
+        # NCCL rails asked for while ranks share GPUs (DeepEP's programs in hybrid mode on one GPU): every rank its
+        # own NCCL host, so NCCL joins them (sockets over the loopback) instead of refusing; README: Testing
+        # scale-out on one GPU.
+        emulate_nccl_host(f'deepep_cupy_rank{rank}')
     if not dist.is_initialized():
         group_mod.init_torch_distributed(rank, size, addr, port, torch_backend(num_local_ranks, torch),
                                          origin=origin)
