@@ -280,4 +280,3 @@ from .launcher import (  # noqa: E402,F401
     init_torch_distributed,
     launched_by_mpi,
 )
-from .tcp_group import TcpProcessGroup  # noqa: E402,F401

@@ -642,7 +642,8 @@ def main_child(args) -> int:
     try:
         import torch
 
-        from ..runtime.group import TcpProcessGroup, detect_launch
+        from ..runtime.launcher import detect_launch
+        from ..runtime.tcp_group import TcpProcessGroup
         torch.cuda.set_device(0)
         launch = detect_launch()
         group = TcpProcessGroup(launch.rank, launch.size, launch.master_addr, launch.master_port,

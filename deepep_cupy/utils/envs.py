@@ -27,6 +27,7 @@ from typing import List, Optional, Tuple
 from .. import envs as lib_envs
 from ..runtime import group as group_mod
 from ..runtime import nvlink as _nvlink
+from ..runtime import tcp_group
 from ..runtime.group import ProcessGroup
 from ..runtime.nvlink import parse_nvlink_gbs  # noqa: F401  (re-exported: DeepEP's name)
 from ..runtime.topology import get_logical_domain_size, get_physical_domain_size
@@ -193,7 +194,7 @@ def _init_spawned(local_rank, num_local_ranks, torch):
               f'node(s), RANK={node_rank}, MASTER_ADDR={addr}, MASTER_PORT={port}')
     _bind_device(local_rank, torch)
     if torch is None:
-        pg = group_mod.TcpProcessGroup(rank, size, addr, port, origin=origin)
+        pg = tcp_group.TcpProcessGroup(rank, size, addr, port, origin=origin)
         group_mod.set_default_group(pg)
         return rank, size, pg, pg, local_rank
     import torch.distributed as dist
@@ -245,7 +246,7 @@ def _join_launched(group, comm, torch):
 
     # torchrun, SLURM, RANK / WORLD_SIZE by hand
     if dist is None:
-        pg = group_mod.TcpProcessGroup(launch.rank, launch.size, launch.master_addr, launch.master_port,
+        pg = tcp_group.TcpProcessGroup(launch.rank, launch.size, launch.master_addr, launch.master_port,
                                        origin=launch.origin)
         group_mod.set_default_group(pg)
         return pg.rank, pg.size, pg, pg
