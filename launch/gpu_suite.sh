@@ -40,7 +40,8 @@
 #              launch/scaleout_nccl.sh 2x1 (all modes, graph, errors, missing rank) and 2x2 (deterministic), P1 and
 #              P2 each; PP 2x1 over NCCL links and all-gather / reduce-scatter 2x1 over NCCL rails, with their
 #              timeout cases; beside them EP 4x1 and 2x4, PP and all-gather 2x2, the barrier 2x1, and DeepEP's
-#              test_ep.py (2x1, 2x2), test_agrs.py and V2.5 pp/test_pp.py over NCCL rails (parallel beside faults)
+#              test_ep.py (2x1, 2x2), test_agrs.py and V2.5 pp/test_pp.py over NCCL rails; NCCL references at np=2
+#              (perf/ep_bench.py's refs and a2a paths, DeepEP V2.5's bucket programs) (parallel beside faults)
 #   faults     tests.faults: a rank SIGKILLed before a dispatch, inside a dispatch's host wait, before a combine,
 #              inside a low-latency call, inside a CUDA-graph replay; 2 and 4 ranks, CUDA IPC and NCCL rails
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
@@ -425,6 +426,24 @@ nccl1_more_lane() {
         DEEPEP_CUPY_SCALEUP_SIZE=1 $ONE $RUN .upstream/v25/tests/pp/test_pp.py --num-processes 2 \
         --num-stress-iterations 2
 }
+nccl_refs_lane() {
+    # Programs whose own references need NCCL, at np=2 on one GPU: every rank its own NCCL host (DeepEP's init_dist
+    # with DEEPEP_CUPY_NCCL_HOST_PER_RANK=1; our programs through NCCL_HOSTID=rank<g>), NCCL over sockets. Logic only.
+    local sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
+    local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
+    step "nccl refs: ep_bench np=2 (refs and a2a over NCCL, logic)" 300 env $sock MASTER_PORT=19961 $ONE $R 2 \
+        bash -c "$host exec $PY perf/ep_bench.py --out $OUT/nccl_refs --tokens 128,512 --num-warmups 2 --num-tests 3"
+    step "nccl refs: ep_bench --hybrid 2x1 np=2 (loopback rails, refs over NCCL)" 300 env $sock MASTER_PORT=20061 \
+        DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 bash -c "$host exec $PY \
+        perf/ep_bench.py --hybrid --out $OUT/nccl_refs_hybrid --tokens 128 --num-warmups 2 --num-tests 3"
+    [ -d .upstream ] || { echo "no .upstream/ (DeepEP's programs): skipped" >> "$LOG"; return; }
+    local t p=20161
+    for t in bucket/test_reduce_scatter.py bucket/test_all_gather.py bucket/test_session.py bucket/test_mixed.py; do
+        step "nccl refs: DeepEP v25 $t np=2 (its references over NCCL)" 400 env MASTER_PORT=$p \
+            DEEPEP_CUPY_NCCL_HOST_PER_RANK=1 $ONE $PY -m deepep_cupy.as_deep_ep .upstream/v25/tests/$t --num-processes 2
+        p=$((p + 100))
+    done
+}
 faults_lane() {
     # A rank SIGKILLed at each kill point: the program starts its own ranks on GPU 0 (a dead rank ends an mpirun job);
     # every survivor must raise naming the phase and the dead peer, destroy and exit by itself. Logs: $OUT/faults*.
@@ -636,6 +655,7 @@ want firsthour && lane firsthour_lane
 want frameworks && MASTER_PORT=18761 lane frameworks_lane
 want nccl1 && MASTER_PORT=18861 lane nccl1_lane
 want nccl1 && lane nccl1_more_lane
+want nccl1 && lane nccl_refs_lane
 want faults && lane faults_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2

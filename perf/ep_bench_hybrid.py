@@ -28,7 +28,6 @@ Pure parts (byte accounting, row text, skip reasons, stage timeline) need no GPU
 
 import json
 import os
-import platform
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -92,12 +91,13 @@ def add_rates(row: dict, nbytes: Dict[str, float]) -> dict:
 
 # ---- skip reasons -------------------------------------------------------------------------------------------------
 def refs_skip_reason(gpus: Sequence, comm_error: Optional[str] = None) -> Optional[str]:
-    """Why the refs (NCCL all-to-all) rows cannot run, or None. `gpus`: per rank, a key of its GPU (host, bus id)."""
+    """Why the refs (NCCL all-to-all) rows cannot run, or None. `gpus`: per rank, its GPU as NCCL tells GPUs apart
+    (`Topology.nccl_gpu_ids`: NCCL host and bus id; ranks sharing a GPU as different NCCL hosts are accepted)."""
     seen = {}
     for r, g in enumerate(gpus):
         if g in seen:
-            return (f'ranks {seen[g]} and {r} share GPU {g}: NCCL refuses two ranks of one communicator on one GPU; '
-                    f'refs rows skipped')
+            return (f'ranks {seen[g]} and {r} share GPU {g} as one NCCL host: NCCL refuses two ranks of one '
+                    f'communicator there (give each rank its own NCCL_HOSTID); refs rows skipped')
         seen[g] = r
     if comm_error:
         return f'NCCL communicator failed ({comm_error}); refs rows skipped'
@@ -300,7 +300,7 @@ def run(group, args, env: dict, log, helpers) -> int:
     one_reason = one_domain_skip_reason(scaleup_env, one.num_scaleout_ranks if one is not None else None, err)
     if one_reason:
         log(f'[hybrid] onedomain rows skipped: {one_reason}')
-    gpus = group.allgather_object((platform.node(), buf.topology.pci_bus_ids[rank]))
+    gpus = list(buf.topology.nccl_gpu_ids)        # (NCCL host, bus id) per rank: what NCCL tells apart
     comm, comm_err = (None, None)
     refs_reason = refs_skip_reason(gpus)
     if refs_reason is None:

@@ -133,9 +133,10 @@ def test_megatron_comparison_rule():
         m.compare('t', a, a.float(), exact=False)
 
 
-@pytest.mark.parametrize('transport,num_devices,emulated', [('nccl', 1, True), ('nccl', 2, False),
-                                                            ('loopback', 1, False), ('auto', 1, False)])
-def test_deepeps_init_dist_gives_each_rank_an_nccl_host_for_nccl_rails_on_shared_gpus(monkeypatch, transport,
+@pytest.mark.parametrize('transport,per_rank,num_devices,emulated', [
+    ('nccl', '', 1, True), ('nccl', '', 2, False), ('loopback', '', 1, False), ('auto', '', 1, False),
+    ('auto', '1', 1, True), ('auto', '1', 2, False), ('auto', '0', 1, False)])
+def test_deepeps_init_dist_gives_each_rank_an_nccl_host_for_nccl_rails_on_shared_gpus(monkeypatch, transport, per_rank,
                                                                                       num_devices, emulated):
     """DeepEP's programs in hybrid mode with NCCL rails on one GPU: init_dist (DeepEP's form) makes every rank its
     own NCCL host before torch's NCCL starts, so NCCL accepts the ranks; never otherwise."""
@@ -146,6 +147,7 @@ def test_deepeps_init_dist_gives_each_rank_an_nccl_host_for_nccl_rails_on_shared
     for name in ('NCCL_HOSTID', *utils_envs.NCCL_SHARED_GPU_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv('DEEPEP_CUPY_RAIL_TRANSPORT', transport)
+    monkeypatch.setenv(utils_envs.NCCL_HOST_PER_RANK_ENV, per_rank)
     monkeypatch.setenv('RANK', '0')
     monkeypatch.setenv('WORLD_SIZE', '1')
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)

@@ -83,6 +83,10 @@ def nccl_hosts_emulated() -> bool:
     return bool(os.environ.get('NCCL_HOSTID', '').strip())
 
 
+# `1`: DeepEP's `init_dist` makes every rank its own NCCL host when ranks share GPUs (as NCCL rails do by themselves).
+NCCL_HOST_PER_RANK_ENV = 'DEEPEP_CUPY_NCCL_HOST_PER_RANK'
+
+
 def emulate_nccl_host(host: str) -> None:
     """Let NCCL run between ranks sharing a GPU: `NCCL_HOSTID=host` (unique per rank, or per would-be host) and the
     transports that need no second GPU (`NCCL_SHARED_GPU_ENV`; a variable the caller set keeps its value). Call it
@@ -198,11 +202,12 @@ def _init_spawned(local_rank, num_local_ranks, torch):
         group_mod.set_default_group(pg)
         return rank, size, pg, pg, local_rank
     import torch.distributed as dist
-    if (lib_envs.rail_transport() == 'nccl' and not nccl_hosts_emulated() and torch.cuda.is_available()
+    wanted = lib_envs.rail_transport() == 'nccl' or os.environ.get(NCCL_HOST_PER_RANK_ENV, '').strip() == '1'
+    if (wanted and not nccl_hosts_emulated() and torch.cuda.is_available()
             and torch.cuda.device_count() < num_local_ranks):
-        # NCCL rails asked for while ranks share GPUs (DeepEP's programs in hybrid mode on one GPU): every rank its
-        # own NCCL host, so NCCL joins them (sockets over the loopback) instead of refusing; README: Testing
-        # scale-out on one GPU.
+        # NCCL rails (or NCCL for the program's own references) asked for while ranks share GPUs (DeepEP's programs
+        # on one GPU): every rank its own NCCL host, so NCCL joins them (sockets over the loopback) instead of
+        # refusing; README: Testing scale-out on one GPU.
         emulate_nccl_host(f'deepep_cupy_rank{rank}')
     if not dist.is_initialized():
         group_mod.init_torch_distributed(rank, size, addr, port, torch_backend(num_local_ranks, torch),
