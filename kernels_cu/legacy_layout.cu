@@ -54,3 +54,42 @@ get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int n
 }
 
 }  // namespace deepep
+
+namespace deepep {
+
+// DeepEP V1's num_tokens_per_rdma_rank (several scale-up domains): per domain d, the tokens with >= 1 expert on a rank
+// of d (ranks [d * ranks_per_domain, (d + 1) * ranks_per_domain)), read from the is_token_in_rank that
+// get_dispatch_layout wrote before it on the same stream. Launched only with several domains (one domain: V1 returns
+// None and nothing launches). The output must be zero on entry (cleared by the same memset as the other counts).
+constexpr int kLayoutMaxDomains = kLayoutMaxRanks;
+
+__global__ void __launch_bounds__(kLayoutThreads)
+get_dispatch_layout_domains(const bool* is_token_in_rank, int num_tokens, int num_ranks, int num_domains,
+                            int32_t* num_tokens_per_domain) {   // [num_domains], zero on entry
+    __shared__ int32_t s_domain[kLayoutMaxDomains];
+    for (int i = threadIdx.x; i < num_domains; i += blockDim.x)
+        s_domain[i] = 0;
+    __syncthreads();
+
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int ranks_per_domain = num_ranks / num_domains;
+    if (t < num_tokens) {
+        const bool* row = is_token_in_rank + static_cast<int64_t>(t) * num_ranks;
+        for (int d = 0; d < num_domains; ++d) {
+            bool in = false;
+            for (int r = d * ranks_per_domain; r < (d + 1) * ranks_per_domain; ++r)
+                in |= row[r];
+            if (in)
+                atomicAdd(s_domain + d, 1);
+        }
+    }
+    __syncthreads();
+
+    for (int i = threadIdx.x; i < num_domains; i += blockDim.x) {
+        const int32_t v = s_domain[i];
+        if (v != 0)
+            atomicAdd(num_tokens_per_domain + i, v);
+    }
+}
+
+}  // namespace deepep

@@ -7,12 +7,17 @@ domain of up to 8 ranks, on this library's engines:
 
 A buffer made with `low_latency_mode=True` serves both (SGLang's `auto`): each mode has memory of its own
 (`num_nvl_bytes` and `num_rdma_bytes`), so switching needs no cleaning; both share one communication stream.
-Several NVLink domains (DeepEP's internode kernels) raise `NotImplementedError` at construction.
+Several scale-up (NVLink) domains (DeepEP's internode mode): normal mode is being brought up on the hybrid engine
+(design and host reference: `features/legacy/internode.py`). Done so far: construction (no engine memory yet: the
+hybrid engine is laid out by the first dispatch, once it exists) and `get_dispatch_layout` with
+`num_tokens_per_rdma_rank`; `dispatch` / `combine` raise `NotImplementedError` before any kernel, and
+`low_latency_mode=True` across domains raises it at construction.
 """
 
 import sys
 from typing import Optional
 
+from ..features.legacy.internode import check_domains, internode_missing
 from ..features.legacy.layout import DispatchLayout, plan_layout
 from ..features.ll import CONTROL_BYTES as LL_CONTROL_BYTES
 from ..runtime import dtypes, interop
@@ -60,6 +65,8 @@ class Buffer(LowLatencyMethods):
     """
 
     num_sms: int = 20
+    num_domains: int = 1            # scale-up domains (set at construction)
+    num_scaleup_ranks: int = 0      # ranks per domain (set at construction)
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
@@ -82,15 +89,20 @@ class Buffer(LowLatencyMethods):
                                                'enable_shrink': self.enable_shrink}, timeout=NUM_CPU_TIMEOUT_SECS)
         self.device = device = select_device(pg)
         topology = detect_topology(pg, device, allow_hybrid_mode=True)
-        if topology.num_scaleout_ranks > 1 or self.group_size > NUM_MAX_NVL_PEERS:
-            raise NotImplementedError(
-                f'{self.group_size} ranks in {topology.num_scaleout_ranks} NVLink domains: DeepEP V1\'s internode '
-                f'kernels (RDMA between domains) are not implemented in deepep_cupy yet; normal and low-latency mode '
-                f'run inside one NVLink domain of up to {NUM_MAX_NVL_PEERS} ranks')
+        self.num_domains = num_domains = topology.num_scaleout_ranks
+        self.num_scaleup_ranks = topology.num_scaleup_ranks
+        check_domains(self.group_size, num_domains, self.num_scaleup_ranks, self.low_latency_mode, NUM_MAX_NVL_PEERS)
         self._stream = stream = _acquire_stream(device)
         self._order = StreamOrder(stream)
-        self._layout = DispatchLayout(device)
+        self._layout = DispatchLayout(device, num_domains=num_domains)
         self._configs = {}
+        self._normal = self._ll = None
+        if num_domains > 1:
+            self._destroyed = False     # across domains: no engine memory yet (internode.py)
+            if pg.rank == 0:            # say it now, not first at the first dispatch (after a model has loaded)
+                print(f'deepep_cupy: {internode_missing("dispatch", num_domains, self.num_scaleup_ranks)}; this '
+                      f'Buffer serves get_dispatch_layout only', file=sys.stderr, flush=True)
+            return
         nvlink_gbs = get_nvlink_gbs() or DEFAULT_NVLINK_GBS
 
         def make_engine(num_bytes: int) -> NormalEngine:
@@ -100,7 +112,6 @@ class Buffer(LowLatencyMethods):
             return BufferBase(group=pg, num_bytes=num_bytes, num_cpu_timeout_secs=NUM_CPU_TIMEOUT_SECS,
                               num_gpu_timeout_secs=NUM_GPU_TIMEOUT_SECS, explicitly_destroy=False, device=device,
                               comm_stream=stream)
-        self._normal = self._ll = None
         try:
             self._normal = NormalMode(self.group_size, device, num_nvl_bytes, make_engine)
             if self.low_latency_mode:
@@ -219,7 +230,7 @@ class Buffer(LowLatencyMethods):
     def _local_region(self, use_rdma_buffer: bool):
         """`(buffer base, byte offset, bytes)` of the region `get_local_buffer_tensor` hands out."""
         if not use_rdma_buffer:
-            eng = self._normal.engine
+            eng = self._normal.engine if self._normal is not None else None
             if eng is None:
                 return None, 0, 0
             return eng, eng.data_offset, min(eng.num_bytes, self.num_nvl_bytes) if self.num_nvl_bytes else eng.num_bytes
@@ -245,19 +256,22 @@ class Buffer(LowLatencyMethods):
                 async_finish).
 
         Returns:
-            `(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool,
-            event)`: tokens sent to each rank (a token once per rank owning one of its experts), (token, slot) pairs
-            of each expert, whether each token goes to each rank. The two counts are views of one allocation.
+            `(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank, num_tokens_per_expert [E] int32,
+            is_token_in_rank [N, R] bool, event)`: tokens sent to each rank (a token once per rank owning one of its
+            experts), tokens sent to each scale-up domain (`[num_domains]` int32, a token once per domain holding
+            one of its experts; None inside one domain, as V1), (token, slot) pairs of each expert, whether each
+            token goes to each rank. The counts are views of one allocation.
         """
         self._check_alive()
         previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
-        p = plan_layout(topk_idx, num_experts, self.group_size, self.device)
+        p = plan_layout(topk_idx, num_experts, self.group_size, self.device, self._layout.num_domains)
         current = interop.current_stream(topk_idx)
         comm = self._order.enter(current, as_event_handle(previous_event),
                                  local=not (async_finish or allocate_on_comm_stream))
-        per_rank, per_expert, in_rank, counts = self._layout(p, comm, comm if allocate_on_comm_stream else None)
+        per_rank, per_domain, per_expert, in_rank, counts = self._layout(p, comm,
+                                                                         comm if allocate_on_comm_stream else None)
         event = self._order.leave(p.kind, current, comm, async_finish, (topk_idx, counts, in_rank))
-        return per_rank, None, per_expert, in_rank, event
+        return per_rank, per_domain, per_expert, in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment: int = 1,
@@ -298,6 +312,8 @@ class Buffer(LowLatencyMethods):
         self._check_alive()
         previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         num_sms = self._config(config, 'dispatch')
+        if self.num_domains > 1:
+            raise NotImplementedError(internode_missing('dispatch', self.num_domains, self.num_scaleup_ranks))
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError('a cached dispatch (handle given) takes no topk_idx / topk_weights')
@@ -342,6 +358,8 @@ class Buffer(LowLatencyMethods):
         self._check_alive()
         previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         num_sms = self._config(config, 'combine')
+        if self.num_domains > 1:
+            raise NotImplementedError(internode_missing('combine', self.num_domains, self.num_scaleup_ranks))
         return NormalMode.combine(x, expected_handle_type(handle), topk_weights, bias, num_sms, previous_event,
                                   async_finish, allocate_on_comm_stream)
 

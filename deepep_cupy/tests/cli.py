@@ -299,11 +299,26 @@ def legacy_intranode_parser() -> argparse.ArgumentParser:
     return p
 
 
+def legacy_internode_parser() -> argparse.ArgumentParser:
+    p = _parser('legacy_internode', 'DeepEP V1 Buffer across scale-up domains (first step of issue #31): '
+                                    'get_dispatch_layout with num_tokens_per_rdma_rank\nchecked bit for bit against '
+                                    'the host reference, and the calls not implemented yet\n'
+                                    'raising NotImplementedError.')
+    p.add_argument('--num-tokens', type=int, default=4096, help='tokens of every rank but rank 1 (which holds none)')
+    p.add_argument('--hidden', type=int, default=7168, help='hidden size: bfloat16 elements per token')
+    p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=256, help='experts in all (a multiple of the rank count)')
+    p.add_argument('--seed', type=int, default=0, help='seed of the inputs (rank r draws from seed * 1000 + r)')
+    _skip(p, 'noperf')
+    return p
+
+
 PARSERS = {
     'ep': ep_parser, 'pp': pp_parser, 'agrs': agrs_parser, 'engram': engram_parser,
     'reduce_grads': lambda: lb_parser('reduce'), 'prefetch_weights': lambda: lb_parser('prefetch'),
     'allocation': allocation_parser, 'barrier': barrier_parser, 'jit_timing': jit_timing_parser,
     'legacy_low_latency': legacy_low_latency_parser, 'legacy_intranode': legacy_intranode_parser,
+    'legacy_internode': legacy_internode_parser,
     'v25': v25_parser,
 }
 
