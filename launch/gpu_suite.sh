@@ -123,13 +123,13 @@ if want perf1; then
     step "ep_profile np=1 (default vs two kernels)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128,4096 \
         --variants default,two-kernels --host-again
     # Kernel spans of CUDA-graph replays with a decode-sized buffer and a 4096-token one, beside an empty kernel and a
-    # plain copy (perf/kernel_probe.py; issue #11's decode and copy-ratio figures).
+    # plain copy (perf/kernel_probe.py; decode and copy-ratio figures).
     step "kernel_probe np=1 (graph spans, decode and 4096 buffers)" 200 $ONE $PY perf/kernel_probe.py
-    # What each CUDA API call costs from Python here (weighs perf/host_path_cpu.py's [api] counts; issue #11).
+    # What each CUDA API call costs from Python here (weighs perf/host_path_cpu.py's [api] counts).
     step "host API costs (perf/host_api_gpu.py)" 300 $ONE $PY perf/host_api_gpu.py
     step "ep_profile np=1 on a side stream (host path)" 240 $ONE $R 1 $PY perf/ep_profile.py --tokens 128 \
         --variants default --side-stream
-    # Two ranks sharing GPU 0, for the host rows a single rank cannot give: PP send / recv (issue #11's <= 25 us per
+    # Two ranks sharing GPU 0, for the host rows a single rank cannot give: PP send / recv (<= 25 us per
     # call); its kernel figures are logic-grade (both ranks' kernels share the GPU).
     step "ep_profile np=2 (sharing GPU 0: PP and the features' host rows)" 240 $ONE $R 2 $PY perf/ep_profile.py \
         --tokens 128 --variants default --graph-max-tokens 0
@@ -154,7 +154,7 @@ if want legacy1 && [ -f deepep_cupy/tests/legacy_intranode.py ]; then
 fi
 
 host_lane() {
-    # The lean host path's GPU-side pieces (issue #11): pooled events (eager and across a graph capture) and
+    # The lean host path's GPU-side pieces: pooled events (eager and across a graph capture) and
     # current_stream's fast path. The EP / coll / deepep lanes check the calls themselves bit for bit.
     step "host: event pool + current_stream (GPU pytest)" 180 $ONE $PY -m pytest -q -x tests/gpu/test_gpu_runtime.py \
         -k "pooled or current_stream"
@@ -197,12 +197,12 @@ ep_lane_shared() {
         --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
 }
 ephost_lane() {
-    # The EP dispatch host path (issue #11): decode-sized recv_x / recv_sf carved out of the call's one allocation,
+    # The EP dispatch host path: decode-sized recv_x / recv_sf carved out of the call's one allocation,
     # bitwise equal to separate allocations (torch and CuPy; BF16, FP8, TMA-aligned scales; CPU sync, no sync,
     # expanded, cached) and outliving the handle. The host-side order (everything before the launches, launches back
     # to back) is pinned on the CPU (tests/test_ep_host_order_cpu.py); perf1's ep_profile shows the gap it closes.
     step "ep host: carved dispatch outputs (GPU pytest)" 300 $ONE $PY -m pytest -q -x tests/gpu/test_gpu_ep_carve.py
-    # The lean dispatch paths chosen at binding (BoundDispatch.run) against the general call, bitwise (issue #11).
+    # The lean dispatch paths chosen at binding (BoundDispatch.run) against the general call, bitwise.
     step "ep host: lean cached / no-sync paths (GPU pytest)" 300 $ONE $PY -m pytest -q -x tests/gpu/test_gpu_ep_lean.py
 }
 hybrid_lane() {
@@ -695,7 +695,7 @@ if want mps && command -v nvidia-cuda-mps-control > /dev/null; then
         step "hybrid P2 vs P1 perf/hybrid_pipeline.py 2x1 np=2 (loopback, MPS)" 240 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/hybrid_pipeline.py --out "$OUT/mps"
         # EP2 decode with both ranks' kernels concurrent (HBM stands in for NVLink): a proxy of the two-GPU graph
-        # spans (issue #11's EP2 decode figures), default and fused notify.
+        # spans (EP2 decode figures), default and fused notify.
         step "ep_profile np=2 128 tokens (MPS, sharing GPU 0)" 240 $ONE $R 2 $PY perf/ep_profile.py --tokens 128 \
             --variants default,fused --skip-features
         echo quit | nvidia-cuda-mps-control

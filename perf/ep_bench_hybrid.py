@@ -1,4 +1,4 @@
-"""Hybrid-mode rows of the EP benchmark (`perf/ep_bench.py --hybrid`, issue #13): EP across several scale-up domains.
+"""Hybrid-mode rows of the EP benchmark (`perf/ep_bench.py --hybrid`): EP across several scale-up domains.
 
     DEEPEP_CUPY_SCALEUP_SIZE=1 launch/run_local.sh 2 python perf/ep_bench.py --hybrid --out DIR    # 2 domains x 1 rank
 

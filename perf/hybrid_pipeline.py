@@ -1,4 +1,4 @@
-"""Hybrid P2 against P1 in one run (issue #13: "pipelining ... measured against the sequential version").
+"""Hybrid P2 against P1 in one run ("pipelining ... measured against the sequential version").
 
     # 2 domains x 1 rank sharing GPU 0, loopback rails (logic-grade figures: the ranks time-slice one GPU)
     CUDA_VISIBLE_DEVICES=0 DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback \\

@@ -631,7 +631,7 @@ def test_engram_launch_arguments_match_the_specs():
 
 
 def test_load_balancing_refuses_several_domains():
-    """Across scale-up domains load balancing raises a clear NotImplementedError naming the limit (issue #13)."""
+    """Across scale-up domains load balancing raises a clear NotImplementedError naming the limit."""
     from types import SimpleNamespace
 
     import pytest

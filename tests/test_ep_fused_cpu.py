@@ -47,7 +47,7 @@ def test_sizes_and_grid():
 
 def test_who_receives_at_one_rank():
     """The notify blocks leave the copy to the others at one rank without expansion when those are >= 3/4 of the
-    receivers: so at issue #11's sizes (hidden 7168 BF16, decode and 4096 tokens); the GPU lane's 17000 tokens of
+    receivers: so at the target sizes (hidden 7168 BF16, decode and 4096 tokens); the GPU lane's 17000 tokens of
     hidden 128 (launch/gpu_suite.sh, fuse_lane) keep them receiving."""
     sms = 132
 

@@ -1,4 +1,4 @@
-"""The host side of a dispatch (features/ep/bound.py) without a GPU, as the GPU timeline sees it (issue #11):
+"""The host side of a dispatch (features/ep/bound.py) without a GPU, as the GPU timeline sees it:
 - order: without a CPU sync every allocation, view and argument patch comes before the first launch and the launches
   follow back to back (no host gap between the notify and the dispatch), for each launch structure (one launch,
   send + receive, the legacy kernels, the fused launch, a cached dispatch); a CPU-sync dispatch keeps notify, send,

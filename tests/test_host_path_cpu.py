@@ -1,4 +1,4 @@
-"""The lean host path (issue #11) without a GPU: the CUDA API calls each public call makes (perf/host_path_cpu.py's
+"""The lean host path without a GPU: the CUDA API calls each public call makes (perf/host_path_cpu.py's
 `[api]` counts, pinned so that they cannot silently grow), the event pool behind `EventHandle`, the per-type fast
 path of `interop.current_stream`, and the per-signature PP plan re-checking what is per call."""
 
@@ -80,7 +80,7 @@ def test_no_public_call_creates_an_event(api_counts):
 PINNED_BYTECODES = {'dispatch cached': 570, 'dispatch no-sync': 630, 'dispatch fp8 no-sync': 700,
                     'dispatch cpu-sync': 980, 'combine': 450}
 # A CPU-sync dispatch's bytecodes after the host has the counts (`--trace`'s `after_counts`: its host time beyond the
-# notify kernel, issue #11's goal of 25 us on the GPU host; 306 before the speculated receive, 90 with it), at most:
+# notify kernel, the goal of 25 us on the GPU host; 306 before the speculated receive, 90 with it), at most:
 # a repeated size (perf/host_path_cpu.py's calls repeat theirs). 100 -> 104: the counts' numpy copy left the wait
 # (`EP._wait_host_counts`) for after the receive's launch (102): the same work, no longer between the counts' arrival
 # and the launch.
@@ -414,7 +414,7 @@ def test_reductions_reuse_checked_signatures_and_track_their_tensors():
 
 
 # Python work per call of the collectives (perf/host_path_cpu.py --trace: bytecodes executed in deepep_cupy, CPython
-# 3.11's instruction set), at most; issue #11's goals for them and the counts when they were set (coll6; all_gather and
+# 3.11's instruction set), at most; the goals for them and the counts when they were set (coll6; all_gather and
 # engram_fetch: coll7), with a few percent of room. Lower a bound when a change saves work; raising one needs a reason
 # in the commit.
 BYTECODES = {

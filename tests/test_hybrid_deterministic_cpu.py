@@ -1,4 +1,4 @@
-"""Hybrid `deterministic=True` (issue #28, deliverable 6): DeepEP's row order after a dispatch across domains.
+"""Hybrid `deterministic=True`: DeepEP's row order after a dispatch across domains.
 
 DeepEP's `EPHandle.deterministic_sort` (deep_ep/buffers/elastic.py) sorts ALL received rows by src_token_global_idx
 in one sort (expanded: each expert's rows), rewriting no count; the composed path's intranode engine gives them

@@ -1,4 +1,4 @@
-"""DeepEP V1 `Buffer` across scale-up domains without a GPU (features/legacy/internode.py, issue #31):
+"""DeepEP V1 `Buffer` across scale-up domains without a GPU (features/legacy/internode.py):
 - the host reference of V1's internode contract on a hand-checked 2x2 case, and its invariants on random routing;
 - `get_dispatch_layout`'s `num_tokens_per_rdma_rank`: the launches (recorded kernels whose `run` emulates the CUDA
   code) against the reference; one domain launches and returns exactly what it did before;

@@ -300,7 +300,7 @@ def legacy_intranode_parser() -> argparse.ArgumentParser:
 
 
 def legacy_internode_parser() -> argparse.ArgumentParser:
-    p = _parser('legacy_internode', 'DeepEP V1 Buffer across scale-up domains (first step of issue #31): '
+    p = _parser('legacy_internode', 'DeepEP V1 Buffer across scale-up domains (first step): '
                                     'get_dispatch_layout with num_tokens_per_rdma_rank\nchecked bit for bit against '
                                     'the host reference, and the calls not implemented yet\n'
                                     'raising NotImplementedError.')
@@ -324,7 +324,7 @@ PARSERS = {
 
 
 def serving_replay_parser() -> argparse.ArgumentParser:
-    """`serving_replay`: vLLM's and SGLang's DeepEP V1 backends replayed call for call (issue #27)."""
+    """`serving_replay`: vLLM's and SGLang's DeepEP V1 backends replayed call for call."""
     cases = ('vllm_ht_bf16', 'vllm_ht_fp8', 'vllm_ht_sync_finalize', 'vllm_ht_dbo', 'vllm_ht_idle_ranks',
              'vllm_ll_bf16', 'vllm_ll_fp8', 'vllm_ll_fp8_ue8m0', 'vllm_ll_sync_finalize', 'vllm_ll_dbo',
              'vllm_ll_idle_ranks', 'vllm_ll_cuda_graph', 'vllm_ll_fault_tolerance', 'sglang_normal_fp8',
@@ -363,7 +363,7 @@ PARSERS['serving_replay'] = serving_replay_parser
 
 
 def megatron_moe_parser() -> argparse.ArgumentParser:
-    """`megatron_moe`: Megatron-Core's MoE layer on deep_ep (issue #27)."""
+    """`megatron_moe`: Megatron-Core's MoE layer on deep_ep."""
     p = _parser('megatron_moe', "Megatron-Core's MoE layer, unmodified, on deep_ep = deepep_cupy: the flex dispatcher "
                 'with its DeepEP backend against the all-to-all dispatcher, forward and backward, several SGD steps '
                 "(EP = the number of ranks; at one rank Megatron's fused_a2a functions alone). Needs megatron-core.")
@@ -391,7 +391,7 @@ FAULT_CASES = ('before_dispatch', 'in_dispatch_wait', 'before_combine', 'in_low_
 
 
 def faults_parser() -> argparse.ArgumentParser:
-    """`faults`: a rank SIGKILLed at a chosen point; every other rank must raise, destroy and exit (issue #28)."""
+    """`faults`: a rank SIGKILLed at a chosen point; every other rank must raise, destroy and exit."""
     p = argparse.ArgumentParser(
         prog='python -m deepep_cupy.tests.faults', formatter_class=HelpFormatter,
         description='Fault test (no hang, ever, when a rank dies): starts --num-ranks child ranks itself, all on GPU '

@@ -1,4 +1,4 @@
-"""Fault program (issue #28): a rank SIGKILLed at a chosen point must never hang the others.
+"""Fault program: a rank SIGKILLed at a chosen point must never hang the others.
 
     python -m deepep_cupy.tests.faults [--mode ipc|nccl] [--num-ranks 2|4] [--cases a,b] [--out DIR]
 

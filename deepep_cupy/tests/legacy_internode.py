@@ -1,4 +1,4 @@
-"""DeepEP V1 `Buffer` across scale-up domains (issue #31, first step), one rank per process:
+"""DeepEP V1 `Buffer` across scale-up domains (first step), one rank per process:
 `get_dispatch_layout` bit for bit against the host reference (`features/legacy/internode.py`: every output, including
 `num_tokens_per_rdma_rank`), with and without `async_finish`, and what is refused (`dispatch` / `combine` raise
 NotImplementedError before any kernel, `low_latency_mode=True` at construction). Domains from the topology

@@ -1,4 +1,4 @@
-"""vLLM's and SGLang's DeepEP V1 backends replayed call for call on `deep_ep` = deepep_cupy (issue #27), every output
+"""vLLM's and SGLang's DeepEP V1 backends replayed call for call on `deep_ep` = deepep_cupy, every output
 compared bit for bit with host references built from host-gathered inputs (`legacy_reference`, `ll_reference`).
 
     launch/run_local.sh N python -m deepep_cupy.tests.serving_replay [--num-tokens 128 --num-ll-tokens 32

@@ -1,4 +1,4 @@
-"""Decode-sized dispatch outputs carved out of one allocation (features/ep/bound.py, issue #11) on a GPU, one rank:
+"""Decode-sized dispatch outputs carved out of one allocation (features/ep/bound.py) on a GPU, one rank:
 for torch and CuPy arrays, BF16 and FP8 (row-major and TMA-aligned column-major scales), CPU sync, no sync, expanded
 and cached dispatches, the carved recv_x / recv_sf / top-k outputs and the handle's metadata are bitwise equal to
 those of separately allocated outputs (`CARVED_RECV_MAX_BYTES = 0`), share the handle's allocation, and outlive the

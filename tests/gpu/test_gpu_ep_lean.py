@@ -1,5 +1,5 @@
-"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`, `run_cpu_sync`;
-issue #11) on a GPU, one rank: for torch and CuPy arrays, BF16 and FP8, no-sync and CPU-sync dispatches (recv_x
+"""The lean dispatch paths (`BoundDispatch.run`: features/ep/lean.py's `run_cached`, `run_no_sync`,
+`run_cpu_sync`) on a GPU, one rank: for torch and CuPy arrays, BF16 and FP8, no-sync and CPU-sync dispatches (recv_x
 carved or, too large, not) and cached ones (handles from no-sync, CPU-sync and expanded dispatches), the outputs, the
 new handle's metadata and layout, and the combine of its rows are bitwise equal to those of the general `__call__` on
 the same inputs; CPU-sync dispatches also when their sizes change between calls (the lean path speculates that they

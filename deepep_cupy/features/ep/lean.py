@@ -124,7 +124,7 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     per call cost no speculation but the first miss's), the outputs of the last call's sizes (`prepare_receive`:
     their allocation, views, the patch of their pointers, the receive block's sizes, the new handle but its counts),
     so that on a hit the host's share after the counts is the receive's launch, the handle's counts and the event
-    (issue #11: the CPU-sync dispatch's host time beyond the notify). Only outputs carved out of one allocation (at
+    (the CPU-sync dispatch's host time beyond the notify). Only outputs carved out of one allocation (at
     most `CARVED_RECV_MAX_BYTES`, 16 MiB) are speculated; on a miss they are freed before the right ones are
     allocated (no kernel saw them), so two groups are never live at once, though the allocator's cache may keep the
     freed one (at most 16 MiB) for later calls; a miss costs about what the outputs cost without speculating plus

@@ -1,5 +1,5 @@
-"""Hybrid mode: EP dispatch/combine across several scale-up (NVLink) domains joined by NCCL rails (issue #13,
-design memo SCALEOUT.md).
+"""Hybrid mode: EP dispatch/combine across several scale-up (NVLink) domains joined by NCCL rails (design
+memo SCALEOUT.md).
 
 What runs today is P1, the COMPOSED path (feature.py): a rail hop packed by small kernels (kernels_cu/hybrid.cu),
 then the verified intranode engine (features/ep, composed by the buffer) over each domain on the forwarder's union
