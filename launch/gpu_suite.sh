@@ -141,6 +141,13 @@ if want perf1; then
             $PY perf/ep_profile.py --tokens 128,4096"
     fi
     [ -f deepep_cupy/tests/legacy_low_latency.py ] && step "ll np=1 (perf)" 240 $ONE $R 1 $LL
+    # DeepEP v1.2.1's low-latency kernels beside ours, each in its own process, same inputs: needs .deepep_src
+    # (tools/fetch_deepep_src.sh export, then carried to the GPU machine)
+    if [ -d .deepep_src/v1.2.1 ]; then
+        step "DeepEP v1.2.1 build (private prefix)" 420 bash tools/fetch_deepep_src.sh build
+        step "ll side by side np=1 (DeepEP v1.2.1 vs ours)" 600 $ONE $PY perf/ll_side_by_side.py \
+            --out "$OUT/ll_side_by_side"
+    fi
     [ -f deepep_cupy/tests/legacy_intranode.py ] && step "legacy intranode np=1 (perf)" 240 $ONE $R 1 \
         $PY -m deepep_cupy.tests.legacy_intranode
     # Engram with the tables in pinned host memory: fetch GB/s and rows/s beside the GPU-storage path, same run.

@@ -1,5 +1,5 @@
 """DeepEP v1.2.1's low-latency kernels beside ours on one GPU: identical inputs, the same timing code, each library
-in its own process, outputs compared bit for bit (issue #30).
+in its own process, outputs compared bit for bit.
 
     tools/fetch_deepep_src.sh build          # once per GPU machine: DeepEP v1.2.1 into /tmp/deepep_v121
     python3 perf/ll_side_by_side.py [--num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256] [--out DIR]
