@@ -100,6 +100,8 @@ $PY -m pip install -q -e . --no-deps --no-build-isolation >> "$LOG" 2>&1 || echo
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 R="launch/run_local.sh"
 ONE="env CUDA_VISIBLE_DEVICES=0"      # logic runs: every rank on GPU 0
+# NCCL between ranks sharing a GPU (each its own NCCL_HOSTID): sockets over the loopback, no P2P / SHM / IB
+SOCK="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
 
 if want info; then
     { nvidia-smi; nvidia-smi topo -m; $PY -c "import cupy, numpy, sys; print('python', sys.version.split()[0],
@@ -381,7 +383,6 @@ nccl1_lane() {
     # Domain d = node<d> for us (DEEPEP_CUPY_HOST) and for NCCL (NCCL_HOSTID), so NCCL accepts two rail members on one
     # GPU and joins them with sockets over the loopback (launch/scaleout_nccl.sh sets both). Each EP shape runs P1 and
     # P2 (pipelined).
-    local sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export DEEPEP_CUPY_HOST=node$g NCCL_HOSTID=node$g;'
     local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 20 --num-cpu-timeout-secs 40 --num-tokens 128 \
 --hidden 1024 --num-experts 64 --skip-perf-test"
@@ -393,10 +394,10 @@ nccl1_lane() {
         PROG="$EPA --num-create-destroy 0 --deterministic --skip-timeout-test --skip-error-test" $ONE bash \
         launch/scaleout_nccl.sh 2x2
     # (ports of their own: a rank of a run the step before killed may still hold the lane's)
-    step "nccl1: pp hybrid 2x1 NCCL links + timeout" 150 env $sock MASTER_PORT=19061 DEEPEP_CUPY_SCALEUP_SIZE=1 \
+    step "nccl1: pp hybrid 2x1 NCCL links + timeout" 150 env $SOCK MASTER_PORT=19061 DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl PYTHONFAULTHANDLER=1 \
         $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.pp --skip-perf-test --num-tokens 256 --hidden 2048"
-    step "nccl1: agrs hybrid 2x1 NCCL rails + failures" 200 env $sock MASTER_PORT=19161 DEEPEP_CUPY_SCALEUP_SIZE=1 \
+    step "nccl1: agrs hybrid 2x1 NCCL rails + failures" 200 env $SOCK MASTER_PORT=19161 DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl PYTHONFAULTHANDLER=1 \
         $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.agrs --skip-perf-test"
 }
@@ -404,7 +405,6 @@ nccl1_more_lane() {
     # The other shapes and programs over real NCCL on one GPU (beside nccl1_lane): EP 2x4 and 4x1, PP and all-gather /
     # reduce-scatter 2x2, the barrier 2x1 (each rank its own NCCL host where domains hold several ranks), and DeepEP's
     # own programs in hybrid mode (init_dist gives each rank its own NCCL host when NCCL rails share a GPU).
-    local sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
     local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60 --num-tokens 128 \
 --hidden 1024 --num-experts 64 --skip-perf-test --num-create-destroy 0 --skip-timeout-test"
@@ -412,12 +412,12 @@ nccl1_more_lane() {
         PIPELINE_PERF=0 PROG="$EPA" $ONE bash launch/scaleout_nccl.sh 4x1
     step "nccl1: ep hybrid 2x4 NCCL rails, first mode, graph (P1, P2)" 400 env OUT="$OUT/nccl1_2x4" RUN_TIMEOUT=190 \
         PIPELINE_PERF=0 PROG="$EPA --test-first-only" $ONE bash launch/scaleout_nccl.sh 2x4
-    step "nccl1: pp hybrid 2x2 NCCL links + timeout" 200 env $sock MASTER_PORT=19261 DEEPEP_CUPY_SCALEUP_SIZE=2 \
+    step "nccl1: pp hybrid 2x2 NCCL links + timeout" 200 env $SOCK MASTER_PORT=19261 DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $PY -m deepep_cupy.tests.pp --skip-perf-test \
         --num-tokens 256 --hidden 2048"
-    step "nccl1: agrs hybrid 2x2 NCCL rails + failures" 300 env $sock MASTER_PORT=19361 DEEPEP_CUPY_SCALEUP_SIZE=2 \
+    step "nccl1: agrs hybrid 2x2 NCCL rails + failures" 300 env $SOCK MASTER_PORT=19361 DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $PY -m deepep_cupy.tests.agrs --skip-perf-test"
-    step "nccl1: barrier hybrid 2x1 over NCCL" 200 env $sock MASTER_PORT=19461 DEEPEP_CUPY_SCALEUP_SIZE=1 \
+    step "nccl1: barrier hybrid 2x1 over NCCL" 200 env $SOCK MASTER_PORT=19461 DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.barrier"
     [ -d .upstream ] || { echo "no .upstream/ (DeepEP's programs): skipped" >> "$LOG"; return; }
     local RUN="$PY -m deepep_cupy.as_deep_ep" NC="DEEPEP_CUPY_RAIL_TRANSPORT=nccl"
@@ -436,11 +436,10 @@ nccl1_more_lane() {
 nccl_refs_lane() {
     # Programs whose own references need NCCL, at np=2 on one GPU: every rank its own NCCL host (DeepEP's init_dist
     # with DEEPEP_CUPY_NCCL_HOST_PER_RANK=1; our programs through NCCL_HOSTID=rank<g>), NCCL over sockets. Logic only.
-    local sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
-    step "nccl refs: ep_bench np=2 (refs and a2a over NCCL, logic)" 300 env $sock MASTER_PORT=19961 $ONE $R 2 \
+    step "nccl refs: ep_bench np=2 (refs and a2a over NCCL, logic)" 300 env $SOCK MASTER_PORT=19961 $ONE $R 2 \
         bash -c "$host exec $PY perf/ep_bench.py --out $OUT/nccl_refs --tokens 128,512 --num-warmups 2 --num-tests 3"
-    step "nccl refs: ep_bench --hybrid 2x1 np=2 (loopback rails, refs over NCCL)" 300 env $sock MASTER_PORT=20061 \
+    step "nccl refs: ep_bench --hybrid 2x1 np=2 (loopback rails, refs over NCCL)" 300 env $SOCK MASTER_PORT=20061 \
         DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 bash -c "$host exec $PY \
         perf/ep_bench.py --hybrid --out $OUT/nccl_refs_hybrid --tokens 128 --num-warmups 2 --num-tests 3"
     [ -d .upstream ] || { echo "no .upstream/ (DeepEP's programs): skipped" >> "$LOG"; return; }

@@ -24,13 +24,13 @@ import pytest
 torch = pytest.importorskip('torch')
 
 import fakes  # noqa: E402
+import test_hybrid_feature_cpu as hf  # noqa: E402
 
 from deepep_cupy.features.hybrid import deterministic as hdet  # noqa: E402
 from deepep_cupy.features.hybrid import feature as hfeature  # noqa: E402
 from deepep_cupy.features.hybrid import kernels as hkernels  # noqa: E402
 from deepep_cupy.features.hybrid import plan as hplan  # noqa: E402
 from deepep_cupy.features.hybrid import reference as href  # noqa: E402
-from deepep_cupy.runtime.rails import ScaleoutTransport, rail_topology  # noqa: E402
 from deepep_cupy.utils import refs  # noqa: E402
 
 
@@ -224,22 +224,6 @@ class FakeInner:
         pass
 
 
-class FakeRails:
-    def __init__(self, rank):
-        self.rails = rail_topology(N * R, R, rank)
-        self.base = 0x5000_0000
-        self.transport = ScaleoutTransport(self.rails, self.base)
-
-    def exchange(self, plan, stream):
-        pass
-
-    def barrier(self, stream):
-        pass
-
-    def release(self, collective):
-        pass
-
-
 @pytest.fixture
 def env(monkeypatch):
     streams = SimpleNamespace(current=fakes.FakeStream('current'))
@@ -267,7 +251,7 @@ def make_feature(env, num_topk, rank=0, deterministic=True):
     buf = fakes.make_buffer(num_ranks=N * R, rank=rank, num_scaleup_ranks=R, num_scaleout_ranks=N,
                             scaleup_rank_idx=rank % R, scaleout_rank_idx=rank // R, deterministic=deterministic)
     inner = FakeInner()
-    feat = hfeature.HybridEP(buf, inner, M, H, num_topk, rails=FakeRails(rank), kernels_of=lambda k: kernels,
+    feat = hfeature.HybridEP(buf, inner, M, H, num_topk, rails=hf.FakeRails(rank, N, R), kernels_of=lambda k: kernels,
                              host=fakes.FakeHostMapped())
     return feat, inner, log
 

@@ -47,8 +47,8 @@ class FakeInner:
 
 
 class FakeRails:
-    def __init__(self, rank):
-        self.rails = rail_topology(N * R, R, rank)
+    def __init__(self, rank, num_domains=N, num_scaleup_ranks=R):
+        self.rails = rail_topology(num_domains * num_scaleup_ranks, num_scaleup_ranks, rank)
         self.base = 0x5000_0000
         self.plans = []
         self.transport = ScaleoutTransport(self.rails, self.base)

@@ -51,7 +51,7 @@ def _doc(source):
     return apply
 
 
-class ElasticBuffer(BufferBase):
+class ElasticBuffer(hybrid.RailHooks, BufferBase):
     """Buffer for MoE dispatch / combine over the ranks of one scale-up (NVLink) domain, plus DeepEP V2's other
     features on the same symmetric memory (one feature per buffer): PP send/recv (`pp_*`), all-gather sessions,
     reduce-scatter and all-reduce (`agrs_*`, `all_gather`, ...), engram (`engram_*`) and load balancing (`lb_*`).
@@ -167,18 +167,6 @@ class ElasticBuffer(BufferBase):
                 feature.destroy()
         self._hybrid = self._ep if isinstance(self._ep, HybridEP) else None
         self._ep = self._pp = self._agrs = self._engram = self._lb = None
-
-    def _release_extra(self, collective: bool) -> None:
-        hybrid.release(self, collective)
-
-    def _transports_failed(self) -> bool:
-        return hybrid.failed(self)
-
-    def _abort_transports(self) -> None:
-        hybrid.abort(self)
-
-    def _check_transports(self) -> None:
-        hybrid.check(self)
 
     # ---- sizes and SM / QP policy ------------------------------------------------------------------------------
     @staticmethod

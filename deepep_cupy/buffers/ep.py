@@ -32,7 +32,7 @@ __all__ = ['EPBuffer', 'EPHandle']
 DEFAULT_NVLINK_GBS = 450.0      # when nvidia-smi reports no NVLink
 
 
-class EPBuffer(V25Methods, BufferBase):
+class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
     """Buffer for MoE dispatch / combine over the ranks of one scale-up (NVLink) domain, plus the load-balancing
     region of redundant experts (DeepEP V2.5).
 
@@ -139,18 +139,6 @@ class EPBuffer(V25Methods, BufferBase):
                 feature.destroy()
         self._hybrid = self._ep if isinstance(self._ep, HybridEP) else None
         self._ep = self._lb = None
-
-    def _release_extra(self, collective: bool) -> None:
-        hybrid.release(self, collective)
-
-    def _transports_failed(self) -> bool:
-        return hybrid.failed(self)
-
-    def _abort_transports(self) -> None:
-        hybrid.abort(self)
-
-    def _check_transports(self) -> None:
-        hybrid.check(self)
 
     # ---- sizes and SM / QP policy ------------------------------------------------------------------------------
     @staticmethod

@@ -83,3 +83,20 @@ def abort(buf) -> None:
             watchdog.close()
         if not transport.aborted:
             transport.abort()
+
+
+class RailHooks:
+    """`BufferBase`'s teardown and failure hooks for a buffer whose features may hold rails (`ElasticBuffer` and
+    `EPBuffer` inherit them, before `BufferBase`)."""
+
+    def _release_extra(self, collective: bool) -> None:
+        release(self, collective)
+
+    def _transports_failed(self) -> bool:
+        return failed(self)
+
+    def _abort_transports(self) -> None:
+        abort(self)
+
+    def _check_transports(self) -> None:
+        check(self)

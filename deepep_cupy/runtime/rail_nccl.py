@@ -36,7 +36,7 @@ class NcclRailTransport(ScaleoutTransport):
         # Bounds exchanges no host wait covers (runtime/rail_watchdog.py); `watch_timeouts` sets it.
         self.watchdog: Any = None
         # The phase of the latest exchange (named when NCCL reports an error between calls), and the error that
-        # ended the transport, if any.
+        # ended the transport, if any (a watchdog timeout or NCCL's error; stored before the abort).
         self.last_phase = 'connect'
         self.failure: Optional[BaseException] = None
 
@@ -81,8 +81,6 @@ class NcclRailTransport(ScaleoutTransport):
                              f'rank{"s" if len(ranks) > 1 else ""} {", ".join(map(str, ranks))} (domains {peers}, '
                              f'scale-up index {self.rails.scaleup_idx}): {reason}; a rail peer died or left, the '
                              f'NCCL rail transport was aborted (build a new buffer)')
-        if self.watchdog is not None and self.watchdog.error is None:
-            self.watchdog.error = error
         self.failure = error
         self.abort()
         return error
@@ -95,15 +93,15 @@ class NcclRailTransport(ScaleoutTransport):
                             f'index {self.rails.scaleup_idx}) did not complete within {self.watchdog.timeout_s:.1f} '
                             f's; a peer never arrived, the NCCL rail transport was aborted (build a new buffer)')
         # Stored before the abort: a caller that sees the transport aborted finds this error, not a bare one.
-        self.watchdog.error = error
+        self.failure = error
         self.abort()
         return error
 
     def _check_usable(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.raise_if_failed()
         if self.failure is not None:
             raise self.failure
+        if self.watchdog is not None:
+            self.watchdog.raise_if_failed()       # (the watchdog's own failure: it could not start, a query failed)
         super()._check_usable()
 
     @classmethod
