@@ -136,11 +136,10 @@ def ep_fused_notify() -> Optional[bool]:
     cached) runs the notify and the dispatch as ONE launch (kernels_cu/ep_fused.cu: the notify blocks publish the send
     positions and the receive layout to the other blocks of the launch through local flags) instead of the notify
     kernel, then the dispatch kernel. Unset (None): at one rank without expansion only, where the receivers count for
-    themselves and need nothing from the notify blocks (4096 tokens: a span of 40 us where the two kernels take 43; a
-    decode dispatch 8 us in a CUDA graph, 9 with two kernels); on: wherever it can serve; off: never. Needs the
-    dispatch in one launch (`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` on, or one rank) and is ignored with
-    `DEEPEP_CUPY_EP_LEGACY_DISPATCH`; calls it cannot serve (features/ep/fused.py `fused_refusal`) use the two
-    kernels. Read when a buffer's EP feature is made; every rank must set it alike."""
+    themselves and need nothing from the notify blocks (the faster design there at prefill and decode sizes); on:
+    wherever it can serve; off: never. Needs the dispatch in one launch (`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` on, or one
+    rank) and is ignored with `DEEPEP_CUPY_EP_LEGACY_DISPATCH`; calls it cannot serve (features/ep/fused.py
+    `fused_refusal`) use the two kernels. Read when a buffer's EP feature is made; every rank must set it alike."""
     return _get_optional_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
 
 

@@ -21,8 +21,8 @@
 //     The receivers of several ranks, or of an expanded dispatch, wait for the positions and the layout.
 // One rank without expansion: self-counting receivers (SelfCountingReceiver, ep_fused_receiver.cuh). A received row
 // is then a token's slot, its rank among the tokens with a valid expert, so the receivers count for themselves
-// instead of waiting for the notify blocks' slots (which come ~9 us after the launch at 4096 tokens: every key of
-// every token counted, a grid barrier, an arrival ticket): receiving block r of n takes the tokens
+// instead of waiting for the notify blocks' slots (which come only after every key of every token is counted, a grid
+// barrier and an arrival ticket): receiving block r of n takes the tokens
 // [r * T / n, (r + 1) * T / n), counts its received ones and publishes the count (kCtrlFusedCounts[r] = e << 32 |
 // count, released at GPU scope); thread j reads block j's count (all at once: no chain of blocks), so every block
 // learns where its rows start and the receive count, and copies its rows in token order. Same rows, bit for bit, as
@@ -34,12 +34,10 @@
 // while one warp per block reads the epoch, counts the block's share and reads the other blocks' counts. A receive
 // count of num_tokens confirms it (each block then writes its share's other fields); a miss (a token received by
 // nobody) waits for every block's copy to end, then receives as above (recv_x's rows past the receive count, which
-// no caller reads, then hold speculated bytes). Before it (one H200, 4096 tokens of 7168 BF16, globaltimer stamps per
-// block): the copy began 4.4 us after the launch (the epoch read, then the counts), and the blocks' shares of ~470 KB
-// ended 29 to 37 us in (their shares of HBM are uneven), where a plain copy of the same bytes takes 30.7 us. With
-// it: a span of 34.6-36.3 us, 1.10-1.17x the copy (FP8: 1.16-1.23x); what is left is the copy's spread between blocks
-// (a static split still ends 21 to 31 us in), the share's fields after it (~4 us; FP8 ~8 us with its scales) and, at
-// FP8, the notify blocks (~18 us beside the copy). perf/results/1xh200_s10_probe_fused_stamps.md has the stamps.
+// no caller reads, then hold speculated bytes). Why: without it the copy starts only once the epoch and the counts
+// are read; with it the span is bound by the copy's spread between blocks (their shares of HBM are uneven), the
+// share's fields after it and, at FP8, the notify blocks beside the copy (per-block stamps before and after:
+// perf/results/1xh200_s10_probe_fused_stamps.md; the span against a plain copy: the README's performance section).
 // At one rank block 0 publishes the data epoch without the ticket and its system-scope fences (as ep_dispatch.cu):
 // only later kernels of the stream read it. Every block counts itself in kCtrlFusedStarted right after reading the
 // epoch (released at GPU scope), and block 0 stores the epoch only once the count is the grid, so that no block of

@@ -5,8 +5,8 @@
 
 namespace deepep {
 
-// The prefetch ends (~1.4 us at 4096 tokens of 7168 BF16) before the positions are ready, so it takes nothing from
-// the copy and saves its first rows an HBM read: kept as is. Notify blocks of 512 tokens (one per thread) rather than
+// The prefetch ends before the positions are ready, so it takes nothing from the copy and saves its first rows an HBM
+// read. Notify blocks of 512 tokens (one per thread) rather than
 // 256: smaller ones would leave half of each block idle in notify_body (its loops and barriers span the block) and
 // double the blocks of each cross-block prefix; what they would save, half the warps of each per-key block scan, is
 // off the critical path at one rank (the receivers count for themselves) and is spent again on the prefix elsewhere.

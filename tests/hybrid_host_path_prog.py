@@ -59,9 +59,9 @@ hf_seq = [0]
 orig = hf.HybridEP._notify
 
 
-def notify(self, k, counts, stream):
+def notify(self, k, counts, stream, *v1):
     hf_seq[0] = (self._seq % 0x7FFFFFFF) + 1
-    return orig(self, k, counts, stream)
+    return orig(self, k, counts, stream, *v1)
 
 
 hf.HybridEP._notify = notify

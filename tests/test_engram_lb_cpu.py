@@ -10,7 +10,7 @@ import fakes
 import numpy as np
 import pytest
 
-from deepep_cupy import ElasticBuffer
+from deepep_cupy import ElasticBuffer, constants
 from deepep_cupy.buffers import allocator
 from deepep_cupy.features.engram import plan as engram
 from deepep_cupy.features.lb import feature as lb_feature
@@ -53,7 +53,7 @@ def test_kernel_constants_match_the_launchers():
     assert (lb.CTRL_OFFSET, lb.CTRL_OFFSET + lb.CTRL_BYTES) == (30720, 32768) == (workspace.LB.offset, workspace.LB.end)
     assert engram.HOST_RANGE_OFFSET == workspace.HOST_ENGRAM_RANGE.offset
     # Shared memory of the largest reduce / prefetch launch stays under the 48 KiB default (static part included).
-    assert 4 * (4 * lb.NUM_MAX_LOCAL_EXPERTS + lb.NUM_MAX_MAPPING_ENTRIES) <= 40 * 1024
+    assert 4 * (4 * constants.NUM_MAX_LOCAL_EXPERTS + lb.NUM_MAX_MAPPING_ENTRIES) <= 40 * 1024
 
 
 def test_signature_probe_catches_a_wrong_lb_declaration():

@@ -190,7 +190,7 @@ def test_one_rank_dispatches_in_one_launch_without_senders(monkeypatch):
     the fused kernel off, which a one-rank no-sync dispatch takes by default, tests/test_ep_fused_cpu.py)."""
     monkeypatch.setenv('DEEPEP_CUPY_EP_FUSED_NOTIFY', '0')
     x, idx, w = ep_tests.make_inputs()
-    b = ep_tests.ep_kernels.topk_bucket(K)
+    b = ep_tests.constants.topk_bucket(K)
     log = []
 
     class OneRankKernels:

@@ -12,6 +12,7 @@ torch = pytest.importorskip('torch')
 
 import fakes  # noqa: E402
 
+from deepep_cupy import constants  # noqa: E402
 from deepep_cupy.features.ep import feature as ep_feature  # noqa: E402
 from deepep_cupy.features.ep import kernels as ep_kernels  # noqa: E402
 from deepep_cupy.features.ep import layout  # noqa: E402
@@ -132,15 +133,15 @@ def test_combine_blocks_cap_every_sm_when_asked():
 
 
 def test_topk_buckets():
-    assert [ep_kernels.topk_bucket(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
+    assert [constants.topk_bucket(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
     with pytest.raises(ValueError):
-        ep_kernels.topk_bucket(33)
+        constants.topk_bucket(33)
     # One set of kernels per (ranks, bucket): the shipped set covers every top-k of 1..32.
     shipped = ep_kernels.shipped_specs(8)
     names = {s.name for specs in shipped.values() for s in specs}
     for n in range(1, 9):
         for k in ep_kernels.SUPPORTED_TOPK:
-            for specs in ep_kernels.specs_for(n, ep_kernels.topk_bucket(k)).values():
+            for specs in ep_kernels.specs_for(n, constants.topk_bucket(k)).values():
                 assert {s.name for s in specs} <= names
     # notify, dispatch, two combines, the legacy send and receive, the fused notify and dispatch per (ranks, bucket);
     # one shared range kernel.
@@ -248,7 +249,7 @@ def test_plan_size_checks(inputs):
 # ---- the EP feature of a buffer whose kernels only record launches ------------------------------------------------
 class RecordingKernels:
     def __init__(self, log, num_ranks=R):
-        b, r = ep_kernels.topk_bucket(K), num_ranks
+        b, r = constants.topk_bucket(K), num_ranks
         self.notify = fakes.RecordingKernel(ep_kernels.notify_spec(r, b), log)
         self.dispatch = fakes.RecordingKernel(ep_kernels.dispatch_spec(r, b), log)
         self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(r, b), log)

@@ -12,6 +12,7 @@ torch = pytest.importorskip('torch')
 
 import test_ep_checks_cpu as ep_tests  # noqa: E402
 
+from deepep_cupy import constants  # noqa: E402
 from deepep_cupy.features.ep import fused  # noqa: E402
 from deepep_cupy.features.ep import kernels as ep_kernels  # noqa: E402
 
@@ -148,7 +149,7 @@ def test_a_no_sync_dispatch_is_one_launch_with_both_kernels_arguments(monkeypatc
         out = one.dispatch(xin, idx, w, **kw)
         assert len(one.launches) == 1
         f = one.launches[0]
-        assert f.name == f'{FUSED}<{R}, {ep_kernels.topk_bucket(K)}>'
+        assert f.name == f'{FUSED}<{R}, {constants.topk_bucket(K)}>'
         assert f.cooperative and f.block == ep_kernels.DISPATCH_THREADS
         assert f.shared_mem == fused.fused_smem_bytes(E, R)
         assert f.args['num_notify_blocks'] == fused.fused_notify_blocks(M) == 1

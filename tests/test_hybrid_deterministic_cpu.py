@@ -25,12 +25,12 @@ torch = pytest.importorskip('torch')
 
 import fakes  # noqa: E402
 import test_hybrid_feature_cpu as hf  # noqa: E402
+from references import hybrid_reference as href  # noqa: E402
 
 from deepep_cupy.features.hybrid import deterministic as hdet  # noqa: E402
 from deepep_cupy.features.hybrid import feature as hfeature  # noqa: E402
 from deepep_cupy.features.hybrid import kernels as hkernels  # noqa: E402
 from deepep_cupy.features.hybrid import plan as hplan  # noqa: E402
-from deepep_cupy.features.hybrid import reference as href  # noqa: E402
 from deepep_cupy.utils import refs  # noqa: E402
 
 

@@ -1,17 +1,17 @@
-"""Hybrid-mode sizes (features/hybrid/layout.py): the mirrors of the one-domain layout agree with it, the regions are
-aligned, ordered and disjoint, the slot counts match DeepEP V2's worst case (REFERENCE.md 2.3) and SCALEOUT.md 3.1's
-figures, and the size hint covers the layout."""
+"""Sizes of the fused hybrid design (tests/references/hybrid_layout.py): it agrees with the one-domain layout, the
+regions are aligned, ordered and disjoint, the slot counts match DeepEP V2's worst case (REFERENCE.md 2.3) and
+SCALEOUT.md 3.1's figures, and the size hint covers the layout."""
 
 import pytest
+from references import hybrid_layout as hlay
 
 from deepep_cupy.constants import BUFFER_ALIGNMENT
 from deepep_cupy.features.ep import layout as ep_layout
-from deepep_cupy.features.hybrid import layout as hlay
 from deepep_cupy.runtime import rails
 from deepep_cupy.runtime.workspace import EP_NOTIFY, WORKSPACE_BYTES
 
 
-def test_mirrors_agree_with_the_one_domain_layout_and_the_rails():
+def test_the_layout_agrees_with_the_one_domain_layout_and_the_rails():
     for name in ('NUM_MAX_TOPK', 'NUM_MAX_LOCAL_EXPERTS', 'SF_GROUP', 'NOTIFY_TOKENS_PER_BLOCK'):
         assert getattr(hlay, name) == getattr(ep_layout, name), name
     for k in (1, 5, 8, 32):

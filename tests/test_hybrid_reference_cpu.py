@@ -1,15 +1,17 @@
-"""The host reference of hybrid mode (features/hybrid/reference.py, combine_reference.py) against the package's
-one-domain references: dispatch rows equal `refs.dispatch_from_gathered` up to the hybrid row order, the expanded
-layout equals `refs.expanded_layout` of the hybrid rows, and combine equals `refs.combine` bit for bit for DeepEP's
-three recipes, for 2x1, 2x2, 2x4, 4x1 and 4x2 domains x ranks with -1 slots, 0-token ranks and unbalanced routing."""
+"""The host reference of the fused hybrid design (tests/references/hybrid_reference.py, hybrid_combine_reference.py)
+against the package's one-domain references: dispatch rows equal `refs.dispatch_from_gathered` up to the hybrid row
+order, the expanded layout equals `refs.expanded_layout` of the hybrid rows, and combine equals `refs.combine` bit for
+bit for DeepEP's three recipes, for 2x1, 2x2, 2x4, 4x1 and 4x2 domains x ranks with -1 slots, 0-token ranks and
+unbalanced routing."""
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip('torch')
 
-from deepep_cupy.features.hybrid import combine_reference as cref  # noqa: E402
-from deepep_cupy.features.hybrid import reference as href  # noqa: E402
+from references import hybrid_combine_reference as cref  # noqa: E402
+from references import hybrid_reference as href  # noqa: E402
+
 from deepep_cupy.utils import refs  # noqa: E402
 
 SHAPES = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]

@@ -3,7 +3,6 @@ declaration matches its kernel's C++ signature (checked by NVRTC with static_ass
 arguments, and the benchmark's byte counts are right."""
 
 import importlib.util
-import re
 from pathlib import Path
 
 import numpy as np
@@ -61,17 +60,13 @@ def signature_probe(family: str, specs) -> str:
 
 
 def declared_names(family: str, kernel: str):
-    """The parameter names of `kernel` (e.g. `deepep::notify_dispatch`) as defined in `kernels_cu/<family>.cu` or one
-    of the shared headers, in order."""
-    root = compiler.kernels_dir()
-    name = kernel.split('::')[-1].split('<')[0]
-    for path in [root / f'{family}.cu', *sorted((root / 'common').glob('*.cuh'))]:
-        code = re.sub(r'//[^\n]*', '', path.read_text())
-        match = re.search(rf'\b{re.escape(name)}\s*\(([^)]*)\)\s*{{', code)
-        if match:
-            break
-    assert match, f'{kernel}: no definition in {family}.cu or kernels_cu/common'
-    return [re.findall(r'(\w+)\s*$', p.strip())[0] for p in match.group(1).split(',') if p.strip()]
+    """The parameter names of `kernel` (a name expression, e.g. `deepep::notify_dispatch<2, 8>`) as defined in the
+    translation unit of `kernels_cu/<family>.cu`, in order (read by tools/kernel_interfaces.py)."""
+    from test_kernel_interfaces_cpu import ki
+    qualname, _ = ki.split_name_expression(kernel)
+    found = ki.parse(family).kernels.get(qualname)
+    assert found, f'{kernel}: no definition in {family}.cu or its includes'
+    return [p.name for p in found[0].params]
 
 
 def compile_probe(family: str, specs) -> None:

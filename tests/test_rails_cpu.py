@@ -2,18 +2,19 @@
 unique-id exchange over a fake world group, exchange plans, the NCCL transport's calls against fake communicators
 (every rail peer issues matching groups, sends and receives, headers included) and the IPC loopback transport's
 copies and flags against a simulated stream of every rank. Both transports then carry real bytes: the host reference
-of the pack kernel writes the rail send regions (features/hybrid/messages.py), the transport moves them, the host
-reference of the forward kernel writes the scale-up slots, and every slot equals what the dispatch reference says."""
+of the fused design's pack kernel writes the rail send regions (tests/references/hybrid_messages.py), the transport
+moves them, the host reference of its forward kernel writes the scale-up slots, and every slot equals what the
+dispatch reference says."""
 
 import ctypes
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from references import hybrid_layout as hlay
+from references import hybrid_messages as messages
+from references import hybrid_reference as href
 
-from deepep_cupy.features.hybrid import layout as hlay
-from deepep_cupy.features.hybrid import messages
-from deepep_cupy.features.hybrid import reference as href
 from deepep_cupy.runtime import rail_nccl, rails
 from deepep_cupy.runtime.group import ProcessGroup
 

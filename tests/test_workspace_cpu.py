@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from deepep_cupy import constants
 from deepep_cupy.buffers import base
 from deepep_cupy.features import barrier, peer_copy
 from deepep_cupy.features.agrs import kernels as agrs
@@ -61,7 +62,7 @@ def test_features_take_their_words_from_the_map():
     assert base.WORKSPACE_BYTES == workspace.WORKSPACE_BYTES and base.HOST_MAPPED_BYTES == workspace.HOST_MAPPED_BYTES
     # What the regions hold fits them.
     assert 4 * errors.ERROR_RECORD_WORDS <= workspace.HOST_ERROR_RECORD.num_bytes
-    assert 4 * (3 + ep.NUM_MAX_LOCAL_EXPERTS) <= workspace.HOST_EP_COUNTS.num_bytes
+    assert 4 * (3 + constants.NUM_MAX_LOCAL_EXPERTS) <= workspace.HOST_EP_COUNTS.num_bytes
 
 
 def test_kernels_use_the_map_not_numbers():

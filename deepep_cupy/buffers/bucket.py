@@ -15,7 +15,7 @@ import math
 import weakref
 from typing import List, Optional, Sequence, Union
 
-from ..constants import BUFFER_ALIGNMENT
+from ..constants import BUFFER_ALIGNMENT, DEFAULT_NVLINK_GBS
 from ..features.agrs.bucket import Bucket, BucketContext, gather_src, theoretical_num_sms
 from ..features.barrier import Barrier
 from ..runtime import interop
@@ -30,7 +30,6 @@ from .base import BufferBase, V25Methods
 __all__ = ['BucketBuffer', 'BucketSession']
 
 COLLECTIVES = ('all_gather', 'reduce_scatter', 'all_reduce')
-DEFAULT_NVLINK_GBS = 450.0      # when nvidia-smi reports no NVLink
 COMM_PRECISIONS = ('fp32', 'bf16')
 
 

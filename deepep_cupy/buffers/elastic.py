@@ -10,6 +10,7 @@ frees it at once (`explicitly_destroy=False`).
 import weakref
 from typing import Optional
 
+from ..constants import DEFAULT_NVLINK_GBS, NUM_MAX_TOPK
 from ..features.agrs.feature import AGRS
 from ..features.agrs.plan import (
     hybrid_domains,
@@ -39,8 +40,6 @@ from .allocator import BufferAllocator, Placeholder
 from .base import BUFFER_ALIGNMENT, BufferBase
 
 __all__ = ['ElasticBuffer', 'EPHandle']
-
-DEFAULT_NVLINK_GBS = 450.0      # when nvidia-smi reports no NVLink
 
 
 def _doc(source):
@@ -90,8 +89,8 @@ class ElasticBuffer(hybrid.RailHooks, BufferBase):
         for name, value in (('num_max_tokens_per_rank', num_max_tokens_per_rank), ('hidden', hidden),
                             ('num_topk', num_topk), ('num_cpu_bytes', num_cpu_bytes)):
             check_int(name, value)
-        if num_topk > ep_layout.NUM_MAX_TOPK:
-            raise ValueError(f'num_topk must be <= {ep_layout.NUM_MAX_TOPK}, got {num_topk}')
+        if num_topk > NUM_MAX_TOPK:
+            raise ValueError(f'num_topk must be <= {NUM_MAX_TOPK}, got {num_topk}')
         pg = get_group(group, comm, timeout=num_cpu_timeout_secs)
         if num_bytes is None:
             num_bytes = hybrid.derived_num_bytes(self.get_buffer_size_hint, pg, device, num_max_tokens_per_rank,

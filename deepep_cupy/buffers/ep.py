@@ -12,6 +12,7 @@ and the returned `EventOverlap` hands out the outputs from `wait()` / `current_s
 import weakref
 from typing import Optional, Union
 
+from ..constants import DEFAULT_NVLINK_GBS, NUM_MAX_TOPK
 from ..features.ep import layout as ep_layout
 from ..features.ep import plan as ep_plan
 from ..features.ep.feature import EP
@@ -28,8 +29,6 @@ from .allocator import BufferAllocator, Placeholder
 from .base import BUFFER_ALIGNMENT, BufferBase, V25Methods
 
 __all__ = ['EPBuffer', 'EPHandle']
-
-DEFAULT_NVLINK_GBS = 450.0      # when nvidia-smi reports no NVLink
 
 
 class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
@@ -66,8 +65,8 @@ class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
         for name, value in (('num_max_tokens_per_rank', num_max_tokens_per_rank), ('hidden', hidden),
                             ('num_topk', num_topk), ('num_allocated_qps', num_allocated_qps)):
             check_int(name, value)
-        if num_topk > ep_layout.NUM_MAX_TOPK:
-            raise ValueError(f'num_topk must be <= {ep_layout.NUM_MAX_TOPK}, got {num_topk}')
+        if num_topk > NUM_MAX_TOPK:
+            raise ValueError(f'num_topk must be <= {NUM_MAX_TOPK}, got {num_topk}')
         plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) \
             else None
         if plan is not None and plan.materialized:

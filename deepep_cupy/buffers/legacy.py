@@ -7,17 +7,17 @@ domain of up to 8 ranks, on this library's engines:
 
 A buffer made with `low_latency_mode=True` serves both (SGLang's `auto`): each mode has memory of its own
 (`num_nvl_bytes` and `num_rdma_bytes`), so switching needs no cleaning; both share one communication stream.
-Several scale-up (NVLink) domains (DeepEP's internode mode): normal mode is being brought up on the hybrid engine
-(design and host reference: `features/legacy/internode.py`). Done so far: construction (no engine memory yet: the
-hybrid engine is laid out by the first dispatch, once it exists) and `get_dispatch_layout` with
-`num_tokens_per_rdma_rank`; `dispatch` / `combine` raise `NotImplementedError` before any kernel, and
-`low_latency_mode=True` across domains raises it at construction.
+Several scale-up (NVLink) domains (DeepEP's internode mode): normal mode on the hybrid engine (`legacy_internode.py`;
+the design: `features/legacy/internode.py`): `get_dispatch_layout` with `num_tokens_per_rdma_rank`, `dispatch`
+(BF16 / FP8, top-k ids required, expert alignment, `num_worst_tokens`, cached) with V1's 10-element internode
+handle, `combine` (biases, V1's combined weights); the engine is built by the first dispatch (collective), when
+hidden and top-k are known. `low_latency_mode=True` across domains raises `NotImplementedError` at construction.
 """
 
 import sys
 from typing import Optional
 
-from ..features.legacy.internode import check_domains, internode_missing
+from ..features.legacy.internode import check_domains, no_topk_refusal
 from ..features.legacy.layout import DispatchLayout, plan_layout
 from ..features.ll import CONTROL_BYTES as LL_CONTROL_BYTES
 from ..runtime import dtypes, interop
@@ -29,6 +29,7 @@ from ..runtime.streams import StreamOrder
 from ..runtime.topology import detect_topology, select_device
 from .base import BufferBase, _acquire_stream, _release_stream
 from .legacy_config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config, table_config
+from .legacy_internode import InternodeEngine, InternodeMode, expected_internode_handle
 from .legacy_ll import LowLatencyMethods, LowLatencyMode
 from .legacy_normal import NormalEngine, NormalMode, check_event_rule, check_num_sms, expected_handle_type
 
@@ -41,15 +42,17 @@ NUM_GPU_TIMEOUT_SECS = 100
 
 class Buffer(LowLatencyMethods):
     """DeepEP V1's expert-parallel communication buffer: normal-mode (high-throughput) dispatch / combine and
-    low-latency dispatch / combine inside one NVLink domain (up to 8 ranks, ranks may share a GPU for tests).
+    low-latency dispatch / combine inside one NVLink domain (up to 8 ranks, ranks may share a GPU for tests); normal
+    mode across several domains (DeepEP's internode mode, `legacy_internode.py`).
 
     Args:
         group: a `torch.distributed` ProcessGroup (any backend: only host collectives go through it), or None with
             `comm`; neither: the launch's world (mpirun, init_dist, torch.distributed).
         num_nvl_bytes: memory of normal mode (rounded up to 2 MiB). Its size sets how many tokens a dispatch moves
             without growing it (`Config.get_nvl_buffer_size_hint`); a dispatch needing more grows it once (all
-            ranks together). 0: allocated at the first dispatch.
-        num_rdma_bytes: memory of low-latency mode (`get_low_latency_rdma_size_hint`); 0: at the first call.
+            ranks together). 0: allocated at the first dispatch. Across domains: the intranode part's.
+        num_rdma_bytes: memory of low-latency mode (`get_low_latency_rdma_size_hint`); 0: at the first call. Across
+            domains (normal mode): bounds the rail memory (`Config.get_rdma_buffer_size_hint`); 0: no bound.
         low_latency_mode: enable the low-latency calls (normal mode works either way).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: NVSHMEM / RDMA settings of
             DeepEP; accepted, no effect (everything goes over NVLink through CUDA IPC).
@@ -67,6 +70,7 @@ class Buffer(LowLatencyMethods):
     num_sms: int = 20
     num_domains: int = 1            # scale-up domains (set at construction)
     num_scaleup_ranks: int = 0      # ranks per domain (set at construction)
+    _internode: Optional[InternodeMode] = None      # normal mode across domains
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
@@ -97,13 +101,17 @@ class Buffer(LowLatencyMethods):
         self._layout = DispatchLayout(device, num_domains=num_domains)
         self._configs = {}
         self._normal = self._ll = None
-        if num_domains > 1:
-            self._destroyed = False     # across domains: no engine memory yet (internode.py)
-            if pg.rank == 0:            # say it now, not first at the first dispatch (after a model has loaded)
-                print(f'deepep_cupy: {internode_missing("dispatch", num_domains, self.num_scaleup_ranks)}; this '
-                      f'Buffer serves get_dispatch_layout only', file=sys.stderr, flush=True)
-            return
         nvlink_gbs = get_nvlink_gbs() or DEFAULT_NVLINK_GBS
+        if num_domains > 1:
+            S = self.num_scaleup_ranks
+
+            def make_internode(num_tokens: int, hidden: int, num_topk: int) -> InternodeEngine:
+                return InternodeEngine(pg, num_tokens, hidden, num_topk, num_domains, S, stream, device, nvlink_gbs,
+                                       NUM_CPU_TIMEOUT_SECS, NUM_GPU_TIMEOUT_SECS)
+            # (no engine memory yet: the first dispatch builds it, once hidden and top-k are known)
+            self._internode = InternodeMode(num_domains, S, num_nvl_bytes, num_rdma_bytes, make_internode)
+            self._destroyed = False
+            return
 
         def make_engine(num_bytes: int) -> NormalEngine:
             return NormalEngine(pg, num_bytes, stream, device, nvlink_gbs, NUM_CPU_TIMEOUT_SECS, NUM_GPU_TIMEOUT_SECS)
@@ -127,10 +135,10 @@ class Buffer(LowLatencyMethods):
             raise RuntimeError('this deepep_cupy Buffer was destroyed')
 
     def _release(self) -> None:
-        for mode in (self._normal, self._ll):
+        for mode in (self._normal, self._ll, self._internode):
             if mode is not None:
                 mode.destroy()
-        self._normal = self._ll = None
+        self._normal = self._ll = self._internode = None
         if getattr(self, '_stream', None) is not None:
             _release_stream(self.device, self._stream)
             self._stream = None
@@ -189,8 +197,9 @@ class Buffer(LowLatencyMethods):
         `cupy.cuda.Stream`."""
         self._check_alive()
         self._order.settle()        # (synchronous calls may have run on the caller's stream: runtime/streams.py)
-        if self._normal is not None and self._normal.engine is not None:
-            self._normal.engine.stream_order.settle()
+        for mode in (self._normal, self._internode):
+            if mode is not None and mode.engine is not None:
+                mode.engine.stream_order.settle()
         if 'torch' in sys.modules or _torch_installed():
             return interop.torch_stream(self._stream.ptr)
         return self._stream
@@ -230,7 +239,8 @@ class Buffer(LowLatencyMethods):
     def _local_region(self, use_rdma_buffer: bool):
         """`(buffer base, byte offset, bytes)` of the region `get_local_buffer_tensor` hands out."""
         if not use_rdma_buffer:
-            eng = self._normal.engine if self._normal is not None else None
+            mode = self._normal if self._normal is not None else self._internode
+            eng = mode.engine if mode is not None else None
             if eng is None:
                 return None, 0, 0
             return eng, eng.data_offset, min(eng.num_bytes, self.num_nvl_bytes) if self.num_nvl_bytes else eng.num_bytes
@@ -286,10 +296,11 @@ class Buffer(LowLatencyMethods):
             handle: a handle of an earlier dispatch: cached dispatch (same layout, no CPU sync; topk_idx and
                 topk_weights must be None).
             num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert: the outputs of
-                `get_dispatch_layout` (required without a handle; the rank counts are not read; is_token_in_rank
-                routes when there are no top-k ids and is kept in the handle; num_tokens_per_expert gives the
-                number of experts, and the per-expert counts without top-k ids).
-            topk_idx: `[num_tokens, num_topk]` int64, or None (route by is_token_in_rank).
+                `get_dispatch_layout` (required without a handle, num_tokens_per_rdma_rank only across domains, as
+                DeepEP; the rank counts are not read; is_token_in_rank routes when there are no top-k ids and is
+                kept in the handle; num_tokens_per_expert gives the number of experts, and the per-expert counts
+                without top-k ids).
+            topk_idx: `[num_tokens, num_topk]` int64, or None (route by is_token_in_rank; inside one domain only).
             topk_weights: `[num_tokens, num_topk]` float32, or None.
             expert_alignment: per-expert received counts rounded up to this.
             num_worst_tokens: > 0: no CPU sync (CUDA-graph capturable), outputs of exactly this many rows (rows past
@@ -307,22 +318,29 @@ class Buffer(LowLatencyMethods):
             `[handle[0][i-1][rank], handle[0][i][rank])`), then in token order; recv_topk_idx `[rows, num_topk]`
             local expert ids or -1; recv_topk_weights float32, 0 where -1 (both None without top-k ids); the list:
             received (token, slot) pairs per local expert, aligned (a Python list; empty with num_worst_tokens);
-            handle: see `legacy_normal.LegacyHandle`. Cached: `(recv_x, None, None, None, None, event)`.
+            handle: see `legacy_normal.LegacyHandle` (across domains: V1's internode 10-tuple,
+            `legacy_internode.InternodeHandle`; its `recv_gbl_rank_prefix_sum`, `handle[-4]`, bounds each source's
+            rows). Cached: `(recv_x, None, None, None, None, event)`.
         """
         self._check_alive()
         previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         num_sms = self._config(config, 'dispatch')
-        if self.num_domains > 1:
-            raise NotImplementedError(internode_missing('dispatch', self.num_domains, self.num_scaleup_ranks))
+        internode = self.num_domains > 1
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError('a cached dispatch (handle given) takes no topk_idx / topk_weights')
+            if internode:
+                return InternodeMode.cached_dispatch(x, expected_internode_handle(handle), num_sms, previous_event,
+                                                     async_finish, allocate_on_comm_stream)
             return NormalMode.cached_dispatch(x, expected_handle_type(handle), num_sms, previous_event, async_finish,
                                               allocate_on_comm_stream)
         for name, value in (('num_tokens_per_rank', num_tokens_per_rank), ('is_token_in_rank', is_token_in_rank),
                             ('num_tokens_per_expert', num_tokens_per_expert)):
             if value is None:
                 raise ValueError(f'{name} is required without a handle (get_dispatch_layout gives it)')
+        if internode and num_tokens_per_rdma_rank is None:
+            raise ValueError('num_tokens_per_rdma_rank is required across scale-up domains without a handle '
+                             '(get_dispatch_layout gives it)')
         if topk_idx is None and topk_weights is not None:
             raise ValueError('topk_weights needs topk_idx')
         check_int('expert_alignment', expert_alignment, 1)
@@ -330,6 +348,12 @@ class Buffer(LowLatencyMethods):
         if num_worst_tokens and topk_idx is None:
             raise ValueError('num_worst_tokens > 0 needs topk_idx (as DeepEP)')
         num_experts = interop.shape_of(num_tokens_per_expert, 'num_tokens_per_expert')[0]
+        if internode:
+            if topk_idx is None:
+                raise NotImplementedError(no_topk_refusal(self.num_domains, self.num_scaleup_ranks))
+            return self._internode.dispatch(x, is_token_in_rank, topk_idx, topk_weights, expert_alignment,
+                                            num_worst_tokens, num_experts, num_sms, previous_event, async_finish,
+                                            allocate_on_comm_stream)
         return self._normal.dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                      expert_alignment, num_worst_tokens, num_experts, num_sms, previous_event,
                                      async_finish, allocate_on_comm_stream)
@@ -338,15 +362,19 @@ class Buffer(LowLatencyMethods):
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Send every received row back to its token's rank and sum there, UNWEIGHTED: `combined_x[t]` = the sum,
         in FP32, of bias_0, bias_1 and the row of every rank the token went to (in order of each rank's last top-k
-        slot; ascending ranks without top-k ids), rounded to bfloat16 once.
+        slot; ascending ranks without top-k ids), rounded to bfloat16 once. Across domains the sum has two levels:
+        per domain, its ranks' rows in that order (FP32, rounded to bfloat16 once at the domain's forwarder), then at
+        the origin bias_0, bias_1 and the domains' partials in order of each domain's last top-k slot (FP32, rounded
+        once).
 
         Args:
             x: `[rows, hidden]` bfloat16, contiguous, rows aligned with the dispatch's recv_x (each row this rank's
                 result for that token, router weights already applied by the caller).
             handle: the dispatch's handle.
             topk_weights: `[rows, num_topk]` float32, optional: `combined_topk_weights[t][k]` = the FP32 sum over the
-                token's destination ranks (first top-k appearance order) of their row's value for slot k (V1's
-                definition; equal to the owner's value when the others hold 0, as dispatch returns them).
+                token's destination ranks (first top-k appearance order; across domains per domain, then over the
+                domains in that order) of their row's value for slot k (V1's definition; equal to the owner's value
+                when the others hold 0, as dispatch returns them).
             bias: None, a `[num_tokens, hidden]` bfloat16 tensor, or a tuple of two.
             config: `Config` (its num_sms sets the sending SMs); default `get_combine_config(group_size)`.
             previous_event, async_finish, allocate_on_comm_stream: as in `dispatch`.
@@ -359,7 +387,8 @@ class Buffer(LowLatencyMethods):
         previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         num_sms = self._config(config, 'combine')
         if self.num_domains > 1:
-            raise NotImplementedError(internode_missing('combine', self.num_domains, self.num_scaleup_ranks))
+            return InternodeMode.combine(x, expected_internode_handle(handle), topk_weights, bias, num_sms,
+                                         previous_event, async_finish, allocate_on_comm_stream)
         return NormalMode.combine(x, expected_handle_type(handle), topk_weights, bias, num_sms, previous_event,
                                   async_finish, allocate_on_comm_stream)
 
@@ -367,17 +396,27 @@ class Buffer(LowLatencyMethods):
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                            expert_alignment: int = 1, config: Optional[Config] = None, previous_event=None,
                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """DeepEP V1's internode dispatch (several NVLink domains): not implemented (NotImplementedError)."""
-        raise NotImplementedError(_INTERNODE)
+        """DeepEP V1's internode dispatch (`dispatch` of a Buffer across scale-up domains); inside one domain
+        NotImplementedError, as DeepEP runs its internode kernels only across nodes."""
+        if self.num_domains <= 1:
+            raise NotImplementedError(_INTERNODE)
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config,
+                             previous_event, async_finish, allocate_on_comm_stream)
 
     def internode_combine(self, x, handle, topk_weights=None, bias=None, config: Optional[Config] = None,
                           previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """DeepEP V1's internode combine (several NVLink domains): not implemented (NotImplementedError)."""
-        raise NotImplementedError(_INTERNODE)
+        """DeepEP V1's internode combine (`combine` of a Buffer across scale-up domains); inside one domain
+        NotImplementedError."""
+        if self.num_domains <= 1:
+            raise NotImplementedError(_INTERNODE)
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
 
-_INTERNODE = ('DeepEP V1\'s internode kernels (RDMA between NVLink domains) are not implemented in deepep_cupy yet: '
-              f'normal and low-latency mode run inside one NVLink domain of up to {NUM_MAX_NVL_PEERS} ranks')
+_INTERNODE = ('DeepEP V1\'s internode calls (internode_dispatch / internode_combine) serve a Buffer across scale-up '
+              f'domains; this one runs inside one NVLink domain of up to {NUM_MAX_NVL_PEERS} ranks: call dispatch / '
+              f'combine')
 
 
 def _torch_installed() -> bool:

@@ -11,12 +11,13 @@ a dispatch that needs more slots grows the buffer (see `legacy_normal.py`).
 import operator
 from typing import Any, Dict, Tuple
 
+from ..constants import NUM_MAX_TOPK
 from ..features.ep import layout as ep_layout
+from ..features.hybrid import plan as hybrid_plan
 from ..runtime.checks import check_int
 from ..runtime.sizes import align
 
 NUM_MAX_NVL_PEERS = 8
-TOPK_IDX_BYTES = 8              # sizeof(topk_idx_t) with DeepEP's default build
 
 # DeepEP's tables at HEAD (`deep_ep/buffers/legacy.py`): ranks -> (nvl send, nvl recv, rdma send, rdma recv).
 DISPATCH_TABLE: Dict[int, Tuple[int, int, int, int]] = {
@@ -53,7 +54,8 @@ class Config:
         num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens: V1's NVLink chunk and ring sizes
             (send < recv); here they only size the hints.
         num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: V1's RDMA chunk and ring sizes (recv is
-            rounded up to a multiple of send; send <= recv / 2); accepted (no RDMA path in this build).
+            rounded up to a multiple of send; send <= recv / 2); accepted (the rails between domains move a call's
+            rows at once).
     """
 
     __slots__ = ('num_sms', 'num_max_nvl_chunked_send_tokens', 'num_max_nvl_chunked_recv_tokens',
@@ -93,24 +95,26 @@ class Config:
         """`num_nvl_bytes` for this config: this library's bytes for `hint_tokens()` tokens per rank of
         `hidden_bytes // 2` bfloat16 elements (V1's convention: `hidden_bytes = hidden * max(element_size, 2)`) and
         any top-k up to 32, a multiple of 2 MiB. A buffer of this size works for any token count (larger dispatches
-        grow it once)."""
+        grow it once). More than 8 ranks (DeepEP's internode mode, nodes of 8): the intranode part of the hybrid
+        engine, which holds `num_ranks // 8` times the tokens (every node's rail rows)."""
         check_int('hidden_bytes', hidden_bytes, 1)
         check_int('num_ranks', num_ranks, 1)
         hidden = align(hidden_bytes, 16) // 2
-        return ep_layout.buffer_size_hint(min(num_ranks, NUM_MAX_NVL_PEERS), self.hint_tokens(), hidden, 0)
+        num_nodes = max(1, num_ranks // NUM_MAX_NVL_PEERS)
+        return ep_layout.buffer_size_hint(min(num_ranks, NUM_MAX_NVL_PEERS), num_nodes * self.hint_tokens(), hidden,
+                                          0)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """`num_rdma_bytes` of normal mode: 0 inside one NVLink domain (<= 8 ranks: no RDMA buffer is needed);
-        DeepEP's formula above (this build runs no RDMA path; the number is for callers that size by it)."""
+        """`num_rdma_bytes` of normal mode: 0 inside one NVLink domain (<= 8 ranks: no RDMA buffer is needed); more
+        than 8 ranks: the hybrid engine's rail memory for `hint_tokens()` tokens per rank (nodes of 8; it bounds
+        the rail memory, `legacy_internode.py`), a multiple of 2 MiB."""
         check_int('hidden_bytes', hidden_bytes, 1)
         check_int('num_ranks', num_ranks, 1)
         if num_ranks <= NUM_MAX_NVL_PEERS:
             return 0
-        channels, rdma_ranks = self.num_channels, num_ranks // NUM_MAX_NVL_PEERS
-        per_token = hidden_bytes + 8 + 128 * TOPK_IDX_BYTES + 128 * 4 + 128 * 4 + 16
-        total = (channels * rdma_ranks * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4 +
-                 2 * channels * rdma_ranks * self.num_max_rdma_chunked_recv_tokens * per_token)
-        return align(total, 128)
+        hidden = align(hidden_bytes, 16) // 2
+        return hybrid_plan.rail_area(num_ranks // NUM_MAX_NVL_PEERS, self.hint_tokens(), hidden,
+                                     NUM_MAX_TOPK).total_bytes
 
     def __repr__(self) -> str:
         return (f'Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}'

@@ -5,7 +5,7 @@ import numpy as np
 ERROR_RECORD_WORDS = 8
 PHASES = {1: 'barrier', 2: 'test ring', 3: 'notify', 4: 'dispatch', 5: 'combine', 6: 'peer copy', 7: 'pp send/recv',
           8: 'all-gather/reduce-scatter', 9: 'engram', 10: 'load balancing', 11: 'bucket collective',
-          12: 'hybrid rail exchange'}
+          12: 'hybrid rail exchange', 13: 'DeepEP V1 internode handle exchange'}
 PHASE_HYBRID_RAIL = 12     # kernels_cu/hybrid.cu: ranks in the record are global already
 RAIL_EXCHANGES = {1: 'notify', 2: 'dispatch', 3: 'combine', 4: 'barrier', 5: 'all-gather', 6: 'reduce-scatter',
                   7: 'all-reduce'}

@@ -29,9 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 from .group import ProcessGroup
 from .sizes import ceil_div
 
-HEADER_BYTES = 16          # features/hybrid/layout.py RAIL_HEADER_BYTES: every transfer starts with its header
-FLAG_STRIDE = 128          # features/hybrid/layout.py RAIL_FLAG_STRIDE (loopback epochs)
-FLAGS_BYTES = 4096         # features/hybrid/layout.py RAIL_FLAGS_BYTES
+HEADER_BYTES = 16          # every transfer starts with its header: int32 [count, epoch, kind, 0]
+FLAG_STRIDE = 128          # bytes between the loopback's epoch words
+FLAGS_BYTES = 4096         # the loopback's flags area: its epoch, ready [N], consumed [N]
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class RailPlan:
 
 
 class RailAreasLike(Protocol):
-    """features/hybrid/layout.py `RailAreas`: where each peer's send and receive regions are."""
+    """Where each peer's send and receive regions are (features/hybrid/plan.py `RailArea`)."""
     region_bytes: int
 
     def send_region(self, self_domain: int, peer_domain: int) -> int: ...

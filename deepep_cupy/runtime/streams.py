@@ -19,7 +19,7 @@ communication stream gave up is its role as the buffer's single queue, so the or
   exactly what it did when every kernel ran on it (its earlier work and `previous_event`), never on compute the
   caller enqueued after a local call.
 Joining a stream during a torch graph capture (an eager tail folded into the communication stream, in global,
-thread-local or relaxed mode) was checked on 1xH200 with torch 2.11: the capture and its replay succeed.
+thread-local or relaxed mode) is allowed: with torch 2.11 the capture and its replay succeed.
 """
 
 from typing import Any, Optional, Sequence, Tuple

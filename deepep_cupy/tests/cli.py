@@ -300,14 +300,17 @@ def legacy_intranode_parser() -> argparse.ArgumentParser:
 
 
 def legacy_internode_parser() -> argparse.ArgumentParser:
-    p = _parser('legacy_internode', 'DeepEP V1 Buffer across scale-up domains (first step): '
-                                    'get_dispatch_layout with num_tokens_per_rdma_rank\nchecked bit for bit against '
-                                    'the host reference, and the calls not implemented yet\n'
-                                    'raising NotImplementedError.')
-    p.add_argument('--num-tokens', type=int, default=4096, help='tokens of every rank but rank 1 (which holds none)')
+    p = _parser('legacy_internode', 'DeepEP V1 Buffer across scale-up domains (DeepEP\'s internode normal mode): '
+                                    'get_dispatch_layout, dispatch (BF16,\nFP8, expert alignment, num_worst_tokens, '
+                                    'cached) with every element of the 10-element handle, combine (biases,\nweights), '
+                                    'growth, invalid calls, checked bit for bit against host references.')
+    p.add_argument('--num-tokens', type=int, default=4096,
+                   help='tokens of rank 0 (rank r dispatches max(1, num_tokens - r); rank 1 none)')
     p.add_argument('--hidden', type=int, default=7168, help='hidden size: bfloat16 elements per token')
     p.add_argument('--num-topk', type=int, default=8, help='experts per token (top-k)')
-    p.add_argument('--num-experts', type=int, default=256, help='experts in all (a multiple of the rank count)')
+    p.add_argument('--num-experts', type=int, default=256,
+                   help='experts in all (rounded down to a multiple of the rank count)')
+    p.add_argument('--num-sms', type=int, default=24, help='Config(num_sms, ...) of the calls (V1 channels: half)')
     p.add_argument('--seed', type=int, default=0, help='seed of the inputs (rank r draws from seed * 1000 + r)')
     _skip(p, 'noperf')
     return p

@@ -2,7 +2,7 @@
 domains, e.g. `DEEPEP_CUPY_SCALEUP_SIZE=1` with ranks sharing a GPU; the rails then go through the IPC loopback):
 
 - `hybrid_case_class(Case)`: the same inputs, with every reference in the hybrid row order
-  (`features.hybrid.reference.hybrid_row_order`: source scale-up index, source domain, token), or, with
+  (`features.hybrid.plan.hybrid_row_order`: source scale-up index, source domain, token), or, with
   `--deterministic`, in DeepEP's `deterministic=True` order (`EPHandle.deterministic_sort`: all rows by
   src_token_global_idx, i.e. `refs.dispatch_from_gathered`'s own order; expanded rows by expert, then that index);
   psum per scale-up index either way (DeepEP's sort rewrites no count), and combine expected as
@@ -15,7 +15,7 @@ domains, e.g. `DEEPEP_CUPY_SCALEUP_SIZE=1` with ranks sharing a GPU; the rails t
 import numpy as np
 import torch
 
-from ..features.hybrid.reference import hybrid_row_order
+from ..features.hybrid.plan import hybrid_row_order
 from ..utils import refs
 from .common import check, check_equal
 

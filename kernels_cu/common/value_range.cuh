@@ -8,10 +8,9 @@
 namespace deepep {
 
 constexpr int kRangeThreads = 1024;
-// Loads in flight per thread: the loop is bound by load latency, not bandwidth (4096 tokens of top-8 ids, 32 per
-// thread: 15.6 us with one load per iteration on an H200, a chain of 32 global-memory round trips; 8.1 us with 8 in
-// flight, four round trips). Unrolling 16 does not give 16: ptxas keeps the kernel at 32 registers and its SASS then
-// interleaves the loads with the folds, about 6 in flight.
+// Loads in flight per thread: the loop is bound by load latency, not bandwidth (one load per iteration makes a chain
+// of global-memory round trips; 8 in flight halve the time at 4096 tokens of top-8 ids). Unrolling 16 does not give
+// 16: ptxas keeps the kernel at 32 registers and interleaves the loads with the folds, about 6 in flight.
 constexpr int kRangeUnroll = 8;
 
 template <typename T>

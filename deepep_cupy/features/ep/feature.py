@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Dict, Optional
 
 from ... import envs
+from ...constants import NUM_MAX_TOPK, topk_bucket
 from ...runtime import interop, workspace
 from ...runtime.event import as_event_handle
 from ...runtime.host_range import HostRange
@@ -25,8 +26,7 @@ from ...runtime.polling import SPIN_POLLS, wait_until
 from . import plan as ep_plan
 from .bound import BoundCombine, BoundDispatch
 from .handle import EPHandle
-from .kernels import HOST_MAX_TOKENS_WORD, EPKernels, topk_bucket
-from .layout import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK  # noqa: F401 (NUM_MAX_LOCAL_EXPERTS: tests read it here)
+from .kernels import HOST_MAX_TOKENS_WORD, EPKernels
 from .legacy import LegacyLayout
 
 HOST_COUNTS_OFFSET = workspace.HOST_EP_COUNTS.offset    # the dispatch counts in the buffer's host-mapped memory

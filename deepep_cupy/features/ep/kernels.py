@@ -1,19 +1,19 @@
 """Kernel declarations of the EP families (`kernels_cu/ep_notify.cu`, `ep_dispatch.cu`, `ep_combine.cu`, and the
 previous dispatch design `ep_dispatch_legacy.cu`) and the specialisations a buffer can request.
 
-The kernels are templated on the number of scale-up ranks and on a top-k bucket (the smallest of `TOPK_BUCKETS` that
-holds the exact top-k); the exact top-k is a run-time argument, `num_topk` ("top-k buckets" in
-kernels_cu/common/ep.cuh). 8 rank counts x 6 buckets keep the shipped set small enough to compile in CI.
+The kernels are templated on the number of scale-up ranks and on a top-k bucket (the smallest of
+`constants.TOPK_BUCKETS` that holds the exact top-k); the exact top-k is a run-time argument, `num_topk` ("top-k
+buckets" in kernels_cu/common/ep.cuh). 8 rank counts x 6 buckets keep the shipped set small enough to compile in CI.
 """
 
 from typing import Dict, List
 
 import numpy as np
 
+from ...constants import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK, TOPK_BUCKETS
 from ...jit.launch import PTR, KernelSpec, Param, load_kernels
 from ...runtime.host_range import value_range_spec
 from ...runtime.workspace import EP_CHUNK_SIGNAL, EP_DISPATCH_SIGNAL
-from .layout import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK
 
 NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
 DISPATCH_THREADS = 512    # kernels_cu/ep_dispatch.cu kDispatchThreads
@@ -27,15 +27,6 @@ NUM_MAX_CHANNELS = 128                              # kernels_cu/common/ep.cuh k
 HOST_MAX_TOKENS_WORD = 3 + NUM_MAX_LOCAL_EXPERTS      # kernels_cu/ep_notify.cu kHostMaxTokensWord (in the host counts)
 DISPATCH_CHUNK_SIGNAL_BYTES = EP_DISPATCH_SIGNAL.num_bytes   # kernels_cu/common/ep.cuh kDispatchSignalBytes
 SUPPORTED_TOPK = tuple(range(1, NUM_MAX_TOPK + 1))
-TOPK_BUCKETS = (1, 2, 4, 8, 16, 32)                 # the kMaxTopk template values
-
-
-def topk_bucket(num_topk: int) -> int:
-    """The kMaxTopk the kernels are compiled with for a top-k of `num_topk` (1..32)."""
-    for bucket in TOPK_BUCKETS:
-        if num_topk <= bucket:
-            return bucket
-    raise ValueError(f'num_topk must be in [1, {NUM_MAX_TOPK}], got {num_topk}')
 
 
 _P = Param

@@ -15,15 +15,11 @@ Symmetric buffer of a rank: `[workspace (2 MiB) | dispatch receive slots | combi
 
 from dataclasses import dataclass
 
-from ...constants import BUFFER_ALIGNMENT
+from ...constants import BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK, SF_GROUP
 from ...runtime.sizes import align, ceil_div
 
 # The notify kernel handles this many tokens per block (a warp per 32 tokens).
 NOTIFY_TOKENS_PER_BLOCK = 256
-NUM_MAX_TOPK = 32
-NUM_MAX_LOCAL_EXPERTS = 1024
-# Scale factors: one 4-byte element per 128 channels at most (float32 scales; packed UE8M0 needs fewer).
-SF_GROUP = 128
 
 
 def meta_bytes(num_topk: int) -> int:

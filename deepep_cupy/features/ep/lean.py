@@ -11,7 +11,7 @@ kept when the counts repeat them, else dropped and prepared again; `run_cpu_sync
 is mostly the receive's launch and the event. They fall back to `BoundDispatch.__call__` while it must run (the data
 region not yet claimed, a readiness guard set or left in a block).
 
-Issue #11: the Python host path is what an eager decode-sized dispatch costs on the GPU host
+Why: the Python host path is what an eager decode-sized dispatch costs on the GPU host
 (tests/test_ep_host_order_cpu.py pins that these paths launch what `__call__` launches, tests/test_host_path_cpu.py
 their bytecodes per call)."""
 

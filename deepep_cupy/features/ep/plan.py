@@ -415,9 +415,8 @@ def combine_blocks(num_sms: int, dispatch_num_sms: int, num_ranks: int, num_toke
     reducers take the SMs the senders leave (as many as the reduction can use), as DeepEP's reduce epilogue takes the
     whole GPU. One rank sends nothing (its own partials never leave it): every block reduces.
 
-    Capping the reducers by `num_sms` too (tried this session) made a combine with the SM count DeepEP's programs and
-    vLLM pass (its `get_theoretical_num_sms`) up to 60x slower at one rank (4 SMs) and halved the senders on two:
-    measured on 1xH200 with DeepEP's tests/elastic/test_ep.py (combine 3634 us at 4096 tokens). So it is opt-in:
+    Capping the reducers by `num_sms` too makes a combine with the SM counts DeepEP's programs and vLLM pass (its
+    `get_theoretical_num_sms`) up to 60x slower at one rank (4 SMs) and halves the senders on two, so it is opt-in:
     with `cap_all_sms` (`DEEPEP_CUPY_COMBINE_CAP_ALL_SMS`, for callers that overlap compute with the combine), the
     senders and reducers together take at most `num_sms` (0: the dispatch's) SMs, half sending (at least one block
     of each role with several ranks, so 2 SMs when `num_sms` is 1)."""

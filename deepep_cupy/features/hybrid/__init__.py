@@ -7,19 +7,22 @@ input, and the reverse for combine, with a final FP32 reduction at the origin. R
 and combine is bitwise `refs.combine(..., reduce_in_scaleup=True)`. `ElasticBuffer` takes it when it has several
 domains. The FUSED design below (hierarchical notify, forwarding straight into the receivers' slots, combine units
 pushed to the forwarder, chunked rails overlapping NVLink) is the next step: it removes the union copy, the padded
-N * M intranode layout and the second NVLink pass of own-domain tokens; its host references are reference.py and
-combine_reference.py, and the kernels it needs are listed at the end.
+N * M intranode layout and the second NVLink pass of own-domain tokens; its host references (dispatch, combine,
+message formats, layout) live beside their tests in tests/references/ (the package ships no kernels of it), and the
+kernels it needs are listed at the end.
 
 Modules:
     feature.py            P1: `HybridEP` (dispatch / combine), `HybridRails` (rail memory and transport)
-    plan.py, checks.py    P1: rail area, row sizes, payloads, transport choice, metadata translation; argument checks
+    plan.py, checks.py    P1: rail area, row sizes, payloads, transport choice, metadata translation, row order
+                          (`hybrid_row_order`); argument checks
     handle.py, kernels.py P1: `HybridHandle`; kernel declarations and the loopback's stream signals
     deterministic.py      P1: `deterministic=True`, DeepEP's row order (one sort by src_token_global_idx)
-    layout.py             sizes and offsets (symmetric data region, rail regions, message formats), the size hint
-    reference.py          host reference of dispatch: routing, positions, rails, forwarding, receive layout
-    combine_reference.py  host reference of combine: in-domain reduction at the forwarder, the final one at the origin
-    messages.py           byte formats (headers, rail / scale-up messages) and host versions of pack and forward
     ../../runtime/rails.py  rail topology, `RailGroup`, exchange plans, `NcclRailTransport`, `IpcLoopbackTransport`
+The fused design's host references, in tests/references/:
+    hybrid_layout.py      sizes and offsets (symmetric data region, rail regions, message formats), the size hint
+    hybrid_reference.py   host reference of dispatch: routing, positions, rails, forwarding, receive layout
+    hybrid_combine_reference.py  combine: in-domain reduction at the forwarder, the final one at the origin
+    hybrid_messages.py    byte formats (headers, rail / scale-up messages) and host versions of pack and forward
 
 Protocol (N domains x R ranks, rank g = n * R + r; rail r = the ranks with scale-up index r; W = N * R)
 ------------------------------------------------------------------------------------------------------------------
@@ -39,7 +42,7 @@ Dispatch, at origin s = (n, r):
     then source token: `src_token_global_idx` ascending inside each group. DeepEP's `deterministic=True` sorts ALL
     rows by `src_token_global_idx` in one sort ((source rank, token): `refs.dispatch_from_gathered`'s order), which
     differs once R > 1: deterministic.py moves the rows into it after the intranode dispatch (P1) and combine's input
-    back. `reference.hybrid_row_order` maps the sorted order onto the grouped one. Expanded
+    back. `plan.hybrid_row_order` maps the sorted order onto the grouped one. Expanded
     rows: `start[j] + src_base[region][j] + send_expert_pos` (receive-row order inside each expert). Metadata
     column 1 = `stage_row * K + stage_slot` (this rank's ordinal among the token's destination ranks of its domain, by
     first top-k appearance).
@@ -83,25 +86,26 @@ Kernels of the fused design (not written yet; each must match the reference name
 - kernels_cu/ep_hybrid_notify.cu
   `hybrid_notify_dispatch<kMaxTopk>` (cooperative, W <= 64 destinations): send_pos [T][W], domain_pos [T][N],
   send_expert_pos [T][K], token_of_slot [R][T] for the own-domain send, blocks [N][R][1 + L] into the rail notify
-  send regions with headers (kind 1) -- `reference.route`, `messages.pack_notify`.
+  send regions with headers (kind 1) -- `hybrid_reference.route`, `hybrid_messages.pack_notify`.
   `hybrid_notify_scatter<kNumScaleup>` (one block): rows of the rail notify receive regions (and the own block) into
   each local rank's notify area `[W][1 + L]` (workspace kWsEPNotify, whole region), notify signal per forwarder, wait
   for R, then the layout blob (psum over R groups, src_base [W][L], counts, aligned starts), host-mapped totals and
-  rail counts (tokens to / from each rail peer) -- `reference.receive_layout`.
+  rail counts (tokens to / from each rail peer) -- `hybrid_reference.receive_layout`.
 - kernels_cu/ep_hybrid_dispatch.cu
-  `hybrid_pack<kMaxTopk>`: rail messages at domain_pos + headers (kind 2) -- `messages.pack_dispatch`.
+  `hybrid_pack<kMaxTopk>`: rail messages at domain_pos + headers (kind 2) -- `hybrid_messages.pack_dispatch`.
   `hybrid_forward<kMaxTopk>`: per rail receive region (count from its header, epoch checked), scale-up messages into
   region (r, n) of each (m, l) at its forward slot, token_metadata_at_forward, then per destination chunk signals
   (slots at one destination grow with the rail position, so chunk j is complete once its last slot is written) --
-  `messages.forward`.
+  `hybrid_messages.forward`.
   ep_dispatch.cu generalised: send role to own-domain ranks at region r * N + n, receive role over W regions
-  (binary search on the region prefix), chunk signals per region, metadata column 1 as above -- `reference._receive`.
+  (binary search on the region prefix), chunk signals per region, metadata column 1 as above --
+  `hybrid_reference._receive`.
 - kernels_cu/ep_hybrid_combine.cu
   `hybrid_combine_send<kMaxTopk, kLocalReduce>`: the combine send role towards the forwarder's stage slots.
   `hybrid_combine_forward_reduce<kMaxTopk, kReduceScaleup>`: per stage row, units in ascending key (from
   token_metadata_at_forward), FP32 from +0.0, one rounding; an own-domain token's result replaces stage slot 0 of
   its row (the final kernel reads it at n * M + domain_pos[t][n]), the others go into the rail send region for their
-  origin's domain at the row's p, with a header (kind 3) -- `combine_reference.combine` step 2.
+  origin's domain at the row's p, with a header (kind 3) -- `hybrid_combine_reference.combine` step 2.
   `hybrid_combine_final<kMaxTopk>`: bias, own partial and rail rows in ascending key -- step 3.
 - kernels_cu/rail_signal.cu (loopback): `rail_epoch_begin`, `rail_signal` (release store of the device epoch at
   system scope), `rail_wait` (bounded, error record with phase and peer): `runtime.rails.StreamSignals`.

@@ -4,9 +4,9 @@ run before the intranode engine's own checks)."""
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+from ...constants import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK
 from ...runtime.interop import tensor_info
 from . import plan as hplan
-from .plan import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK
 
 
 @dataclass
@@ -41,11 +41,13 @@ def _device_check(info, device: int, name: str) -> None:
 
 def check_dispatch_args(feat, x, topk_idx, topk_weights, num_experts: Optional[int],
                         num_max_tokens_per_rank: Optional[int], expert_alignment: Optional[int], previous_event,
-                        allocate_on_comm_stream: bool, handle, do_cpu_sync: Optional[bool]) -> DispatchArgs:
-    """Check a hybrid dispatch's arguments (ValueError / TypeError as the intranode engine raises them)."""
+                        allocate_on_comm_stream: bool, handle, do_cpu_sync: Optional[bool],
+                        allow_previous_event_alone: bool = False) -> DispatchArgs:
+    """Check a hybrid dispatch's arguments (ValueError / TypeError as the intranode engine raises them);
+    `allow_previous_event_alone`: DeepEP V1's event rule (a previous event without allocate_on_comm_stream)."""
     from .handle import HybridHandle
     device = feat.inner.settings.device
-    if previous_event is not None and not allocate_on_comm_stream:
+    if previous_event is not None and not allocate_on_comm_stream and not allow_previous_event_alone:
         raise ValueError('previous_event needs allocate_on_comm_stream=True')
     if handle is not None:
         if type(handle) is not HybridHandle:

@@ -42,6 +42,7 @@ import weakref
 from typing import Optional
 
 from ... import envs
+from ...constants import NUM_MAX_TOPK, topk_bucket
 from ...runtime import interop, workspace
 from ...runtime.event import EventHandle, EventOverlap, as_event_handle
 from ...runtime.polling import wait_until
@@ -53,7 +54,6 @@ from . import plan as hplan
 from .checks import check_combine_args, check_dispatch_args, check_sorted_combine_args
 from .handle import HybridHandle
 from .kernels import MAX_DOMAINS, MAX_SIGNALS, ROUTE_THREADS, THREADS, HybridKernels, KernelSignals
-from .plan import NUM_MAX_TOPK, topk_bucket
 
 HOST_BYTES = 4096           # the report record: [seq, send counts [N], recv counts [N]]
 
@@ -237,11 +237,13 @@ class HybridEP:
                  previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
                  allocate_on_comm_stream: bool = False, handle: Optional[HybridHandle] = None,
                  do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None, do_expand: bool = False,
-                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
-        """`ElasticBuffer.dispatch` across domains (see there); rows come in DeepEP V2's hybrid order."""
+                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False, v1=None):
+        """`ElasticBuffer.dispatch` across domains (see there); rows come in DeepEP V2's hybrid order. `v1`: DeepEP
+        V1's rules and the hooks of its internode handle (buffers/legacy_internode.py `V1Options`; None: V2's)."""
         self.inner._check_usable()
         a = check_dispatch_args(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
-                                expert_alignment, previous_event, allocate_on_comm_stream, handle, do_cpu_sync)
+                                expert_alignment, previous_event, allocate_on_comm_stream, handle, do_cpu_sync,
+                                v1 is not None)
         N, n, Mc, K = self.N, self.domain, a.num_max_tokens, a.num_topk
         xa, sf, topk, w = a.x, a.sf, a.topk_idx, topk_weights
         stream = interop.current_stream(xa)
@@ -270,9 +272,11 @@ class HybridEP:
         elif T:
             k.pack.launch(T, THREADS, stream=stream, **xargs, domain_pos=domain_pos, num_domains=N, domain=n,
                           rail_base=base, send_offset=area.send_offset, region_bytes=area.region_bytes)
+        if v1 is not None:
+            v1.routed(self, stream)
         send_counts = recv_counts = None
         if a.cpu_sync:
-            send_counts, recv_counts = self._notify(k, counts, stream)
+            send_counts, recv_counts = self._notify(k, counts, stream, v1)
         # P1: whole rows in one exchange; P2: the metadata rows first (the payload follows on the side stream).
         first = split.meta_bytes if pipelined else row
         plan = plan_exchange(rails, area, 'dispatch', hplan.payloads(rails.peer_domains, send_counts, Mc, first),
@@ -303,6 +307,8 @@ class HybridEP:
             guard = (ready, Mc, hplan.PIPELINE_FREE_SMS)
         else:
             k.unpack.launch(N * Mc, THREADS, stream=stream, mode=1, **xargs, **uargs)
+        v1_args = {} if v1 is None else dict(num_worst_tokens=v1.num_worst, allow_previous_event_alone=True,
+                                             legacy=v1.forward(self, stream, topk, union_topk, fwd_src, fwd_count, Mc))
         inner_x = (union_x, union_sf) if sf is not None else union_x
         inner_handle = handle.inner if handle is not None else None
         # With a previous event the intranode engine's stream waits for that event only, not for the current stream:
@@ -314,7 +320,7 @@ class HybridEP:
                 inner_x, None if handle is not None else union_topk, union_w, cumulative_local_expert_recv_stats,
                 a.num_experts // N, N * Mc, expert_alignment, num_sms, num_qps, inner_previous, None,
                 async_with_compute_stream, allocate_on_comm_stream, inner_handle, do_handle_copy, do_cpu_sync,
-                do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
+                do_expand, do_zero_padding, use_tma_aligned_col_major_sf, **v1_args)
         finally:
             self.inner.ready_guard = None
             if side is not None:
@@ -386,11 +392,13 @@ class HybridEP:
 
         self.rails.exchange(plan, side, after_chunk=landed)
 
-    def _notify(self, k, counts, stream):
+    def _notify(self, k, counts, stream, v1=None):
         """CPU sync: the header-only rail exchange, then the send / receive counts on the host (bounded wait)."""
         rails, N, n = self.rails.rails, self.N, self.domain
         zero = {m: 0 for m in rails.peer_domains}
         self.rails.exchange(plan_exchange(rails, self.area, 'notify', zero, zero), stream)
+        if v1 is not None:
+            v1.notified(self, stream, counts)
         self._seq = seq = (self._seq % 0x7FFFFFFF) + 1
         words = self._host_words
         words[0] = 0
@@ -422,8 +430,9 @@ class HybridEP:
     # ---- combine -----------------------------------------------------------------------------------------------
     def combine(self, x, handle: HybridHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
                 previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
-                allocate_on_comm_stream: bool = False):
-        """`ElasticBuffer.combine` across domains (see there): bitwise `refs.combine(..., reduce_in_scaleup=True)`."""
+                allocate_on_comm_stream: bool = False, v1: bool = False):
+        """`ElasticBuffer.combine` across domains (see there): bitwise `refs.combine(..., reduce_in_scaleup=True)`.
+        `v1`: DeepEP V1's rules (in-domain weights summed over ranks, a previous event alone: the intranode's)."""
         self.inner._check_usable()
         biases = check_combine_args(self, x, handle, bias)
         N, n, Mc, T = self.N, self.domain, handle.num_max_tokens_per_rank, handle.num_tokens
@@ -441,7 +450,7 @@ class HybridEP:
             if previous_event is not None:
                 previous_event = EventHandle(stream)
         cx, cw, _ = self.inner.combine(x, handle.inner, topk_weights, None, num_sms, num_qps, previous_event, None,
-                                       False, allocate_on_comm_stream)
+                                       False, allocate_on_comm_stream, v1, v1)
         area, base, rails = self.area, self.rails.base, self.rails.rails
         k.combine_pack.launch(N * Mc, THREADS, stream=stream, combined_x=cx, combined_weights=_ptr(cw), hidden=hidden,
                               num_topk=K, fwd_src=handle.fwd_src, fwd_count=handle.fwd_count, num_domains=N,

@@ -5,8 +5,8 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
+from ...constants import TOPK_BUCKETS, topk_bucket
 from ...jit.launch import PTR, KernelSpec, Param, load_kernels
-from .plan import TOPK_BUCKETS, topk_bucket
 
 FAMILY = 'hybrid'
 THREADS = 256               # kHybridThreads

@@ -1,24 +1,13 @@
 """Pure host-side pieces of the composed hybrid path (feature.py): the rail area, row sizes, exchange payloads, the
-transport choice, the metadata translation and the size of the intranode part. No CUDA here (CPU-tested)."""
+transport choice, the metadata translation and row order, and the size of the intranode part. No CUDA here
+(CPU-tested)."""
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from ...constants import SF_GROUP
 from ...runtime.rails import FLAGS_BYTES, HEADER_BYTES, RailOp, RailPlan, RailTopology
 from ...runtime.sizes import align, ceil_div
-
-SF_GROUP = 128              # features/ep/layout.py SF_GROUP: at most one 4-byte scale per 128 channels
-NUM_MAX_TOPK = 32           # features/ep/layout.py NUM_MAX_TOPK
-NUM_MAX_LOCAL_EXPERTS = 1024    # features/ep/layout.py NUM_MAX_LOCAL_EXPERTS
-TOPK_BUCKETS = (1, 2, 4, 8, 16, 32)     # features/ep/kernels.py TOPK_BUCKETS (the kMaxTopk template values)
-
-
-def topk_bucket(num_topk: int) -> int:
-    """The kMaxTopk the hybrid kernels are compiled with for a top-k of `num_topk`."""
-    for bucket in TOPK_BUCKETS:
-        if num_topk <= bucket:
-            return bucket
-    raise ValueError(f'num_topk must be in [1, {NUM_MAX_TOPK}], got {num_topk}')
 
 
 def dispatch_row_bytes(num_topk: int, num_sf: int, hidden_bytes: int) -> int:
@@ -107,6 +96,14 @@ def translate_src_index(inner, num_domains: int, num_scaleup_ranks: int, num_max
     r, rem = inner // nm, inner % nm
     out = ((rem // num_max_tokens) * num_scaleup_ranks + r) * num_max_tokens + rem % num_max_tokens
     return out * (inner >= 0) + inner * (inner < 0)
+
+
+def hybrid_row_order(src_rank, src_token_idx, num_scaleup_ranks: int):
+    """The permutation that puts rows sorted by (source rank, token) - `refs.dispatch_from_gathered`'s order - into
+    the hybrid order (source scale-up index, source domain, token): `rows_hybrid = rows_ref[perm]` (numpy arrays)."""
+    import numpy as np
+    src_rank = np.asarray(src_rank, dtype=np.int64)
+    return np.lexsort((np.asarray(src_token_idx), src_rank // num_scaleup_ranks, src_rank % num_scaleup_ranks))
 
 
 # ---- P2: the pipelined dispatch's split rows and chunked payload exchange --------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ...constants import NUM_MAX_LOCAL_EXPERTS
 from ...jit.launch import load_kernels
 from ...runtime import checks, interop
 from ...runtime.checks import check_int
@@ -23,7 +24,6 @@ from ...runtime.event import EventOverlap, as_event_handle
 from ...runtime.nvlink import get_nvlink_gbs
 from .plan import (
     EXPERT_BYTES_ALIGNMENT,
-    NUM_MAX_LOCAL_EXPERTS,
     NUM_MAX_MAPPING_ENTRIES,
     THREADS,
     LBCall,

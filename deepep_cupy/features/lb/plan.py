@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ...constants import NUM_MAX_SCALEUP_RANKS
+from ...constants import DEFAULT_NVLINK_GBS, NUM_MAX_SCALEUP_RANKS
 from ...jit.launch import PTR, KernelSpec, Param
 from ...runtime import interop, workspace
 from ...runtime.event import EventHandle
@@ -30,11 +30,9 @@ THREADS = 512                       # kLBThreads
 CHUNK_BYTES = 32 * 8 * 16           # kLBChunkVectors * 16: bytes of one expert a warp handles per work item
 EXPERT_BYTES_ALIGNMENT = 32         # bytes per expert must be a multiple of this (get_num_tma_alignment())
 NUM_MAX_MAPPING_ENTRIES = 4096      # num_ranks * num_redundant (the kernels keep the entry lists in shared memory)
-NUM_MAX_LOCAL_EXPERTS = 1024
 SM_READ_GBS, SM_WRITE_GBS = 180.0, 45.0
 NUM_MAX_REDUCE_STAGES = 3           # 4 KiB shared-memory stages per warp of the gradient reduction (cp.async pipeline)
 SHARED_MEM_OPTIN_BYTES = 232448     # dynamic shared memory a block may opt into on sm_90 / sm_100 (227 KiB)
-DEFAULT_NVLINK_GBS = 450.0          # when nvidia-smi reports no NVLink
 
 
 def prefetch_spec(num_ranks: int) -> KernelSpec:

@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ...constants import NUM_MAX_TOPK
 from ...jit.launch import PTR, KernelSpec, Param
 from ...runtime import interop
 from ...runtime.interop import TensorInfo
@@ -15,7 +16,6 @@ THREADS = 512                   # kernels_cu/ep_ll.cu kThreads
 SEG_CHANNELS = 512              # channels per flag segment (kSegChannels)
 CONTROL_BYTES = 4096            # kControlBytes
 CTL_MASK_WORD = 16              # kCtlMask: int32 [R] mask words in the control area
-NUM_MAX_TOPK = 32               # a top-k slot is a lane of a warp
 NUM_MAX_RANKS = 8               # ranks of one NVLink domain (row routes pack the source rank in 3 bits)
 NUM_MAX_EXPERTS = 4096          # the receive layout of all (expert, source) pairs sits in shared memory
 NUM_MAX_TOKENS = 1 << 24        # row routes pack the token index in 24 bits
