@@ -42,6 +42,8 @@
 #              timeout cases; beside them EP 4x1 and 2x4, PP and all-gather 2x2, the barrier 2x1, and DeepEP's
 #              test_ep.py (2x1, 2x2), test_agrs.py and V2.5 pp/test_pp.py over NCCL rails; NCCL references at np=2
 #              (perf/ep_bench.py's refs and a2a paths, DeepEP V2.5's bucket programs) (parallel beside faults)
+#   internode  V1 Buffer across scale-up domains (tests.legacy_internode): 2x1, 2x2, 4x1, 2x4 over loopback rails,
+#              2x2 over NCCL rails (parallel)
 #   faults     tests.faults: a rank SIGKILLed before a dispatch, inside a dispatch's host wait, before a combine,
 #              inside a low-latency call, inside a CUDA-graph replay; 2 and 4 ranks, CUDA IPC and NCCL rails
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
@@ -341,6 +343,19 @@ legacy_lane() {
         $PY -m deepep_cupy.tests.legacy_intranode --num-tokens 512 --hidden 2048 --skip-perf-test
     step "legacy intranode np=2 DISPATCH_OVERLAP=0 (sharing)" 300 env DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0 $ONE $R 2 \
         $PY -m deepep_cupy.tests.legacy_intranode --num-tokens 512 --hidden 2048 --skip-perf-test
+}
+legacy_internode_lane() {
+    # V1 Buffer across scale-up domains (normal mode over the hybrid engine): every handle element, rows, combine
+    # against the host reference, at 2x1, 2x2, 2x4, 4x1 over loopback rails, and 2x2 over NCCL rails (sockets).
+    local shape np s IL="$PY -m deepep_cupy.tests.legacy_internode --num-tokens 512 --hidden 2048"
+    for shape in 2x1 2x2 4x1 2x4; do
+        s=${shape#*x}; np=$(( ${shape%x*} * s ))
+        step "legacy internode $shape np=$np loopback rails" 300 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $IL
+    done
+    local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
+    step "legacy internode 2x2 np=4 NCCL rails" 300 env $SOCK MASTER_PORT=21061 DEEPEP_CUPY_SCALEUP_SIZE=2 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $IL"
 }
 coll_lane() {
     local np=$1 prog
@@ -663,6 +678,7 @@ want nccl1 && MASTER_PORT=18861 lane nccl1_lane
 want nccl1 && lane nccl1_more_lane
 want nccl1 && lane nccl_refs_lane
 want faults && lane faults_lane
+want internode && lane legacy_internode_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
 # domains x 1 rank sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: the two
