@@ -243,13 +243,15 @@ def traced(fn, calls: int = 200):
     a call's first and last kernel launch (the host gap the GPU sees between them; 0 for one launch). `after_counts`:
     a CPU-sync dispatch's bytecodes after the host has the counts (`EP._wait_host_counts` returned: its host time
     beyond the notify, perf/ep_profile.py's `[host] ... after the host has the counts`; 0 without a wait) and
-    `c_after_counts` its C calls then (torch ops, launches, event records: most of that time on the GPU host)."""
+    `c_after_counts` its C calls then (torch ops, launches, event records: most of that time on the GPU host);
+    `to_launch`: of those, the bytecodes before the receive's launch (what the GPU waits for between the counts and
+    the receive; the rest runs while the receive does)."""
     global LAUNCH_MARKS
     from deepep_cupy.features.ep.feature import EP
     skip = (os.path.abspath(__file__), os.path.abspath(fakes.__file__))
     count = TRACE_COUNT
     count.clear()
-    count.update(opcodes=0, py_calls=0, c_calls=0, gap=0, after_counts=0, c_after_counts=0)
+    count.update(opcodes=0, py_calls=0, c_calls=0, gap=0, after_counts=0, c_after_counts=0, to_launch=0)
     real_wait, counted = EP._wait_host_counts, []
 
     def wait_host_counts(self, *a):       # (this file's frame: not counted)
@@ -286,6 +288,8 @@ def traced(fn, calls: int = 200):
             if counted:
                 count['after_counts'] += count['opcodes'] - counted[-1][0]
                 count['c_after_counts'] += count['c_calls'] - counted[-1][1]
+                count['to_launch'] += next((m for m in marks if m >= counted[-1][0]), count['opcodes']) - \
+                    counted[-1][0]
     finally:
         sys.settrace(None)
         sys.setprofile(None)
@@ -434,7 +438,8 @@ def main(argv=None) -> int:
                 print(f'[trace]    {name:34s} {work["opcodes"]:7.0f} bytecodes, {work["py_calls"]:5.1f} Python calls, '
                       f'{work["c_calls"]:5.1f} C calls per call; {work["gap"]:5.0f} bytecodes between the first and '
                       f'last launch' + (f', {work["after_counts"]:4.0f} bytecodes and {work["c_after_counts"]:4.1f} '
-                                        f'C calls after the counts' if work['after_counts'] else ''), flush=True)
+                                        f'C calls after the counts ({work["to_launch"]:.0f} before the receive\'s '
+                                        f'launch)' if work['after_counts'] else ''), flush=True)
             if args.json:
                 print('[json] ' + json.dumps(dict(case=name, us=us, **api, **work)), flush=True)
     return 0

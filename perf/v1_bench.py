@@ -6,8 +6,10 @@
 Rows (per rank; see deepep_cupy/tests/legacy_perf.py for the definitions):
   [layout]  get_dispatch_layout µs
   [perf]    dispatch FP8 / BF16 and cached dispatch, combine: V1 µs and DeepEP's GB/s, ElasticBuffer µs, ratio
-  [host]    host µs per call without a host wait (num_worst_tokens dispatch, cached dispatch, combine, layout)
+  [host]    host µs per call without a host wait (num_worst_tokens dispatch, cached dispatch, combine: V1,
+            ElasticBuffer, ratio; layout)
   [graph]   layout + dispatch(num_worst_tokens) + combine in a CUDA graph vs ElasticBuffer's no-sync decode path
+  [ratio]   every V1 / ElasticBuffer ratio of the rows above in one line (each pair timed alternately in this run)
   [ll]      low-latency FP8 dispatch + BF16 combine: eager, kernel times, hook send + recv, CUDA graph; next to
             ElasticBuffer's decode (do_cpu_sync=False, FP8) dispatch + combine in a CUDA graph
 Hidden 7168, top-8, 256 experts (288 for low latency) by default, as DeepEP's tests. `--out DIR` writes

@@ -27,6 +27,11 @@ PINNED = {
     'dispatch fp8 no-sync': dict(launch=1, alloc=1, event=1, event_new=0, record_stream=0),
     'combine': dict(launch=1, alloc=1, event=1, event_new=0, record_stream=0),
     'combine weights': dict(launch=1, alloc=2, event=1, event_new=0, record_stream=0),
+    # DeepEP V1's Buffer (normal mode) on the same engine: what ElasticBuffer's calls make, nothing more
+    'V1 dispatch cpu-sync': dict(launch=3, alloc=2, event=1, event_new=0, record_stream=0),
+    'V1 dispatch num_worst_tokens': dict(launch=1, alloc=1, event=1, event_new=0, record_stream=0),
+    'V1 dispatch cached': dict(launch=1, alloc=1, event=1, event_new=0, record_stream=0),
+    'V1 combine weights': dict(launch=1, alloc=2, event=1, event_new=0, record_stream=0),
     'all_gather 4 x 1 MiB (+ session)': dict(launch=1, alloc=0, event=2, event_new=0, record_stream=4),
     'all_gather 4 x 1 MiB (+ wait)': dict(launch=2, alloc=0, event=2, event_new=0, record_stream=0),
     'reduce_scatter 4 MiB': dict(launch=1, alloc=1, event=3, event_new=0, record_stream=2),
@@ -85,6 +90,19 @@ PINNED_BYTECODES = {'dispatch cached': 570, 'dispatch no-sync': 630, 'dispatch f
 # (`EP._wait_host_counts`) for after the receive's launch (102): the same work, no longer between the counts' arrival
 # and the launch.
 PINNED_AFTER_COUNTS = {'dispatch cpu-sync': 104}
+# Of those, the bytecodes before the receive's launch (`--trace`'s `to_launch`: what the GPU waits for between the
+# counts and the receive), at most.
+PINNED_TO_LAUNCH = {'dispatch cpu-sync': 45}
+
+# DeepEP V1's Buffer (normal mode, the same 128 tokens): bytecodes per call, pinned like V2's. Through the general
+# `BoundDispatch.__call__` they were 2350 (CPU-sync, 415 of them between the counts and the receive's launch, where
+# V2's lean path has 39), 1974 (num_worst_tokens), 695 (cached), 607 (combine with weights); the V1 lean paths
+# (features/ep/lean.py `run_cpu_sync_v1`, `run_no_sync_v1`: V1's matrices' pointers in the generated patchers, its
+# views after the launches) and the adapter's per-call checks took them to 1646 (39 before the launch), 1226, 677,
+# 589.
+PINNED_BYTECODES_V1 = {'V1 dispatch cpu-sync': 1660, 'V1 dispatch num_worst_tokens': 1240, 'V1 dispatch cached': 690,
+                       'V1 combine weights': 600}
+PINNED_TO_LAUNCH_V1 = {'V1 dispatch cpu-sync': 45}
 
 
 # The same 128-token calls on perf/ep_profile.py's buffer (num_max_tokens_per_rank 4096: a no-sync dispatch's
@@ -115,10 +133,23 @@ def test_ep_python_work_per_call_does_not_grow():
     _assert_after_counts(rows)
 
 
-def _assert_after_counts(rows):
-    over = {case: (rows[case]['after_counts'], bound) for case, bound in PINNED_AFTER_COUNTS.items()
+def _assert_after_counts(rows, after=PINNED_AFTER_COUNTS, to_launch=PINNED_TO_LAUNCH):
+    over = {case: (rows[case]['after_counts'], bound) for case, bound in after.items()
             if not 0 < rows[case]['after_counts'] <= bound}
     assert not over, f'bytecodes after the counts per call outside (0, pinned bound] (got, bound): {over}'
+    over = {case: (rows[case]['to_launch'], bound) for case, bound in to_launch.items()
+            if not 0 < rows[case]['to_launch'] <= bound}
+    assert not over, f'bytecodes between the counts and the receive\'s launch outside (0, pinned bound]: {over}'
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason='bytecode counts are pinned for CPython 3.11')
+def test_v1_python_work_per_call_does_not_grow():
+    pytest.importorskip('torch')
+    rows = _traced_rows('--only', 'V1 ')
+    over = {case: (rows[case]['opcodes'], bound) for case, bound in PINNED_BYTECODES_V1.items()
+            if rows[case]['opcodes'] > bound}
+    assert not over, f'V1 bytecodes per call above their pinned bounds (got, bound): {over}'
+    _assert_after_counts(rows, {}, PINNED_TO_LAUNCH_V1)
 
 
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason='bytecode counts are pinned for CPython 3.11')

@@ -480,6 +480,94 @@ def test_buffer_checks(monkeypatch, inputs):
     with pytest.raises(RuntimeError, match='destroyed'):
         buf.dispatch(x, topk_idx=idx, **_layout_args(inputs))
     assert legacy.Buffer is Buffer
+    buf2 = make_buffer(World(monkeypatch))        # (the scalars' checks where the fast check lets them through)
+    with pytest.raises(TypeError, match='expert_alignment'):
+        buf2.dispatch(x, topk_idx=idx, expert_alignment=True, **_layout_args(inputs))
+    with pytest.raises(ValueError, match='num_worst_tokens'):
+        buf2.dispatch(x, topk_idx=idx, num_worst_tokens=-1, **_layout_args(inputs))
+
+
+def _relative(value, bases):
+    """A recorded argument or a tensor's address made (name, offset) inside one of `bases` ((name, address,
+    bytes)); other addresses 'elsewhere'."""
+    if type(value) is not int:
+        return value
+    for name, base, size in bases:
+        if base <= value < base + size:
+            return name, value - base
+    return 'elsewhere' if value > 1 << 40 else value
+
+
+def _describe(t, bases):
+    if t is None or not isinstance(t, torch.Tensor):
+        return t
+    return tuple(t.shape), t.stride(), t.dtype, _relative(t.data_ptr(), bases)
+
+
+@pytest.mark.parametrize('case', ['cpu-sync', 'cpu-sync fp8', 'no top-k', 'worst', 'worst fp8', 'worst no weights',
+                                  'cpu-sync async', 'no top-k async', 'worst async', 'cpu-sync one-rank',
+                                  'worst fp8 large', 'cpu-sync large'])
+def test_v1_lean_paths_match_the_general_call(monkeypatch, inputs, case):
+    """A V1 dispatch's lean paths (features/ep/lean.py `run_no_sync_v1` with `num_worst_tokens`, `run_cpu_sync_v1`
+    otherwise; an asynchronous call with expert counts keeps the general call, whose event holds them) launch what the
+    general `BoundDispatch.__call__` launches (every argument, V1's matrices' pointers included; addresses relative to
+    the handle's workspace and the outputs' allocation) and return the same outputs and V1 handle (shapes, strides,
+    dtypes, places; send_head is the EP handle's dst_buffer_slot_idx), the same growth count; 'large': recv_x (and
+    recv_sf) too large to carve out of the small outputs' allocation."""
+    from deepep_cupy.features.ep import bound as ep_bound
+    from deepep_cupy.features.ep import lean as ep_lean
+    from deepep_cupy.runtime import streams
+    if case.endswith('large'):
+        monkeypatch.setattr(ep_bound, 'CARVED_RECV_MAX_BYTES', 0)
+    if case.endswith('async'):      # (no CUDA here: the event is the tensors it would hold)
+        monkeypatch.setattr(streams.StreamOrder, 'event', lambda self, kind, record=(), keep=(): keep)
+    world = World(monkeypatch)
+    buf = make_buffer(world)
+    x, idx, w, in_rank, per_expert, per_rank = inputs
+    x8 = (x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], H // 128))
+    xin = x8 if 'fp8' in case else x
+    kw = dict(config=Config(24, 8, 256), async_finish=case.endswith('async'), **_layout_args(inputs))
+    if 'no top-k' not in case:
+        kw.update(topk_idx=idx, topk_weights=None if 'no weights' in case else w)
+    if case.startswith('worst'):
+        kw['num_worst_tokens'] = 777
+    if case.endswith('one-rank'):
+        kw['config'] = Config(2, 8, 256)
+    buf.dispatch(xin, **kw)         # binds
+    ep = world.made[-1].ep
+    (b,) = [v for v in ep._bound.values() if v.v1_channels is not None]
+    lean = (b.run_v1 is not ep_bound.BoundDispatch.__call__)
+    assert lean == (case != 'no top-k async')
+    if lean:
+        assert b.run_v1 is (ep_lean.run_no_sync_v1 if case.startswith('worst') else ep_lean.run_cpu_sync_v1)
+    runs = []
+    for general in (False, True):
+        if general:
+            b.run_v1 = ep_bound.BoundDispatch.__call__
+        runs.append([])
+        for _ in range(3):          # (CPU-sync: the second and third speculate on the sizes)
+            world.log.clear()
+            out = buf.dispatch(xin, **kw)
+            handle = out[4]
+            eh = handle.ep_handle
+            group = eh._meta_of[0]
+            bases = [('ws', eh.workspace.data_ptr(), eh.workspace.untyped_storage().nbytes()),
+                     ('out', group.data_ptr(), group.untyped_storage().nbytes())]
+            xs = out[0] if type(out[0]) is tuple else (out[0],)
+            bases += [(f'own{k}', t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                      for k, t in enumerate(xs) if t.untyped_storage().data_ptr() != group.untyped_storage().data_ptr()]
+            assert case.endswith('large') == (len(bases) > 2)
+            launches = [(e.name, e.grid, {k: _relative(v, bases) for k, v in e.args.items() if k != 'host_seq'})
+                        for e in world.log if not isinstance(e, str)]
+            event = out[5] if type(out[5]) is tuple else None
+            runs[-1].append((launches, [_describe(t, bases) for t in xs + out[1:3]], out[3],
+                             [_describe(t, bases) for t in handle], handle[5] is eh.dst_buffer_slot_idx,
+                             handle[4] is in_rank, eh.num_recv_tokens, eh.num_expanded_tokens,
+                             None if event is None else [_describe(t, bases) for t in event if t is not None]))
+        assert buf._normal.num_growths == 0
+    assert runs[0] == runs[1]
+    assert all(r[4] and r[5] for r in runs[0])
+    assert runs[0][0][0][0][2]['rank_prefix_matrix'][0] == 'ws'
 
 
 # ---- low-latency mode: when the engine is laid out ------------------------------------------------------------------

@@ -158,6 +158,10 @@ def check_num_sms(config) -> int:
 
 def split_x(x) -> Tuple[Any, Any, int, int]:
     """`(x, scales or None, num_tokens, hidden)` of V1's `x` (a tensor or an `(x_fp8, scales)` pair)."""
+    if type(x) is interop.TORCH_TENSOR[0]:      # (the common case: `shape_of` of a plain torch tensor, inline)
+        shape = interop.shape_of(x, 'x')
+        if len(shape) == 2:
+            return x, None, shape[0], shape[1]
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             raise ValueError(f'x must be a tensor or an (x_fp8, scales) pair, got a sequence of {len(x)}')
@@ -194,10 +198,14 @@ class NormalMode:
     def ensure(self, hidden: int, num_topk: int, num_tokens: int = 0) -> EP:
         """The EP component for calls of `hidden` and `num_topk` with room for `num_tokens` tokens per rank, laid out
         or grown as needed. Collective whenever it changes anything: every rank must call it with equal arguments."""
-        R, eng = self.num_ranks, self.engine
-        M, H, K = eng.geometry if eng is not None else (0, 0, 0)
-        if eng is not None and eng.ep is not None and hidden <= H and num_topk <= K and num_tokens <= M:
-            return eng.ep
+        eng = self.engine
+        if eng is not None:
+            M, H, K = eng.geometry
+            if hidden <= H and num_topk <= K and num_tokens <= M and eng.ep is not None:
+                return eng.ep
+        else:
+            M, H, K = 0, 0, 0
+        R = self.num_ranks
         # Synthetic top-k ids (a dispatch without top-k) have one column per rank: lay out for at least that.
         H, K, need = max(hidden, H), max(num_topk, K, R), max(num_tokens, self.tokens_seen, 1)
         if eng is not None:
@@ -254,14 +262,14 @@ class NormalMode:
         for _ in range(MAX_ATTEMPTS):
             ep = self.ensure(hidden, K)
             M = self.engine.geometry[0]
-            over = N > M
-            lg = LegacyLayout(channels, N, None if over else expert_counts)
-            if over:        # probe: send nothing, report N, learn everyone's counts
+            if N > M:       # probe: send nothing, report N, learn everyone's counts
+                over, lg = True, LegacyLayout(channels, N, None)
                 xs = (data[:0], sf[:0]) if sf is not None else data[:0]
-                args = (xs, topk_idx[:0], None if topk_weights is None else topk_weights[:0])
+                ts, ws = topk_idx[:0], None if topk_weights is None else topk_weights[:0]
             else:
-                args = (x if sf is None else (data, sf), topk_idx, topk_weights)
-            out = ep.dispatch(*args, None, num_experts, M, expert_alignment, num_sms, 0, previous_event, None,
+                over, lg = False, LegacyLayout(channels, N, expert_counts)
+                xs, ts, ws = x if sf is None else (data, sf), topk_idx, topk_weights
+            out = ep.dispatch(xs, ts, ws, None, num_experts, M, expert_alignment, num_sms, 0, previous_event, None,
                               async_finish, allocate_on_comm_stream, None, True, not worst, False, False, False,
                               num_worst_tokens, True, lg)
             if worst:
@@ -280,7 +288,7 @@ class NormalMode:
                                f'{MAX_ATTEMPTS} growths (M={M})')
         recv_x, recv_topk_idx, recv_topk_weights, ep_handle, event = out
         handle = LegacyHandle((lg.rank_prefix_matrix, lg.channel_prefix_matrix, lg.recv_channel_prefix_matrix,
-                               lg.recv_src_idx, is_token_in_rank, ep_handle.dst_buffer_slot_idx),
+                               lg.recv_src_idx, is_token_in_rank, lg.send_head),
                               ep_handle=ep_handle, ep=ep, engine=self.engine, with_topk=with_topk)
         if not with_topk:
             recv_topk_idx = recv_topk_weights = None

@@ -120,6 +120,8 @@ def data_ptr(x: Any, name: str = 'tensor') -> int:
 def shape_of(x: Any, name: str = 'tensor') -> Tuple[int, ...]:
     """`x`'s shape (a torch tensor or CuPy array: no other property is read); `TypeError` naming `name` otherwise,
     or for a dtype `tensor_info` rejects. For adapters that need a size before the checked call."""
+    if type(x) is TORCH_TENSOR[0] and x.dtype in _TORCH_DTYPE_NAMES:      # (a plain torch tensor of a known dtype)
+        return tuple(x.shape)
     if is_torch(x):
         if x.dtype not in _TORCH_DTYPE_NAMES:
             tensor_info(x, name)            # learns the dtype's name, or raises

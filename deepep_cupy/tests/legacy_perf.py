@@ -6,7 +6,9 @@
 - normal mode, CUDA graph: get_dispatch_layout + dispatch(num_worst_tokens) + combine against ElasticBuffer's
   dispatch(do_cpu_sync=False) + combine, µs per replay;
 - host µs per call: the Python cost of a call that needs no host wait (num_worst_tokens / do_cpu_sync=False
-  dispatch, cached dispatch, combine), from the enqueue loop of `HOST_CALLS` calls;
+  dispatch, cached dispatch, combine), the best of `HOST_BATCHES` enqueue loops of `HOST_CALLS` calls;
+- each V1 / ElasticBuffer pair is timed alternately, `ROUNDS` times each, the best of each counting; a `[ratio]` line
+  gathers the ratios (V1 time / ElasticBuffer time);
 - low-latency mode: dispatch and combine eager and in a CUDA graph, and the hooks' send / receive kernels.
 """
 
@@ -21,19 +23,34 @@ from ..utils.testing import bench
 from . import legacy_reference as ref
 
 HOST_CALLS = 100
+HOST_BATCHES = 5
+ROUNDS = 2          # V1 and ElasticBuffer timed alternately, this many times each (the best of each counts)
 FP8_FACTOR = (1 + 4 / 128) / 2
 
 
-def host_us(fn: Callable[[], object], num_calls: int = HOST_CALLS) -> float:
-    """Mean host µs per call of `fn` over an enqueue loop (no host wait inside `fn`)."""
+def host_us(fn: Callable[[], object], num_calls: int = HOST_CALLS, num_batches: int = HOST_BATCHES) -> float:
+    """Host µs per call of `fn` (no host wait inside `fn`): the best mean of `num_batches` enqueue loops of
+    `num_calls` calls each (the best resists other load on the host), the GPU drained between batches."""
     fn()
+    best = float('inf')
+    for _ in range(num_batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(num_calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / num_calls)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(num_calls):
-        fn()
-    t = (time.perf_counter() - t0) / num_calls
-    torch.cuda.synchronize()
-    return t * 1e6
+    return best * 1e6
+
+
+def side_by_side(measure: Callable, v1: Callable, eb: Callable, rounds: int = ROUNDS):
+    """`(V1 time, ElasticBuffer time)`: `measure(fn)` of each, alternately `rounds` times, the best of each (so that
+    neither side is always the one measured first or later, when clocks or the allocator's cache drift)."""
+    a = b = float('inf')
+    for _ in range(rounds):
+        a = min(a, measure(v1))
+        b = min(b, measure(eb))
+    return a, b
 
 
 def graph_us(fn: Callable[[], object]) -> float:
@@ -52,12 +69,16 @@ def graph_us(fn: Callable[[], object]) -> float:
 
 
 def normal_rows(buf: Buffer, eb: ElasticBuffer, case, num_sms: int, group) -> List[str]:
-    """One line per path: V1 next to ElasticBuffer, ratio V1 / ElasticBuffer (time)."""
+    """One line per path: V1 next to ElasticBuffer, ratio V1 / ElasticBuffer (time), each pair measured alternately in
+    this run (`side_by_side`); a `[ratio]` line sums them up (the V1 adapter's target: within 1.05)."""
     rank, E = case.rank, case.E
     cfg = Config(num_sms, 8, 256)
     lay = case.layout_args()
     idx, w = case.topk_idx, case.topk_weights
-    lines = []
+    lines, ratios = [], {}
+
+    def gpu(fn):
+        return bench(fn)[0]
     t_layout = bench(lambda: buf.get_dispatch_layout(idx, E))[0]
     lines.append(f'[layout] rank {rank}: {t_layout * 1e6:.1f} us')
     for kind in ('fp8', 'bf16'):
@@ -66,35 +87,40 @@ def normal_rows(buf: Buffer, eb: ElasticBuffer, case, num_sms: int, group) -> Li
         eout = eb.dispatch(x, idx, w, num_experts=E, num_sms=num_sms)
         rows = out[1].shape[0]
         nbytes = rows * case.H * 2 * (FP8_FACTOR if kind == 'fp8' else 1)
-        t1 = bench(lambda x=x: buf.dispatch(x, topk_idx=idx, topk_weights=w, config=cfg, **lay))[0]
-        t2 = bench(lambda x=x: eb.dispatch(x, idx, w, num_experts=E, num_sms=num_sms))[0]
-        c1 = bench(lambda x=x, h=out[4]: buf.dispatch(x, handle=h, config=cfg))[0]
-        c2 = bench(lambda x=x, h=eout[3]: eb.dispatch(x, handle=h, num_sms=num_sms))[0]
+        t1, t2 = side_by_side(gpu, lambda x=x: buf.dispatch(x, topk_idx=idx, topk_weights=w, config=cfg, **lay),
+                              lambda x=x: eb.dispatch(x, idx, w, num_experts=E, num_sms=num_sms))
+        c1, c2 = side_by_side(gpu, lambda x=x, h=out[4]: buf.dispatch(x, handle=h, config=cfg),
+                              lambda x=x, h=eout[3]: eb.dispatch(x, handle=h, num_sms=num_sms))
+        ratios[f'dispatch {kind.upper()}'], ratios[f'cached {kind.upper()}'] = t1 / t2, c1 / c2
         lines.append(f'[perf] rank {rank} | dispatch {kind.upper():4s}: V1 {nbytes / 1e9 / t1:.0f} GB/s (NVL), '
                      f'{t1 * 1e6:.1f} us | ElasticBuffer {t2 * 1e6:.1f} us | ratio {t1 / t2:.3f} | cached V1 '
                      f'{c1 * 1e6:.1f} us, ElasticBuffer {c2 * 1e6:.1f} us, ratio {c1 / c2:.3f}')
     y = ref.combine_rows(out[0], rank)
     ccfg = Config(num_sms, 4, 256)
-    t1 = bench(lambda: buf.combine(y, out[4], config=ccfg))[0]
-    t2 = bench(lambda: eb.combine(y, eout[3], num_sms=num_sms))[0]
+    t1, t2 = side_by_side(gpu, lambda: buf.combine(y, out[4], config=ccfg),
+                          lambda: eb.combine(y, eout[3], num_sms=num_sms))
+    ratios['combine'] = t1 / t2
     nbytes = rows * case.H * 2
     lines.append(f'[perf] rank {rank} | combine: V1 {nbytes / 1e9 / t1:.0f} GB/s (NVL), {t1 * 1e6:.1f} us | '
                  f'ElasticBuffer {t2 * 1e6:.1f} us | ratio {t1 / t2:.3f}')
     # Host cost per call (no host wait), same inputs.
     worst = case.R * max(t.shape[0] for t in case.xs)
     h = {
-        'dispatch (no CPU sync)': (
-            host_us(lambda: buf.dispatch(case.x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg,
-                                         **lay)),
-            host_us(lambda: eb.dispatch(case.x, idx, w, num_experts=E, num_sms=num_sms, do_cpu_sync=False))),
-        'cached dispatch': (host_us(lambda: buf.dispatch(case.x, handle=out[4], config=cfg)),
-                            host_us(lambda: eb.dispatch(case.x, handle=eout[3], num_sms=num_sms))),
-        'combine': (host_us(lambda: buf.combine(y, out[4], config=ccfg)),
-                    host_us(lambda: eb.combine(y, eout[3], num_sms=num_sms))),
-        'get_dispatch_layout': (host_us(lambda: buf.get_dispatch_layout(idx, E)), float('nan')),
+        'dispatch (no CPU sync)': side_by_side(
+            host_us, lambda: buf.dispatch(case.x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst, config=cfg,
+                                          **lay),
+            lambda: eb.dispatch(case.x, idx, w, num_experts=E, num_sms=num_sms, do_cpu_sync=False)),
+        'cached dispatch': side_by_side(host_us, lambda: buf.dispatch(case.x, handle=out[4], config=cfg),
+                                        lambda: eb.dispatch(case.x, handle=eout[3], num_sms=num_sms)),
+        'combine': side_by_side(host_us, lambda: buf.combine(y, out[4], config=ccfg),
+                                lambda: eb.combine(y, eout[3], num_sms=num_sms)),
     }
-    lines.append(f'[host] rank {rank} | ' + ' | '.join(f'{k}: V1 {a:.1f} us, ElasticBuffer {b:.1f} us'
-                                                       for k, (a, b) in h.items()))
+    for k, (a, b) in h.items():
+        ratios[f'host {k}'] = a / b
+    layout_host = host_us(lambda: buf.get_dispatch_layout(idx, E))
+    lines.append(f'[host] rank {rank} | ' + ' | '.join(f'{k}: V1 {a:.1f} us, ElasticBuffer {b:.1f} us, ratio '
+                                                       f'{a / b:.3f}' for k, (a, b) in h.items()) +
+                 f' | get_dispatch_layout: V1 {layout_host:.1f} us')
     # CUDA graphs: the decode path (no host sync) of each API.
     by = case.combine_input
 
@@ -112,8 +138,10 @@ def normal_rows(buf: Buffer, eb: ElasticBuffer, case, num_sms: int, group) -> Li
     g1 = graph_us(v1_step)
     group.barrier()
     g2 = graph_us(eb_step)
+    ratios['graph'] = g1 / g2
     lines.append(f'[graph] rank {rank} | layout + dispatch(num_worst_tokens) + combine: V1 {g1:.1f} us | '
                  f'ElasticBuffer dispatch(no CPU sync) + combine {g2:.1f} us | ratio {g1 / g2:.3f}')
+    lines.append(f'[ratio] rank {rank} | V1 / ElasticBuffer: ' + ', '.join(f'{k} {v:.3f}' for k, v in ratios.items()))
     return lines
 
 

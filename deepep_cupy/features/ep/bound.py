@@ -25,10 +25,10 @@ Order: without a CPU sync every allocation, view and patch comes before the firs
 to back (no host gap on the GPU); with one the host waits for the counts between the send and the receive launch.
 The common cached, no-sync and CPU-sync calls run lean.py's paths (`BoundDispatch.run`), the others `__call__`.
 
-DeepEP V1 calls (a `LegacyLayout`) are bound too: the key holds its inputs (channels, reported token count, the
-expert counts' signature), so the matrices' sizes and the notify scalars are fixed per bound dispatch; per call the
-expert counts' pointer and the matrices' pointers are patched. V1's matrices are carved from the handle's workspace
-allocation (after the workspace proper), recv_src_idx from the outputs' allocation (after the metadata).
+DeepEP V1 calls (a `LegacyLayout`) are bound too (the key holds channels, reported count, the expert counts'
+signature). V1's matrices are carved from the handle's workspace allocation after the workspace proper (their
+pointers patched with the workspace's), recv_src_idx from the outputs' allocation after the metadata, viewed after the
+launches (legacy.py `v1_outputs`); the expert counts' pointer is patched per call; lean.py has V1's lean paths too.
 """
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -37,6 +37,7 @@ from ...runtime import interop
 from ...runtime.sizes import align, ceil_div
 from . import fused as ep_fused
 from . import lean as ep_lean
+from . import legacy as ep_legacy
 from . import plan as ep_plan
 from .handle import EPHandle, workspace_layout
 from .kernels import (
@@ -51,7 +52,6 @@ from .kernels import (
     SEND_THREADS,
     dispatch_chunk_rows,
 )
-from .legacy import v1_matrices
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
 from .patch import allocate_x as _allocate_x
@@ -86,8 +86,7 @@ class BoundDispatch:
         self.do_expand = p.do_expand
         # DeepEP V1 (`p.legacy`): channels of its matrices, else None; its matrices' int32 words after the workspace
         # (even, so that the outputs carved after them keep 8-byte alignment).
-        R = s.num_ranks
-        lg = p.legacy
+        R, lg = s.num_ranks, p.legacy
         self.v1_channels = None if lg is None else lg.num_channels
         self.v1_words = 0 if lg is None else align(R * R + 2 * R * lg.num_channels, 2)
         self.claim = p.new_layout          # claim the data region on the first call that passes every check
@@ -154,6 +153,8 @@ class BoundDispatch:
             ('topk_idx', 'tp'), ('send_pos', ws_at[0]), ('send_expert_pos', ws_at[1]), ('recv_layout', ws_at[2]),
             ('psum_recv_per_expert', ws_at[3]), ('cumulative_stats', 'cp'),
             ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6]))
+        if lg is not None:      # V1's matrices: the workspace's allocation plus constants (`legacy.matrix_exprs`)
+            notify_exprs += ep_legacy.matrix_exprs(R, self.v1_channels, self.ws_words)
         self.notify_patch = None if p.cached else _address_patcher(self.notify, notify_exprs, 'notify')
         self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
         self.topk_copy_bytes = 4 * o[4]            # where the workspace keeps its topk_idx copy (if it has one)
@@ -161,8 +162,7 @@ class BoundDispatch:
         guarded = not (self.fused or self.legacy_kernels)
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
         self.send_guard_idx, self.recv_guard_idx = guard_idx(self.send), guard_idx(r)
-        # Whether the send / receive block holds a guard (bound without: patched only while a guard is on or to
-        # clear the last one)
+        # Whether the send / receive block holds a guard (bound without: patched while a guard is on, or to clear one)
         self._send_guarded = self._recv_guarded = False
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
@@ -207,6 +207,7 @@ class BoundDispatch:
         if self.kind == 'torch':
             import torch
             self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.sf_dtype or 'int32'))
+        ep_legacy.bind(self, p)     # DeepEP V1's per-call needs: `v1_counts`, `v1_views`, `v1_int32`
         # `run`: what `EP.dispatch` calls, the lean path chosen for this binding or `__call__` (lean.py)
         ep_lean.bind(self, p)
 
@@ -222,8 +223,7 @@ class BoundDispatch:
         outs = dict(do_expand=int(p.do_expand), do_zero_padding=int(p.do_zero_padding), num_out_rows=0,
                     num_meta_rows=0, recv_x=0, recv_sf=0, recv_sf_stride_row=0, recv_sf_stride_col=0,
                     recv_topk_idx=0, recv_topk_weights=0, recv_src_metadata=0, recv_src_idx=0, recv_layout=0,
-                    num_sf=p.num_sf,
-                    num_experts=p.num_experts)
+                    num_sf=p.num_sf, num_experts=p.num_experts)
         if self.legacy_kernels:
             self.send = kernels.dispatch_send.bind(
                 p.num_sms, SEND_THREADS, sf=0, num_sf=p.num_sf, topk_idx=0, topk_weights=0, send_pos=0,
@@ -324,9 +324,9 @@ class BoundDispatch:
         if not cached:
             n = self.notify
             if one_patch is None:
-                self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)
-            if self.v1_channels is not None:
-                v1_matrices(self, legacy, ws, ws_ptr, n.u64, ecp)
+                self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)       # (V1's matrices too)
+            if self.v1_counts:      # (V1's expert counts: the notify publishes them)
+                n.u64[self.notify_v1_idx[0]] = ecp
         snd = self.send
         if snd is not None:
             if one_patch is None:
@@ -383,8 +383,6 @@ class BoundDispatch:
         if xb < 0:      # large: allocations of their own (their memory goes back when the caller drops them)
             (recv_x, recv_sf), (xo, sfo) = _allocate_x(self.carver, out, self.x_dtype, self.sf_dtype,
                                                        self.p.use_tma_aligned_col_major_sf, alloc_stream)
-        if legacy is not None:
-            legacy.recv_src_idx = carver.view(group, 'int32', (out.num_recv,), ib >> 2)
         r = self.recv
         if one_patch is not None:
             one_patch(xp, sp, tp, wp, cp, ws_ptr)
@@ -411,6 +409,8 @@ class BoundDispatch:
         counts = counts.copy() if cpu_sync else counts      # (a host-mapped view: `EP._wait_host_counts`)
         new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
                                    (group, (carver, out.meta_shape, meta_at)), ws, ws_ptr, user_topk, psum_expert)
+        if legacy is not None:      # (after the launches: views only, the kernels have their addresses)
+            ep_legacy.v1_outputs(self, legacy, new_handle, group, ib)
         if self.async_:
             event_out = ep_lean.async_event(self, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
                                           recv_topk_idx, recv_topk_weights, ws, group, user_topk,

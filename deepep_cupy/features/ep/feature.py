@@ -208,7 +208,8 @@ class EP:
         if legacy is None:
             es, v1 = None, None
         elif type(legacy) is LegacyLayout:
-            es, ecp = meta(legacy.expert_counts)
+            ec = legacy.expert_counts
+            es, ecp = (None, 0) if ec is None else meta(ec)
             v1 = (legacy.num_channels, type(legacy.num_channels), legacy.reported_num_tokens,
                   type(legacy.reported_num_tokens), es)
         else:
@@ -237,8 +238,8 @@ class EP:
         if legacy is None:      # (`run`: the bound call's path specialised at binding, bound.py)
             return b.run(b, self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle, event, xp, sp,
                          tp, wp, cp)
-        return b(self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle, event, xp, sp, tp, wp,
-                 cp, legacy, ecp)
+        return b.run_v1(b, self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle, event, xp, sp,
+                        tp, wp, cp, legacy, ecp)
 
     def _start_range(self, topk_idx, ptr: int, num_values: int, num_topk: int, stream):
         """Start reading topk_idx's (min, max) back: one small kernel on `stream` (the one that made topk_idx) writing

@@ -20,6 +20,8 @@ from typing import Tuple
 
 from . import plan as ep_plan
 from .handle import EPHandle
+from .kernels import HOST_MAX_TOKENS_WORD
+from .legacy import v1_outputs
 from .patch import Outputs as _Outputs
 from .patch import allocate_x, cached_patcher, cupy_views
 
@@ -82,6 +84,14 @@ def bind(b, p: ep_plan.DispatchPlan) -> None:
         b.run = run_cpu_sync
     else:
         b.run = type(b).__call__
+    # DeepEP V1 calls (a `LegacyLayout`; `EP.dispatch` calls `b.run_v1(b, ..., legacy, ecp)`): the no-sync and CPU-sync
+    # lean paths, V1's matrices' pointers patched with the others (bound.py), its views made after the launches
+    b.run_v1 = type(b).__call__
+    if b.v1_channels is not None:
+        if (b.call_patch is not None or b.call_patch_x is not None) and b.send is None and not b.v1_counts:
+            b.run_v1 = run_no_sync_v1
+        elif p.do_cpu_sync and not (b.async_ and b.v1_counts):    # (an async call's event holds the counts)
+            b.run_v1 = run_cpu_sync_v1
 
 
 def run_cached(b, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, event, xp: int, sp: int, tp: int,
@@ -293,6 +303,37 @@ def run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: i
     else:
         event_out = ep._order.leave(b.kind, current, comm, False)
     return ((recv_x, recv_sf) if b.fp8 else recv_x), recv_topk_idx, recv_topk_weights, nh, event_out
+
+
+def run_no_sync_v1(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
+                   cp: int, legacy, ecp: int):
+    """`run_no_sync` of a DeepEP V1 call (`legacy`: its `LegacyLayout`, without expert counts: `ecp` is 0, as
+    bound): V1's matrices' pointers are in `call_patch` / `call_patch_x` (workspace plus constants); V1's outputs are
+    views made after the launches (`v1_outputs`; recv_src_idx, like the other outputs, in the workspace's
+    allocation)."""
+    if b._lean_blocked or ep.ready_guard is not None:
+        return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp, legacy, ecp)
+    out = run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
+    nh = out[3]
+    v1_outputs(b, legacy, nh, nh.workspace, b.fixed.byte_at[5])
+    return out
+
+
+def run_cpu_sync_v1(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
+                    cp: int, legacy, ecp: int):
+    """`run_cpu_sync` of a DeepEP V1 call (`legacy`: its `LegacyLayout`; `ecp`: its expert counts' address, patched
+    before the notify's launch when the signature has them): the receive speculated as V2's (its recv_src_idx pointer
+    is one of the outputs' patch); after the receive's launch the largest reported token count (growth) and V1's
+    outputs (`v1_outputs`)."""
+    if b._lean_blocked or ep.ready_guard is not None:
+        return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp, legacy, ecp)
+    if b.v1_counts:
+        b.notify.u64[b.notify_v1_idx[0]] = ecp
+    out = run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
+    legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
+    nh = out[3]
+    v1_outputs(b, legacy, nh, nh._meta_of[0], b.outputs(nh.num_recv_tokens, nh.num_expanded_tokens).byte_at[5])
+    return out
 
 
 def views(b, group, out: _Outputs):

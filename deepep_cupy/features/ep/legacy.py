@@ -2,9 +2,10 @@
 notify exchange and the receive epilogue produce (`LegacyLayout`). Pure: no GPU needed (tests/test_legacy_cpu.py)."""
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Tuple
 
 from ...runtime import checks
+from ...runtime.interop import contiguous_strides
 from .kernels import NUM_MAX_CHANNELS
 
 
@@ -26,6 +27,8 @@ class LegacyLayout:
             tokens `[c * ceil(N / C), ...)`) of this rank's tokens sent there.
         recv_channel_prefix_matrix: `[R, C]` int32, per source, where its channel c starts inside its block of rows.
         recv_src_idx: `[rows]` int32, the token index at the source of every received row.
+        send_head: `[N, R]` int32, the slot of each token at each destination rank, or -1 (the handle's
+            dst_buffer_slot_idx).
         max_num_tokens: after a CPU-sync dispatch, the most tokens any rank reported (-1 without a CPU sync).
     """
     num_channels: int = 0
@@ -35,6 +38,7 @@ class LegacyLayout:
     channel_prefix_matrix: Any = None
     recv_channel_prefix_matrix: Any = None
     recv_src_idx: Any = None
+    send_head: Any = None
     max_num_tokens: int = -1
 
     def check(self, num_tokens: int) -> None:
@@ -57,16 +61,64 @@ class LegacyLayout:
         checks.check_contiguous(ei, 'num_tokens_per_expert')
 
 
-def v1_matrices(b, legacy: LegacyLayout, ws, ws_ptr: int, u, ecp: int) -> None:
-    """DeepEP V1's matrices of one call of the bound dispatch `b` (bound.py): views of its workspace allocation `ws`
-    after the workspace proper, set on `legacy`; their addresses (and the expert counts' `ecp`) patched into the
-    notify launch's argument words `u`."""
-    R, C, base, carver = b.num_ranks, b.v1_channels, b.ws_words, b.carver
-    ws = carver.as_words(ws)
-    legacy.rank_prefix_matrix = carver.view(ws, 'int32', (R, R), base)
-    legacy.channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R)
-    legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', (R, C), base + R * R + R * C)
-    mp = ws_ptr + 4 * base
-    i = b.notify_v1_idx
-    u[i[0]], u[i[1]] = ecp, mp
-    u[i[2]], u[i[3]] = (mp + 4 * R * R, mp + 4 * (R * R + R * C)) if C else (0, 0)
+def matrix_exprs(num_ranks: int, num_channels: int, ws_words: int) -> Tuple[Tuple[str, str], ...]:
+    """The notify's V1 matrix pointers as (parameter, expression) pairs of the bound dispatch's generated patchers
+    (features/ep/patch.py): the matrices are int32 words of the workspace allocation `ws` from word `ws_words` (after
+    the workspace proper), rank_prefix_matrix `[R, R]`, then the channel matrices `[R, C]` each (none without
+    channels: their pointers stay 0, as bound)."""
+    R, C, mp = num_ranks, num_channels, 4 * ws_words
+    exprs = (('rank_prefix_matrix', f'ws + {mp}'),)
+    if C:
+        exprs += (('channel_prefix_matrix', f'ws + {mp + 4 * R * R}'),
+                  ('recv_channel_prefix_matrix', f'ws + {mp + 4 * (R * R + R * C)}'))
+    return exprs
+
+
+def view_args(num_ranks: int, num_channels: int, ws_words: int, num_tokens: int, send_pos_word: int) -> tuple:
+    """The `as_strided` arguments (shape, strides, int32 word offset) of V1's matrices and send_head in the workspace
+    allocation (`matrix_exprs`; send_head is the handle's dst_buffer_slot_idx `[N, R]`, workspace part 0), and the
+    handle's view key of dst_buffer_slot_idx (`EPHandle._view`)."""
+    R, C, base = num_ranks, num_channels, ws_words
+    shapes = ((R, R), (R, C), (R, C), (num_tokens, R))
+    offsets = (base, base + R * R, base + R * R + R * C, send_pos_word)
+    return tuple((s, contiguous_strides(s), o) for s, o in zip(shapes, offsets)) + ((0, shapes[3], 0),)
+
+
+def bind(b, p) -> None:
+    """DeepEP V1's part of the bound dispatch `b` of the checked plan `p` (bound.py, at the end of its binding):
+    `v1_counts` (the expert counts' pointer is patched per call), `v1_views` (`view_args`; None: not a non-cached V1
+    call) and `v1_int32` (torch's int32, else None)."""
+    lg = p.legacy
+    b.v1_counts = lg is not None and lg.expert_counts is not None
+    b.v1_views = b.v1_int32 = None
+    if lg is not None and not p.cached:
+        b.v1_views = view_args(b.num_ranks, lg.num_channels, b.ws_words, p.num_tokens, b.offsets[0])
+        if b.kind == 'torch':
+            import torch
+            b.v1_int32 = torch.int32
+
+
+def v1_outputs(b, legacy: LegacyLayout, handle, group, src_byte: int) -> None:
+    """DeepEP V1's parts of one call of the bound dispatch `b` (bound.py; after its launches: the kernels took their
+    addresses from the patchers), set on `legacy`: the matrices and send_head, views of the new `handle`'s workspace
+    allocation (`view_args`), and recv_src_idx, of the outputs' allocation `group` from byte `src_byte`. Torch: one
+    int32 view of each allocation, shared with the handle's own views (dst_buffer_slot_idx is send_head)."""
+    ws = handle.workspace
+    rpm, cpm, rcpm, head, head_key = b.v1_views
+    if b._torch_dtypes is not None:
+        i32 = b.v1_int32
+        w = ws if ws.dtype is i32 else ws.view(i32)
+        g = w if group is ws else group if group.dtype is i32 else group.view(i32)
+        legacy.rank_prefix_matrix = w.as_strided(*rpm)
+        legacy.channel_prefix_matrix = w.as_strided(*cpm)
+        legacy.recv_channel_prefix_matrix = w.as_strided(*rcpm)
+        legacy.send_head = sh = w.as_strided(*head)
+        legacy.recv_src_idx = g.as_strided((handle.num_recv_tokens,), (1,), src_byte >> 2)
+        handle._views = {'int32': w, head_key: sh}
+        return
+    carver = b.carver
+    legacy.rank_prefix_matrix = carver.view(ws, 'int32', rpm[0], rpm[2])
+    legacy.channel_prefix_matrix = carver.view(ws, 'int32', cpm[0], cpm[2])
+    legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', rcpm[0], rcpm[2])
+    legacy.send_head = handle.dst_buffer_slot_idx
+    legacy.recv_src_idx = carver.view(group, 'int32', (handle.num_recv_tokens,), src_byte >> 2)
