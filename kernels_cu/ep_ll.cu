@@ -47,6 +47,7 @@
 // combine_consumed[hc][me] = c at every owner. One launch: rows of our own experts are read straight from x.
 // Masks: a masked rank is neither sent to nor waited for (slots of a masked owner add nothing).
 #include "common/ep.cuh"
+#include "common/ll_fp8.cuh"
 
 namespace deepep {
 namespace ll {
@@ -68,9 +69,6 @@ constexpr int kCtlMask = 16, kCtlDispatchConsumed = 64, kCtlCombineConsumed = 96
 // `aux` of error records: what the waiting thread waited for (deepep_cupy/features/ll.py WAIT_KINDS mirrors it).
 constexpr int kAuxDispatchConsumed = 101, kAuxCounts = 102, kAuxMessage = 103;
 constexpr int kAuxCombineConsumed = 104, kAuxRows = 105, kAuxBarrier = 106;
-
-constexpr float kFp8Max = 448.f;
-constexpr float kAmaxClamp = 1e-4f;
 
 struct Region {
     const uint64_t* bases;
@@ -154,57 +152,8 @@ struct Parts {
     }
 };
 
-// ---- FP8 ----------------------------------------------------------------------------------------------------------
-// Two floats to float8_e4m3fn (round to nearest even, saturating), `lo` in the low byte.
-__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// Quantise the 16 channels a lane holds (two 16-byte vectors of bfloat16) with the scale of its 128-channel group,
-// which is held by the 8 lanes (lane & ~7) ... (lane | 7). Every lane of the warp calls it (lanes past the hidden size
-// pass zeros; a group is entirely inside or outside). Arithmetic (ll_reference.cast_fp8 mirrors it):
-//   amax = max(max |x|, 1e-4) over the group, in float
-//   round_scale: scale_inv = 2^ceil(log2(amax / 448)) (amax / 448 rounded, then the exponent bumped if the mantissa
-//                is not zero), q = e4m3(x * 2^-e) (== x / scale_inv exactly)
-//   otherwise:   scale_inv = amax / 448, q = e4m3(x * (rcp(amax) * 448)) (each operation rounded: torch evaluates
-//                utils/math.py's `448 / amax` as reciprocal then multiply)
-__device__ __forceinline__ Vec16 cast_fp8_lane(const Vec16& a, const Vec16& b, bool round_scale, float& scale_inv) {
-    const uint32_t words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    float f[16];
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        f[2 * i] = bf16_lo(words[i]);
-        f[2 * i + 1] = bf16_hi(words[i]);
-    }
-    float amax = 0.f;
-    #pragma unroll
-    for (int i = 0; i < 16; ++i)
-        amax = fmaxf(amax, fabsf(f[i]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-    amax = fmaxf(amax, kAmaxClamp);
-    float scale;
-    if (round_scale) {
-        const uint32_t bits = __float_as_uint(__fdiv_rn(amax, kFp8Max));
-        const uint32_t exponent = (bits >> 23) + ((bits & 0x7fffffu) != 0 ? 1u : 0u);
-        scale_inv = __uint_as_float(exponent << 23);
-        scale = __uint_as_float((254u - exponent) << 23);
-    } else {
-        scale_inv = __fdiv_rn(amax, kFp8Max);
-        scale = __fmul_rn(__frcp_rn(amax), kFp8Max);
-    }
-    uint32_t out[4];
-    #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        out[i] = e4m3x2(__fmul_rn(f[4 * i], scale), __fmul_rn(f[4 * i + 1], scale)) |
-                 (e4m3x2(__fmul_rn(f[4 * i + 2], scale), __fmul_rn(f[4 * i + 3], scale)) << 16);
-    return {out[0], out[1], out[2], out[3]};
-}
-
-__device__ __forceinline__ uint32_t ue8m0_byte(float power_of_two) { return __float_as_uint(power_of_two) >> 23; }
+// FP8 (cast_fp8_lane, e4m3x2, ue8m0_byte, kFp8Max, kAmaxClamp): common/ll_fp8.cuh, shared with
+// legacy_internode_ll.cu.
 
 // Scale output (column-major in the last two dims, as DeepEP): float [L][S][T] at (j * S + p) * T + r, or packed
 // UE8M0 int32 [L][S / 4][T] at (j * S / 4 + g) * T + r, byte q of the int = group 4g + q.

@@ -42,8 +42,8 @@
 #              timeout cases; beside them EP 4x1 and 2x4, PP and all-gather 2x2, the barrier 2x1, and DeepEP's
 #              test_ep.py (2x1, 2x2), test_agrs.py and V2.5 pp/test_pp.py over NCCL rails; NCCL references at np=2
 #              (perf/ep_bench.py's refs and a2a paths, DeepEP V2.5's bucket programs) (parallel beside faults)
-#   internode  V1 Buffer across scale-up domains (tests.legacy_internode): 2x1, 2x2, 4x1, 2x4 over loopback rails,
-#              2x2 over NCCL rails (parallel)
+#   internode  V1 Buffer across scale-up domains (tests.legacy_internode, tests.legacy_low_latency_internode): 2x1,
+#              2x2, 4x1, 2x4 over loopback rails, 2x2 (normal mode) over NCCL rails (parallel)
 #   faults     tests.faults: a rank SIGKILLed before a dispatch, inside a dispatch's host wait, before a combine,
 #              inside a low-latency call, inside a CUDA-graph replay; 2 and 4 ranks, CUDA IPC and NCCL rails
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
@@ -352,6 +352,9 @@ legacy_internode_lane() {
         s=${shape#*x}; np=$(( ${shape%x*} * s ))
         step "legacy internode $shape np=$np loopback rails" 300 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $IL
+        # low-latency mode across domains (pseudo-token hybrid calls), against the single-domain references
+        step "legacy low-latency internode $shape np=$np loopback rails" 300 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.legacy_low_latency_internode
     done
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
     step "legacy internode 2x2 np=4 NCCL rails" 300 env $SOCK MASTER_PORT=21061 DEEPEP_CUPY_SCALEUP_SIZE=2 \

@@ -11,7 +11,9 @@ Several scale-up (NVLink) domains (DeepEP's internode mode): normal mode on the 
 the design: `features/legacy/internode.py`): `get_dispatch_layout` with `num_tokens_per_rdma_rank`, `dispatch`
 (BF16 / FP8, top-k ids required, expert alignment, `num_worst_tokens`, cached) with V1's 10-element internode
 handle, `combine` (biases, V1's combined weights); the engine is built by the first dispatch (collective), when
-hidden and top-k are known. `low_latency_mode=True` across domains raises `NotImplementedError` at construction.
+hidden and top-k are known. Low-latency mode across domains (`legacy_ll_internode.py`; the design:
+`features/legacy/internode_ll.py`): every `low_latency_*` call with the single-domain layouts and numerics, on an
+engine of its own built by the first low-latency call, so a buffer serves both modes there too.
 """
 
 import sys
@@ -31,6 +33,7 @@ from .base import BufferBase, _acquire_stream, _release_stream
 from .legacy_config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config, table_config
 from .legacy_internode import InternodeEngine, InternodeMode, expected_internode_handle
 from .legacy_ll import LowLatencyMethods, LowLatencyMode
+from .legacy_ll_internode import InternodeLLMode, LLInternodeEngine
 from .legacy_normal import NormalEngine, NormalMode, check_event_rule, check_num_sms, expected_handle_type
 
 __all__ = ['Buffer', 'Config']
@@ -42,8 +45,9 @@ NUM_GPU_TIMEOUT_SECS = 100
 
 class Buffer(LowLatencyMethods):
     """DeepEP V1's expert-parallel communication buffer: normal-mode (high-throughput) dispatch / combine and
-    low-latency dispatch / combine inside one NVLink domain (up to 8 ranks, ranks may share a GPU for tests); normal
-    mode across several domains (DeepEP's internode mode, `legacy_internode.py`).
+    low-latency dispatch / combine inside one NVLink domain (up to 8 ranks, ranks may share a GPU for tests); both
+    modes across several domains (DeepEP's internode mode, `legacy_internode.py`; low latency:
+    `legacy_ll_internode.py`).
 
     Args:
         group: a `torch.distributed` ProcessGroup (any backend: only host collectives go through it), or None with
@@ -52,7 +56,8 @@ class Buffer(LowLatencyMethods):
             without growing it (`Config.get_nvl_buffer_size_hint`); a dispatch needing more grows it once (all
             ranks together). 0: allocated at the first dispatch. Across domains: the intranode part's.
         num_rdma_bytes: memory of low-latency mode (`get_low_latency_rdma_size_hint`); 0: at the first call. Across
-            domains (normal mode): bounds the rail memory (`Config.get_rdma_buffer_size_hint`); 0: no bound.
+            domains (normal mode): bounds the rail memory (`Config.get_rdma_buffer_size_hint`); 0: no bound; the
+            low-latency engine there is sized by its first call (M, hidden, top-k), not by this value.
         low_latency_mode: enable the low-latency calls (normal mode works either way).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: NVSHMEM / RDMA settings of
             DeepEP; accepted, no effect (everything goes over NVLink through CUDA IPC).
@@ -110,6 +115,12 @@ class Buffer(LowLatencyMethods):
                                        NUM_CPU_TIMEOUT_SECS, NUM_GPU_TIMEOUT_SECS)
             # (no engine memory yet: the first dispatch builds it, once hidden and top-k are known)
             self._internode = InternodeMode(num_domains, S, num_nvl_bytes, num_rdma_bytes, make_internode)
+            if self.low_latency_mode:
+                def make_ll_internode(num_pseudo: int, hidden: int) -> LLInternodeEngine:
+                    return LLInternodeEngine(pg, num_pseudo, hidden, num_domains, S, stream, device, nvlink_gbs,
+                                             NUM_CPU_TIMEOUT_SECS, NUM_GPU_TIMEOUT_SECS)
+                # (built by the first low-latency call, when M, hidden and top-k are known)
+                self._ll_internode = InternodeLLMode(num_domains, S, device, enable_shrink, make_ll_internode)
             self._destroyed = False
             return
 
@@ -135,10 +146,10 @@ class Buffer(LowLatencyMethods):
             raise RuntimeError('this deepep_cupy Buffer was destroyed')
 
     def _release(self) -> None:
-        for mode in (self._normal, self._ll, self._internode):
+        for mode in (self._normal, self._ll, self._internode, self._ll_internode):
             if mode is not None:
                 mode.destroy()
-        self._normal = self._ll = self._internode = None
+        self._normal = self._ll = self._internode = self._ll_internode = None
         if getattr(self, '_stream', None) is not None:
             _release_stream(self.device, self._stream)
             self._stream = None
@@ -186,10 +197,11 @@ class Buffer(LowLatencyMethods):
         """The SM count of `config`, else of the default config (cached per `Buffer.num_sms`)."""
         if config is None:
             key = (which, Buffer.num_sms)
-            config = self._configs.get(key)
-            if config is None:
+            num_sms = self._configs.get(key)
+            if num_sms is None:     # (the checked SM count of the default config, remembered)
                 table = DISPATCH_TABLE if which == 'dispatch' else COMBINE_TABLE
-                config = self._configs[key] = table_config(table, self.group_size, Buffer.num_sms)
+                num_sms = self._configs[key] = check_num_sms(table_config(table, self.group_size, Buffer.num_sms))
+            return num_sms
         return check_num_sms(config)
 
     def get_comm_stream(self):
@@ -197,7 +209,7 @@ class Buffer(LowLatencyMethods):
         `cupy.cuda.Stream`."""
         self._check_alive()
         self._order.settle()        # (synchronous calls may have run on the caller's stream: runtime/streams.py)
-        for mode in (self._normal, self._internode):
+        for mode in (self._normal, self._internode, self._ll_internode):
             if mode is not None and mode.engine is not None:
                 mode.engine.stream_order.settle()
         if 'torch' in sys.modules or _torch_installed():
@@ -334,17 +346,20 @@ class Buffer(LowLatencyMethods):
                                                      async_finish, allocate_on_comm_stream)
             return NormalMode.cached_dispatch(x, expected_handle_type(handle), num_sms, previous_event, async_finish,
                                               allocate_on_comm_stream)
-        for name, value in (('num_tokens_per_rank', num_tokens_per_rank), ('is_token_in_rank', is_token_in_rank),
-                            ('num_tokens_per_expert', num_tokens_per_expert)):
-            if value is None:
-                raise ValueError(f'{name} is required without a handle (get_dispatch_layout gives it)')
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            for name, value in (('num_tokens_per_rank', num_tokens_per_rank), ('is_token_in_rank', is_token_in_rank),
+                                ('num_tokens_per_expert', num_tokens_per_expert)):
+                if value is None:
+                    raise ValueError(f'{name} is required without a handle (get_dispatch_layout gives it)')
         if internode and num_tokens_per_rdma_rank is None:
             raise ValueError('num_tokens_per_rdma_rank is required across scale-up domains without a handle '
                              '(get_dispatch_layout gives it)')
         if topk_idx is None and topk_weights is not None:
             raise ValueError('topk_weights needs topk_idx')
-        check_int('expert_alignment', expert_alignment, 1)
-        check_int('num_worst_tokens', num_worst_tokens, 0)
+        if type(expert_alignment) is not int or expert_alignment < 1:     # (`check_int` where it may raise)
+            check_int('expert_alignment', expert_alignment, 1)
+        if type(num_worst_tokens) is not int or num_worst_tokens < 0:
+            check_int('num_worst_tokens', num_worst_tokens, 0)
         if num_worst_tokens and topk_idx is None:
             raise ValueError('num_worst_tokens > 0 needs topk_idx (as DeepEP)')
         num_experts = interop.shape_of(num_tokens_per_expert, 'num_tokens_per_expert')[0]

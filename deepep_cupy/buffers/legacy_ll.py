@@ -1,5 +1,7 @@
 """Low-latency mode of DeepEP V1's `Buffer`: the methods (a mixin of `Buffer`, with DeepEP's exact signatures) and
-the holder of the `LowLatencyEngine` (`features/ll`).
+the holder of the `LowLatencyEngine` (`features/ll`). Across scale-up domains the methods forward to the
+`InternodeLLMode` (buffers/legacy_ll_internode.py; the design: features/legacy/internode_ll.py), with the same
+signatures, outputs and numerics.
 
 The engine's memory (`num_rdma_bytes`, rounded up to 2 MiB) is allocated with the Buffer; the engine is laid out at
 the first low-latency call (or `clean_low_latency_buffer`) with that call's `(num_max_dispatch_tokens_per_rank,
@@ -10,10 +12,11 @@ the same values, so every rank decides alike. Handles of the previous layout can
 
 from typing import Callable, Optional
 
-from ..features.ll import LowLatencyEngine, check_dims, get_rdma_size_hint
+from ..features.ll import NUM_MAX_RANKS, LowLatencyEngine, check_dims, get_rdma_size_hint
 from ..runtime import interop
 from ..runtime.sizes import align
 from .base import BUFFER_ALIGNMENT, BufferBase
+from .legacy_ll_internode import rdma_size_hint as internode_rdma_size_hint
 
 
 class LowLatencyMode:
@@ -82,13 +85,17 @@ class LowLatencyMode:
 
 
 class LowLatencyMethods:
-    """DeepEP V1's low-latency methods of `Buffer` (`self._ll` is the `LowLatencyMode`, None without
+    """DeepEP V1's low-latency methods of `Buffer` (`self._ll` is the `LowLatencyMode` inside one domain,
+    `self._ll_internode` the `InternodeLLMode` across domains (buffers/legacy_ll_internode.py); both None without
     `low_latency_mode=True`)."""
 
     _ll: Optional[LowLatencyMode] = None
+    _ll_internode = None
 
-    def _low_latency(self, what: str) -> LowLatencyMode:
+    def _low_latency(self, what: str):
         self._check_alive()
+        if self._ll_internode is not None:
+            return self._ll_internode
         if self._ll is None:
             raise RuntimeError(f'{what} needs a Buffer built with low_latency_mode=True')
         return self._ll
@@ -102,8 +109,12 @@ class LowLatencyMethods:
         Args:
             num_max_dispatch_tokens_per_rank: the most tokens a rank dispatches (the same on every rank).
             hidden: the hidden size (a multiple of 128).
-            num_ranks: ranks of the group; num_experts: experts in all (a multiple of num_ranks).
+            num_ranks: ranks of the group; num_experts: experts in all (a multiple of num_ranks). More than one
+                NVLink domain's ranks: the same formula at num_ranks (buffers/legacy_ll_internode.py
+                `rdma_size_hint`: across domains the engine is laid out at the first call, this bounds nothing).
         """
+        if isinstance(num_ranks, int) and num_ranks > NUM_MAX_RANKS:
+            return internode_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
         return get_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -115,6 +126,8 @@ class LowLatencyMethods:
             num_max_dispatch_tokens_per_rank, hidden, num_experts: the maxima of the low-latency calls.
         """
         ll = self._low_latency('clean_low_latency_buffer')
+        if ll is self._ll_internode:
+            return ll.clean_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         check_dims(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         ll.engine_for(num_max_dispatch_tokens_per_rank, hidden, num_experts).clean_buffer(
             num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -138,7 +151,9 @@ class LowLatencyMethods:
                 power-of-two scales; use_ue8m0: scales packed as exponent bytes (needs round_scale, hidden % 512 == 0).
             async_finish: return an event instead of making the current stream wait (not with return_recv_hook).
             return_recv_hook: launch only the send phase (current stream, no SM held while waiting); `hook()`
-                launches the receive phase.
+                launches the receive phase. Across domains the sends (and the whole hybrid exchange) run on the
+                communication stream and `hook()` joins it and launches the receive kernels on the current stream;
+                NCCL's and the intranode kernels do hold SMs while they wait (buffers/legacy_ll_internode.py).
             x_global_scale, use_nvfp4: DeepEP fork options (NVFP4); not supported (NotImplementedError if set).
 
         Returns:
@@ -153,6 +168,10 @@ class LowLatencyMethods:
             raise NotImplementedError('x_global_scale / use_nvfp4 (NVFP4 low-latency dispatch, a DeepEP fork option) '
                                       'are not supported; use use_fp8')
         ll = self._low_latency('low_latency_dispatch')
+        if ll is self._ll_internode:
+            return ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                               use_ue8m0, async_finish, return_recv_hook)
         shape = interop.tensor_info(x, 'x').shape
         if len(shape) != 2:
             raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {list(shape)}')
@@ -187,15 +206,18 @@ class LowLatencyMethods:
         if overlap or src_signals is not None or src_signal_expect_value:
             raise NotImplementedError('overlap / src_signals (single-batch overlap, a DeepEP fork option) are not '
                                       'supported')
-        eng = self._low_latency('low_latency_combine').require_engine('low_latency_combine')
+        eng = self._low_latency('low_latency_combine')
+        if eng is not self._ll_internode:
+            eng = eng.require_engine('low_latency_combine')
         return eng.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook,
                            out, combine_wait_recv_cost_stats)
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The `[E / R, R * M, hidden]` bfloat16 view the next `low_latency_combine(..., zero_copy=True)` reads."""
-        eng = self._low_latency('get_next_low_latency_combine_buffer').require_engine(
-            'get_next_low_latency_combine_buffer')
-        return eng.get_next_combine_buffer(handle)
+        ll = self._low_latency('get_next_low_latency_combine_buffer')
+        if ll is self._ll_internode:
+            return ll.get_next_combine_buffer(handle)
+        return ll.require_engine('get_next_low_latency_combine_buffer').get_next_combine_buffer(handle)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (`mask=True`) or unmask a rank for the low-latency calls of this rank (needs enable_shrink)."""
@@ -209,5 +231,8 @@ class LowLatencyMethods:
         """Unmask every rank (on this rank)."""
         self._mask_engine('low_latency_clean_mask_buffer').clean_mask_buffer()
 
-    def _mask_engine(self, what: str) -> LowLatencyEngine:
-        return self._low_latency(what).mask_engine(what)
+    def _mask_engine(self, what: str):
+        ll = self._low_latency(what)
+        if ll is self._ll_internode:
+            return ll           # the same mask methods, on this rank's mask words (legacy_ll_internode.py)
+        return ll.mask_engine(what)

@@ -12,6 +12,7 @@ from ..features.ep import kernels as ep_kernels
 from ..features.hybrid import kernels as hybrid_kernels
 from ..features.lb import plan as lb_plan
 from ..features.legacy import internode as legacy_internode
+from ..features.legacy import internode_ll as legacy_internode_ll
 from ..features.legacy import layout as legacy_layout
 from ..features.pp import plan as pp_plan
 from ..jit.launch import KernelSpec
@@ -24,7 +25,8 @@ def shipped_specs() -> Dict[str, List[KernelSpec]]:
     for contribution in (barrier.shipped_specs(n), ep_kernels.shipped_specs(n), peer_copy.shipped_specs(n),
                          pp_plan.shipped_specs(), agrs_kernels.shipped_specs(n), engram_plan.shipped_specs(n),
                          lb_plan.shipped_specs(n), ll.shipped_specs(), legacy_layout.shipped_specs(),
-                         legacy_internode.shipped_specs(), bucket_kernels.shipped_specs(n),
+                         legacy_internode.shipped_specs(), legacy_internode_ll.shipped_specs(),
+                         bucket_kernels.shipped_specs(n),
                          hybrid_kernels.shipped_specs()):
         for family, family_specs in contribution.items():
             specs.setdefault(family, []).extend(family_specs)

@@ -316,11 +316,34 @@ def legacy_internode_parser() -> argparse.ArgumentParser:
     return p
 
 
+def legacy_low_latency_internode_parser() -> argparse.ArgumentParser:
+    p = _parser('legacy_low_latency_internode', 'V1 low-latency dispatch/combine across scale-up domains '
+                                                '(DEEPEP_CUPY_SCALEUP_SIZE on one GPU): every mode (hook or not,\n'
+                                                'async, BF16 / FP8 / round_scale / UE8M0, zero-copy) bit for bit '
+                                                'against the single-domain references, ragged and\n0-token ranks, '
+                                                'CUDA-graph capture of call and hook, masks, one buffer serving '
+                                                'both modes, bad input.')
+    p.add_argument('--num-tokens', type=int, default=64,
+                   help='tokens per rank; also num_max_dispatch_tokens_per_rank')
+    p.add_argument('--hidden', type=int, default=2048, help='hidden size (a multiple of 512 for the UE8M0 cases)')
+    p.add_argument('--num-topk', type=int, default=6, help='experts per token (top-k)')
+    p.add_argument('--num-experts', type=int, default=64,
+                   help='experts in all (rounded down to a multiple of the number of ranks)')
+    p.add_argument('--seed', type=int, default=0, help='global random seed')
+    _timeouts(p)
+    _skip(p, 'check')
+    p.add_argument('--skip-graph-test', action='store_true', help='skip the CUDA-graph capture and replay checks')
+    p.add_argument('--skip-mask-test', action='store_true', help='skip the mask checks')
+    _skip(p, 'perf')
+    return p
+
+
 PARSERS = {
     'ep': ep_parser, 'pp': pp_parser, 'agrs': agrs_parser, 'engram': engram_parser,
     'reduce_grads': lambda: lb_parser('reduce'), 'prefetch_weights': lambda: lb_parser('prefetch'),
     'allocation': allocation_parser, 'barrier': barrier_parser, 'jit_timing': jit_timing_parser,
     'legacy_low_latency': legacy_low_latency_parser, 'legacy_intranode': legacy_intranode_parser,
+    'legacy_low_latency_internode': legacy_low_latency_internode_parser,
     'legacy_internode': legacy_internode_parser,
     'v25': v25_parser,
 }

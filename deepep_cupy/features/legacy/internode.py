@@ -7,8 +7,8 @@ Status: built, CPU-tested (tests/test_legacy_internode_cpu.py: the kernels' host
 leaves equal `reference_internode` on every rank, and the whole host path), not yet run on a GPU (the rank program
 deepep_cupy/tests/legacy_internode.py checks every output and handle element against the reference, bit for bit).
 `dispatch` without top-k ids raises `NotImplementedError` (V1 derives its per-expert counts from every source's
-`num_tokens_per_expert`, which the hybrid path does not carry); low-latency mode across domains is refused at
-construction (`check_domains`).
+`num_tokens_per_expert`, which the hybrid path does not carry). Low-latency mode across domains is
+features/legacy/internode_ll.py (its own engine: buffers/legacy_ll_internode.py).
 
 Ranks and domains. R ranks form D = R / S scale-up domains of S ranks; rank `g = d * S + l` is local rank l of domain
 d (V1: `rdma_rank = g // 8`, `nvl_rank = g % 8`, with S = 8; here S is the topology's, so `NUM_MAX_NVL_PEERS`-wide
@@ -74,8 +74,6 @@ import numpy as np
 from ...jit.launch import PTR, KernelSpec, Param, load_kernels
 from ...runtime import interop
 
-LOW_LATENCY_ACROSS_DOMAINS = ('low-latency mode across scale-up domains (low_latency_dispatch / low_latency_combine '
-                              'over NVLink inside a domain and rails between) is not implemented in deepep_cupy yet')
 MAX_DOMAINS = 16                # features/hybrid/kernels.py MAX_DOMAINS (kV1MaxDomains)
 MAX_SCALEUP_RANKS = 8           # kV1MaxScaleup: the intranode engine's ranks per domain
 NUM_MAX_CHANNELS = 128          # V1 channels (config.num_sms // 2), as intranode
@@ -90,13 +88,10 @@ def check_domains(num_ranks: int, num_domains: int, num_scaleup_ranks: int, low_
                                       f'{max_scaleup_ranks} ranks per domain')
         return
     assert num_domains * num_scaleup_ranks == num_ranks, (num_domains, num_scaleup_ranks, num_ranks)
-    if low_latency_mode:
-        raise NotImplementedError(f'{num_ranks} ranks in {num_domains} scale-up domains of {num_scaleup_ranks}: '
-                                  f'{LOW_LATENCY_ACROSS_DOMAINS}; build the Buffer with low_latency_mode=False '
-                                  f'(normal mode) or run inside one domain')
     if num_domains > MAX_DOMAINS or num_scaleup_ranks > MAX_SCALEUP_RANKS:
+        modes = 'normal and low-latency modes' if low_latency_mode else 'normal mode'
         raise NotImplementedError(f'{num_ranks} ranks in {num_domains} scale-up domains of {num_scaleup_ranks}: '
-                                  f'normal mode across domains runs at most {MAX_DOMAINS} domains of at most '
+                                  f'{modes} across domains run at most {MAX_DOMAINS} domains of at most '
                                   f'{MAX_SCALEUP_RANKS} ranks')
 
 
