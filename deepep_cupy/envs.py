@@ -1,10 +1,12 @@
 """Every environment variable deepep_cupy reads, in one place (documented in the README).
 
-Values are read when asked for, never at import, so tests can change them in-process.
+Values are read when asked for, never at import, so tests can change them in-process. The knobs that choose a kernel
+design or a stream policy are read together, once per buffer (`DesignKnobs`), and compared across its ranks.
 """
 
 import os
-from typing import Optional
+from dataclasses import astuple, dataclass, fields
+from typing import Optional, Sequence
 
 _TRUE = ('1', 'true', 'yes', 'on')
 
@@ -74,14 +76,14 @@ def rail_transport() -> str:
 def hybrid_pipeline() -> bool:
     """`DEEPEP_CUPY_HYBRID_PIPELINE` (bool, default off): hybrid dispatches send the rail payload in chunks on a side
     stream while the intranode dispatch forwards the rows already landed, and hybrid combines reduce the tokens of
-    each landed rail chunk while the next ones travel (P2, features/hybrid/feature.py); every rank must set the same
-    value."""
+    each landed rail chunk while the next ones travel (P2, features/hybrid/feature.py). A design knob
+    (`DesignKnobs`)."""
     return _get_bool('DEEPEP_CUPY_HYBRID_PIPELINE')
 
 
 def hybrid_pipeline_rows() -> int:
     """`DEEPEP_CUPY_HYBRID_PIPELINE_ROWS` (int, default 0 = automatic): rail rows per chunk of a pipelined hybrid
-    dispatch's payload and combine's exchange (the same on every rank)."""
+    dispatch's payload and combine's exchange. A design knob (`DesignKnobs`)."""
     return _get_int('DEEPEP_CUPY_HYBRID_PIPELINE_ROWS', 0)
 
 
@@ -116,18 +118,10 @@ def shadow_deep_ep() -> bool:
     return _get_bool('DEEPEP_CUPY_SHADOW_DEEP_EP')
 
 
-def ep_legacy_dispatch() -> bool:
-    """`DEEPEP_CUPY_EP_LEGACY_DISPATCH` (bool, default off): EP dispatch with the previous kernels (a send kernel that
-    walks the tokens, then a receive epilogue that starts once every source finished) instead of the dispatch kernel
-    whose receivers copy each chunk as soon as it arrives. Read when a buffer's EP feature is made; every rank must
-    set it alike."""
-    return _get_bool('DEEPEP_CUPY_EP_LEGACY_DISPATCH')
-
-
 def ep_dispatch_overlap() -> bool:
     """`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` (bool, default on): a dispatch without CPU sync (or cached) runs its send and
     receive in one launch, the receive overlapping the send; off: a send launch, then a receive launch (as with CPU
-    sync). Read when a buffer's EP feature is made."""
+    sync). A design knob (`DesignKnobs`)."""
     return _get_bool('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', True)
 
 
@@ -138,8 +132,8 @@ def ep_fused_notify() -> Optional[bool]:
     kernel, then the dispatch kernel. Unset (None): at one rank without expansion only, where the receivers count for
     themselves and need nothing from the notify blocks (the faster design there at prefill and decode sizes); on:
     wherever it can serve; off: never. Needs the dispatch in one launch (`DEEPEP_CUPY_EP_DISPATCH_OVERLAP` on, or one
-    rank) and is ignored with `DEEPEP_CUPY_EP_LEGACY_DISPATCH`; calls it cannot serve (features/ep/fused.py
-    `fused_refusal`) use the two kernels. Read when a buffer's EP feature is made; every rank must set it alike."""
+    rank); calls it cannot serve (features/ep/fused.py `fused_refusal`) use the two kernels. A design knob
+    (`DesignKnobs`)."""
     return _get_optional_bool('DEEPEP_CUPY_EP_FUSED_NOTIFY')
 
 
@@ -147,24 +141,24 @@ def ep_fused_cooperative() -> bool:
     """`DEEPEP_CUPY_EP_FUSED_COOPERATIVE` (bool, default on): launch the fused notify and dispatch
     (`DEEPEP_CUPY_EP_FUSED_NOTIFY`) cooperatively, so that the driver guarantees its blocks are co-resident (they wait
     for each other). Off: a plain launch of the same grid (at most one block per SM, as the dispatch and combine
-    kernels are launched), for a setting that refuses cooperative launches (e.g. a graph capture). Read when a
-    buffer's EP feature is made."""
+    kernels are launched), for a setting that refuses cooperative launches (e.g. a graph capture). A design knob
+    (`DesignKnobs`)."""
     return _get_bool('DEEPEP_CUPY_EP_FUSED_COOPERATIVE', True)
 
 
 def always_comm_stream() -> bool:
     """`DEEPEP_CUPY_ALWAYS_COMM_STREAM` (bool, default off): run every call on the buffer's communication stream, as
     DeepEP does. Off: a synchronous call without `previous_event` whose outputs are allocated on the current stream
-    runs on the current stream (the same order, without four event records / waits; runtime/streams.py). Read when a
-    buffer is made."""
+    runs on the current stream (the same order, without four event records / waits; runtime/streams.py). A design
+    knob (`DesignKnobs`)."""
     return _get_bool('DEEPEP_CUPY_ALWAYS_COMM_STREAM')
 
 
 def combine_cap_all_sms() -> bool:
     """`DEEPEP_CUPY_COMBINE_CAP_ALL_SMS` (bool, default off): a combine's `num_sms` (0: the dispatch's) caps every SM
     it takes, senders and reducers together (half each), for callers that overlap compute with it. Off: DeepEP's
-    meaning, `num_sms` sending SMs, the reducers take the SMs left (features/ep/plan.py `combine_blocks`). Read when a
-    buffer's EP feature is made."""
+    meaning, `num_sms` sending SMs, the reducers take the SMs left (features/ep/plan.py `combine_blocks`). A design
+    knob (`DesignKnobs`)."""
     return _get_bool('DEEPEP_CUPY_COMBINE_CAP_ALL_SMS')
 
 
@@ -185,3 +179,47 @@ def tcp_secret() -> Optional[str]:
     one per job)."""
     value = os.environ.get('DEEPEP_CUPY_TCP_SECRET')
     return None if value is None or value == '' else check_tcp_secret(value)
+
+
+@dataclass(frozen=True)
+class DesignKnobs:
+    """The knobs that choose a kernel design or a stream policy, which every rank of a buffer must set alike (the
+    ranks of one exchange must run one protocol): read once when a buffer is made (`from_env`) and compared across its
+    ranks then, with the rest of its configuration (buffers/base.py); its features read them here, not from the
+    environment. Each field is the value of the function of the same name (the variable `DEEPEP_CUPY_<FIELD>`)."""
+
+    ep_dispatch_overlap: bool = True
+    ep_fused_notify: Optional[bool] = None
+    ep_fused_cooperative: bool = True
+    combine_cap_all_sms: bool = False
+    always_comm_stream: bool = False
+    hybrid_pipeline: bool = False
+    hybrid_pipeline_rows: int = 0
+
+    @classmethod
+    def from_env(cls) -> 'DesignKnobs':
+        return cls(ep_dispatch_overlap=ep_dispatch_overlap(), ep_fused_notify=ep_fused_notify(),
+                   ep_fused_cooperative=ep_fused_cooperative(), combine_cap_all_sms=combine_cap_all_sms(),
+                   always_comm_stream=always_comm_stream(), hybrid_pipeline=hybrid_pipeline(),
+                   hybrid_pipeline_rows=hybrid_pipeline_rows())
+
+    def wire(self) -> tuple:
+        """The values as a plain tuple (what a host all-gather carries: the TCP group decodes no other classes)."""
+        return astuple(self)
+
+    @staticmethod
+    def check_alike(gathered: Sequence[tuple], rank: int) -> None:
+        """`ValueError` naming every knob whose value differs between the ranks' `wire()` tuples `gathered` (index:
+        rank) and the ranks of each value; `rank`: this rank (for the message)."""
+        problems = []
+        for i, f in enumerate(fields(DesignKnobs)):
+            ranks_of = {}
+            for r, values in enumerate(gathered):
+                ranks_of.setdefault(values[i], []).append(r)
+            if len(ranks_of) > 1:
+                shown = '; '.join(f'ranks {ranks}: {"unset" if v is None else repr(v)}'
+                                  for v, ranks in ranks_of.items())
+                problems.append(f'DEEPEP_CUPY_{f.name.upper()} ({shown})')
+        if problems:
+            raise ValueError(f'{", ".join(problems)}: these environment variables choose a kernel design or stream '
+                             f'policy and must be set alike on every rank of a buffer (this is rank {rank})')

@@ -235,10 +235,10 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
     // Before writing into peer d's notify area (counts and rows), d must be done reading what we wrote there for its
     // previous notify: wait for data_consumed[d] (written by d, in our control area) to reach the data epoch of our
     // last dispatch. d publishes it at the end of that dispatch's receive, which its stream runs after its notify.
-    // ep_dispatch_legacy.cu's receive waits for every source, so no rank can start its next notify before every peer
-    // finished this one; the fused kernel's receivers wait only for the chunks they receive, so a rank that exchanges
-    // no tokens with d could otherwise overwrite d's area while d still reads it. Normally already true: the next
-    // dispatch's senders wait for the same signal, and d's own notify signal (waited for below) comes after it.
+    // The dispatch receivers (ep_dispatch.cu, ep_fused.cu) wait only for the chunks they receive, so a rank that
+    // exchanges no tokens with d could otherwise overwrite d's area while d still reads it. Normally already true:
+    // the next dispatch's senders wait for the same signal, and d's own notify signal (waited for below) comes after
+    // it.
     if (kNumRanks > 1 &&
         !wait_all_peers(peers, kSigDataConsumed, kNumRanks, read_local(ctrl + kCtrlDataEpoch), timeout_ns, sink,
                         kPhaseNotify))

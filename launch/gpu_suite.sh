@@ -201,10 +201,8 @@ ep_lane_shared() {
     step "ep np=2 pressure 100 seeds (sharing)" 300 $ONE $R 2 $EP --num-tokens 256 --hidden 1024 \
         --do-pressure-test --skip-perf-test --skip-timeout-test --num-create-destroy 0 --unbalanced-ratio 2 \
         --precise-unbalanced-ratio --num-topk 8
-    # The dispatch knobs (deepep_cupy/envs.py): send and receive as two launches, and the previous kernels.
+    # The dispatch knob (deepep_cupy/envs.py): send and receive as two launches.
     step "ep np=2 DISPATCH_OVERLAP=0 (sharing)" 300 env DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0 $ONE $R 2 $EP \
-        --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
-    step "ep np=2 LEGACY_DISPATCH=1 (sharing)" 300 env DEEPEP_CUPY_EP_LEGACY_DISPATCH=1 $ONE $R 2 $EP \
         --num-tokens 256 --hidden 2048 --skip-perf-test --skip-timeout-test --num-create-destroy 0
 }
 ephost_lane() {
@@ -337,10 +335,7 @@ legacy_lane() {
         step "legacy intranode np=$n (sharing 1 GPU)" 300 $ONE $R $n $PY -m deepep_cupy.tests.legacy_intranode \
             --num-tokens 512 --hidden 2048 --skip-perf-test
     done
-    # V1's receive-side outputs (recv_src_idx, num_worst_tokens rows) on the previous dispatch kernels too, and with
-    # send and receive as two launches.
-    step "legacy intranode np=2 LEGACY_DISPATCH=1 (sharing)" 300 env DEEPEP_CUPY_EP_LEGACY_DISPATCH=1 $ONE $R 2 \
-        $PY -m deepep_cupy.tests.legacy_intranode --num-tokens 512 --hidden 2048 --skip-perf-test
+    # V1's receive-side outputs (recv_src_idx, num_worst_tokens rows) with send and receive as two launches too.
     step "legacy intranode np=2 DISPATCH_OVERLAP=0 (sharing)" 300 env DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0 $ONE $R 2 \
         $PY -m deepep_cupy.tests.legacy_intranode --num-tokens 512 --hidden 2048 --skip-perf-test
 }

@@ -2,12 +2,12 @@
 and in a CUDA graph, the plain-copy baseline of the same received bytes, the other features' host time, and a summary
 against issue 11's targets.
 
-    launch/run_local.sh 1 python perf/ep_profile.py [--tokens 128,4096] [--num-sms 22] [--variants default,legacy]
+    launch/run_local.sh 1 python perf/ep_profile.py [--tokens 128,4096] [--num-sms 22] [--variants default,fused]
 
 Per variant (default: the library's defaults, at one rank the no-sync dispatch is the fused kernel; two-kernels:
 DEEPEP_CUPY_EP_FUSED_NOTIFY=0, the notify kernel then the dispatch kernel; no-overlap:
-DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0; legacy: DEEPEP_CUPY_EP_LEGACY_DISPATCH=1; fused: DEEPEP_CUPY_EP_FUSED_NOTIFY=1, the
-no-sync dispatch as one launch at any rank count), tokens and dtype (BF16, FP8):
+DEEPEP_CUPY_EP_DISPATCH_OVERLAP=0; fused: DEEPEP_CUPY_EP_FUSED_NOTIFY=1, the no-sync dispatch as one launch at any
+rank count), tokens and dtype (BF16, FP8):
   [host]      host wall time of one call: median from idle (GPU idle and ranks aligned before each call), and per call
               back to back (the best of --host-batches batches' means); CPU-sync dispatches also the median, from
               idle, from the moment the host has the receive counts to the call's return (issue 11's "beyond the
@@ -56,10 +56,10 @@ from deepep_cupy.runtime import preflight  # noqa: E402  (torch-free: --help nee
 # Kernel names as the profiler shows them (features/ep/kernels.py, runtime/host_range.py), each matched as a
 # substring, and the label printed for it.
 KERNELS = (('value_range_kernel', 'range'), ('fused_notify_and_dispatch', 'fused'), ('notify_dispatch', 'notify'),
-           ('dispatch_impl_with_dispatch_copy_epilogue_impl', 'dispatch'), ('dispatch_send_legacy', 'send'),
-           ('dispatch_recv_legacy', 'recv'), ('combine_impl_with_combine_reduce_epilogue_impl', 'combine'))
+           ('dispatch_impl_with_dispatch_copy_epilogue_impl', 'dispatch'),
+           ('combine_impl_with_combine_reduce_epilogue_impl', 'combine'))
 VARIANTS = {'default': {}, 'no-overlap': {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'},
-            'legacy': {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}, 'fused': {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'},
+            'fused': {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'},
             'two-kernels': {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '0'}}
 
 
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--host-batches', type=int, default=5,
                    help='[host] back to back: the best of this many batches of --num-calls calls')
     p.add_argument('--graph-max-tokens', type=int, default=512, help='also CUDA-graph replays up to this size')
-    p.add_argument('--variants', default='default,no-overlap,legacy',
+    p.add_argument('--variants', default='default,no-overlap',
                    help=f'dispatch variants, comma separated, of {sorted(VARIANTS)}')
     p.add_argument('--skip-features', action='store_true', help='skip the other features\' host times')
     p.add_argument('--profile', action='store_true', help='cProfile of each case (rank 0)')
@@ -307,8 +307,7 @@ def run_variant(variant, runner, args, group, timer):
     from deepep_cupy import ElasticBuffer
     from deepep_cupy.utils.math import per_token_cast_to_fp8
     log = runner.log
-    saved = {k: os.environ.get(k) for k in ('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', 'DEEPEP_CUPY_EP_LEGACY_DISPATCH',
-                                            'DEEPEP_CUPY_EP_FUSED_NOTIFY')}
+    saved = {k: os.environ.get(k) for k in ('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', 'DEEPEP_CUPY_EP_FUSED_NOTIFY')}
     os.environ.update(VARIANTS[variant])
     tokens = [int(t) for t in args.tokens.split(',')]
     try:

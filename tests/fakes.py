@@ -7,6 +7,7 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
+from deepep_cupy import envs
 from deepep_cupy.buffers.elastic import ElasticBuffer
 from deepep_cupy.jit import launch
 from deepep_cupy.runtime.group import ProcessGroup
@@ -157,7 +158,8 @@ def make_buffer(num_ranks: int = 2, rank: int = 0, num_bytes: int = 64 << 20, de
         stream_order=stream_order(comm), sym=sym, nccl=None,
         topology=SimpleNamespace(scaleup_peers=list(range(num_ranks))), num_max_tokens_per_rank=0, hidden=0,
         num_topk=0, allow_multiple_reduction=True, prefer_overlap_with_compute=True, num_allocated_qps=17,
-        _nvlink_gbs=450.0, _ep=None, _pp=None, _agrs=None, _engram=None, _lb=None)
+        _nvlink_gbs=450.0, _ep=None, _pp=None, _agrs=None, _engram=None, _lb=None,
+        design=envs.DesignKnobs.from_env())
     buf.__dict__.update(attrs)
     return buf
 

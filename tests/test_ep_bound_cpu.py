@@ -141,7 +141,7 @@ def test_bound_calls_keep_no_caller_array_alive(monkeypatch):
 def test_the_first_dispatch_claims_the_region_only_once_its_checks_pass(monkeypatch):
     x, idx, _ = ep_tests.make_inputs()
     buf = ep_tests.fakes.make_buffer(R, 0, 1 << 30)             # no MoE settings: the first dispatch lays out
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: ep_tests.RecordingKernels([]))
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: ep_tests.RecordingKernels([]))
     current = ep_tests.fakes.FakeStream('current')
     monkeypatch.setattr(ep_tests.interop, 'stream_getter', lambda kind, device: lambda: current)
     ep = buf._ep_feature()
@@ -172,14 +172,8 @@ def test_dispatch_launch_structure_per_mode_and_knob(monkeypatch):
     # Overlap off: a no-sync dispatch runs like a CPU-sync one, send then receive.
     monkeypatch.setenv('DEEPEP_CUPY_EP_DISPATCH_OVERLAP', '0')
     buf = ep_tests.make_buffer(monkeypatch)
-    buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
-    assert _phases(buf.launches) == [notify, (DISPATCH, send, 4), (DISPATCH, recv, 0)]
-    # Legacy: the previous kernels.
-    monkeypatch.setenv('DEEPEP_CUPY_EP_LEGACY_DISPATCH', '1')
-    buf = ep_tests.make_buffer(monkeypatch)
     out = buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
-    assert [n for n, _, _ in _phases(buf.launches)] == ['deepep::notify_dispatch', 'deepep::dispatch_send_legacy',
-                                                        'deepep::dispatch_recv_legacy']
+    assert _phases(buf.launches) == [notify, (DISPATCH, send, 4), (DISPATCH, recv, 0)]
     buf.launches.clear()
     buf.combine(torch.zeros(out[3].num_rows, H, dtype=torch.bfloat16), out[3])
     assert [n for n, _, _ in _phases(buf.launches)] == ['deepep::combine_impl_with_combine_reduce_epilogue_impl']
@@ -200,7 +194,7 @@ def test_one_rank_dispatches_in_one_launch_without_senders(monkeypatch):
         combine = {lr: ep_tests.fakes.RecordingKernel(ep_tests.ep_kernels.combine_spec(1, b, lr), log)
                    for lr in (True, False)}
     buf = ep_tests.fakes.make_buffer(1, 0, 1 << 30, num_max_tokens_per_rank=M, num_topk=K)
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: OneRankKernels)
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: OneRankKernels)
     current = ep_tests.fakes.FakeStream('current')
     monkeypatch.setattr(ep_tests.interop, 'stream_getter', lambda kind, device: lambda: current)
     ep = buf._ep_feature()

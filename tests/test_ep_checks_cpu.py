@@ -143,9 +143,8 @@ def test_topk_buckets():
         for k in ep_kernels.SUPPORTED_TOPK:
             for specs in ep_kernels.specs_for(n, constants.topk_bucket(k)).values():
                 assert {s.name for s in specs} <= names
-    # notify, dispatch, two combines, the legacy send and receive, the fused notify and dispatch per (ranks, bucket);
-    # one shared range kernel.
-    assert sum(len(v) for v in shipped.values()) == 8 * 6 * 7 + 1
+    # notify, dispatch, two combines, the fused notify and dispatch per (ranks, bucket); one shared range kernel.
+    assert sum(len(v) for v in shipped.values()) == 8 * 6 * 5 + 1
 
 
 def invalid_cases(dispatch, combine, handle, other_handle, recv, x, idx, w):
@@ -252,8 +251,6 @@ class RecordingKernels:
         b, r = constants.topk_bucket(K), num_ranks
         self.notify = fakes.RecordingKernel(ep_kernels.notify_spec(r, b), log)
         self.dispatch = fakes.RecordingKernel(ep_kernels.dispatch_spec(r, b), log)
-        self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(r, b), log)
-        self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(r, b), log)
         self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(r, b, lr), log) for lr in (True, False)}
         self.fused = fakes.RecordingKernel(ep_kernels.fused_dispatch_spec(r, b), log)
 
@@ -268,7 +265,7 @@ def make_buffer(monkeypatch, num_bytes=1 << 30, num_ranks=R):
     log = []
     buf.launches = log
     monkeypatch.setattr(ep_feature, 'EPKernels',
-                        lambda num_ranks, bucket, legacy=False: RecordingKernels(log, num_ranks))
+                        lambda num_ranks, bucket: RecordingKernels(log, num_ranks))
     current = fakes.FakeStream('current')
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
     monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)
@@ -334,7 +331,7 @@ def test_buffer_too_small_is_a_value_error(monkeypatch, inputs):
     x = torch.zeros(M, hidden, dtype=torch.bfloat16)
     buf = fakes.make_buffer(R, 0, 2 << 20, num_max_tokens_per_rank=M)
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: fakes.FakeStream('current'))
-    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket, legacy=False: RecordingKernels([]))
+    monkeypatch.setattr(ep_feature, 'EPKernels', lambda num_ranks, bucket: RecordingKernels([]))
     ep = buf._ep_feature()
     monkeypatch.setattr(ep, '_start_range', lambda topk_idx, ptr, n, k, stream: cpu_range_of(topk_idx))
     assert layout.buffer_size_hint(R, M, hidden, K) > 2 << 20

@@ -1,7 +1,7 @@
 """The fused notify and dispatch (`DEEPEP_CUPY_EP_FUSED_NOTIFY`, kernels_cu/ep_fused.cu) without a GPU: its sizes and
 refusals (features/ep/fused.py), and the host wiring (features/ep/bound.py): a no-sync dispatch is ONE cooperative
-launch whose arguments are the notify's and the dispatch's of the two-kernel path; CPU-sync, cached, legacy and
-two-launch dispatches keep their kernels. The kernel's declaration against its signature: tests/test_peer_copy.py;
+launch whose arguments are the notify's and the dispatch's of the two-kernel path; CPU-sync, cached and two-launch
+dispatches keep their kernels. The kernel's declaration against its signature: tests/test_peer_copy.py;
 its compilation for sm_90: tests/test_jit.py (slow)."""
 
 import os
@@ -96,8 +96,7 @@ def test_count_blocks_match_the_kernel():
 
 
 def _buffer(monkeypatch, num_ranks=R, **env):
-    for k in ('DEEPEP_CUPY_EP_FUSED_NOTIFY', 'DEEPEP_CUPY_EP_FUSED_COOPERATIVE', 'DEEPEP_CUPY_EP_LEGACY_DISPATCH',
-              'DEEPEP_CUPY_EP_DISPATCH_OVERLAP'):
+    for k in ('DEEPEP_CUPY_EP_FUSED_NOTIFY', 'DEEPEP_CUPY_EP_FUSED_COOPERATIVE', 'DEEPEP_CUPY_EP_DISPATCH_OVERLAP'):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -199,10 +198,6 @@ def test_other_dispatches_keep_their_kernels(monkeypatch):
     buf = _buffer(monkeypatch, DEEPEP_CUPY_EP_DISPATCH_OVERLAP='0', **on)     # two launches asked for (2 ranks)
     buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
     assert [e.name.split('<')[0] for e in buf.launches] == [NOTIFY, DISPATCH, DISPATCH]
-    buf = _buffer(monkeypatch, DEEPEP_CUPY_EP_LEGACY_DISPATCH='1', **on)      # the previous kernels win
-    buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
-    assert [e.name.split('<')[0] for e in buf.launches] == [NOTIFY, 'deepep::dispatch_send_legacy',
-                                                            'deepep::dispatch_recv_legacy']
     buf = _buffer(monkeypatch, DEEPEP_CUPY_EP_FUSED_COOPERATIVE='0', **on)    # a plain launch of the same grid
     buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False)
     assert [(e.name.split('<')[0], e.cooperative) for e in buf.launches] == [(FUSED, False)]

@@ -1,7 +1,7 @@
 """The host side of a dispatch (features/ep/bound.py) without a GPU, as the GPU timeline sees it:
 - order: without a CPU sync every allocation, view and argument patch comes before the first launch and the launches
   follow back to back (no host gap between the notify and the dispatch), for each launch structure (one launch,
-  send + receive, the legacy kernels, the fused launch, a cached dispatch); a CPU-sync dispatch keeps notify, send,
+  send + receive, the fused launch, a cached dispatch); a CPU-sync dispatch keeps notify, send,
   the wait for the counts, then the receive, its outputs allocated after the wait or, speculated for the last call's
   sizes (lean path, outputs carved), before it (kept on a hit, freed before the right ones on a miss);
 - one allocation: decode-sized recv_x / recv_sf are carved out of the call's small-outputs allocation (no-sync: the
@@ -114,7 +114,6 @@ def assert_launches_back_to_back(seen, num_launches):
 @pytest.mark.parametrize('structure, env, num_launches', [
     ('one launch', {}, 2),
     ('send + receive', {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'}, 3),
-    ('legacy kernels', {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'}, 3),
     ('fused', {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}, 1),
 ])
 @pytest.mark.parametrize('fp8, tma', [(False, False), (True, False), (True, True)])
@@ -145,7 +144,7 @@ def test_no_sync_dispatch_prepares_everything_then_launches_back_to_back(monkeyp
     if structure in ('one launch', 'fused'):        # (the lean paths: no separate send launch)
         assert b.run is ep_lean.run_no_sync and (b.call_patch_x is None) == carved
     # Cached with the handle: the send (if any) and the receive back to back after the one allocation.
-    cached = 2 if structure in ('send + receive', 'legacy kernels') else 1
+    cached = 2 if structure == 'send + receive' else 1
     buf.launches.clear()
     _, seen = record_host_calls(lambda: buf.dispatch(xin, handle=out[3], use_tma_aligned_col_major_sf=tma))
     assert len(buf.launches) == cached
@@ -361,8 +360,7 @@ def test_cupy_views_sit_where_the_torch_views_do(monkeypatch, tma):
             (dtype, shape, byte_offset, tuple(strides))
 
 
-@pytest.mark.parametrize('env', [{}, {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'}, {'DEEPEP_CUPY_EP_LEGACY_DISPATCH': '1'},
-                                 {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}])
+@pytest.mark.parametrize('env', [{}, {'DEEPEP_CUPY_EP_DISPATCH_OVERLAP': '0'}, {'DEEPEP_CUPY_EP_FUSED_NOTIFY': '1'}])
 @pytest.mark.parametrize('fp8', [False, True])
 def test_one_patch_of_a_no_sync_dispatch_writes_what_the_block_patches_do(monkeypatch, env, fp8):
     """A no-sync dispatch with recv_x carved patches every launch's pointers with one generated function

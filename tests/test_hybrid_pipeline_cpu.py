@@ -342,7 +342,7 @@ def test_pipelined_no_sync_and_cached_are_static(monkeypatch):
     assert len(rails_.plans) == 1
 
 
-def test_pipeline_refuses_fused_or_legacy_intranode_kernels(monkeypatch):
+def test_pipeline_refuses_the_fused_intranode_kernel(monkeypatch):
     monkeypatch.setenv('DEEPEP_CUPY_HYBRID_PIPELINE', '1')
     buf = fakes.make_buffer(num_ranks=hf.N * hf.R, rank=0, num_scaleup_ranks=hf.R, num_scaleout_ranks=hf.N,
                             scaleup_rank_idx=0, scaleout_rank_idx=0)
@@ -357,7 +357,7 @@ def test_pipeline_refuses_fused_or_legacy_intranode_kernels(monkeypatch):
 @pytest.mark.parametrize('cpu_sync', [False, True])
 def test_intranode_dispatch_takes_the_guard(monkeypatch, cpu_sync):
     import test_ep_checks_cpu as ep_tests
-    for k in ('DEEPEP_CUPY_EP_FUSED_NOTIFY', 'DEEPEP_CUPY_EP_LEGACY_DISPATCH', 'DEEPEP_CUPY_EP_DISPATCH_OVERLAP'):
+    for k in ('DEEPEP_CUPY_EP_FUSED_NOTIFY', 'DEEPEP_CUPY_EP_DISPATCH_OVERLAP'):
         monkeypatch.delenv(k, raising=False)
     buf = ep_tests.make_buffer(monkeypatch)
     g = torch.Generator().manual_seed(0)

@@ -141,8 +141,6 @@ class RecordingKernels:
         self.notify = fakes.RecordingKernel(ep_kernels.notify_spec(num_ranks, bucket), log)
         self.topk_range = None
         self.dispatch = fakes.RecordingKernel(ep_kernels.dispatch_spec(num_ranks, bucket), log)
-        self.dispatch_send = fakes.RecordingKernel(ep_kernels.dispatch_send_spec(num_ranks, bucket), log)
-        self.dispatch_recv = fakes.RecordingKernel(ep_kernels.dispatch_recv_spec(num_ranks, bucket), log)
         self.combine = {lr: fakes.RecordingKernel(ep_kernels.combine_spec(num_ranks, bucket, lr), log)
                         for lr in (True, False)}
 
@@ -155,7 +153,7 @@ class World:
         self.max = None
         world = self
         monkeypatch.setattr(ep_feature, 'EPKernels',
-                            lambda num_ranks, bucket, legacy=False: RecordingKernels(num_ranks, bucket, world.log))
+                            lambda num_ranks, bucket: RecordingKernels(num_ranks, bucket, world.log))
         current = fakes.FakeStream('current')
         monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
         monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)

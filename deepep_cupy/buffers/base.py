@@ -16,6 +16,7 @@ for it (V2.5 `EPBuffer`: the load-balancing pools; `EngramBuffer`: GPU tables).
 from typing import Any, Dict, Optional
 
 from ..constants import BUFFER_ALIGNMENT
+from ..envs import DesignKnobs
 from ..features.barrier import Barrier
 from ..runtime import errors, interop, workspace
 from ..runtime.checks import check_int
@@ -47,6 +48,16 @@ def _release_stream(device: int, stream) -> None:
     _STREAM_POOL.setdefault(device, []).append(stream)
 
 
+def check_configuration(group: ProcessGroup, what: str, settings: Dict[str, Any], timeout: float) -> DesignKnobs:
+    """The design knobs of this rank (`DesignKnobs.from_env`), after checking in one all-gather that `settings` and
+    the design knobs are the same on every rank of `group` (`ValueError` otherwise: a knob's names the knob)."""
+    design = DesignKnobs.from_env()
+    gathered = group.allgather_object((settings, design.wire()), timeout=timeout)
+    group.check_identical(what, [g[0] for g in gathered])
+    DesignKnobs.check_alike([g[1] for g in gathered], group.rank)
+    return design
+
+
 class BufferBase:
     """Symmetric memory, streams and a GPU barrier over a group of ranks.
 
@@ -73,6 +84,7 @@ class BufferBase:
     host_storage: Optional[HostStorage] = None
     _rail_barrier = None        # hybrid mode: the barrier along the rails (features/hybrid)
     error_rank_base = 0         # global rank of this domain's scale-up index 0 (timeout messages)
+    design = DesignKnobs()      # the design knobs (immutable; read from the environment at construction)
 
     def __init__(self, group=None, comm=None, num_bytes: int = 0, allow_hybrid_mode: bool = True,
                  num_cpu_timeout_secs: float = 300, num_gpu_timeout_secs: float = 100,
@@ -101,7 +113,8 @@ class BufferBase:
         settings = {'class': type(self).__name__, 'num_bytes': num_bytes, 'num_extra_bytes': num_extra_bytes,
                     'num_host_bytes': num_host_bytes, 'allow_hybrid_mode': self.allow_hybrid_mode,
                     'num_gpu_timeout_secs': self.num_gpu_timeout_secs, **(config or {})}
-        self.group.check_same(f'{type(self).__name__} configuration', settings, timeout=self.num_cpu_timeout_secs)
+        self.design = check_configuration(self.group, f'{type(self).__name__} configuration', settings,
+                                          self.num_cpu_timeout_secs)
 
         # select_device checks the host first (preflight.check_cuda): no driver, no CuPy, no NVRTC or no GPU raise its
         # one-line SetupError, so CuPy is imported only after it
@@ -129,7 +142,7 @@ class BufferBase:
                 raise
         self._owns_stream = comm_stream is None
         self.comm_stream = _acquire_stream(self.device) if comm_stream is None else comm_stream
-        self.stream_order = StreamOrder(self.comm_stream)
+        self.stream_order = StreamOrder(self.comm_stream, self.design.always_comm_stream)
         self._barrier = Barrier(self.sym, self.host_mapped.ptr, self.timeout_ns, with_tests=True)
         # No world NCCL communicator (ranks of several domains may share a GPU, which NCCL refuses): between scale-up
         # domains the barrier goes along the rails of the hybrid feature (`_rail_barrier`, set by it).

@@ -29,7 +29,7 @@ from ..runtime.group import get_group
 from ..runtime.nvlink import get_nvlink_gbs
 from ..runtime.streams import StreamOrder
 from ..runtime.topology import detect_topology, select_device
-from .base import BufferBase, _acquire_stream, _release_stream
+from .base import BufferBase, _acquire_stream, _release_stream, check_configuration
 from .legacy_config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config, table_config
 from .legacy_internode import InternodeEngine, InternodeMode, expected_internode_handle
 from .legacy_ll import LowLatencyMethods, LowLatencyMode
@@ -93,16 +93,16 @@ class Buffer(LowLatencyMethods):
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
         self.nvshmem_qp_depth = 1024
-        pg.check_same('Buffer configuration', {'num_nvl_bytes': num_nvl_bytes, 'num_rdma_bytes': num_rdma_bytes,
-                                               'low_latency_mode': self.low_latency_mode,
-                                               'enable_shrink': self.enable_shrink}, timeout=NUM_CPU_TIMEOUT_SECS)
+        self.design = check_configuration(pg, 'Buffer configuration', {
+            'num_nvl_bytes': num_nvl_bytes, 'num_rdma_bytes': num_rdma_bytes, 'low_latency_mode': self.low_latency_mode,
+            'enable_shrink': self.enable_shrink}, NUM_CPU_TIMEOUT_SECS)
         self.device = device = select_device(pg)
         topology = detect_topology(pg, device, allow_hybrid_mode=True)
         self.num_domains = num_domains = topology.num_scaleout_ranks
         self.num_scaleup_ranks = topology.num_scaleup_ranks
         check_domains(self.group_size, num_domains, self.num_scaleup_ranks, self.low_latency_mode, NUM_MAX_NVL_PEERS)
         self._stream = stream = _acquire_stream(device)
-        self._order = StreamOrder(stream)
+        self._order = StreamOrder(stream, self.design.always_comm_stream)
         self._layout = DispatchLayout(device, num_domains=num_domains)
         self._configs = {}
         self._normal = self._ll = None

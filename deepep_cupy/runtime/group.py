@@ -68,7 +68,10 @@ class ProcessGroup:
 
     def check_same(self, what: str, value: Any, timeout: Optional[float] = None) -> None:
         """Raise `ValueError` on every rank when `value` differs between ranks (a misconfigured job)."""
-        values = self.allgather_object(value, timeout=timeout)
+        self.check_identical(what, self.allgather_object(value, timeout=timeout))
+
+    def check_identical(self, what: str, values: List[Any]) -> None:
+        """`check_same` for values already gathered (`values[r]`: rank r's)."""
         if any(v != values[0] for v in values):
             groups = {}
             for r, v in enumerate(values):

@@ -34,17 +34,20 @@ class StreamOrder:
 
     Args:
         comm: the buffer's communication stream (a `cupy.cuda.Stream`).
+        always_comm_stream: every call on `comm` (`DesignKnobs.always_comm_stream`; None: read the environment).
     """
 
     __slots__ = ('comm', '_enter', '_leave', '_mark', '_tail', '_marked', '_mark_captured', 'local')
 
-    def __init__(self, comm):
+    def __init__(self, comm, always_comm_stream: Optional[bool] = None):
         self.comm = comm
         self._enter = self._leave = self._mark = None
         self._tail = None           # a stream ordered after every kernel of the buffer (None: only `comm` is)
         self._marked = False        # local kernels ran since `comm` last waited for `_mark`
         self._mark_captured = False     # `_mark` was recorded inside a CUDA graph capture
-        self.local = not envs.always_comm_stream()     # whether `enter` may run a call on the caller's stream
+        if always_comm_stream is None:
+            always_comm_stream = envs.always_comm_stream()
+        self.local = not always_comm_stream     # whether `enter` may run a call on the caller's stream
 
     def _events(self):
         import cupy

@@ -28,7 +28,7 @@ cupy.cuda.Device(0).use()
 cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))   # create the CUDA context outside the timed region
 num_ranks, num_topk = int(sys.argv[1]), int(sys.argv[2])
 families = {'barrier': barrier.all_specs(num_ranks),
-            **ep_kernels.specs_for(num_ranks, constants.topk_bucket(num_topk), legacy_dispatch=False)}
+            **ep_kernels.specs_for(num_ranks, constants.topk_bucket(num_topk))}
 out = {'import_s': t_import, 'families': {}}
 t_all = time.perf_counter()
 for family, specs in families.items():

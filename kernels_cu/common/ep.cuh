@@ -13,8 +13,8 @@
 //     [kFusedMaxCountBlocks], receiving block r's = data epoch << 32 | its count of received tokens
 //   signals, written by peers (index = the peer's scale-up rank), epochs that only grow:
 //     notify_signal[src]     at +256: src published its counts for notify epoch e into our notify area
-//     data_signal[src]       at +384: src finished writing its dispatch messages of data epoch e into our slots
-//                            (ep_dispatch_legacy.cu; ep_dispatch.cu releases chunk by chunk, see below)
+//     data_signal[src]       at +384: not written (the dispatch releases chunk by chunk, see below); kSigData
+//                            labels the dispatch chunk waits in timeout reports
 //     data_consumed[dst]     at +512: dst copied our messages of epoch e out of its slots (we may overwrite them);
 //                            notify also waits for it (epoch of our last dispatch) before writing into dst's notify
 //                            area: dst is then done reading what we wrote there for its previous notify

@@ -48,8 +48,6 @@ from .kernels import (
     NOTIFY_THREADS,
     PHASE_RECV,
     PHASE_SEND,
-    RECV_THREADS,
-    SEND_THREADS,
     dispatch_chunk_rows,
 )
 from .patch import Outputs as _Outputs
@@ -107,8 +105,7 @@ class BoundDispatch:
         tail = dict(peer_bases=sym.peer_bases_ptr, rank=sym.local_idx, error_record=ep._host_ptr,
                     timeout_ns=ep._buf.timeout_ns)
         x_row_bytes = xi.strides[0] * xi.itemsize
-        self.legacy_kernels = ep.legacy_dispatch      # the previous dispatch design (not DeepEP V1)
-        self.one_launch = not self.legacy_kernels and (R == 1 or (ep.dispatch_overlap and not p.do_cpu_sync))
+        self.one_launch = R == 1 or (ep.dispatch_overlap and not p.do_cpu_sync)
         self.num_send_blocks = 0 if R == 1 else min(p.num_sms, s.num_device_sms - 1)
         # DEEPEP_CUPY_EP_FUSED_NOTIFY: the notify and the dispatch in one launch (features/ep/fused.py), bound below
         # with the dispatch's arguments; `notify` is then that launch too (its notify arguments are patched alike).
@@ -159,14 +156,14 @@ class BoundDispatch:
         self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
         self.topk_copy_bytes = 4 * o[4]            # where the workspace keeps its topk_idx copy (if it has one)
         r = self.recv
-        guarded = not (self.fused or self.legacy_kernels)
+        guarded = not self.fused
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
         self.send_guard_idx, self.recv_guard_idx = guard_idx(self.send), guard_idx(r)
         # Whether the send / receive block holds a guard (bound without: patched while a guard is on, or to clear one)
         self._send_guarded = self._recv_guarded = False
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
-        self.recv_extra = 0 if self.send is not None or self.legacy_kernels else self.num_send_blocks
+        self.recv_extra = 0 if self.send is not None else self.num_send_blocks
         self.handle_fields = (p.do_expand, p.num_experts, p.expert_alignment, p.num_max_tokens_per_rank, p.num_sms,
                               p.num_tokens, K, p.hidden, p.kind, s.owner_id, do_cpu_sync, R, L, self.offsets)
         self.p = p.without_arrays()
@@ -214,9 +211,9 @@ class BoundDispatch:
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
         R, K, lay, sfi = self.num_ranks, self.num_topk, p.layout, p.sfi
-        # The dispatch launches. Default kernel (ep_dispatch.cu): with `one_launch` senders and receivers share one
-        # launch (no CPU sync or cached, and at one rank always: there is nothing to send); else a send-only launch
-        # before the host waits for the counts and a receive-only one after. Legacy: the previous two kernels.
+        # The dispatch launches (ep_dispatch.cu): with `one_launch` senders and receivers share one launch (no CPU
+        # sync or cached, and at one rank always: there is nothing to send); else a send-only launch before the host
+        # waits for the counts and a receive-only one after.
         d = dict(x=0, x_row_bytes=x_row_bytes, hidden_bytes=p.hidden_bytes, num_topk=K,
                  num_max_tokens_per_rank=p.num_max_tokens_per_rank, recv_offset=lay.dispatch_recv_offset, **tail)
         sf_strides = dict(sf_stride_token=sfi.strides[0] if sfi else 0, sf_stride_col=sfi.strides[1] if sfi else 0)
@@ -224,34 +221,28 @@ class BoundDispatch:
                     num_meta_rows=0, recv_x=0, recv_sf=0, recv_sf_stride_row=0, recv_sf_stride_col=0,
                     recv_topk_idx=0, recv_topk_weights=0, recv_src_metadata=0, recv_src_idx=0, recv_layout=0,
                     num_sf=p.num_sf, num_experts=p.num_experts)
-        if self.legacy_kernels:
-            self.send = kernels.dispatch_send.bind(
-                p.num_sms, SEND_THREADS, sf=0, num_sf=p.num_sf, topk_idx=0, topk_weights=0, send_pos=0,
-                send_expert_pos=0, num_tokens=p.num_tokens, **sf_strides, **d)
-            self.recv = kernels.dispatch_recv.bind(1, RECV_THREADS, **outs, **d)
+        chunk_rows = dispatch_chunk_rows(p.num_max_tokens_per_rank, R)
+        common = dict(sf=0, topk_idx=0, topk_weights=0, send_expert_pos=0, token_of_slot=0, send_count=0,
+                      num_tokens=p.num_tokens, chunk_rows=chunk_rows,
+                      chunk_stride=ceil_div(p.num_max_tokens_per_rank, chunk_rows), **sf_strides, **outs, **d)
+        if self.fused:
+            self.send = None
+            self.recv = self.notify = kernels.fused_dispatch().bind(
+                1, DISPATCH_THREADS, shared_mem=ep_fused.fused_smem_bytes(p.num_experts, R),
+                cooperative=self.fused_cooperative, num_send_blocks=self.num_send_blocks,
+                num_notify_blocks=self.num_notify_blocks,
+                **{**notify_args, **common})
+        elif self.one_launch:
+            self.send = None
+            self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_SEND | PHASE_RECV,
+                                              num_send_blocks=self.num_send_blocks, ready=0, ready_mod=0,
+                                              **common)
         else:
-            chunk_rows = dispatch_chunk_rows(p.num_max_tokens_per_rank, R)
-            common = dict(sf=0, topk_idx=0, topk_weights=0, send_expert_pos=0, token_of_slot=0, send_count=0,
-                          num_tokens=p.num_tokens, chunk_rows=chunk_rows,
-                          chunk_stride=ceil_div(p.num_max_tokens_per_rank, chunk_rows), **sf_strides, **outs, **d)
-            if self.fused:
-                self.send = None
-                self.recv = self.notify = kernels.fused_dispatch().bind(
-                    1, DISPATCH_THREADS, shared_mem=ep_fused.fused_smem_bytes(p.num_experts, R),
-                    cooperative=self.fused_cooperative, num_send_blocks=self.num_send_blocks,
-                    num_notify_blocks=self.num_notify_blocks,
-                    **{**notify_args, **common})
-            elif self.one_launch:
-                self.send = None
-                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_SEND | PHASE_RECV,
-                                                  num_send_blocks=self.num_send_blocks, ready=0, ready_mod=0,
-                                                  **common)
-            else:
-                self.send = kernels.dispatch.bind(self.num_send_blocks, DISPATCH_THREADS, phases=PHASE_SEND,
-                                                  num_send_blocks=self.num_send_blocks, ready=0, ready_mod=0,
-                                                  **common)
-                self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
-                                                  ready=0, ready_mod=0, **common)
+            self.send = kernels.dispatch.bind(self.num_send_blocks, DISPATCH_THREADS, phases=PHASE_SEND,
+                                              num_send_blocks=self.num_send_blocks, ready=0, ready_mod=0,
+                                              **common)
+            self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
+                                              ready=0, ready_mod=0, **common)
         if not p.cached:
             self.notify_idx = tuple(self.notify.index(n) for n in (
                 'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',

@@ -16,7 +16,6 @@ import dataclasses
 import weakref
 from typing import Any, Dict, Optional
 
-from ... import envs
 from ...constants import NUM_MAX_TOPK, topk_bucket
 from ...runtime import interop, workspace
 from ...runtime.event import as_event_handle
@@ -88,12 +87,14 @@ class EP:
         self._topk_range = HostRange(buf.host_mapped, HOST_RANGE_OFFSET)
         self._range_what = f'dispatch on rank {buf.rank_idx} (topk_idx)'
         self._bound: Dict[tuple, object] = {}       # call signature -> BoundDispatch / BoundCombine
-        # The dispatch kernels (envs.py; read once: every dispatch of a buffer uses one protocol, as every rank must).
-        self.legacy_dispatch, self.dispatch_overlap = envs.ep_legacy_dispatch(), envs.ep_dispatch_overlap()
+        # The dispatch kernels (the buffer's design knobs, envs.DesignKnobs: read when it was made and compared across
+        # its ranks; every dispatch of a buffer uses one protocol, as every rank must).
+        design = buf.design
+        self.dispatch_overlap = design.ep_dispatch_overlap
         # (None: unset, the fused kernel where its receivers count for themselves: `BoundDispatch`)
-        self.fused_notify = False if self.legacy_dispatch else envs.ep_fused_notify()
-        self.fused_cooperative = envs.ep_fused_cooperative()
-        self.combine_cap_all_sms = envs.combine_cap_all_sms()      # num_sms caps a combine's reducers too
+        self.fused_notify = design.ep_fused_notify
+        self.fused_cooperative = design.ep_fused_cooperative
+        self.combine_cap_all_sms = design.combine_cap_all_sms      # num_sms caps a combine's reducers too
         # Hybrid P2 (features/hybrid/feature.py) sets it around one dispatch: (counter address, rows modulo, SMs to
         # leave free); the dispatch kernel then waits for each input row to be ready (kernels_cu/ep_dispatch.cu).
         self.ready_guard = None
@@ -109,7 +110,7 @@ class EP:
         bucket = topk_bucket(num_topk)
         k = self._kernels.get(bucket)
         if k is None:
-            k = self._kernels[bucket] = EPKernels(self.settings.num_ranks, bucket, self.legacy_dispatch)
+            k = self._kernels[bucket] = EPKernels(self.settings.num_ranks, bucket)
             if self.fused_notify:
                 k.fused_dispatch()      # compiled with the others, not inside the first (maybe captured) dispatch
         return k

@@ -1,5 +1,5 @@
-"""Kernel declarations of the EP families (`kernels_cu/ep_notify.cu`, `ep_dispatch.cu`, `ep_combine.cu`, and the
-previous dispatch design `ep_dispatch_legacy.cu`) and the specialisations a buffer can request.
+"""Kernel declarations of the EP families (`kernels_cu/ep_notify.cu`, `ep_dispatch.cu`, `ep_combine.cu`,
+`ep_fused.cu`) and the specialisations a buffer can request.
 
 The kernels are templated on the number of scale-up ranks and on a top-k bucket (the smallest of
 `constants.TOPK_BUCKETS` that holds the exact top-k); the exact top-k is a run-time argument, `num_topk` ("top-k
@@ -18,8 +18,6 @@ from ...runtime.workspace import EP_CHUNK_SIGNAL, EP_DISPATCH_SIGNAL
 NOTIFY_THREADS = 256      # kernels_cu/ep_notify.cu kNotifyThreads (= tokens per block)
 DISPATCH_THREADS = 512    # kernels_cu/ep_dispatch.cu kDispatchThreads
 PHASE_SEND, PHASE_RECV = 1, 2                       # kernels_cu/ep_dispatch.cu kPhaseSend, kPhaseRecv
-SEND_THREADS = 512        # kernels_cu/ep_dispatch_legacy.cu
-RECV_THREADS = 512
 COMBINE_THREADS = 512
 COMBINE_CHUNK_ROWS = 16                             # rows per released chunk of the combine (kernels_cu/ep_combine.cu)
 COMBINE_CHUNK_SIGNAL_BYTES = EP_CHUNK_SIGNAL.num_bytes   # kernels_cu/common/ep.cuh kChunkSignalBytes
@@ -86,28 +84,6 @@ def fused_dispatch_spec(num_ranks: int, bucket: int) -> KernelSpec:
         _P('chunk_stride', np.int32), *_COMMON_TAIL, _P('recv_offset', np.uint64), *_ERR))
 
 
-def dispatch_send_spec(num_ranks: int, bucket: int) -> KernelSpec:
-    """The previous design's send kernel (`DEEPEP_CUPY_EP_LEGACY_DISPATCH`)."""
-    return KernelSpec('ep_dispatch_legacy', f'deepep::dispatch_send_legacy<{num_ranks}, {bucket}>', (
-        _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32),
-        _P('sf', PTR), _P('sf_stride_token', np.int64), _P('sf_stride_col', np.int64), _P('num_sf', np.int32),
-        _P('topk_idx', PTR), _P('topk_weights', PTR), _P('send_pos', PTR), _P('send_expert_pos', PTR),
-        _P('num_tokens', np.int32), _P('num_topk', np.int32), _P('num_max_tokens_per_rank', np.int32),
-        *_COMMON_TAIL, _P('recv_offset', np.uint64), *_ERR))
-
-
-def dispatch_recv_spec(num_ranks: int, bucket: int) -> KernelSpec:
-    """The previous design's receive epilogue (`DEEPEP_CUPY_EP_LEGACY_DISPATCH`)."""
-    return KernelSpec('ep_dispatch_legacy', f'deepep::dispatch_recv_legacy<{num_ranks}, {bucket}>', (
-        _P('x', PTR), _P('x_row_bytes', np.int64), _P('hidden_bytes', np.int32), _P('num_sf', np.int32),
-        _P('num_topk', np.int32), _P('num_experts', np.int32),
-        _P('num_max_tokens_per_rank', np.int32), _P('recv_layout', PTR), _P('do_expand', np.int32),
-        _P('do_zero_padding', np.int32), _P('num_out_rows', np.int32), _P('num_meta_rows', np.int32),
-        _P('recv_x', PTR), _P('recv_sf', PTR), _P('recv_sf_stride_row', np.int64), _P('recv_sf_stride_col', np.int64),
-        _P('recv_topk_idx', PTR), _P('recv_topk_weights', PTR), _P('recv_src_metadata', PTR), _P('recv_src_idx', PTR),
-        *_COMMON_TAIL, _P('recv_offset', np.uint64), *_ERR))
-
-
 def dispatch_chunk_rows(num_max_tokens_per_rank: int, num_ranks: int) -> int:
     """Slots per released chunk of a dispatch: 4 to 16 (about M / 32, so that decode-size calls still spread over
     the sending blocks), more when the signals of M slots would not fit their workspace region. A function of values
@@ -134,17 +110,14 @@ def combine_spec(num_ranks: int, bucket: int, local_reduce: bool) -> KernelSpec:
         _P('chunk_stride', np.int32), *_COMMON_TAIL, _P('combine_offset', np.uint64), *_ERR))
 
 
-def specs_for(num_ranks: int, bucket: int, legacy_dispatch: bool = True,
-              fused: bool = True) -> Dict[str, List[KernelSpec]]:
-    """Every EP kernel a buffer of `num_ranks` ranks needs for a top-k in `bucket`, by family (with the previous
-    dispatch design's family unless `legacy_dispatch` is False, the fused notify and dispatch unless `fused` is)."""
+def specs_for(num_ranks: int, bucket: int, fused: bool = True) -> Dict[str, List[KernelSpec]]:
+    """Every EP kernel a buffer of `num_ranks` ranks needs for a top-k in `bucket`, by family (with the fused notify
+    and dispatch unless `fused` is False)."""
     specs = {
         'ep_notify': [notify_spec(num_ranks, bucket), topk_range_spec()],
         'ep_dispatch': [dispatch_spec(num_ranks, bucket)],
         'ep_combine': [combine_spec(num_ranks, bucket, lr) for lr in (True, False)],
     }
-    if legacy_dispatch:
-        specs['ep_dispatch_legacy'] = [dispatch_send_spec(num_ranks, bucket), dispatch_recv_spec(num_ranks, bucket)]
     if fused:
         specs['ep_fused'] = [fused_dispatch_spec(num_ranks, bucket)]
     return specs
@@ -162,21 +135,17 @@ def shipped_specs(max_ranks: int) -> Dict[str, List[KernelSpec]]:
 
 
 class EPKernels:
-    """The loaded EP kernels for one (num_ranks, top-k bucket); the previous dispatch design's only with
-    `legacy_dispatch` (else `dispatch_send` / `dispatch_recv` are None); the fused one on request
-    (`fused_dispatch`)."""
+    """The loaded EP kernels for one (num_ranks, top-k bucket); the fused one on request (`fused_dispatch`)."""
 
-    def __init__(self, num_ranks: int, bucket: int, legacy_dispatch: bool = False):
+    def __init__(self, num_ranks: int, bucket: int):
         self.num_ranks, self.bucket = num_ranks, bucket
         self._fused = None
         loaded = {}
-        for family_specs in specs_for(num_ranks, bucket, legacy_dispatch, fused=False).values():
+        for family_specs in specs_for(num_ranks, bucket, fused=False).values():
             loaded.update(load_kernels(family_specs))
         self.notify = loaded[notify_spec(num_ranks, bucket).name]
         self.topk_range = loaded[topk_range_spec().name]
         self.dispatch = loaded[dispatch_spec(num_ranks, bucket).name]
-        self.dispatch_send = loaded.get(dispatch_send_spec(num_ranks, bucket).name)
-        self.dispatch_recv = loaded.get(dispatch_recv_spec(num_ranks, bucket).name)
         self.combine = {lr: loaded[combine_spec(num_ranks, bucket, lr).name] for lr in (True, False)}
 
     def fused_dispatch(self):

@@ -199,9 +199,9 @@ def allocate_x(carver, out: Outputs, x_dtype: str, sf_dtype: Optional[str], col_
 
 def check_guard(bound, guard) -> None:
     """Hybrid P2's readiness guard fits the bound dispatch `bound` (checked before any launch)."""
-    if bound.fused or bound.legacy_kernels:
+    if bound.fused:
         raise ValueError('the hybrid pipeline\'s readiness guard needs the default dispatch kernel (not '
-                         'DEEPEP_CUPY_EP_FUSED_NOTIFY / DEEPEP_CUPY_EP_LEGACY_DISPATCH)')
+                         'DEEPEP_CUPY_EP_FUSED_NOTIFY)')
     if bound.recv_extra + guard[2] >= bound.num_device_sms:
         raise ValueError(f'the hybrid pipeline leaves {guard[2]} SMs free beside {bound.recv_extra} sending '
                          f'blocks: more than the GPU has ({bound.num_device_sms}); lower num_sms')

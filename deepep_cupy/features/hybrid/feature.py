@@ -184,20 +184,19 @@ class HybridEP:
         self.rails = rails if rails is not None else HybridRails(buf, self.area, self._kernels_of(self.num_topk))
         self._seq = 0
         # P2 (DEEPEP_CUPY_HYBRID_PIPELINE): pipelined rails in dispatch; every rank must agree (the rail exchanges
-        # differ). `pipeline` may be switched per call (perf/hybrid_pipeline.py does, on every rank alike);
-        # `pipeline_rows` overrides the rows per payload chunk (0: hplan.pipeline_chunk_rows).
-        self.pipeline = bool(envs.hybrid_pipeline())
+        # differ: the buffer's design knobs, compared across its ranks when it was made, envs.DesignKnobs).
+        # `pipeline` may be switched per call (perf/hybrid_pipeline.py does, on every rank alike); `pipeline_rows`
+        # overrides the rows per payload chunk (0: DEEPEP_CUPY_HYBRID_PIPELINE_ROWS, else hplan.pipeline_chunk_rows).
+        self.pipeline = bool(buf.design.hybrid_pipeline)
         self.pipeline_rows = 0
-        if self.pipeline and (getattr(inner, 'fused_notify', False) or getattr(inner, 'legacy_dispatch', False)):
+        self._rows_setting = buf.design.hybrid_pipeline_rows
+        if self.pipeline and getattr(inner, 'fused_notify', False):
             raise ValueError('DEEPEP_CUPY_HYBRID_PIPELINE needs the default intranode dispatch kernel: unset '
-                             'DEEPEP_CUPY_EP_FUSED_NOTIFY and DEEPEP_CUPY_EP_LEGACY_DISPATCH')
+                             'DEEPEP_CUPY_EP_FUSED_NOTIFY')
         if getattr(inner, 'fused_notify', False) is None:
             # Unset: the two kernels even at one rank (`pipeline` may be switched on per call, and its readiness guard
             # is theirs; a bound dispatch keeps its kernels)
             inner.fused_notify = False
-        settings = buf.group.allgather_object(self.pipeline)
-        if len(set(settings)) != 1:
-            raise ValueError('DEEPEP_CUPY_HYBRID_PIPELINE must be set alike on every rank')
         self._side = None
         if self.pipeline and rails is None:
             self._payload_stream()      # made now, not inside a first call that a CUDA graph may be capturing
@@ -378,7 +377,7 @@ class HybridEP:
         rows-ready counter advances (`hplan.rows_ready_after`), which the intranode dispatch's guard polls. Only
         kernels and NCCL calls are enqueued between the chunks (no host work: capturable)."""
         N, n, Mc = self.N, self.domain, split.num_max_tokens
-        rows = self.pipeline_rows or hplan.pipeline_chunk_rows(Mc, split.payload_bytes, envs.hybrid_pipeline_rows())
+        rows = self.pipeline_rows or hplan.pipeline_chunk_rows(Mc, split.payload_bytes, self._rows_setting)
         plan = hplan.payload_plan(self.rails.rails, self.area, split, send_counts, recv_counts, rows)
         area, base = self.area, self.rails.base
 
@@ -464,7 +463,7 @@ class HybridEP:
         pipelined = self.pipeline
         chunk_bytes = 0
         if pipelined:
-            chunk_bytes = row * (self.pipeline_rows or hplan.pipeline_chunk_rows(Mc, row, envs.hybrid_pipeline_rows()))
+            chunk_bytes = row * (self.pipeline_rows or hplan.pipeline_chunk_rows(Mc, row, self._rows_setting))
         plan = plan_exchange(rails, area, 'combine', hplan.payloads(peers, handle.recv_counts, Mc, row),
                              hplan.payloads(peers, handle.send_counts, Mc, row), chunk_bytes=chunk_bytes)
         out_x = _empty(x, (T, hidden))
