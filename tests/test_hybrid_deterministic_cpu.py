@@ -213,10 +213,10 @@ class FakeInner:
     def _check_usable(self):
         pass
 
-    def dispatch(self, *args):
+    def dispatch(self, *args, **kwargs):
         return self.out
 
-    def combine(self, x, handle, topk_weights, *rest):
+    def combine(self, x, handle, topk_weights=None, **rest):
         self.combined.append((x.clone(), None if topk_weights is None else topk_weights.clone()))
         return torch.zeros((N * M, H), dtype=torch.bfloat16), torch.zeros((N * M, handle.num_topk)), None
 

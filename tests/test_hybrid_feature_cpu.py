@@ -29,7 +29,9 @@ class FakeInner:
     def _check_usable(self):
         pass
 
-    def dispatch(self, x, topk_idx, topk_weights, stats, num_experts, m, alignment, *rest):
+    def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None,
+                 num_max_tokens_per_rank=None, expert_alignment=None, **rest):
+        m, alignment = num_max_tokens_per_rank, expert_alignment
         self.calls.append(('dispatch', x, topk_idx, topk_weights, num_experts, m, rest))
         ux = x[0] if isinstance(x, tuple) else x
         handle = SimpleNamespace(expert_alignment=alignment or 1, num_recv_tokens=5, kind='torch',
@@ -37,7 +39,7 @@ class FakeInner:
                                                                 dtype=torch.int32))
         return ux[:5], torch.zeros((5, K), dtype=torch.int64), None, handle, None
 
-    def combine(self, x, handle, topk_weights, bias, *rest):
+    def combine(self, x, handle, topk_weights=None, bias=None, **rest):
         self.calls.append(('combine', x, handle, topk_weights, bias, rest))
         rows = N * handle.m
         return torch.zeros((rows, H), dtype=torch.bfloat16), torch.zeros((rows, K)), None
@@ -256,7 +258,7 @@ def test_previous_event_reaches_the_intranode_engine_after_the_union(monkeypatch
                   allocate_on_comm_stream=True)
     unpacks = [i for i, c in enumerate(log) if c.name.startswith('deepep::hybrid_unpack')]
     assert waited and recorded == [unpacks[-1] + 1]
-    passed = inner.calls[0][6][2]                    # rest = (num_sms, num_qps, previous_event, ...)
+    passed = inner.calls[0][6]['previous_event']
     assert passed == f'after-{unpacks[-1] + 1}' and passed is not user_event
 
 

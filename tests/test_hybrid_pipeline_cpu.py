@@ -234,9 +234,9 @@ class GuardInner(hf.FakeInner):
         self.ready_guard = None
         self.guards = []
 
-    def dispatch(self, *args):
+    def dispatch(self, *args, **kwargs):
         self.guards.append(self.ready_guard)
-        return super().dispatch(*args)
+        return super().dispatch(*args, **kwargs)
 
 
 def make_pipelined(monkeypatch, rank=3, counts=None, rows=0):

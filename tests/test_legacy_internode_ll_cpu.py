@@ -238,8 +238,12 @@ class _FakeFeature:
     def __init__(self, log):
         self.log = log
 
-    def dispatch(self, x, topk, w, stats, E, Mc, align, num_sms, num_qps, prev, prev2, async_, alloc, handle, copy,
-                 cpu_sync, expand, zero_pad, tma, v1=None):
+    def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None,
+                 num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0, previous_event=None,
+                 previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False,
+                 handle=None, do_handle_copy=True, do_cpu_sync=None, do_expand=False, do_zero_padding=False,
+                 use_tma_aligned_col_major_sf=False, v1=None):
+        Mc, cpu_sync = num_max_tokens_per_rank, do_cpu_sync
         fp8 = isinstance(x, tuple)
         xa = x[0] if fp8 else x
         rows = v1.num_worst
@@ -252,7 +256,9 @@ class _FakeFeature:
         return rx, torch.zeros((rows, 1), dtype=torch.int64), torch.zeros((rows, 1)), SimpleNamespace(inner=inner), \
             None
 
-    def combine(self, x, hh, w, bias, num_sms, num_qps, prev, prev2, async_, alloc, v1=False):
+    def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0, previous_event=None,
+                previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False,
+                v1=False):
         self.log.append(('hybrid_combine', interop.current_stream(), x.shape[0]))
         return torch.zeros((0, x.shape[1]), dtype=torch.bfloat16), None, None
 

@@ -228,12 +228,12 @@ def test_ep_buffer_dispatch_combine_v25_semantics(monkeypatch, no_cuda):
     out = ('recv_x', 'recv_topk_idx', 'recv_topk_weights', 'handle')
 
     class FakeEP:
-        def dispatch(self, *args):
-            calls.append(('dispatch', args))
+        def dispatch(self, *args, **kwargs):
+            calls.append(('dispatch', args, kwargs))
             return (*out, EventOverlap(fakes.FakeEventHandle()))
 
-        def combine(self, *args):
-            calls.append(('combine', args))
+        def combine(self, *args, **kwargs):
+            calls.append(('combine', args, kwargs))
             return 'combined_x', 'combined_w', EventOverlap(fakes.FakeEventHandle())
 
     buf._ep = FakeEP()
@@ -244,12 +244,13 @@ def test_ep_buffer_dispatch_combine_v25_semantics(monkeypatch, no_cuda):
     with pytest.raises(ValueError, match='num_allocated_qps'):
         buf.dispatch('x', num_qps=130)
     assert buf.dispatch('x', 'topk', num_sms=5)[:4] == out
-    args = calls[-1][1]
-    assert args[7] == 6 and args[10] is None and args[14] is False        # num_sms even, no epilogue event, no copy
+    kwargs = calls[-1][2]
+    assert kwargs['num_sms'] == 6 and kwargs['previous_event_before_epilogue'] is None
+    assert kwargs['do_handle_copy'] is False
     event = buf.dispatch('x', 'topk', async_with_compute_stream=True, defer_epilogue=True)
     assert isinstance(event, EventOverlap) and event.current_stream_wait() == out
-    assert calls[-1][1][11] is True                                          # async_with_compute_stream
-    assert buf.combine('y', 'handle', num_sms=3)[:2] == ('combined_x', 'combined_w') and calls[-1][1][4] == 4
+    assert calls[-1][2]['async_with_compute_stream'] is True
+    assert buf.combine('y', 'handle', num_sms=3)[:2] == ('combined_x', 'combined_w') and calls[-1][2]['num_sms'] == 4
     event = buf.combine('y', 'handle', async_with_compute_stream=True, defer_epilogue=True)
     assert event.wait() == ('combined_x', 'combined_w')
     with pytest.raises(ValueError, match='async_with_compute_stream'):

@@ -238,10 +238,14 @@ class ElasticBuffer(hybrid.RailHooks, BufferBase):
             `(recv_x or (recv_x, recv_sf), recv_topk_idx, recv_topk_weights, handle, event)`.
         """
         return (self._ep or self._ep_feature()).dispatch(
-            x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
-            expert_alignment, num_sms, num_qps, previous_event, previous_event_before_epilogue,
-            async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync, do_expand,
-            do_zero_padding, use_tma_aligned_col_major_sf)
+            x, topk_idx=topk_idx, topk_weights=topk_weights,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, num_experts=num_experts,
+            num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment, num_sms=num_sms,
+            num_qps=num_qps, previous_event=previous_event,
+            previous_event_before_epilogue=previous_event_before_epilogue,
+            async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
+            handle=handle, do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
+            do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf)
 
     def combine(self, x, handle: EPHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
                 previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
@@ -266,8 +270,9 @@ class ElasticBuffer(hybrid.RailHooks, BufferBase):
             event)`.
         """
         return (self._ep or self._ep_feature()).combine(
-            x, handle, topk_weights, bias, num_sms, num_qps, previous_event, previous_event_before_epilogue,
-            async_with_compute_stream, allocate_on_comm_stream)
+            x, handle, topk_weights=topk_weights, bias=bias, num_sms=num_sms, num_qps=num_qps,
+            previous_event=previous_event, previous_event_before_epilogue=previous_event_before_epilogue,
+            async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
 
     # ---- PP send/recv ------------------------------------------------------------------------------------------
     get_pp_buffer_size_hint = staticmethod(get_pp_buffer_size_hint)

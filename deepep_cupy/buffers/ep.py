@@ -200,10 +200,13 @@ class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
         if num_qps:
             self._check_qps(num_qps)
         out = (self._ep or self._ep_feature()).dispatch(
-            x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
-            expert_alignment, num_sms, num_qps, previous_event, None, async_with_compute_stream,
-            allocate_on_comm_stream, handle, False, do_cpu_sync, do_expand, do_zero_padding,
-            use_tma_aligned_col_major_sf)
+            x, topk_idx=topk_idx, topk_weights=topk_weights,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, num_experts=num_experts,
+            num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment, num_sms=num_sms,
+            num_qps=num_qps, previous_event=previous_event, previous_event_before_epilogue=None,
+            async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
+            handle=handle, do_handle_copy=False, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
+            do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf)
         if not defer_epilogue:
             return out
         recv_x, recv_topk_idx, recv_topk_weights, new_handle, event = out
@@ -227,9 +230,10 @@ class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
             num_sms = align(check_int('num_sms', num_sms), 2)
         if num_qps:
             self._check_qps(num_qps)
-        out = (self._ep or self._ep_feature()).combine(x, handle, topk_weights, bias, num_sms, num_qps,
-                                                       previous_event, None, async_with_compute_stream,
-                                                       allocate_on_comm_stream)
+        out = (self._ep or self._ep_feature()).combine(
+            x, handle, topk_weights=topk_weights, bias=bias, num_sms=num_sms, num_qps=num_qps,
+            previous_event=previous_event, previous_event_before_epilogue=None,
+            async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
         if not defer_epilogue:
             return out
         combined_x, combined_topk_weights, event = out

@@ -237,9 +237,12 @@ class InternodeMode:
             call = internode.InternodeCall(eng.v1_kernels, eng.area, kind, n, n if worst else T, num_experts, C,
                                            num_worst_tokens, LegacyLayout,
                                            eng.comm_stream if allocate_on_comm_stream else None)
-            out = eng.feature.dispatch(xs, ts, ws, None, num_experts, M, expert_alignment, num_sms, 0, previous_event,
-                                       None, async_finish, allocate_on_comm_stream, None, True, not worst, False,
-                                       False, False, v1=call)
+            out = eng.feature.dispatch(
+                xs, topk_idx=ts, topk_weights=ws, num_experts=num_experts, num_max_tokens_per_rank=M,
+                expert_alignment=expert_alignment, num_sms=num_sms, previous_event=previous_event,
+                async_with_compute_stream=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                do_handle_copy=True, do_cpu_sync=not worst, do_expand=False, do_zero_padding=False,
+                use_tma_aligned_col_major_sf=False, v1=call)
             if worst:
                 if over:
                     # (its receive still runs: the exchange area's slots of this call must be acknowledged)
@@ -265,8 +268,8 @@ class InternodeMode:
                         allocate_on_comm_stream: bool):
         """V1's cached dispatch: `(recv_x, None, None, None, None, event)` (same rows, same order)."""
         recv_x, _, _, _, event = handle.engine.feature.dispatch(
-            x, None, None, None, None, None, None, num_sms, 0, previous_event, None, async_finish,
-            allocate_on_comm_stream, handle.hybrid_handle, v1=InternodeMode.V1_CACHED)
+            x, num_sms=num_sms, previous_event=previous_event, async_with_compute_stream=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream, handle=handle.hybrid_handle, v1=InternodeMode.V1_CACHED)
         return recv_x, None, None, None, None, event
 
     @staticmethod
@@ -276,8 +279,9 @@ class InternodeMode:
         destination ranks (in-domain sums by the intranode combine, the domains' by `combine_weights`)."""
         eng, hh = handle.engine, handle.hybrid_handle
         feat = eng.feature
-        combined_x, combined_w, event = feat.combine(x, hh, topk_weights, bias, num_sms, 0, previous_event, None,
-                                                     async_finish, allocate_on_comm_stream, v1=True)
+        combined_x, combined_w, event = feat.combine(
+            x, hh, topk_weights=topk_weights, bias=bias, num_sms=num_sms, previous_event=previous_event,
+            async_with_compute_stream=async_finish, allocate_on_comm_stream=allocate_on_comm_stream, v1=True)
         if combined_w is not None:
             stream = interop.current_stream(x)
             internode.combine_weights(eng.v1_kernels, feat, hh, combined_w, interop.shape_of(x)[1], stream)

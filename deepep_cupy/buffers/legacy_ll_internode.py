@@ -220,8 +220,11 @@ class InternodeLLMode:
                                        pseudo_topk, pseudo_pos, send_pos)
                 xs = (pseudo_x, pseudo_sf) if fp8 else pseudo_x
                 rx, rtopk, rw, hh, _ = eng.feature.dispatch(
-                    xs, pseudo_topk, pseudo_pos, None, E, num_pseudo, 1, 0, 0, None, None, False, False, None, False,
-                    False, False, False, False, v1=_WorstRows(worst))
+                    xs, topk_idx=pseudo_topk, topk_weights=pseudo_pos, num_experts=E,
+                    num_max_tokens_per_rank=num_pseudo, expert_alignment=1, num_sms=0, num_qps=0,
+                    async_with_compute_stream=False, allocate_on_comm_stream=False, do_handle_copy=False,
+                    do_cpu_sync=False, do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False,
+                    v1=_WorstRows(worst))
             inner = hh.inner
             psum = inner.psum_num_recv_tokens_per_scaleup_rank
             rows = ill.ReceivedRows(rx, rtopk, rw, inner.recv_src_metadata, inner.num_recv_tokens,

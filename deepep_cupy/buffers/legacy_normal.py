@@ -269,9 +269,12 @@ class NormalMode:
             else:
                 over, lg = False, LegacyLayout(channels, N, expert_counts)
                 xs, ts, ws = x if sf is None else (data, sf), topk_idx, topk_weights
-            out = ep.dispatch(xs, ts, ws, None, num_experts, M, expert_alignment, num_sms, 0, previous_event, None,
-                              async_finish, allocate_on_comm_stream, None, True, not worst, False, False, False,
-                              num_worst_tokens, True, lg)
+            out = ep.dispatch(xs, topk_idx=ts, topk_weights=ws, num_experts=num_experts, num_max_tokens_per_rank=M,
+                              expert_alignment=expert_alignment, num_sms=num_sms, previous_event=previous_event,
+                              async_with_compute_stream=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                              do_handle_copy=True, do_cpu_sync=not worst, do_expand=False, do_zero_padding=False,
+                              use_tma_aligned_col_major_sf=False, num_worst_tokens=num_worst_tokens,
+                              allow_previous_event_alone=True, legacy=lg)
             if worst:
                 if over:
                     raise ValueError(f'dispatch with num_worst_tokens: this rank holds {N} tokens but the buffer '
@@ -299,8 +302,8 @@ class NormalMode:
                         allocate_on_comm_stream: bool):
         """V1's cached dispatch: `(recv_x, None, None, None, None, event)`."""
         recv_x, _, _, _, event = handle.ep.dispatch(
-            x, None, None, None, None, None, None, num_sms, 0, previous_event, None, async_finish,
-            allocate_on_comm_stream, handle.ep_handle, allow_previous_event_alone=True)
+            x, num_sms=num_sms, previous_event=previous_event, async_with_compute_stream=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream, handle=handle.ep_handle, allow_previous_event_alone=True)
         return recv_x, None, None, None, None, event
 
     @staticmethod
@@ -309,8 +312,9 @@ class NormalMode:
         """V1's combine: `(combined_x, combined_topk_weights, event)`."""
         if topk_weights is not None and not handle.with_topk:
             raise ValueError('topk_weights given to combine, but the dispatch of this handle had no top-k ids')
-        return handle.ep.combine(x, handle.ep_handle, topk_weights, bias, num_sms, 0, previous_event, None,
-                                 async_finish, allocate_on_comm_stream, weights_over_ranks=True,
+        return handle.ep.combine(x, handle.ep_handle, topk_weights=topk_weights, bias=bias, num_sms=num_sms,
+                                 previous_event=previous_event, async_with_compute_stream=async_finish,
+                                 allocate_on_comm_stream=allocate_on_comm_stream, weights_over_ranks=True,
                                  allow_previous_event_alone=True)
 
     def destroy(self) -> None:

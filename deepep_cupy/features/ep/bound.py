@@ -39,7 +39,7 @@ from . import fused as ep_fused
 from . import lean as ep_lean
 from . import legacy as ep_legacy
 from . import plan as ep_plan
-from .handle import EPHandle, workspace_layout
+from .handle import EPHandle, HandleFields, workspace_layout
 from .kernels import (
     COMBINE_CHUNK_ROWS,
     COMBINE_THREADS,
@@ -53,7 +53,6 @@ from .kernels import (
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
 from .patch import allocate_x as _allocate_x
-from .patch import call_patcher as _call_patcher
 from .patch import check_guard as _check_guard
 from .patch import cupy_views as _cupy_views
 from .patch import output_layout as _output_layout
@@ -101,7 +100,7 @@ class BoundDispatch:
         self.sf_dtype = p.sfi.dtype if p.sfi is not None else None
         self._sizes: Dict[Tuple[int, int], _Outputs] = {}
         kernels = ep.kernels(K)
-        sym, lay, xi = ep._sym, p.layout, p.xi
+        sym, xi = ep._sym, p.xi
         tail = dict(peer_bases=sym.peer_bases_ptr, rank=sym.local_idx, error_record=ep._host_ptr,
                     timeout_ns=ep._buf.timeout_ns)
         x_row_bytes = xi.strides[0] * xi.itemsize
@@ -115,46 +114,10 @@ class BoundDispatch:
         self.fused = self.fused_refusal is None
         self.fused_cooperative = ep.fused_cooperative
         self.num_notify_blocks = ep_fused.fused_notify_blocks(p.num_tokens) if self.fused else 0
-        notify_args = None
-        if p.cached:
-            h = p.handle
-            self.ws_words, self.offsets = 0, h.offsets
-            do_cpu_sync = h.do_cpu_sync
-        else:
-            self.ws_words, self.offsets = workspace_layout(p.num_tokens, R, K, L, p.do_handle_copy)
-            do_cpu_sync = p.do_cpu_sync
-            reported = p.num_tokens if lg is None or lg.reported_num_tokens < 0 else lg.reported_num_tokens
-            grid = max(1, ceil_div(p.num_tokens, NOTIFY_THREADS))
-            notify_args = dict(
-                topk_idx=0, num_tokens=p.num_tokens, num_topk=K, num_experts=p.num_experts,
-                num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment,
-                scratch=sym.base + lay.scratch_offset, send_pos=0, send_expert_pos=0, recv_layout=0,
-                psum_recv_per_expert=0, do_expand=int(p.do_expand), cumulative_stats=0,
-                host_counts=ep.host_counts_ptr if p.do_cpu_sync else 0, host_seq=0, topk_copy=0, token_of_slot=0,
-                send_count=0, reported_num_tokens=reported, expert_counts=0,
-                num_channels=self.v1_channels or 0, channel_prefix_matrix=0, recv_channel_prefix_matrix=0,
-                rank_prefix_matrix=0, **tail)
-            # Cooperative for several blocks only (one block has no grid barrier to wait in).
-            self.notify = None if self.fused else kernels.notify.bind(
-                grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, **notify_args)
+        notify_args = self._bind_notify(ep, p, kernels, tail)
+        do_cpu_sync = p.handle.do_cpu_sync if p.cached else p.do_cpu_sync
         self._bind_dispatch(p, kernels, tail, x_row_bytes, notify_args)
-        # Per call, the pointers of `_INPUTS`, `_OUTPUTS` and the notify's are patched in before the launches.
-        o = self.offsets
-        ws_at = [f'ws + {4 * w}' for w in o]
-        inputs = dict(zip(_INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
-        self.send_patch = (_address_patcher(self.send, tuple(inputs.items()), 'input')
-                           if self.send is not None else None)
-        self.recv_in_patch = _address_patcher(self.recv, tuple(inputs.items()), 'input')
-        self.recv_out_patch = _patcher(self.recv, _OUTPUTS)
-        notify_exprs = (
-            ('topk_idx', 'tp'), ('send_pos', ws_at[0]), ('send_expert_pos', ws_at[1]), ('recv_layout', ws_at[2]),
-            ('psum_recv_per_expert', ws_at[3]), ('cumulative_stats', 'cp'),
-            ('topk_copy', ws_at[4] if o[4] >= 0 else '0'), ('token_of_slot', ws_at[5]), ('send_count', ws_at[6]))
-        if lg is not None:      # V1's matrices: the workspace's allocation plus constants (`legacy.matrix_exprs`)
-            notify_exprs += ep_legacy.matrix_exprs(R, self.v1_channels, self.ws_words)
-        self.notify_patch = None if p.cached else _address_patcher(self.notify, notify_exprs, 'notify')
-        self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
-        self.topk_copy_bytes = 4 * o[4]            # where the workspace keeps its topk_idx copy (if it has one)
+        inputs, notify_exprs = self._bind_patchers(p)
         r = self.recv
         guarded = not self.fused
         guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
@@ -164,8 +127,11 @@ class BoundDispatch:
         self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
         self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
         self.recv_extra = 0 if self.send is not None else self.num_send_blocks
-        self.handle_fields = (p.do_expand, p.num_experts, p.expert_alignment, p.num_max_tokens_per_rank, p.num_sms,
-                              p.num_tokens, K, p.hidden, p.kind, s.owner_id, do_cpu_sync, R, L, self.offsets)
+        self.handle_fields = HandleFields(
+            do_expand=p.do_expand, num_experts=p.num_experts, expert_alignment=p.expert_alignment,
+            num_max_tokens_per_rank=p.num_max_tokens_per_rank, num_sms=p.num_sms, num_tokens=p.num_tokens,
+            num_topk=K, hidden=p.hidden, kind=p.kind, buffer_id=s.owner_id, do_cpu_sync=do_cpu_sync, num_ranks=R,
+            num_local_experts=L, offsets=self.offsets)
         self.p = p.without_arrays()
         self.num_device_sms = s.num_device_sms
         # Where the outputs start in their allocation: after the workspace (and V1's matrices) without a CPU sync, at
@@ -178,23 +144,7 @@ class BoundDispatch:
         # (without a CPU sync and recv_x carved: of recv_x's dtype, `Outputs.alloc_dtype`)
         self.ws_alloc_dtype = 'int32' if self.fixed is None else self.fixed.alloc_dtype
         self.ws_alloc_shape = (max(2, self.ws_alloc_words) * (4 // interop.itemsize(self.ws_alloc_dtype)),)
-        # No CPU sync: every pointer is an input's, the workspace's plus a constant, or (recv_x not carved) recv_x's /
-        # recv_sf's, all patched by one generated function: `call_patch(xp, sp, tp, wp, cp, ws)` with recv_x carved,
-        # `call_patch_x(xp, sp, tp, wp, cp, ws, xo, so)` (xo, so: recv_x's and recv_sf's storage addresses) without
-        # (None: block by block; `__call__` uses `call_patch`, lean.py's no-sync paths either).
-        self.call_patch = self.call_patch_x = None
-        self._zeros = ep_lean.constant_zeros(p)
-        if self.fixed is not None:
-            # (pointers that are 0 on every call with this key stay as bound: `lean.constant_zeros`)
-            zero, carved = self._zeros, self.fixed.x_offset >= 0
-            outs = tuple((n, f'ws + {b}') for n, b in zip(_OUTPUTS, self.fixed.byte_at) if b >= 0)
-            if not carved:      # (recv_sf's 0 without FP8 stays as bound, like the other absent outputs)
-                outs = (('recv_x', 'xo'),) + ((('recv_sf', 'so'),) if self.fixed.sf_shape is not None else ()) + outs
-            ins = tuple((n, e) for n, e in inputs.items() if n not in zero)
-            blocks = [(self.notify, tuple((n, e) for n, e in notify_exprs if n not in zero))]
-            blocks += [(self.send, ins)] if self.send else []
-            one = _call_patcher(blocks + [(self.recv, ins + outs)], 'no-sync dispatch', () if carved else ('xo', 'so'))
-            self.call_patch, self.call_patch_x = (one, None) if carved else (None, one)
+        ep_lean.bind_call_patch(self, p, inputs, notify_exprs)
         self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
         self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
         if self.fixed is not None:  # (sized now: lean.run_no_sync relies on it, `__call__` re-sizes after a guard)
@@ -207,6 +157,52 @@ class BoundDispatch:
         ep_legacy.bind(self, p)     # DeepEP V1's per-call needs: `v1_counts`, `v1_views`, `v1_int32`
         # `run`: what `EP.dispatch` calls, the lean path chosen for this binding or `__call__` (lean.py)
         ep_lean.bind(self, p)
+
+    def _bind_notify(self, ep, p, kernels, tail) -> Optional[dict]:
+        """The workspace's layout (a cached dispatch: its handle's) and, without a handle, the notify launch; returns
+        the notify's bound arguments (None for a cached dispatch, which has no notify)."""
+        if p.cached:
+            self.ws_words, self.offsets = 0, p.handle.offsets
+            return None
+        R, K, L, lg, sym, lay = self.num_ranks, self.num_topk, self.num_local_experts, p.legacy, ep._sym, p.layout
+        self.ws_words, self.offsets = workspace_layout(p.num_tokens, R, K, L, p.do_handle_copy)
+        reported = p.num_tokens if lg is None or lg.reported_num_tokens < 0 else lg.reported_num_tokens
+        grid = max(1, ceil_div(p.num_tokens, NOTIFY_THREADS))
+        notify_args = dict(
+            topk_idx=0, num_tokens=p.num_tokens, num_topk=K, num_experts=p.num_experts,
+            num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment,
+            scratch=sym.base + lay.scratch_offset, send_pos=0, send_expert_pos=0, recv_layout=0,
+            psum_recv_per_expert=0, do_expand=int(p.do_expand), cumulative_stats=0,
+            host_counts=ep.host_counts_ptr if p.do_cpu_sync else 0, host_seq=0, topk_copy=0, token_of_slot=0,
+            send_count=0, reported_num_tokens=reported, expert_counts=0,
+            num_channels=self.v1_channels or 0, channel_prefix_matrix=0, recv_channel_prefix_matrix=0,
+            rank_prefix_matrix=0, **tail)
+        # Cooperative for several blocks only (one block has no grid barrier to wait in).
+        self.notify = None if self.fused else kernels.notify.bind(
+            grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, **notify_args)
+        return notify_args
+
+    def _bind_patchers(self, p) -> Tuple[dict, tuple]:
+        """The generated patchers of the per-call pointers of the send, the receive and the notify launches; returns
+        the inputs' and the notify's (parameter, expression) pairs (`lean.bind_call_patch` joins them)."""
+        # Per call, the pointers of `_INPUTS`, `_OUTPUTS` and the notify's are patched in before the launches.
+        o = self.offsets
+        ws_at, inputs = ep_lean.part_exprs(o), ep_lean.input_exprs(o)
+        self.send_patch = (_address_patcher(self.send, tuple(inputs.items()), 'input')
+                           if self.send is not None else None)
+        self.recv_in_patch = _address_patcher(self.recv, tuple(inputs.items()), 'input')
+        self.recv_out_patch = _patcher(self.recv, _OUTPUTS)
+        notify_exprs = (
+            ('topk_idx', 'tp'), ('send_pos', ws_at.send_pos), ('send_expert_pos', ws_at.send_expert_pos),
+            ('recv_layout', ws_at.recv_layout), ('psum_recv_per_expert', ws_at.psum_expert), ('cumulative_stats', 'cp'),
+            ('topk_copy', ws_at.topk_copy if o.topk_copy >= 0 else '0'), ('token_of_slot', ws_at.token_of_slot),
+            ('send_count', ws_at.send_count))
+        if p.legacy is not None:    # V1's matrices: the workspace's allocation plus constants (`legacy.matrix_exprs`)
+            notify_exprs += ep_legacy.matrix_exprs(self.num_ranks, self.v1_channels, self.ws_words)
+        self.notify_patch = None if p.cached else _address_patcher(self.notify, notify_exprs, 'notify')
+        self.user_topk = not p.do_handle_copy      # the handle keeps the call's topk_idx itself
+        self.topk_copy_bytes = 4 * o.topk_copy     # where the workspace keeps its topk_idx copy (if it has one)
+        return inputs, notify_exprs
 
     def _bind_dispatch(self, p, kernels, tail, x_row_bytes, notify_args) -> None:
         """The dispatch launches (the fused one is `notify` too); the notify's patch indices."""
@@ -452,7 +448,7 @@ class BoundCombine:
             error_record=ep._host_ptr, timeout_ns=ep._buf.timeout_ns)
         # The workspace parts' byte offsets (the handle's origin, and so its offsets, are part of the call's key)
         o = h.offsets
-        self.ws_at = (4 * o[2], 4 * o[0], 4 * o[4])
+        self.ws_at = (4 * o.recv_layout, 4 * o.send_pos, 4 * o.topk_copy)
         self.idx = tuple(self.launch.index(n) for n in (
             'x', 'topk_weights', 'recv_src_metadata', 'recv_layout', 'send_pos', 'topk_idx', 'bias0', 'bias1',
             'combined_x', 'combined_topk_weights'))

@@ -226,10 +226,14 @@ class EP:
         if b is None:
             # Full checks (plan.py); the bound call is remembered when every part of the key is a signature.
             p = ep_plan.plan_dispatch(
-                self.settings, self.layout, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
-                num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, previous_event,
-                allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-                use_tma_aligned_col_major_sf, None, num_worst_tokens, allow_previous_event_alone, legacy)
+                self.settings, self.layout, x, topk_idx=topk_idx, topk_weights=topk_weights,
+                stats=cumulative_local_expert_recv_stats, num_experts=num_experts,
+                num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment, num_sms=num_sms,
+                previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream, handle=handle,
+                do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
+                do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                start_range=None, num_worst_tokens=num_worst_tokens,
+                allow_previous_event_alone=allow_previous_event_alone, legacy=legacy)
             b = BoundDispatch(self, p, allocate_on_comm_stream, async_with_compute_stream)
             if (handle is None or origin) and _cacheable(xs, ss, ts, ws, cs, es):
                 b.key = key
@@ -303,9 +307,12 @@ class EP:
                async_with_compute_stream, weights_over_ranks, allow_previous_event_alone)
         b = self._bound.get(key)
         if b is None:
-            p = ep_plan.plan_combine(self.settings, self.layout, x, handle, topk_weights, bias, num_sms,
-                                     previous_event, allocate_on_comm_stream, weights_over_ranks,
-                                     allow_previous_event_alone, self.combine_cap_all_sms)
+            p = ep_plan.plan_combine(self.settings, self.layout, x, handle, topk_weights=topk_weights, bias=bias,
+                                     num_sms=num_sms, previous_event=previous_event,
+                                     allocate_on_comm_stream=allocate_on_comm_stream,
+                                     weights_over_ranks=weights_over_ranks,
+                                     allow_previous_event_alone=allow_previous_event_alone,
+                                     cap_all_sms=self.combine_cap_all_sms)
             b = BoundCombine(self, p, allocate_on_comm_stream, async_with_compute_stream)
             if origin and _cacheable(xs, ws) and (bs is None or _cacheable(*bs)):
                 self._remember(key, b)

@@ -1,14 +1,46 @@
 """`EPHandle`: what a dispatch leaves for the matching combine and for cached dispatches (DeepEP V2's fields)."""
 
 import functools
-from typing import Any, List, Optional, Tuple
+import operator
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+
+class WorkspaceOffsets(NamedTuple):
+    """int32 word offset of each part of a dispatch's handle workspace (`workspace_layout`), in this order (a part's
+    index is its `EPHandle.ptr` number)."""
+    send_pos: int           # `[N, R]`, the slot of each token at each destination (dst_buffer_slot_idx)
+    send_expert_pos: int    # `[N, K]`
+    recv_layout: int        # `[R + 2L + RL + 2]`
+    psum_expert: int        # `[L]`
+    topk_copy: int          # `[N, K]` int64 at an even offset, or -1 without a copy
+    token_of_slot: int      # `[R, N]`, the token in each slot at each destination
+    send_count: int         # `[R]`, tokens sent to each destination
+
+
+class HandleFields(NamedTuple):
+    """The fields of an `EPHandle` fixed per bound dispatch (DeepEP V2 names; see `EPHandle`): one record shared by
+    every handle the bound dispatch makes (`BoundDispatch.handle_fields`)."""
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    num_tokens: int
+    num_topk: int
+    hidden: int
+    kind: str
+    buffer_id: int
+    do_cpu_sync: bool
+    num_ranks: int
+    num_local_experts: int
+    offsets: WorkspaceOffsets
 
 
 @functools.lru_cache(maxsize=256)
 def workspace_layout(num_tokens: int, num_ranks: int, num_topk: int, num_local_experts: int,
-                     with_topk_copy: bool) -> Tuple[int, Tuple[int, ...]]:
-    """int32 words (even) of a dispatch's handle workspace and the word offset of each part:
-    (send_pos [N, R], send_expert_pos [N, K], recv_layout [R + 2L + RL + 2], psum_expert [L], topk copy [N, K] int64
+                     with_topk_copy: bool) -> Tuple[int, WorkspaceOffsets]:
+    """int32 words (even) of a dispatch's handle workspace and the word offset of each part (`WorkspaceOffsets`:
+    send_pos [N, R], send_expert_pos [N, K], recv_layout [R + 2L + RL + 2], psum_expert [L], topk copy [N, K] int64
     at an even offset, or -1 without a copy, token_of_slot [R, N] (the token in each slot at each destination),
     send_count [R] (tokens sent to each destination))."""
     n, r, k, n_l = num_tokens, num_ranks, num_topk, num_local_experts
@@ -24,7 +56,7 @@ def workspace_layout(num_tokens: int, num_ranks: int, num_topk: int, num_local_e
     offsets.append(end)
     end += r
     end += end % 2
-    return max(end, 2), tuple(offsets)
+    return max(end, 2), WorkspaceOffsets(*offsets)
 
 
 class EPHandle:
@@ -55,8 +87,8 @@ class EPHandle:
     """
 
     # Per dispatch: the counts, the metadata, the workspace, the top-k. `_c`: the fields fixed per bound dispatch (one
-    # tuple shared by every handle it makes; read through the properties below), so that making a handle stores a
-    # dozen slots instead of two dozen. `_views` is set on first use.
+    # `HandleFields` shared by every handle it makes; read through the properties below), so that making a handle
+    # stores a dozen slots instead of two dozen. `_views` is set on first use.
     __slots__ = ('_c', 'num_recv_tokens', 'num_expanded_tokens', '_counts', '_meta', '_meta_ptr', '_meta_of',
                  'workspace', 'workspace_ptr', '_topk_idx', '_psum_expert', '_views', '_origin')
 
@@ -64,10 +96,15 @@ class EPHandle:
                  num_sms: int, num_recv_tokens: int, num_expanded_tokens: int,
                  num_recv_tokens_per_expert_list: List[int], recv_src_metadata: Any, num_tokens: int, num_topk: int,
                  hidden: int, kind: str, buffer_id: int, do_cpu_sync: bool, num_ranks: int, workspace: Any,
-                 workspace_ptr: int, offsets: Tuple[int, ...], topk_idx: Optional[Any] = None,
+                 workspace_ptr: int, offsets: WorkspaceOffsets, topk_idx: Optional[Any] = None,
                  psum_expert: Optional[Any] = None):
-        self._c = (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk,
-                   hidden, kind, buffer_id, do_cpu_sync, num_ranks, num_experts // num_ranks, offsets)
+        if type(offsets) is not WorkspaceOffsets:
+            offsets = WorkspaceOffsets(*offsets)
+        self._c = HandleFields(
+            do_expand=do_expand, num_experts=num_experts, expert_alignment=expert_alignment,
+            num_max_tokens_per_rank=num_max_tokens_per_rank, num_sms=num_sms, num_tokens=num_tokens,
+            num_topk=num_topk, hidden=hidden, kind=kind, buffer_id=buffer_id, do_cpu_sync=do_cpu_sync,
+            num_ranks=num_ranks, num_local_experts=num_experts // num_ranks, offsets=offsets)
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self._counts = num_recv_tokens_per_expert_list
@@ -82,11 +119,10 @@ class EPHandle:
         self._origin = None
 
     @classmethod
-    def _new(cls, origin, fields: Tuple, num_recv_tokens: int, num_expanded_tokens: int, counts: Any,
+    def _new(cls, origin, fields: HandleFields, num_recv_tokens: int, num_expanded_tokens: int, counts: Any,
              meta_ptr: int, meta_of: Tuple, workspace: Any, workspace_ptr: int, topk_idx: Any, psum_expert: Any):
-        """A handle from a bound dispatch (`origin`) without keyword binding: `fields` is `origin.handle_fields`,
-        (do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens, num_topk, hidden,
-        kind, buffer_id, do_cpu_sync, num_ranks, num_local_experts, offsets), kept as the handle's `_c`.
+        """A handle from a bound dispatch (`origin`) without keyword binding: `fields` is `origin.handle_fields`
+        (`HandleFields`), kept as the handle's `_c`.
         recv_src_metadata is made on first access from `meta_of` = (allocation, (allocator, shape, int32 word
         offset)): the inner tuple is fixed per output layout, so that a call builds a pair; the kernels take
         `meta_ptr`."""
@@ -97,21 +133,22 @@ class EPHandle:
         h.workspace, h.workspace_ptr, h._topk_idx, h._psum_expert = workspace, workspace_ptr, topk_idx, psum_expert
         return h
 
-    # The fields fixed per bound dispatch (DeepEP V2 names; see the class docstring), read-only.
-    do_expand = property(lambda self: self._c[0])
-    num_experts = property(lambda self: self._c[1])
-    expert_alignment = property(lambda self: self._c[2])
-    num_max_tokens_per_rank = property(lambda self: self._c[3])
-    num_sms = property(lambda self: self._c[4])
-    num_tokens = property(lambda self: self._c[5])
-    num_topk = property(lambda self: self._c[6])
-    hidden = property(lambda self: self._c[7])
-    kind = property(lambda self: self._c[8])
-    buffer_id = property(lambda self: self._c[9])
-    do_cpu_sync = property(lambda self: self._c[10])
-    num_ranks = property(lambda self: self._c[11])
-    num_local_experts = property(lambda self: self._c[12])
-    offsets = property(lambda self: self._c[13])
+    # The fields fixed per bound dispatch (DeepEP V2 names; see the class docstring), read-only: `HandleFields`'s,
+    # each read by a C getter (no Python frame per read).
+    do_expand = property(operator.attrgetter('_c.do_expand'))
+    num_experts = property(operator.attrgetter('_c.num_experts'))
+    expert_alignment = property(operator.attrgetter('_c.expert_alignment'))
+    num_max_tokens_per_rank = property(operator.attrgetter('_c.num_max_tokens_per_rank'))
+    num_sms = property(operator.attrgetter('_c.num_sms'))
+    num_tokens = property(operator.attrgetter('_c.num_tokens'))
+    num_topk = property(operator.attrgetter('_c.num_topk'))
+    hidden = property(operator.attrgetter('_c.hidden'))
+    kind = property(operator.attrgetter('_c.kind'))
+    buffer_id = property(operator.attrgetter('_c.buffer_id'))
+    do_cpu_sync = property(operator.attrgetter('_c.do_cpu_sync'))
+    num_ranks = property(operator.attrgetter('_c.num_ranks'))
+    num_local_experts = property(operator.attrgetter('_c.num_local_experts'))
+    offsets = property(operator.attrgetter('_c.offsets'))
 
     @property
     def num_recv_tokens_per_expert_list(self) -> List[int]:
@@ -138,16 +175,16 @@ class EPHandle:
 
     # ---- addresses for the kernels ---------------------------------------------------------------------------------
     def ptr(self, part: int) -> int:
-        """Device address of workspace part `part` (0 send_pos, 1 send_expert_pos, 2 recv_layout, 3 psum_expert,
-        4 topk copy, 5 token_of_slot, 6 send_count)."""
+        """Device address of workspace part `part` (its index in `WorkspaceOffsets`: 0 send_pos, 1 send_expert_pos,
+        2 recv_layout, 3 psum_expert, 4 topk copy, 5 token_of_slot, 6 send_count)."""
         return self.workspace_ptr + 4 * self.offsets[part]
 
     @property
     def topk_idx_ptr(self) -> int:
         if self._topk_idx is not None:
             t = self._topk_idx
-            return t.data_ptr() if self._c[8] == 'torch' else t.data.ptr
-        return self.ptr(4)
+            return t.data_ptr() if self._c.kind == 'torch' else t.data.ptr
+        return self.workspace_ptr + 4 * self._c.offsets.topk_copy
 
     # ---- views ----------------------------------------------------------------------------------------------------
     def _views_of(self) -> dict:
@@ -175,7 +212,8 @@ class EPHandle:
             views['int32'] = ws
         return ws
 
-    def _view(self, part: int, shape: Tuple[int, ...], int64: bool = False, start: int = 0):
+    def _view(self, part: str, shape: Tuple[int, ...], int64: bool = False, start: int = 0):
+        """The view `shape` of workspace part `part` (a `WorkspaceOffsets` field) from its word `start`, made once."""
         key = (part, shape, start)
         views = self._views_of()
         v = views.get(key)
@@ -184,7 +222,7 @@ class EPHandle:
             for s in shape:
                 words *= s
             words *= 2 if int64 else 1
-            begin = self.offsets[part] + start
+            begin = getattr(self._c.offsets, part) + start
             ws = self._workspace_int32()
             if self.kind == 'torch' and not int64 and ws.storage_offset() == 0:
                 # One as_strided on the 1-D workspace (a slice and a view cost twice as much).
@@ -209,34 +247,34 @@ class EPHandle:
     def topk_idx(self):
         if self._topk_idx is not None:
             return self._topk_idx
-        return self._view(4, (self.num_tokens, self.num_topk), int64=True)
+        return self._view('topk_copy', (self.num_tokens, self.num_topk), int64=True)
 
     @property
     def dst_buffer_slot_idx(self):
-        return self._view(0, (self.num_tokens, self.num_ranks))
+        return self._view('send_pos', (self.num_tokens, self.num_ranks))
 
     @property
     def send_expert_pos(self):
-        return self._view(1, (self.num_tokens, self.num_topk))
+        return self._view('send_expert_pos', (self.num_tokens, self.num_topk))
 
     @property
     def recv_layout(self):
         r, n_l = self.num_ranks, self.num_local_experts
-        return self._view(2, (r + 2 * n_l + r * n_l + 2,))
+        return self._view('recv_layout', (r + 2 * n_l + r * n_l + 2,))
 
     @property
     def psum_num_recv_tokens_per_scaleup_rank(self):
-        return self._view(2, (self.num_ranks,))
+        return self._view('recv_layout', (self.num_ranks,))
 
     @property
     def num_unaligned_recv_tokens_per_expert(self):
-        return self._view(2, (self.num_local_experts,), start=self.num_ranks)
+        return self._view('recv_layout', (self.num_local_experts,), start=self.num_ranks)
 
     @property
     def psum_num_recv_tokens_per_expert(self):
         if self._psum_expert is not None:
             return self._psum_expert
-        return self._view(3, (self.num_local_experts,))
+        return self._view('psum_expert', (self.num_local_experts,))
 
     @property
     def token_metadata_at_forward(self):
@@ -249,7 +287,7 @@ class EPHandle:
     @property
     def num_rows(self) -> int:
         """Rows of the dispatch output (and of a matching combine's input)."""
-        return self.num_expanded_tokens if self._c[0] else self.num_recv_tokens
+        return self.num_expanded_tokens if self._c.do_expand else self.num_recv_tokens
 
     def __repr__(self) -> str:
         return (f'EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, '

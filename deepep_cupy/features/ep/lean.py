@@ -19,11 +19,11 @@ import functools
 from typing import Tuple
 
 from . import plan as ep_plan
-from .handle import EPHandle
+from .handle import EPHandle, WorkspaceOffsets
 from .kernels import HOST_MAX_TOKENS_WORD
 from .legacy import v1_outputs
 from .patch import Outputs as _Outputs
-from .patch import allocate_x, cached_patcher, cupy_views
+from .patch import allocate_x, cached_patcher, call_patcher, cupy_views
 
 MAX_SIZES = 64      # output sizes remembered per cached bound dispatch (CPU-sync handles' sizes vary per call)
 # Pointer arguments patched per call: inputs and workspace parts (bound.py's names, in its order), outputs
@@ -35,11 +35,44 @@ OUTPUTS = ('recv_x', 'recv_sf', 'recv_topk_idx', 'recv_topk_weights', 'recv_src_
 _new_handle = functools.partial(EPHandle.__new__, EPHandle)
 
 
+def part_exprs(offsets: WorkspaceOffsets) -> WorkspaceOffsets:
+    """Each workspace part's address as an expression of the generated patchers (`ws + byte offset`)."""
+    return WorkspaceOffsets._make(f'ws + {4 * w}' for w in offsets)
+
+
+def input_exprs(offsets: WorkspaceOffsets) -> dict:
+    """The `INPUTS` pointers' expressions (parameter -> expression): the call's inputs, the workspace's parts."""
+    at = part_exprs(offsets)
+    return dict(zip(INPUTS, ('xp', 'sp', 'tp', 'wp', at.send_pos, at.send_expert_pos, at.token_of_slot, at.send_count,
+                             at.recv_layout)))
+
+
 def constant_zeros(p: ep_plan.DispatchPlan) -> Tuple[str, ...]:
     """The pointer arguments that are 0 on every call of a bound dispatch (the signature says the array is absent):
     bound as 0, a generated patcher leaves them."""
     return tuple(n for n, absent in (('sf', p.sfi is None), ('topk_weights', p.topk_weights is None),
                                      ('cumulative_stats', p.stats is None)) if absent)
+
+
+def bind_call_patch(b, p: ep_plan.DispatchPlan, inputs: dict, notify_exprs: tuple) -> None:
+    """The bound dispatch `b`'s generated patcher of a whole no-sync call (bound.py, at binding). No CPU sync: every
+    pointer is an input's, the workspace's plus a constant, or (recv_x not carved) recv_x's / recv_sf's, all patched
+    by one generated function: `call_patch(xp, sp, tp, wp, cp, ws)` with recv_x carved,
+    `call_patch_x(xp, sp, tp, wp, cp, ws, xo, so)` (xo, so: recv_x's and recv_sf's storage addresses) without
+    (None: block by block; `__call__` uses `call_patch`, lean.py's no-sync paths either)."""
+    b.call_patch = b.call_patch_x = None
+    b._zeros = constant_zeros(p)
+    if b.fixed is not None:
+        # (pointers that are 0 on every call with this key stay as bound: `constant_zeros`)
+        zero, carved = b._zeros, b.fixed.x_offset >= 0
+        outs = tuple((n, f'ws + {at}') for n, at in zip(OUTPUTS, b.fixed.byte_at) if at >= 0)
+        if not carved:      # (recv_sf's 0 without FP8 stays as bound, like the other absent outputs)
+            outs = (('recv_x', 'xo'),) + ((('recv_sf', 'so'),) if b.fixed.sf_shape is not None else ()) + outs
+        ins = tuple((n, e) for n, e in inputs.items() if n not in zero)
+        blocks = [(b.notify, tuple((n, e) for n, e in notify_exprs if n not in zero))]
+        blocks += [(b.send, ins)] if b.send else []
+        one = call_patcher(blocks + [(b.recv, ins + outs)], 'no-sync dispatch', () if carved else ('xo', 'so'))
+        b.call_patch, b.call_patch_x = (one, None) if carved else (None, one)
 
 
 def bind(b, p: ep_plan.DispatchPlan) -> None:
@@ -370,8 +403,7 @@ def learn_size(b, num_recv: int, num_expanded: int) -> tuple:
         # Pointers that are 0 on every call of this bound dispatch stay as bound (0): the scales without FP8, the
         # weights when none are given (both part of the key), and the outputs this layout has none of (all but
         # recv_x / recv_sf, which are either carved or allocations of their own, depend on the key alone).
-        ws_at = [f'ws + {4 * w}' for w in b.offsets]
-        inputs = dict(zip(INPUTS, ('xp', 'sp', 'tp', 'wp', ws_at[0], ws_at[1], ws_at[5], ws_at[6], ws_at[2])))
+        inputs = input_exprs(b.offsets)
         for n in b._zeros:
             inputs.pop(n, None)
         if b.topk_in_ws:     # (the handle's copy: `tp` is not looked up per call)

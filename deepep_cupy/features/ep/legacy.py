@@ -77,11 +77,11 @@ def matrix_exprs(num_ranks: int, num_channels: int, ws_words: int) -> Tuple[Tupl
 def view_args(num_ranks: int, num_channels: int, ws_words: int, num_tokens: int, send_pos_word: int) -> tuple:
     """The `as_strided` arguments (shape, strides, int32 word offset) of V1's matrices and send_head in the workspace
     allocation (`matrix_exprs`; send_head is the handle's dst_buffer_slot_idx `[N, R]`, workspace part 0), and the
-    handle's view key of dst_buffer_slot_idx (`EPHandle._view`)."""
+    handle's view key of dst_buffer_slot_idx (`EPHandle._view`'s, of part send_pos)."""
     R, C, base = num_ranks, num_channels, ws_words
     shapes = ((R, R), (R, C), (R, C), (num_tokens, R))
     offsets = (base, base + R * R, base + R * R + R * C, send_pos_word)
-    return tuple((s, contiguous_strides(s), o) for s, o in zip(shapes, offsets)) + ((0, shapes[3], 0),)
+    return tuple((s, contiguous_strides(s), o) for s, o in zip(shapes, offsets)) + (('send_pos', shapes[3], 0),)
 
 
 def bind(b, p) -> None:
@@ -92,7 +92,7 @@ def bind(b, p) -> None:
     b.v1_counts = lg is not None and lg.expert_counts is not None
     b.v1_views = b.v1_int32 = None
     if lg is not None and not p.cached:
-        b.v1_views = view_args(b.num_ranks, lg.num_channels, b.ws_words, p.num_tokens, b.offsets[0])
+        b.v1_views = view_args(b.num_ranks, lg.num_channels, b.ws_words, p.num_tokens, b.offsets.send_pos)
         if b.kind == 'torch':
             import torch
             b.v1_int32 = torch.int32

@@ -13,6 +13,7 @@ from ...runtime.event import EventHandle, as_event_handle
 from ...runtime.interop import TensorInfo
 from ...runtime.sizes import align, ceil_div
 from . import layout
+from .dispatch_checks import check_side_arrays, check_topk_idx, check_x, resolve_routing
 from .handle import EPHandle
 from .kernels import COMBINE_CHUNK_ROWS, COMBINE_CHUNK_SIGNAL_BYTES, NOTIFY_THREADS
 from .legacy import LegacyLayout
@@ -175,6 +176,22 @@ class DispatchPlan:
                                    stats=None, handle=None, previous_event=None, legacy=None)
 
 
+def _checked_layout(s: EPSettings, lay: Optional[layout.EPLayout], num_max_tokens_per_rank: int, hidden: int,
+                    hidden_bytes: int, num_sf: int, num_topk: int, num_experts: int) -> layout.EPLayout:
+    """The EP regions (`lay`, or laid out now when None), checked to hold this dispatch."""
+    R = s.num_ranks
+    if lay is None:
+        lay = layout_for(s, num_max_tokens_per_rank, hidden, num_topk)
+    msg_bytes = layout.message_bytes(hidden_bytes, num_sf, num_topk)
+    if R * num_max_tokens_per_rank * msg_bytes > lay.dispatch_recv_bytes:
+        raise ValueError(f'buffer too small for this dispatch (num_max_tokens_per_rank={num_max_tokens_per_rank}, '
+                         f'hidden={hidden}, num_topk={num_topk}): build it with get_buffer_size_hint for these sizes')
+    if ceil_div(num_max_tokens_per_rank, NOTIFY_THREADS) * (num_experts + R) * 4 > \
+            lay.scratch_bytes(R * layout.NUM_MAX_LOCAL_EXPERTS):
+        raise ValueError('num_max_tokens_per_rank is larger than the buffer was built for')
+    return lay
+
+
 def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, topk_weights, stats,
                   num_experts: Optional[int], num_max_tokens_per_rank: Optional[int],
                   expert_alignment: Optional[int], num_sms: int, previous_event, allocate_on_comm_stream: bool,
@@ -193,72 +210,16 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
     `start_range(topk_idx_info)` starts reading topk_idx's (min, max) back (a GPU kernel) and returns the function that
     waits for it; it is called for a CPU-sync dispatch once the top-k ids passed their other checks, so the GPU works
     while the remaining checks run, and its values are checked last. None: no value check."""
-    fp8 = isinstance(x, (tuple, list))
-    if fp8:
-        if len(x) != 2:
-            raise ValueError(f'x must be a tensor or a (x_fp8, sf) pair, got a sequence of {len(x)}')
-        x, sf = x
-    else:
-        sf = None
-    xi = checks.info(x, 'x', s.device)
+    xa = check_x(s, x)
+    xi = xa.xi
     kind = xi.kind
-    checks.check_dtype(xi, 'x', 'float8_e4m3fn' if fp8 else 'bfloat16')
-    if xi.ndim != 2:
-        raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {list(xi.shape)}')
     num_tokens, hidden = xi.shape
-    if xi.strides[1] != 1:
-        raise ValueError('x must have contiguous rows (stride 1 along hidden)')
-    hidden_bytes = hidden * xi.itemsize
-    if hidden_bytes % 16 != 0:
-        raise ValueError(f'x: hidden * element size must be a multiple of 16 bytes, got {hidden} x {xi.itemsize}')
-    if xi.strides[0] * xi.itemsize % 16 != 0 or xi.ptr % 16 != 0:
-        raise ValueError('x rows must start at 16-byte aligned addresses')
-    if sf is not None:
-        sfi = checks.info(sf, 'x[1] (scale factors)', s.device)
-        checks.check_same_kind(kind, sfi, 'x[1] (scale factors)')
-        checks.check_dtype(sfi, 'x[1] (scale factors)', 'float32', 'int32')
-        if sfi.ndim != 2 or sfi.shape[0] != num_tokens:
-            raise ValueError(f'x[1] (scale factors) must be [num_tokens={num_tokens}, P], got {list(sfi.shape)}')
-        num_sf = sfi.shape[1]
-        if num_sf > ceil_div(hidden, layout.SF_GROUP):
-            raise ValueError(f'x[1] (scale factors) has {num_sf} columns; at most ceil(hidden / 128) = '
-                             f'{ceil_div(hidden, layout.SF_GROUP)} are supported')
-    else:
-        sfi, num_sf = None, 0
-
     cached = handle is not None
-    if cached:
-        if not isinstance(handle, EPHandle):
-            raise TypeError(f'handle must be an EPHandle, got {type(handle).__name__}')
-        if handle.buffer_id != s.owner_id:
-            raise ValueError('handle was made by another buffer; use the buffer that dispatched it')
-        if topk_idx is not None:
-            raise ValueError('topk_idx must be None for a cached dispatch (it comes from the handle)')
-        for name, value, expect in (('num_experts', num_experts, handle.num_experts),
-                                    ('expert_alignment', expert_alignment, handle.expert_alignment),
-                                    ('num_max_tokens_per_rank', num_max_tokens_per_rank,
-                                     handle.num_max_tokens_per_rank)):
-            if value is not None and value != expect:
-                raise ValueError(f'{name}={value} does not match the handle ({expect})')
-        if do_cpu_sync:
-            raise ValueError('do_cpu_sync must be False (or None) for a cached dispatch')
-        if num_tokens != handle.num_tokens:
-            raise ValueError(f'x has {num_tokens} tokens but the handle was made for {handle.num_tokens}')
-        if handle.kind != kind:
-            raise TypeError(f'x is a {kind} array but the handle holds {handle.kind} arrays')
-        num_experts, expert_alignment = handle.num_experts, handle.expert_alignment
-        num_max_tokens_per_rank = handle.num_max_tokens_per_rank
-        topk_idx = handle.topk_idx
-        do_cpu_sync = False
-    else:
-        if topk_idx is None:
-            raise ValueError('topk_idx is required (or pass handle= for a cached dispatch)')
-        if num_experts is None:
-            raise ValueError('num_experts is required')
-        num_max_tokens_per_rank = (s.num_max_tokens_per_rank if num_max_tokens_per_rank is None
-                                   else num_max_tokens_per_rank)
-        expert_alignment = 1 if expert_alignment is None else expert_alignment
-        do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+    route = resolve_routing(s, xi, handle, topk_idx, num_experts=num_experts,
+                            num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment,
+                            do_cpu_sync=do_cpu_sync)
+    num_experts, expert_alignment = route.num_experts, route.expert_alignment
+    num_max_tokens_per_rank, do_cpu_sync = route.num_max_tokens_per_rank, route.do_cpu_sync
     checks.check_int('num_experts', num_experts, 1)
     checks.check_int('expert_alignment', expert_alignment, 1)
     checks.check_int('num_max_tokens_per_rank', num_max_tokens_per_rank, 1)
@@ -282,47 +243,17 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
         if cached:
             raise ValueError('a cached dispatch takes no LegacyLayout (its handle has the layout)')
         legacy.check(num_tokens)
-
-    ti = checks.info(topk_idx, 'topk_idx', s.device)
-    checks.check_same_kind(kind, ti, 'topk_idx')
-    checks.check_dtype(ti, 'topk_idx', 'int64')
-    if ti.ndim != 2 or ti.shape[0] != num_tokens:
-        raise ValueError(f'topk_idx must be [num_tokens={num_tokens}, num_topk], got {list(ti.shape)}')
-    checks.check_contiguous(ti, 'topk_idx')
+    ti = check_topk_idx(s, kind, route.topk_idx, num_tokens, num_experts, legacy)
     K = ti.shape[1]
-    if legacy is not None:
-        legacy.check_expert_counts(kind, num_experts, s.device)
-    if not 1 <= K <= layout.NUM_MAX_TOPK:
-        raise ValueError(f'topk_idx: num_topk must be in [1, {layout.NUM_MAX_TOPK}], got {K}')
-    if s.num_topk and K > s.num_topk:
-        raise ValueError(f'topk_idx has {K} columns but the buffer was built for num_topk={s.num_topk}')
     # The value range needs the GPU: start it now, read it after the other checks.
     range_check = start_range(ti) if start_range is not None and do_cpu_sync and not cached else None
-    if topk_weights is not None:
-        wi = checks.info(topk_weights, 'topk_weights', s.device)
-        checks.check_same_kind(kind, wi, 'topk_weights')
-        checks.check_dtype(wi, 'topk_weights', 'float32')
-        checks.check_shape(wi, 'topk_weights', (num_tokens, K))
-        checks.check_contiguous(wi, 'topk_weights')
-    if stats is not None:
-        ci = checks.info(stats, 'cumulative_local_expert_recv_stats', s.device)
-        checks.check_same_kind(kind, ci, 'cumulative_local_expert_recv_stats')
-        checks.check_dtype(ci, 'cumulative_local_expert_recv_stats', 'int32')
-        checks.check_shape(ci, 'cumulative_local_expert_recv_stats', (L,))
-        checks.check_contiguous(ci, 'cumulative_local_expert_recv_stats')
+    check_side_arrays(s, kind, topk_weights, stats, num_tokens, K, L)
     smem = notify_smem_bytes(num_experts, R)
     if smem > NUM_MAX_NOTIFY_SMEM_BYTES:
         raise ValueError(f'num_experts={num_experts} is too large for the notify kernel (at most 4096)')
+    hidden_bytes = hidden * xi.itemsize
     new_layout = lay is None
-    if new_layout:
-        lay = layout_for(s, num_max_tokens_per_rank, hidden, K)
-    msg_bytes = layout.message_bytes(hidden_bytes, num_sf, K)
-    if R * num_max_tokens_per_rank * msg_bytes > lay.dispatch_recv_bytes:
-        raise ValueError(f'buffer too small for this dispatch (num_max_tokens_per_rank={num_max_tokens_per_rank}, '
-                         f'hidden={hidden}, num_topk={K}): build it with get_buffer_size_hint for these sizes')
-    if ceil_div(num_max_tokens_per_rank, NOTIFY_THREADS) * (num_experts + R) * 4 > \
-            lay.scratch_bytes(R * layout.NUM_MAX_LOCAL_EXPERTS):
-        raise ValueError('num_max_tokens_per_rank is larger than the buffer was built for')
+    lay = _checked_layout(s, lay, num_max_tokens_per_rank, hidden, hidden_bytes, xa.num_sf, K, num_experts)
     # A cached dispatch sends like the dispatch that made its handle (as combine does).
     num_sms = num_sms or (handle.num_sms if cached else s.default_num_sms or theoretical_num_sms(
         R, num_experts, K, s.nvlink_gbs, s.num_device_sms, s.prefer_overlap_with_compute))
@@ -332,11 +263,15 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
         if lo < -1 or hi >= num_experts:
             raise ValueError(f'topk_idx values must be in [-1, {num_experts}), got min {lo}, max {hi}')
     event = _check_previous_event(previous_event, allocate_on_comm_stream, allow_previous_event_alone)
-    return DispatchPlan(kind, fp8, x, xi, sf, sfi, num_sf, topk_idx, ti, topk_weights, stats, num_tokens, hidden,
-                        hidden_bytes, K, L, num_experts, expert_alignment, num_max_tokens_per_rank,
-                        handle if cached else None, do_cpu_sync, bool(do_expand), bool(do_zero_padding),
-                        bool(do_handle_copy), bool(use_tma_aligned_col_major_sf), num_sms, smem, lay, new_layout, event,
-                        num_worst_tokens, legacy, cached)
+    return DispatchPlan(
+        kind=kind, fp8=xa.fp8, x=xa.x, xi=xi, sf=xa.sf, sfi=xa.sfi, num_sf=xa.num_sf, topk_idx=route.topk_idx, ti=ti,
+        topk_weights=topk_weights, stats=stats, num_tokens=num_tokens, hidden=hidden, hidden_bytes=hidden_bytes,
+        num_topk=K, num_local_experts=L, num_experts=num_experts, expert_alignment=expert_alignment,
+        num_max_tokens_per_rank=num_max_tokens_per_rank, handle=handle if cached else None, do_cpu_sync=do_cpu_sync,
+        do_expand=bool(do_expand), do_zero_padding=bool(do_zero_padding), do_handle_copy=bool(do_handle_copy),
+        use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf), num_sms=num_sms, notify_smem_bytes=smem,
+        layout=lay, new_layout=new_layout, previous_event=event, num_worst_tokens=num_worst_tokens, legacy=legacy,
+        cached=cached)
 
 
 @dataclass(slots=True)

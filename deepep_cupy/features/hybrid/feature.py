@@ -308,18 +308,20 @@ class HybridEP:
             k.unpack.launch(N * Mc, THREADS, stream=stream, mode=1, **xargs, **uargs)
         v1_args = {} if v1 is None else dict(num_worst_tokens=v1.num_worst, allow_previous_event_alone=True,
                                              legacy=v1.forward(self, stream, topk, union_topk, fwd_src, fwd_count, Mc))
-        inner_x = (union_x, union_sf) if sf is not None else union_x
-        inner_handle = handle.inner if handle is not None else None
         # With a previous event the intranode engine's stream waits for that event only, not for the current stream:
         # hand it an event recorded after the union was built (the current stream already waited for the caller's).
-        inner_previous = EventHandle(stream) if previous_event is not None else None
         self.inner.ready_guard = guard
         try:
             recv_x, recv_topk, recv_w, inner_handle, event = self.inner.dispatch(
-                inner_x, None if handle is not None else union_topk, union_w, cumulative_local_expert_recv_stats,
-                a.num_experts // N, N * Mc, expert_alignment, num_sms, num_qps, inner_previous, None,
-                async_with_compute_stream, allocate_on_comm_stream, inner_handle, do_handle_copy, do_cpu_sync,
-                do_expand, do_zero_padding, use_tma_aligned_col_major_sf, **v1_args)
+                (union_x, union_sf) if sf is not None else union_x, topk_idx=None if handle is not None else union_topk,
+                topk_weights=union_w, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                num_experts=a.num_experts // N, num_max_tokens_per_rank=N * Mc, expert_alignment=expert_alignment,
+                num_sms=num_sms, num_qps=num_qps,
+                previous_event=None if previous_event is None else EventHandle(stream),
+                async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
+                handle=None if handle is None else handle.inner, do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync,
+                do_expand=do_expand, do_zero_padding=do_zero_padding,
+                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, **v1_args)
         finally:
             self.inner.ready_guard = None
             if side is not None:
@@ -331,11 +333,9 @@ class HybridEP:
             for t in (union_x, union_sf, union_topk, union_w):
                 if t is not None:
                     t.record_stream(comm)
-        if handle is not None:
-            user_topk = handle.topk_idx
-        else:
-            user_topk = topk.clone() if do_handle_copy and hasattr(topk, 'clone') else \
-                (topk.copy() if do_handle_copy else topk)
+        user_topk = handle.topk_idx if handle is not None else topk
+        if handle is None and do_handle_copy:
+            user_topk = topk.clone() if hasattr(topk, 'clone') else topk.copy()
         order = None
         if self.R > 1 and getattr(self._buf, 'deterministic', False):
             order, event = self._sort(k, inner_handle, recv_x, recv_topk, recv_w, Mc, stream, event,
@@ -448,8 +448,9 @@ class HybridEP:
             x, topk_weights = unsorted = hdet.unsort_combine(k, handle.sorted_rows, x, topk_weights, stream)
             if previous_event is not None:
                 previous_event = EventHandle(stream)
-        cx, cw, _ = self.inner.combine(x, handle.inner, topk_weights, None, num_sms, num_qps, previous_event, None,
-                                       False, allocate_on_comm_stream, v1, v1)
+        cx, cw, _ = self.inner.combine(x, handle.inner, topk_weights=topk_weights, num_sms=num_sms, num_qps=num_qps,
+                                       previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
+                                       weights_over_ranks=v1, allow_previous_event_alone=v1)
         area, base, rails = self.area, self.rails.base, self.rails.rails
         k.combine_pack.launch(N * Mc, THREADS, stream=stream, combined_x=cx, combined_weights=_ptr(cw), hidden=hidden,
                               num_topk=K, fwd_src=handle.fwd_src, fwd_count=handle.fwd_count, num_domains=N,
