@@ -27,9 +27,9 @@ _LAZY = {
     'get_group': 'deepep_cupy.runtime.group',
     'install_as_deep_ep': 'deepep_cupy.deep_ep_alias',
     'destroy_all_managed_nccl_comm': 'deepep_cupy.comm',
-    # DeepEP's V1 API (the legacy buffer); resolves once `deepep_cupy.buffers.legacy` exists
-    'Buffer': 'deepep_cupy.buffers.legacy',
-    'Config': 'deepep_cupy.buffers.legacy',
+    # DeepEP's V1 API: the V1 adapter (deepep_cupy/v1; its old path `deepep_cupy.buffers.legacy` is the same module)
+    'Buffer': 'deepep_cupy.v1.buffer',
+    'Config': 'deepep_cupy.v1.buffer',
 }
 
 # Public name -> module that IS the value (DeepEP V2.5's `deep_ep.comm`).

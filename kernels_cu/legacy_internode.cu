@@ -1,4 +1,4 @@
-// DeepEP V1's internode handle on the composed hybrid path (deepep_cupy/features/legacy/internode.py): the small
+// DeepEP V1's internode handle on the composed hybrid path (deepep_cupy/v1/kernels/internode.py): the small
 // kernels that carry what V1's handle needs and the hybrid dispatch does not, and that build the handle's tensors.
 //
 // Rank g = (d, l) of N domains x S ranks (g = d * S + l); rail peers (m, l); V1's channel c of a rank holding T

@@ -1,4 +1,4 @@
-// DeepEP V1 low-latency mode across scale-up domains (deepep_cupy/features/legacy/internode_ll.py, the design): the
+// DeepEP V1 low-latency mode across scale-up domains (deepep_cupy/v1/kernels/internode_ll.py, the design): the
 // small kernels around one hybrid dispatch / combine (features/hybrid) that turn V1's low-latency calls into
 // "pseudo-token" hybrid calls and back, so that every result is bit for bit the single-domain path's (ep_ll.cu).
 //

@@ -327,8 +327,8 @@ def v1_cases(args):
     """DeepEP V1's `Buffer` (normal mode: its engine laid out by the first dispatch) with the same tokens; the
     layout tensors made once, as V1 callers get them from `get_dispatch_layout`."""
     try:
-        from deepep_cupy.buffers.legacy import Buffer
-        from deepep_cupy.buffers.legacy_normal import NormalEngine, NormalMode
+        from deepep_cupy.v1.buffer import Buffer
+        from deepep_cupy.v1.normal import NormalEngine, NormalMode
     except ImportError:                 # (absent before the V1 Buffer: the harness runs on both)
         return {}
     R, E = args.ranks, args.experts

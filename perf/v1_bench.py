@@ -48,12 +48,12 @@ def main(argv=None) -> int:
     import torch
 
     from deepep_cupy.buffers.elastic import ElasticBuffer
-    from deepep_cupy.buffers.legacy import Buffer
     from deepep_cupy.runtime.group import get_group
     from deepep_cupy.tests import legacy_low_latency as ll_prog
     from deepep_cupy.tests import legacy_perf
     from deepep_cupy.tests.legacy_intranode import Case
     from deepep_cupy.utils.envs import init_dist
+    from deepep_cupy.v1.buffer import Buffer
 
     rank, R, _ = init_dist(seed=args.seed)
     group = get_group()

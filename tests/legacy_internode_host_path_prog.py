@@ -15,14 +15,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 hp.install()
-from deepep_cupy.buffers.legacy import Buffer, Config  # noqa: E402
-from deepep_cupy.buffers.legacy_internode import InternodeEngine, InternodeHandle, InternodeMode  # noqa: E402
 from deepep_cupy.features.ep import kernels as ep_kernels  # noqa: E402
 from deepep_cupy.features.ep.feature import EP  # noqa: E402
 from deepep_cupy.features.hybrid import feature as hf  # noqa: E402
 from deepep_cupy.features.hybrid import kernels as hk  # noqa: E402
-from deepep_cupy.features.legacy import internode  # noqa: E402
 from deepep_cupy.runtime.rails import ScaleoutTransport, rail_topology  # noqa: E402
+from deepep_cupy.v1.buffer import Buffer, Config  # noqa: E402
+from deepep_cupy.v1.internode import InternodeEngine, InternodeHandle, InternodeMode  # noqa: E402
+from deepep_cupy.v1.kernels import internode  # noqa: E402
 
 hk.load_kernels = hp.fake_load_kernels
 N, S, H, K, E = 2, 2, 256, 4, 32

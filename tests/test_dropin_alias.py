@@ -82,7 +82,7 @@ def test_v1_buffer_and_config():
         import deep_ep
         from deep_ep.buffers.legacy import Buffer, Config
         assert deep_ep.Buffer is Buffer and deep_ep.Config is Config
-        assert Buffer.__module__.startswith('deepep_cupy.buffers.legacy')
+        assert Buffer.__module__ == 'deepep_cupy.v1.buffer'
         assert sys.modules['deep_ep.buffers.legacy'] is sys.modules['deepep_cupy.buffers.legacy']
         assert Config(24, 8, 256).num_sms == 24 and Buffer.num_sms == 20 and Buffer.is_sm90_compiled()
         print('OK')
@@ -96,14 +96,14 @@ def test_missing_v1_names_are_attribute_errors():
         import deepep_cupy, importlib.util
         deepep_cupy.install_as_deep_ep()
         import deep_ep
-        if importlib.util.find_spec('deepep_cupy.buffers') and importlib.util.find_spec('deepep_cupy.buffers.legacy'):
+        if importlib.util.find_spec('deepep_cupy.buffers') and importlib.util.find_spec('deepep_cupy.v1'):
             print('OK')       # the V1 buffer is there
         else:
             assert not hasattr(deep_ep, 'Buffer') and not hasattr(deep_ep, 'Config')
             try:
                 deep_ep.Buffer
             except AttributeError as e:
-                assert 'deepep_cupy.buffers.legacy' in str(e)
+                assert 'deepep_cupy.v1.buffer' in str(e)
                 print('OK')
     ''')
     assert proc.returncode == 0 and proc.stdout.strip() == 'OK', proc.stderr

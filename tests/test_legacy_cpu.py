@@ -16,16 +16,17 @@ torch = pytest.importorskip('torch')
 
 import fakes  # noqa: E402
 
-from deepep_cupy.buffers import legacy, legacy_normal  # noqa: E402
-from deepep_cupy.buffers.legacy import Buffer, Config  # noqa: E402
-from deepep_cupy.buffers.legacy_config import COMBINE_TABLE, DISPATCH_TABLE  # noqa: E402
-from deepep_cupy.buffers.legacy_normal import LegacyHandle, NormalEngine, NormalMode  # noqa: E402
 from deepep_cupy.features.ep import feature as ep_feature  # noqa: E402
 from deepep_cupy.features.ep import kernels as ep_kernels  # noqa: E402
 from deepep_cupy.features.ep.layout import EPLayout, buffer_size_hint  # noqa: E402
-from deepep_cupy.features.legacy import layout as legacy_layout  # noqa: E402
 from deepep_cupy.runtime import interop, workspace  # noqa: E402
 from deepep_cupy.runtime.event import EventHandle, EventOverlap  # noqa: E402
+from deepep_cupy.v1 import buffer as legacy  # noqa: E402
+from deepep_cupy.v1 import normal as legacy_normal  # noqa: E402
+from deepep_cupy.v1.buffer import Buffer, Config  # noqa: E402
+from deepep_cupy.v1.config import COMBINE_TABLE, DISPATCH_TABLE  # noqa: E402
+from deepep_cupy.v1.kernels import layout as legacy_layout  # noqa: E402
+from deepep_cupy.v1.normal import LegacyHandle, NormalEngine, NormalMode  # noqa: E402
 
 R, H, K, E = 2, 256, 4, 16
 MiB = 1 << 20
@@ -589,8 +590,8 @@ class FakeLLEngine:
 
 
 def test_low_latency_engine_life(monkeypatch):
-    from deepep_cupy.buffers import legacy_ll
     from deepep_cupy.features.ll import get_rdma_size_hint
+    from deepep_cupy.v1 import low_latency as legacy_ll
     monkeypatch.setattr(legacy_ll, 'LowLatencyEngine', FakeLLEngine)
     FakeLLEngine.made = []
     bases = []

@@ -1,6 +1,6 @@
-"""DeepEP V1 `Buffer` across scale-up domains without a GPU (features/legacy/internode.py):
+"""DeepEP V1 `Buffer` across scale-up domains without a GPU (v1/kernels/internode.py):
 - the host reference of V1's internode contract on a hand-checked 2x2 case, and its invariants on random routing;
-- the handle kernels' host mirrors (features/legacy/internode_reference.py), fed what the hybrid dispatch leaves
+- the handle kernels' host mirrors (v1/kernels/internode_reference.py), fed what the hybrid dispatch leaves
   (simulated here from the routing), equal to the reference for every rank, element by element, with and without
   num_worst_tokens padding;
 - `get_dispatch_layout`'s `num_tokens_per_rdma_rank`: the launches (recorded kernels whose `run` emulates the CUDA
@@ -17,16 +17,19 @@ torch = pytest.importorskip('torch')
 
 import fakes  # noqa: E402
 
-from deepep_cupy.buffers import legacy, legacy_internode, legacy_normal, shipped  # noqa: E402
-from deepep_cupy.buffers.legacy import Buffer  # noqa: E402
+from deepep_cupy.buffers import shipped  # noqa: E402
 from deepep_cupy.features.ep.layout import buffer_size_hint  # noqa: E402
 from deepep_cupy.features.hybrid import kernels as hybrid_kernels  # noqa: E402
 from deepep_cupy.features.hybrid import plan as hplan  # noqa: E402
-from deepep_cupy.features.legacy import internode  # noqa: E402
-from deepep_cupy.features.legacy import internode_reference as iref  # noqa: E402
-from deepep_cupy.features.legacy import layout as legacy_layout  # noqa: E402
 from deepep_cupy.runtime import errors as errors_module  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
+from deepep_cupy.v1 import buffer as legacy  # noqa: E402
+from deepep_cupy.v1 import internode as legacy_internode  # noqa: E402
+from deepep_cupy.v1 import normal as legacy_normal  # noqa: E402
+from deepep_cupy.v1.buffer import Buffer  # noqa: E402
+from deepep_cupy.v1.kernels import internode  # noqa: E402
+from deepep_cupy.v1.kernels import internode_reference as iref  # noqa: E402
+from deepep_cupy.v1.kernels import layout as legacy_layout  # noqa: E402
 
 E = 8   # 4 ranks in 2 domains of 2: rank g owns experts 2g, 2g + 1
 

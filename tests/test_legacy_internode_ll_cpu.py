@@ -1,4 +1,4 @@
-"""DeepEP V1 low-latency mode across scale-up domains without a GPU (features/legacy/internode_ll.py):
+"""DeepEP V1 low-latency mode across scale-up domains without a GPU (v1/kernels/internode_ll.py):
 - the kernels' host mirrors composed with a model of the hybrid dispatch / combine (each pseudo token delivered to
   its expert's owner, in a shuffled order, with the intranode source index the hybrid engine gives; the combine
   handing each pseudo token's one row back) equal the single-domain references (deepep_cupy.tests.ll_reference) on
@@ -19,13 +19,13 @@ torch = pytest.importorskip('torch')
 
 import fakes  # noqa: E402
 
-from deepep_cupy.buffers import legacy_ll_internode as lli  # noqa: E402
 from deepep_cupy.buffers import shipped  # noqa: E402
-from deepep_cupy.buffers.legacy import Buffer  # noqa: E402
-from deepep_cupy.features.legacy import internode  # noqa: E402
-from deepep_cupy.features.legacy import internode_ll as ill  # noqa: E402
 from deepep_cupy.runtime import interop  # noqa: E402
 from deepep_cupy.tests import ll_reference as ref  # noqa: E402
+from deepep_cupy.v1 import internode_ll as lli  # noqa: E402
+from deepep_cupy.v1.buffer import Buffer  # noqa: E402
+from deepep_cupy.v1.kernels import internode  # noqa: E402
+from deepep_cupy.v1.kernels import internode_ll as ill  # noqa: E402
 
 
 # ---- the composition against the single-domain references ---------------------------------------------------------

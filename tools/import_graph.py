@@ -3,11 +3,14 @@
     python tools/import_graph.py            # the package-level graph and any upward import
     python tools/import_graph.py --modules  # module-level edges
 
-Layers, from the top: api (`deepep_cupy`, `deepep_cupy.buffers`) → features (`deepep_cupy.features`) → runtime / jit
-(`deepep_cupy.runtime`, `deepep_cupy.jit`) → base (`deepep_cupy.constants`, `deepep_cupy.envs`). A module may import
-its own layer's modules or lower layers' ones; a feature imports no other feature. `deepep_cupy.utils` and
-`deepep_cupy.tests` stand beside the library (tests, benchmarks): the library never imports them. Every import
-counts, including those inside functions. tests/test_layers.py keeps the rule true.
+Layers, from the top: adapter (`deepep_cupy.v1`: DeepEP V1's `Buffer` over the engine; see its __init__) → api
+(`deepep_cupy`, `deepep_cupy.buffers`) → features (`deepep_cupy.features`) → runtime / jit (`deepep_cupy.runtime`,
+`deepep_cupy.jit`) → base (`deepep_cupy.constants`, `deepep_cupy.envs`). A module may import its own layer's modules
+or lower layers' ones; a feature imports no other feature. So the engine (api and below) never imports the V1
+adapter, except two modules that sit with it (`ADAPTER_MODULES`): `buffers.legacy`, V1's old import path (the
+adapter's module under that name), and `buffers.shipped`, which gathers every layer's kernel specialisations.
+`deepep_cupy.utils` and `deepep_cupy.tests` stand beside the library (tests, benchmarks): the library never imports
+them. Every import counts, including those inside functions. tests/test_layers.py keeps the rule true.
 """
 
 import argparse
@@ -21,7 +24,10 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 BESIDE = ('utils', 'tests')                   # beside the library: may import anything, imported by nothing in it
 # Top-level modules of the api layer besides the package itself: the buffers and the `deep_ep` alias with its runner.
 API_MODULES = ('buffers', 'deep_ep_alias', 'as_deep_ep', '_deep_ep_bootstrap', 'comm')
-LAYERS = {'api': 3, 'features': 2, 'runtime': 1, 'jit': 1, 'base': 0}
+# The adapter layer: DeepEP V1 (`deepep_cupy.v1`), and the two modules that sit with it (see the module docstring).
+ADAPTERS = ('v1',)
+ADAPTER_MODULES = ('buffers.legacy', 'buffers.shipped')
+LAYERS = {'adapter': 4, 'api': 3, 'features': 2, 'runtime': 1, 'jit': 1, 'base': 0}
 
 
 def module_name(path: Path) -> str:
@@ -72,6 +78,8 @@ def package_of(module: str) -> str:
 
 def layer_of(module: str) -> Optional[str]:
     parts = module.split('.')[1:]
+    if parts and (parts[0] in ADAPTERS or '.'.join(parts[:2]) in ADAPTER_MODULES):
+        return 'adapter'
     if not parts or parts[0] in API_MODULES:
         return 'api'
     if parts[0] in ('features', 'runtime', 'jit'):
@@ -106,7 +114,7 @@ def violations(all_edges: List[Tuple[str, str]]) -> List[str]:
         if ls is None:
             continue                                  # utils / tests may import anything
         if ls == 'unknown':
-            line = f'{src}: a module outside the layers (put it in buffers, features, runtime, jit or base)'
+            line = f'{src}: a module outside the layers (put it in v1, buffers, features, runtime, jit or base)'
             if line not in bad:
                 bad.append(line)
         elif ld is None:

@@ -6,8 +6,8 @@
     bucket     BucketBuffer, BucketSession (DeepEP V2.5): in-place all-gather, reduce-scatter, all-reduce
     pp         PPBuffer (DeepEP V2.5): pipeline-parallel send / recv
     engram     EngramBuffer (DeepEP V2.5): layered lookup tables in GPU or host storage
-    legacy     Buffer and Config (DeepEP V1): normal mode (legacy_normal) and low-latency mode (legacy_ll) inside one
-               NVLink domain; Config and its tables (legacy_config)
+    legacy     Buffer and Config (DeepEP V1): the old import path of the V1 adapter, deepep_cupy/v1 (this module IS
+               `deepep_cupy.v1.buffer`)
     allocator  BufferAllocator and the alignment getters
     shipped    every kernel specialisation the buffers may request (CI compiles them all)
 """

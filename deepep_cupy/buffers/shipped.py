@@ -11,11 +11,11 @@ from ..features.engram import plan as engram_plan
 from ..features.ep import kernels as ep_kernels
 from ..features.hybrid import kernels as hybrid_kernels
 from ..features.lb import plan as lb_plan
-from ..features.legacy import internode as legacy_internode
-from ..features.legacy import internode_ll as legacy_internode_ll
-from ..features.legacy import layout as legacy_layout
 from ..features.pp import plan as pp_plan
 from ..jit.launch import KernelSpec
+from ..v1.kernels import internode as legacy_internode
+from ..v1.kernels import internode_ll as legacy_internode_ll
+from ..v1.kernels import layout as legacy_layout
 
 
 def shipped_specs() -> Dict[str, List[KernelSpec]]:

@@ -567,7 +567,7 @@ class LL(Workload):
     """V1 `Buffer` in low-latency mode: low_latency_dispatch (BF16), a bounded wait, low_latency_combine."""
 
     def build(self, gpu_secs: float, cpu_secs: float) -> None:
-        from ..buffers import legacy
+        from ..v1 import buffer as legacy
         # V1's Buffer takes no timeouts (DeepEP's signature): its module constants give them, read at construction.
         legacy.NUM_GPU_TIMEOUT_SECS, legacy.NUM_CPU_TIMEOUT_SECS = gpu_secs, cpu_secs
         self.gpu_secs = gpu_secs

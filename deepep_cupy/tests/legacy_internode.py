@@ -1,5 +1,5 @@
 """DeepEP V1 `Buffer` across scale-up domains (DeepEP's internode normal mode), one rank per process: every output
-bit for bit against host references built from host-gathered inputs (`features/legacy/internode_reference.py`
+bit for bit against host references built from host-gathered inputs (`v1/kernels/internode_reference.py`
 `reference_internode` for V1's 10-element handle, `legacy_reference.dispatch` for the rows, a two-level host
 reduction for combine). Domains from the topology (`DEEPEP_CUPY_SCALEUP_SIZE` on one GPU), e.g.
 
@@ -27,11 +27,11 @@ except ImportError as e:  # `--help` works without torch; a run names the extra 
     preflight.exit_if_main(e, __name__, cli.legacy_internode_parser)
     raise
 
-from ..buffers.legacy import Buffer, Config  # noqa: E402
-from ..features.legacy import internode_reference as iref  # noqa: E402
 from ..runtime.group import get_group  # noqa: E402
 from ..utils.envs import init_dist  # noqa: E402
 from ..utils.math import per_token_cast_to_fp8  # noqa: E402
+from ..v1.buffer import Buffer, Config  # noqa: E402
+from ..v1.kernels import internode_reference as iref  # noqa: E402
 from . import legacy_reference as ref  # noqa: E402
 from .common import Failure, check, check_equal, expect_error, gather_tensors  # noqa: E402
 

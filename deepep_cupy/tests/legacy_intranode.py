@@ -25,10 +25,10 @@ except ImportError as e:  # `--help` works without torch; a run names the extra 
     preflight.exit_if_main(e, __name__, cli.legacy_intranode_parser)
     raise
 
-from ..buffers.legacy import Buffer, Config
 from ..runtime.group import get_group
 from ..utils.envs import init_dist
 from ..utils.math import per_token_cast_to_fp8
+from ..v1.buffer import Buffer, Config
 from . import legacy_reference as ref
 from .common import Failure, check, check_equal, gather_tensors
 

@@ -1,4 +1,4 @@
-"""V1 low-latency mode across scale-up domains (features/legacy/internode_ll.py) through `deep_ep.Buffer`: bitwise
+"""V1 low-latency mode across scale-up domains (v1/kernels/internode_ll.py) through `deep_ep.Buffer`: bitwise
 checks against the single-domain host references (deepep_cupy.tests.ll_reference, which the single-domain kernels
 equal bit for bit), CUDA-graph capture of call and hook, masks, one buffer serving normal and low-latency modes,
 bad input. Domains from the topology (`DEEPEP_CUPY_SCALEUP_SIZE` on one GPU), e.g.
@@ -24,9 +24,9 @@ except ImportError as e:  # `--help` works without torch
     preflight.exit_if_main(e, __name__, cli.legacy_low_latency_internode_parser)
     raise
 
-from ..buffers.legacy import Buffer  # noqa: E402
 from ..runtime.group import get_group  # noqa: E402
 from ..utils.envs import init_dist  # noqa: E402
+from ..v1.buffer import Buffer  # noqa: E402
 from . import ll_reference as ref  # noqa: E402
 from .common import Failure, check, check_equal, expect_error  # noqa: E402
 from .legacy_low_latency import MODES, Inputs, combine_expected, combine_input, mode_name, valid_rows_index  # noqa

@@ -18,8 +18,8 @@ from typing import Callable, List
 import torch
 
 from ..buffers.elastic import ElasticBuffer
-from ..buffers.legacy import Buffer, Config
 from ..utils.testing import bench
+from ..v1.buffer import Buffer, Config
 from . import legacy_reference as ref
 
 HOST_CALLS = 100

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ..buffers.legacy import Buffer, Config
+from ..v1.buffer import Buffer, Config
 from . import legacy_low_latency as ll_prog
 from . import legacy_reference as ref
 from .common import check, check_equal, expect_error
@@ -116,7 +116,7 @@ def sglang_normal(buf: Buffer, group, args, num_tokens: int) -> None:
 
 def growth(group, args) -> int:
     """A buffer built without memory lays out DEFAULT_TOKENS slots; a dispatch of more grows it on every rank."""
-    from ..buffers.legacy_normal import DEFAULT_TOKENS
+    from ..v1.normal import DEFAULT_TOKENS
     buf = Buffer(group, 0, explicitly_destroy=True)
     try:
         first = Case(group, 64, args.hidden, args.num_topk, args.num_experts, args.seed + 6)

@@ -137,10 +137,10 @@ def prefill_tokens(Buffer, num_ranks: int) -> int:
 
 def grows(num_nvl_bytes: int, num_ranks: int, num_tokens: int, hidden: int, num_topk: int) -> bool:
     """Whether a dispatch of `num_tokens` per rank needs more slots than a V1 Buffer of `num_nvl_bytes` lays out
-    (deepep_cupy's sizing, `buffers/legacy_normal.py`)."""
+    (deepep_cupy's sizing, `v1/normal.py`)."""
     from ..buffers.base import BUFFER_ALIGNMENT
-    from ..buffers.legacy_normal import fit_tokens
     from ..runtime.sizes import align
+    from ..v1.normal import fit_tokens
     return num_tokens > fit_tokens(num_ranks, align(num_nvl_bytes, BUFFER_ALIGNMENT), hidden, max(num_topk, num_ranks))
 
 
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     limit = min(env['VLLM_MOE_DP_CHUNK_SIZE'], env['SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK'])
     if args.num_ll_tokens > limit:
         raise SystemExit(f'--num-ll-tokens {args.num_ll_tokens} is above the frameworks\' low-latency maximum {limit}')
-    from ..buffers import legacy
+    from ..v1 import buffer as legacy
     check(Buffer is legacy.Buffer and Config is legacy.Config and deep_ep.EventOverlap is deepep_cupy.EventOverlap,
           'deep_ep must be deepep_cupy, with the V1 names vLLM\'s annotations evaluate (Buffer, Config, EventOverlap)')
     log(f'[init] {R} ranks; deep_ep = deepep_cupy; groups: torch {torch.distributed.get_backend(torch_group)}, vLLM '

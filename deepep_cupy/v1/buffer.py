@@ -1,26 +1,25 @@
 """DeepEP V1's `Buffer` and `Config` (`deep_ep.buffers.legacy`; `deep_ep.Buffer`, `deep_ep.Config`), inside one NVLink
 domain of up to 8 ranks, on this library's engines:
 
-- normal (high-throughput) mode: `get_dispatch_layout`, `dispatch`, `combine` on the EP engine (`legacy_normal.py`:
+- normal (high-throughput) mode: `get_dispatch_layout`, `dispatch`, `combine` on the EP engine (`normal.py`:
   sizing, growth, the V1 handle);
-- low-latency mode: `low_latency_*` on the low-latency engine (`legacy_ll.py`).
+- low-latency mode: `low_latency_*` on the low-latency engine (`low_latency.py`).
 
 A buffer made with `low_latency_mode=True` serves both (SGLang's `auto`): each mode has memory of its own
 (`num_nvl_bytes` and `num_rdma_bytes`), so switching needs no cleaning; both share one communication stream.
-Several scale-up (NVLink) domains (DeepEP's internode mode): normal mode on the hybrid engine (`legacy_internode.py`;
-the design: `features/legacy/internode.py`): `get_dispatch_layout` with `num_tokens_per_rdma_rank`, `dispatch`
+Several scale-up (NVLink) domains (DeepEP's internode mode): normal mode on the hybrid engine (`internode.py`;
+the design: `v1/kernels/internode.py`): `get_dispatch_layout` with `num_tokens_per_rdma_rank`, `dispatch`
 (BF16 / FP8, top-k ids required, expert alignment, `num_worst_tokens`, cached) with V1's 10-element internode
 handle, `combine` (biases, V1's combined weights); the engine is built by the first dispatch (collective), when
-hidden and top-k are known. Low-latency mode across domains (`legacy_ll_internode.py`; the design:
-`features/legacy/internode_ll.py`): every `low_latency_*` call with the single-domain layouts and numerics, on an
+hidden and top-k are known. Low-latency mode across domains (`internode_ll.py`; the design:
+`v1/kernels/internode_ll.py`): every `low_latency_*` call with the single-domain layouts and numerics, on an
 engine of its own built by the first low-latency call, so a buffer serves both modes there too.
 """
 
 import sys
 from typing import Optional
 
-from ..features.legacy.internode import check_domains, no_topk_refusal
-from ..features.legacy.layout import DispatchLayout, plan_layout
+from ..buffers.base import BufferBase, _acquire_stream, _release_stream, check_configuration
 from ..features.ll import CONTROL_BYTES as LL_CONTROL_BYTES
 from ..runtime import dtypes, interop
 from ..runtime.checks import check_int
@@ -29,12 +28,13 @@ from ..runtime.group import get_group
 from ..runtime.nvlink import get_nvlink_gbs
 from ..runtime.streams import StreamOrder
 from ..runtime.topology import detect_topology, select_device
-from .base import BufferBase, _acquire_stream, _release_stream, check_configuration
-from .legacy_config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config, table_config
-from .legacy_internode import InternodeEngine, InternodeMode, expected_internode_handle
-from .legacy_ll import LowLatencyMethods, LowLatencyMode
-from .legacy_ll_internode import InternodeLLMode, LLInternodeEngine
-from .legacy_normal import NormalEngine, NormalMode, check_event_rule, check_num_sms, expected_handle_type
+from .config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config, table_config
+from .internode import InternodeEngine, InternodeMode, expected_internode_handle
+from .internode_ll import InternodeLLMode, LLInternodeEngine
+from .kernels.internode import check_domains, no_topk_refusal
+from .kernels.layout import DispatchLayout, plan_layout
+from .low_latency import LowLatencyMethods, LowLatencyMode
+from .normal import NormalEngine, NormalMode, check_event_rule, check_num_sms, expected_handle_type
 
 __all__ = ['Buffer', 'Config']
 
@@ -46,8 +46,8 @@ NUM_GPU_TIMEOUT_SECS = 100
 class Buffer(LowLatencyMethods):
     """DeepEP V1's expert-parallel communication buffer: normal-mode (high-throughput) dispatch / combine and
     low-latency dispatch / combine inside one NVLink domain (up to 8 ranks, ranks may share a GPU for tests); both
-    modes across several domains (DeepEP's internode mode, `legacy_internode.py`; low latency:
-    `legacy_ll_internode.py`).
+    modes across several domains (DeepEP's internode mode, `internode.py`; low latency:
+    `internode_ll.py`).
 
     Args:
         group: a `torch.distributed` ProcessGroup (any backend: only host collectives go through it), or None with
@@ -317,7 +317,7 @@ class Buffer(LowLatencyMethods):
             expert_alignment: per-expert received counts rounded up to this.
             num_worst_tokens: > 0: no CPU sync (CUDA-graph capturable), outputs of exactly this many rows (rows past
                 the real count: recv_topk_idx -1, the rest unspecified), list empty; needs top-k ids, and at least
-                the rows this rank receives. Every rank's token count must fit the buffer (see `legacy_normal.py`).
+                the rows this rank receives. Every rank's token count must fit the buffer (see `normal.py`).
             config: `Config` (its num_sms sets the sending SMs); default `get_dispatch_config(group_size)`.
             previous_event: an `EventOverlap` the communication stream waits for (else: the current stream).
             async_finish: return an event instead of making the current stream wait.
@@ -330,8 +330,8 @@ class Buffer(LowLatencyMethods):
             `[handle[0][i-1][rank], handle[0][i][rank])`), then in token order; recv_topk_idx `[rows, num_topk]`
             local expert ids or -1; recv_topk_weights float32, 0 where -1 (both None without top-k ids); the list:
             received (token, slot) pairs per local expert, aligned (a Python list; empty with num_worst_tokens);
-            handle: see `legacy_normal.LegacyHandle` (across domains: V1's internode 10-tuple,
-            `legacy_internode.InternodeHandle`; its `recv_gbl_rank_prefix_sum`, `handle[-4]`, bounds each source's
+            handle: see `normal.LegacyHandle` (across domains: V1's internode 10-tuple,
+            `internode.InternodeHandle`; its `recv_gbl_rank_prefix_sum`, `handle[-4]`, bounds each source's
             rows). Cached: `(recv_x, None, None, None, None, event)`.
         """
         self._check_alive()

@@ -5,7 +5,7 @@ Only `num_sms` means something here: the blocks that send in a dispatch or combi
 drive the size hints: V1 streams tokens through per-channel rings of `num_max_nvl_chunked_recv_tokens` slots, this
 library needs a slot per token, so the hints size a buffer with one slot for each token V1's rings would hold in
 flight (`num_sms // 2 * num_max_nvl_chunked_recv_tokens` tokens per rank). Any token count works with any buffer:
-a dispatch that needs more slots grows the buffer (see `legacy_normal.py`).
+a dispatch that needs more slots grows the buffer (see `normal.py`).
 """
 
 import operator
@@ -107,7 +107,7 @@ class Config:
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """`num_rdma_bytes` of normal mode: 0 inside one NVLink domain (<= 8 ranks: no RDMA buffer is needed); more
         than 8 ranks: the hybrid engine's rail memory for `hint_tokens()` tokens per rank (nodes of 8; it bounds
-        the rail memory, `legacy_internode.py`), a multiple of 2 MiB."""
+        the rail memory, `internode.py`), a multiple of 2 MiB."""
         check_int('hidden_bytes', hidden_bytes, 1)
         check_int('num_ranks', num_ranks, 1)
         if num_ranks <= NUM_MAX_NVL_PEERS:

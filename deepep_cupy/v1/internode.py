@@ -1,5 +1,5 @@
 """Normal mode of DeepEP V1's `Buffer` across scale-up domains (DeepEP's internode mode), on the hybrid EP engine
-(features/hybrid), with V1's 10-element handle built on the GPU (features/legacy/internode.py, the design).
+(features/hybrid), with V1's 10-element handle built on the GPU (v1/kernels/internode.py, the design).
 
 `InternodeMode` holds one `InternodeEngine`: symmetric memory with the hybrid feature (rails to the other domains,
 the intranode engine over the forwarder's union of N * M rows) laid out for `(M, hidden, top-k)`, built
@@ -16,7 +16,7 @@ extra region) and the handle kernels. The engine is built at the first dispatch,
   `N * M + that count` as the intranode dispatch's `LegacyLayout.reported_num_tokens`: after the intranode notify
   every rank of every domain knows the job's largest count (`InternodeCall.max_num_tokens`). When it exceeds M, all
   ranks rebuild the engine for it (a quarter more) and redo the call. No host collective is added to any call.
-- No CPU sync (`num_worst_tokens > 0`): as intranode (legacy_normal.py), every rank's count must fit M; a rank
+- No CPU sync (`num_worst_tokens > 0`): as intranode (normal.py), every rank's count must fit M; a rank
   holding more dispatches 0 tokens (its peers do not hang), then raises `ValueError`.
 - Handles (`InternodeHandle`) keep their engine alive: combines and cached dispatches of a handle made before a
   rebuild run on the old engine.
@@ -24,18 +24,18 @@ extra region) and the handle kernels. The engine is built at the first dispatch,
 
 from typing import Any, Callable, Optional, Tuple
 
+from ..buffers import hybrid
+from ..buffers.base import BufferBase
 from ..constants import BUFFER_ALIGNMENT, NUM_MAX_TOPK
 from ..features.ep.legacy import LegacyLayout
 from ..features.hybrid import plan as hplan
 from ..features.hybrid.feature import HybridEP
-from ..features.legacy import internode
 from ..runtime import checks, interop, workspace
 from ..runtime.event import EventHandle, EventOverlap
 from ..runtime.rails import FLAGS_BYTES, HEADER_BYTES
 from ..runtime.sizes import align
-from . import hybrid
-from .base import BufferBase
-from .legacy_normal import DEFAULT_TOKENS, MAX_ATTEMPTS, TOKEN_ALIGNMENT, fit_tokens, max_tokens, needed_bytes, split_x
+from .kernels import internode
+from .normal import DEFAULT_TOKENS, MAX_ATTEMPTS, TOKEN_ALIGNMENT, fit_tokens, max_tokens, needed_bytes, split_x
 
 HOST_BYTES = 4096       # legacy_internode_report's words: [rail max, forwarded rows]
 
@@ -49,7 +49,7 @@ def rail_tokens(num_domains: int, num_bytes: int, hidden: int, num_topk: int) ->
 
 
 def token_limit(num_domains: int, num_scaleup_ranks: int) -> int:
-    """The most tokens per rank: the intranode engine holds N * M union rows (`legacy_normal.max_tokens`)."""
+    """The most tokens per rank: the intranode engine holds N * M union rows (`normal.max_tokens`)."""
     return max_tokens(num_scaleup_ranks) // num_domains
 
 
@@ -136,7 +136,7 @@ class InternodeHandle(tuple):
     `(is_token_in_rank [N, R] bool, rdma_channel_prefix_matrix [D, C], gbl_channel_prefix_matrix [R, C],
     recv_rdma_channel_prefix_matrix [D, C], recv_rdma_rank_prefix_sum [D], recv_gbl_channel_prefix_matrix [R, C],
     recv_gbl_rank_prefix_sum [R], recv_src_meta [rows, 8] uint8, send_rdma_head [N, D], send_nvl_head [F, S])`, int32
-    unless said; every value as `internode_reference.reference_internode` defines it (features/legacy/internode.py).
+    unless said; every value as `internode_reference.reference_internode` defines it (v1/kernels/internode.py).
     With num_worst_tokens, recv_src_meta and send_nvl_head have num_worst_tokens rows (past the real counts: source
     domain -1 and bitmask 0, and -1).
 

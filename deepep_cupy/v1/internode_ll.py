@@ -1,5 +1,5 @@
 """Low-latency mode of DeepEP V1's `Buffer` across scale-up domains, on the hybrid EP engine (the design:
-features/legacy/internode_ll.py): `LLInternodeEngine` (symmetric memory with the hybrid feature laid out for pseudo
+v1/kernels/internode_ll.py): `LLInternodeEngine` (symmetric memory with the hybrid feature laid out for pseudo
 tokens) and `InternodeLLMode` (the calls: streams, hooks, zero-copy staging, masks).
 
 - The engine is built at the first low-latency call (collective: every rank calls, with the same M, hidden and
@@ -15,14 +15,14 @@ tokens) and `InternodeLLMode` (the calls: streams, hooks, zero-copy staging, mas
 
 from typing import Callable, Optional
 
+from ..buffers import hybrid
+from ..buffers.base import BufferBase
 from ..constants import NUM_MAX_TOPK
-from ..features.legacy import internode_ll as ill
-from ..features.legacy.internode import V1Options
 from ..runtime import interop
 from ..runtime.event import EventHandle, EventOverlap
-from . import hybrid
-from .base import BufferBase
-from .legacy_normal import needed_bytes
+from .kernels import internode_ll as ill
+from .kernels.internode import V1Options
+from .normal import needed_bytes
 
 
 def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:

@@ -1,6 +1,6 @@
 """Low-latency mode of DeepEP V1's `Buffer`: the methods (a mixin of `Buffer`, with DeepEP's exact signatures) and
 the holder of the `LowLatencyEngine` (`features/ll`). Across scale-up domains the methods forward to the
-`InternodeLLMode` (buffers/legacy_ll_internode.py; the design: features/legacy/internode_ll.py), with the same
+`InternodeLLMode` (v1/internode_ll.py; the design: v1/kernels/internode_ll.py), with the same
 signatures, outputs and numerics.
 
 The engine's memory (`num_rdma_bytes`, rounded up to 2 MiB) is allocated with the Buffer; the engine is laid out at
@@ -12,11 +12,11 @@ the same values, so every rank decides alike. Handles of the previous layout can
 
 from typing import Callable, Optional
 
+from ..buffers.base import BUFFER_ALIGNMENT, BufferBase
 from ..features.ll import NUM_MAX_RANKS, LowLatencyEngine, check_dims, get_rdma_size_hint
 from ..runtime import interop
 from ..runtime.sizes import align
-from .base import BUFFER_ALIGNMENT, BufferBase
-from .legacy_ll_internode import rdma_size_hint as internode_rdma_size_hint
+from .internode_ll import rdma_size_hint as internode_rdma_size_hint
 
 
 class LowLatencyMode:
@@ -86,7 +86,7 @@ class LowLatencyMode:
 
 class LowLatencyMethods:
     """DeepEP V1's low-latency methods of `Buffer` (`self._ll` is the `LowLatencyMode` inside one domain,
-    `self._ll_internode` the `InternodeLLMode` across domains (buffers/legacy_ll_internode.py); both None without
+    `self._ll_internode` the `InternodeLLMode` across domains (v1/internode_ll.py); both None without
     `low_latency_mode=True`)."""
 
     _ll: Optional[LowLatencyMode] = None
@@ -110,7 +110,7 @@ class LowLatencyMethods:
             num_max_dispatch_tokens_per_rank: the most tokens a rank dispatches (the same on every rank).
             hidden: the hidden size (a multiple of 128).
             num_ranks: ranks of the group; num_experts: experts in all (a multiple of num_ranks). More than one
-                NVLink domain's ranks: the same formula at num_ranks (buffers/legacy_ll_internode.py
+                NVLink domain's ranks: the same formula at num_ranks (v1/internode_ll.py
                 `rdma_size_hint`: across domains the engine is laid out at the first call, this bounds nothing).
         """
         if isinstance(num_ranks, int) and num_ranks > NUM_MAX_RANKS:
@@ -153,7 +153,7 @@ class LowLatencyMethods:
             return_recv_hook: launch only the send phase (current stream, no SM held while waiting); `hook()`
                 launches the receive phase. Across domains the sends (and the whole hybrid exchange) run on the
                 communication stream and `hook()` joins it and launches the receive kernels on the current stream;
-                NCCL's and the intranode kernels do hold SMs while they wait (buffers/legacy_ll_internode.py).
+                NCCL's and the intranode kernels do hold SMs while they wait (v1/internode_ll.py).
             x_global_scale, use_nvfp4: DeepEP fork options (NVFP4); not supported (NotImplementedError if set).
 
         Returns:
@@ -234,5 +234,5 @@ class LowLatencyMethods:
     def _mask_engine(self, what: str):
         ll = self._low_latency(what)
         if ll is self._ll_internode:
-            return ll           # the same mask methods, on this rank's mask words (legacy_ll_internode.py)
+            return ll           # the same mask methods, on this rank's mask words (internode_ll.py)
         return ll.mask_engine(what)

@@ -28,6 +28,7 @@ The V1 handle is a 6-tuple (DeepEP's intranode layout, every element filled: see
 import weakref
 from typing import Any, Callable, Optional, Tuple
 
+from ..buffers.base import BUFFER_ALIGNMENT, BufferBase
 from ..features.ep.feature import EP
 from ..features.ep.handle import EPHandle
 from ..features.ep.kernels import COMBINE_CHUNK_ROWS, COMBINE_CHUNK_SIGNAL_BYTES
@@ -36,7 +37,6 @@ from ..features.ep.legacy import LegacyLayout
 from ..runtime import checks, interop
 from ..runtime.event import EventOverlap
 from ..runtime.sizes import align
-from .base import BUFFER_ALIGNMENT, BufferBase
 
 TOKEN_ALIGNMENT = 256           # M is a multiple of the notify kernel's tokens per block
 DEFAULT_TOKENS = 1024           # M of a buffer built without num_nvl_bytes, before any growth

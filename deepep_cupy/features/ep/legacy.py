@@ -1,5 +1,7 @@
-"""What the DeepEP V1 (legacy) adapter asks of the EP engine beyond V2's dispatch: the parts of V1's handle the
-notify exchange and the receive epilogue produce (`LegacyLayout`). Pure: no GPU needed (tests/test_legacy_cpu.py)."""
+"""What the DeepEP V1 adapter (deepep_cupy/v1; its __init__ documents the whole hook) asks of the EP engine beyond V2's
+dispatch: the parts of V1's handle the notify exchange and the receive epilogue produce (`LegacyLayout`), and the
+bound dispatch's V1 parts. It stays in the engine: the engine checks and fills `LegacyLayout`, and the rest runs in
+the per-call path. Pure: no GPU needed (tests/test_legacy_cpu.py)."""
 
 from dataclasses import dataclass
 from typing import Any, Tuple

@@ -238,7 +238,7 @@ class HybridEP:
                  do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None, do_expand: bool = False,
                  do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False, v1=None):
         """`ElasticBuffer.dispatch` across domains (see there); rows come in DeepEP V2's hybrid order. `v1`: DeepEP
-        V1's rules and the hooks of its internode handle (buffers/legacy_internode.py `V1Options`; None: V2's)."""
+        V1's rules and the hooks of its internode handle (v1/internode.py `V1Options`; None: V2's)."""
         self.inner._check_usable()
         a = check_dispatch_args(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                                 expert_alignment, previous_event, allocate_on_comm_stream, handle, do_cpu_sync,

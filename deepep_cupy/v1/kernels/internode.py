@@ -1,14 +1,14 @@
 """DeepEP V1's internode normal mode (several scale-up domains) on the hybrid EP engine (`features/hybrid`): the
 design, the construction check, and the launchers of the handle kernels (kernels_cu/legacy_internode.cu); the host
 reference of V1's contract and host mirrors of the kernels are `internode_reference.py`, the buffer side (engine,
-sizing, growth, handle) is buffers/legacy_internode.py.
+sizing, growth, handle) is v1/internode.py.
 
 Status: built, CPU-tested (tests/test_legacy_internode_cpu.py: the kernels' host mirrors fed what the hybrid dispatch
 leaves equal `reference_internode` on every rank, and the whole host path), not yet run on a GPU (the rank program
 deepep_cupy/tests/legacy_internode.py checks every output and handle element against the reference, bit for bit).
 `dispatch` without top-k ids raises `NotImplementedError` (V1 derives its per-expert counts from every source's
 `num_tokens_per_expert`, which the hybrid path does not carry). Low-latency mode across domains is
-features/legacy/internode_ll.py (its own engine: buffers/legacy_ll_internode.py).
+v1/kernels/internode_ll.py (its own engine: v1/internode_ll.py).
 
 Ranks and domains. R ranks form D = R / S scale-up domains of S ranks; rank `g = d * S + l` is local rank l of domain
 d (V1: `rdma_rank = g // 8`, `nvl_rank = g % 8`, with S = 8; here S is the topology's, so `NUM_MAX_NVL_PEERS`-wide
@@ -22,7 +22,7 @@ V1's contract, as the adapter serves it:
 - `dispatch(x, num_tokens_per_rdma_rank=..., ...)` is one hybrid dispatch (`HybridEP.dispatch`) of an engine built
   `deterministic=True`, whose order is V1's receive order: rows grouped by global source rank ascending, within a
   source rank in token order (V1 writes each channel, a contiguous token range, at its prefix offset). M (tokens per
-  rank) follows V1's normal-mode sizing and growth rule (buffers/legacy_internode.py): the largest reported count
+  rank) follows V1's normal-mode sizing and growth rule (v1/internode.py): the largest reported count
   rides on word 2 of the rail headers and on the intranode notify (`LegacyLayout.reported_num_tokens`).
   `recv_topk_idx` / weights, `num_recv_tokens_per_expert_list` with `expert_alignment` and `num_worst_tokens` are the
   hybrid dispatch's outputs (local expert ids, -1 and weight 0 elsewhere).
@@ -219,7 +219,7 @@ class InternodeCall(V1Options):
     Args:
         kernels: `InternodeKernels`; area: the engine's `ExchangeArea`; kind: 'torch' or 'cupy' (the call's arrays).
         num_tokens: the tokens this rank dispatches; reported_num_tokens: the count it reports (more than it
-            dispatches when it probes a capacity overflow with 0 tokens: buffers/legacy_internode.py).
+            dispatches when it probes a capacity overflow with 0 tokens: v1/internode.py).
         num_experts, num_channels: the call's; num_worst_tokens: > 0 without a CPU sync (the output rows).
         make_legacy: `make_legacy(num_channels, reported_num_tokens)` -> the intranode dispatch's V1 record
             (features/ep/legacy.py `LegacyLayout`, given by the buffer layer: a feature imports no other feature).

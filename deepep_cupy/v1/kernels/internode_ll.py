@@ -1,6 +1,6 @@
 """DeepEP V1's low-latency mode across scale-up domains on the hybrid EP engine (`features/hybrid`): the design, the
 argument checks, the launchers of kernels_cu/legacy_internode_ll.cu and their host mirrors (numpy, for the CPU
-tests). The buffer side (engine, streams, hooks, zero-copy, masks) is buffers/legacy_ll_internode.py.
+tests). The buffer side (engine, streams, hooks, zero-copy, masks) is v1/internode_ll.py.
 
 Status: built and CPU-tested (tests/test_legacy_internode_ll_cpu.py: the kernels' mirrors composed with a model of
 the hybrid dispatch / combine equal ll_reference's single-domain results on every rank; argument errors; an NVRTC

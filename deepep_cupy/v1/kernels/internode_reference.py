@@ -1,5 +1,5 @@
 """Host reference of DeepEP V1's internode contract (the handle and the receive order of a dispatch across scale-up
-domains, features/legacy/internode.py) and host mirrors of the handle kernels (kernels_cu/legacy_internode.cu): the
+domains, v1/kernels/internode.py) and host mirrors of the handle kernels (kernels_cu/legacy_internode.cu): the
 same steps on numpy arrays. Pure: no GPU needed (tests/test_legacy_internode_cpu.py; the GPU rank program
 deepep_cupy/tests/legacy_internode.py checks the GPU's handle against `reference_internode`, bit for bit)."""
 
