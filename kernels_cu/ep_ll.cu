@@ -43,8 +43,9 @@
 // Combine call c (hc = c & 1): owner d waits combine_consumed[hc][s] >= c - 2 from every origin s, copies each row
 // (j, r) it received into cslots[hc][t * K + k] at the row's origin s and releases the row's segment flags (value c);
 // origin waits the flags of each (token, slot, segment) it needs and reduces in FP32 in ascending k
-// (acc = acc + w_k * row_k, each operation rounded, no FMA), rounds to bfloat16 once; the last block releases
-// combine_consumed[hc][me] = c at every owner. One launch: rows of our own experts are read straight from x.
+// (acc = fma(w_k, row_k, acc): one rounding per step, DeepEP v1.2.1's fused multiply-add), rounds to bfloat16 once;
+// the last block releases combine_consumed[hc][me] = c at every owner. One launch: rows of our own experts are read
+// straight from x.
 // Masks: a masked rank is neither sent to nor waited for (slots of a masked owner add nothing).
 #include "common/ep.cuh"
 #include "common/ll_fp8.cuh"
@@ -723,8 +724,8 @@ combine(const uint8_t* x, const int32_t* recv_count, const int32_t* row_route, c
                     const uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
                     #pragma unroll
                     for (int q = 0; q < 4; ++q) {
-                        acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, bf16_lo(words[q])));
-                        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, bf16_hi(words[q])));
+                        acc[2 * q] = __fmaf_rn(w, bf16_lo(words[q]), acc[2 * q]);
+                        acc[2 * q + 1] = __fmaf_rn(w, bf16_hi(words[q]), acc[2 * q + 1]);
                     }
                 }
             }

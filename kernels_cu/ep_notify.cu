@@ -1,14 +1,16 @@
 // EP notify: the send layout of this rank's tokens and the exchange of counts with the peers of the scale-up domain.
 //
-// Cooperative launch, one block per kNotifyThreads tokens (a warp per 32 tokens). Compiled per top-k bucket
-// kMaxTopk; the exact top-k is `num_topk` (see "top-k buckets" in common/ep.cuh). The work is notify_body, which
-// ep_fused.cu runs too (the notify and the dispatch in one launch, with blocks of 512 tokens).
+// Cooperative launch, one block per tile of kNotifyThreads tokens (a warp per 32 tokens), the grid capped at the
+// blocks that can be co-resident (features/ep/plan.py notify_grid): with more tiles than that, a block takes several
+// (notify_body). Compiled per top-k bucket kMaxTopk; the exact top-k is `num_topk` (see "top-k buckets" in
+// common/ep.cuh). The work is notify_body, which ep_fused.cu runs too (the notify and the dispatch in one launch,
+// with tiles of 512 tokens).
 //   1. Every token: the destination ranks it goes to (once per rank owning >= 1 of its experts), its slot at each
 //      destination = its position among this rank's tokens going there (so received rows are ordered by source rank,
 //      then token index: deterministic), and, per top-k slot, its position among this rank's tokens choosing that
 //      expert (the expanded layout uses it, again in token order).
-//      Positions = position inside the warp (brute force over the 32 tokens) + earlier warps of the block + earlier
-//      blocks (per-block counts exchanged through scratch memory and a grid barrier).
+//      Positions = position inside the warp (brute force over the 32 tokens) + earlier warps of the tile + earlier
+//      tiles of the block + earlier blocks (per-block counts exchanged through scratch memory and a grid barrier).
 //   2. Block 0 writes, into every peer d, the number of tokens going to d and the (token, slot) pairs going to each
 //      of d's local experts, then releases notify_signal[me] at d with the new notify epoch; waits for every peer's
 //      signal; derives the receive layout (prefix sums over sources, per-expert counts, aligned expanded starts) into
@@ -39,13 +41,96 @@ struct NoNotifyHook {
     __device__ __forceinline__ void operator()() const {}
 };
 
-// The notify's work for the blocks [0, num_blocks) of a launch of kThreads threads per block (one token per thread),
-// `block` this block's index among them and `smem` the dynamic shared memory (notify_smem_bytes in
-// features/ep/plan.py, for kThreads / 32 warps). What it computes does not depend on kThreads (positions are counts
-// of earlier tokens). `on_positions()` is called by every thread of every block once the block's per-token outputs
-// (send_pos, token_of_slot, send_expert_pos, V1 channel prefixes) and, in block 0, send_count are written (a block
-// barrier after it is the hook's). Returns false (in every thread of the block) after a timeout.
-template <int kNumRanks, int kMaxTopk, int kThreads, typename OnPositions>
+// This thread's token of a tile (kThreads tokens, one per thread): its experts (-1 = none; slots k >= num_topk hold
+// none), the destination ranks it goes to, and its positions among the tile's warp's tokens (per destination; per
+// top-k slot, among the warp's tokens choosing that expert).
+template <int kNumRanks, int kMaxTopk>
+struct NotifyToken {
+    int t;
+    bool valid;
+    int expert[kMaxTopk];
+    uint32_t dst_mask;
+    int dst_pos[kNumRanks];
+    int expert_pos[kMaxTopk];
+};
+
+// One tile of the notify's first step, for every thread of the block: its token (`tok`, tokens
+// [tile * kThreads, (tile + 1) * kThreads)) and, in `warp_counts` ([kThreads / 32][num_keys]), per warp the count of
+// its tokens going to each rank (rank keys) and the lane mask of its tokens choosing each expert (expert keys). Copies
+// the tile's top-k ids to `topk_copy` when it is not null. Starts and ends with the block in step (the caller's
+// previous reads of `warp_counts` must be done: a block barrier before a second tile).
+template <int kNumRanks, int kMaxTopk, int kThreads>
+__device__ __forceinline__ void
+notify_tile(NotifyToken<kNumRanks, kMaxTopk>& tok, int tile, const int64_t* topk_idx, int num_tokens, int num_topk,
+            int num_experts, int64_t* topk_copy, int32_t* warp_counts) {
+    constexpr int kNotifyWarps = kThreads / 32;
+    const int num_keys = num_experts + kNumRanks;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int num_local_experts = num_experts / kNumRanks;
+    tok.t = tile * kThreads + threadIdx.x;
+    tok.valid = tok.t < num_tokens;
+    // The top-k ids first: their loads are the longest wait of a decode-sized notify, in flight while the block
+    // zeroes its counters.
+    int64_t raw_topk[kMaxTopk];
+    #pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+        raw_topk[k] = (tok.valid && k < num_topk) ? topk_idx[static_cast<int64_t>(tok.t) * num_topk + k] : -1;
+    for (int i = threadIdx.x; i < kNotifyWarps * num_keys; i += blockDim.x)
+        warp_counts[i] = 0;
+    #pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+        tok.expert[k] = (raw_topk[k] >= 0 && raw_topk[k] < num_experts) ? static_cast<int>(raw_topk[k]) : -1;
+    // The copy of the ids now: the raw ids are dead from here on (no registers held across the passes at top-32).
+    if (topk_copy != nullptr && tok.valid) {
+        #pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k)
+            if (k < num_topk)
+                topk_copy[static_cast<int64_t>(tok.t) * num_topk + k] = raw_topk[k];
+    }
+    // Destination mask.
+    tok.dst_mask = 0;
+    #pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+        if (tok.expert[k] >= 0)
+            tok.dst_mask |= 1u << (tok.expert[k] / num_local_experts);
+    __syncthreads();
+
+    // Position inside the warp: destinations via ballots, experts by comparing with earlier lanes' experts.
+    const uint32_t lt_mask = (1u << lane) - 1;
+    #pragma unroll
+    for (int d = 0; d < kNumRanks; ++d) {
+        const uint32_t ballot = __ballot_sync(0xffffffffu, (tok.dst_mask >> d) & 1u);
+        tok.dst_pos[d] = __popc(ballot & lt_mask);
+        if (lane == 0)
+            warp_counts[warp * num_keys + num_experts + d] = __popc(ballot);
+    }
+    // Experts: every lane sets its bit in the warp's mask of each of its experts; a token's position among the warp's
+    // tokens choosing expert e is the number of lower lanes in e's mask (a token counts once per expert).
+    uint32_t* warp_masks = reinterpret_cast<uint32_t*>(warp_counts + warp * num_keys);
+    #pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+        if (tok.expert[k] >= 0)
+            atomicOr(&warp_masks[tok.expert[k]], 1u << lane);
+    __syncwarp();
+    #pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+        tok.expert_pos[k] = tok.expert[k] >= 0 ? __popc(warp_masks[tok.expert[k]] & lt_mask) : 0;
+    __syncthreads();
+}
+
+// The notify's work for the blocks [0, num_blocks) of a launch of kThreads threads per block, `block` this block's
+// index among them and `smem` the dynamic shared memory (notify_smem_bytes in features/ep/plan.py, for kThreads / 32
+// warps). The tokens come in tiles of kThreads (one token per thread); block b takes the tiles
+// [b * P, (b + 1) * P), P = ceil(tiles / num_blocks): one tile when the grid covers the tokens (its tokens' state
+// stays in registers across the grid barrier), several when the grid is capped at the blocks that can be co-resident
+// (features/ep/plan.py notify_grid; then a counting pass over the block's tiles before the grid barrier and a placing
+// pass after it, which reads the tiles again). Only with `kTiled` (the notify kernel): the fused kernel's grid always
+// has a block per tile (features/ep/fused.py refuses more notify blocks than it has), and the second path would cost
+// it registers it does not have. What it computes depends on neither kThreads nor the grid (positions are counts of
+// earlier tokens). `on_positions()` is called by every thread of every block once the block's per-token
+// outputs (send_pos, token_of_slot, send_expert_pos, V1 channel prefixes) and, in block 0, send_count are written (a
+// block barrier after it is the hook's). Returns false (in every thread of the block) after a timeout.
+template <int kNumRanks, int kMaxTopk, int kThreads, typename OnPositions, bool kTiled = false>
 __device__ __forceinline__ bool
 notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
             int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
@@ -71,153 +156,154 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
             int block, int num_blocks,
             int32_t* smem,                    // [kNotifyWarps][num_keys] per-warp counts, then block bases
             const OnPositions& on_positions) {
-    constexpr int kTokensPerBlock = kThreads;     // one token per thread
+    constexpr int kTokensPerTile = kThreads;     // one token per thread
     constexpr int kNotifyWarps = kThreads / 32;
     const int num_keys = num_experts + kNumRanks;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = block * kTokensPerBlock + threadIdx.x;
-    const bool valid = t < num_tokens;
+    const int warp = threadIdx.x / 32;
     const int num_local_experts = num_experts / kNumRanks;
-    // The top-k ids first: their loads are the longest wait of a decode-sized notify, in flight while the block
-    // zeroes its counters.
-    int64_t raw_topk[kMaxTopk];
-    #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-        raw_topk[k] = (valid && k < num_topk) ? topk_idx[static_cast<int64_t>(t) * num_topk + k] : -1;
+    // This block's tiles (see above; with one tile per block, block b's tile is b, past the tokens or not).
+    const int num_tiles = max(1, (num_tokens + kTokensPerTile - 1) / kTokensPerTile);
+    const int tiles_per_block = (num_tiles + num_blocks - 1) / num_blocks;
+    const bool one_tile = tiles_per_block == 1;
+    const int first_tile = min(num_tiles, block * tiles_per_block);
+    const int end_tile = min(num_tiles, first_tile + tiles_per_block);
     const Peers peers{peer_bases, rank};
     uint8_t* const local_base = peers.local();                // read once (the table is in global memory)
     uint32_t* ctrl = reinterpret_cast<uint32_t*>(local_base + kCtrlOffset);
     const ErrorSink sink{reinterpret_cast<int32_t*>(local_base + kErrorClaimOffset), error_record};
 
     int32_t* warp_counts = smem;                              // [kNotifyWarps][num_keys]
-    for (int i = threadIdx.x; i < kNotifyWarps * num_keys; i += blockDim.x)
-        warp_counts[i] = 0;
-
-    // Experts of this thread's token (-1 = none; slots k >= num_topk hold none).
-    int expert[kMaxTopk];
-    #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-        expert[k] = (raw_topk[k] >= 0 && raw_topk[k] < num_experts) ? static_cast<int>(raw_topk[k]) : -1;
-    // The copy of the ids now: the raw ids are dead from here on (no registers held across the passes at top-32).
-    if (topk_copy != nullptr && valid) {
-        #pragma unroll
-        for (int k = 0; k < kMaxTopk; ++k)
-            if (k < num_topk)
-                topk_copy[static_cast<int64_t>(t) * num_topk + k] = raw_topk[k];
-    }
-    // Destination mask.
-    uint32_t dst_mask = 0;
-    #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-        if (expert[k] >= 0)
-            dst_mask |= 1u << (expert[k] / num_local_experts);
-    __syncthreads();
-
-    // Position inside the warp: destinations via ballots, experts by comparing with earlier lanes' experts.
-    const uint32_t lt_mask = (1u << lane) - 1;
-    int dst_pos[kNumRanks];
-    #pragma unroll
-    for (int d = 0; d < kNumRanks; ++d) {
-        const uint32_t ballot = __ballot_sync(0xffffffffu, (dst_mask >> d) & 1u);
-        dst_pos[d] = __popc(ballot & lt_mask);
-        if (lane == 0)
-            warp_counts[warp * num_keys + num_experts + d] = __popc(ballot);
-    }
-    // Experts: every lane sets its bit in the warp's mask of each of its experts; a token's position among the warp's
-    // tokens choosing expert e is the number of lower lanes in e's mask (a token counts once per expert).
-    uint32_t* warp_masks = reinterpret_cast<uint32_t*>(warp_counts + warp * num_keys);
-    #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-        if (expert[k] >= 0)
-            atomicOr(&warp_masks[expert[k]], 1u << lane);
-    __syncwarp();
-    int expert_pos[kMaxTopk];
-    #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-        expert_pos[k] = expert[k] >= 0 ? __popc(warp_masks[expert[k]] & lt_mask) : 0;
-    __syncthreads();
     // Exclusive scan over the block's warps of every key (expert keys hold lane masks, rank keys counts); block totals
     // to scratch, then the bases from earlier blocks (and the totals over all blocks, used by block 0) into smem after
-    // the warp bases. A single block (decode sizes) skips the round trip through scratch and the grid barrier.
+    // the warp bases. A single block (decode sizes) skips the round trip through scratch and the grid barrier. Each
+    // key has one owner thread in every scan (the same stride loop): its block base and total need no barrier.
     int32_t* block_base = smem + kNotifyWarps * num_keys;     // [num_keys]
-    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only)
-    const bool one_block = num_blocks == 1;
-    for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
-        // Every warp's value loaded before any is overwritten: one shared-memory round trip, not one per warp.
-        int v[kNotifyWarps];
-        #pragma unroll
-        for (int w = 0; w < kNotifyWarps; ++w)
-            v[w] = warp_counts[w * num_keys + key];
-        int running = 0;
-        #pragma unroll
-        for (int w = 0; w < kNotifyWarps; ++w) {
-            const int c = key < num_experts ? __popc(static_cast<uint32_t>(v[w])) : v[w];
-            warp_counts[w * num_keys + key] = running;
-            running += c;
-        }
-        if (one_block) {
-            block_base[key] = 0;
-            totals[key] = running;
-        } else {
-            scratch[static_cast<int64_t>(block) * num_keys + key] = running;
-        }
-    }
-    if (!one_block) {
-        if (!grid_sync(ctrl, num_blocks, timeout_ns, sink, kPhaseNotify, rank))
-            return false;
-        // Independent loads, 8 in flight per thread (a dependent chain of L2 round trips costs ~2 us at 16 blocks).
+    int32_t* totals = block_base + num_keys;                  // [num_keys] (block 0 only; the block's own before)
+    // `placing`: the warp bases start at (and advance) the key's base in block_base (the placing pass of several
+    // tiles); else they start at 0 and the tile's counts add to the block's in totals.
+    auto scan_warps = [&](bool placing) {
         for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
-            int running = 0, base = 0;
-            #pragma unroll 8
-            for (int b = 0; b < num_blocks; ++b) {
-                const int v = __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
-                running += v;
-                base += b < block ? v : 0;
+            // Every warp's value loaded before any is overwritten: one shared-memory round trip, not one per warp.
+            int v[kNotifyWarps];
+            #pragma unroll
+            for (int w = 0; w < kNotifyWarps; ++w)
+                v[w] = warp_counts[w * num_keys + key];
+            int running = placing ? block_base[key] : 0;
+            #pragma unroll
+            for (int w = 0; w < kNotifyWarps; ++w) {
+                const int c = key < num_experts ? __popc(static_cast<uint32_t>(v[w])) : v[w];
+                warp_counts[w * num_keys + key] = running;
+                running += c;
             }
-            block_base[key] = base;
-            totals[key] = running;
+            if (placing)
+                block_base[key] = running;
+            else
+                totals[key] += running;
         }
-    }
-    __syncthreads();
-    // The slots of this thread's token at every destination; block 0: the tokens going to each destination.
-    if (valid) {
+    };
+    const bool one_block = num_blocks == 1;
+    for (int key = threadIdx.x; key < num_keys; key += blockDim.x)
+        totals[key] = 0;
+    // The block's totals (in totals) to scratch, the grid barrier, then this block's bases and the totals over every
+    // block (one block: bases 0, its totals are those).
+    auto exchange_bases = [&]() -> bool {
+        for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+            if (one_block)
+                block_base[key] = 0;
+            else
+                scratch[static_cast<int64_t>(block) * num_keys + key] = totals[key];
+        }
+        if (!one_block) {
+            if (!grid_sync(ctrl, num_blocks, timeout_ns, sink, kPhaseNotify, rank))
+                return false;
+            // Independent loads, 8 in flight per thread (a dependent chain of L2 round trips costs ~2 us at 16
+            // blocks).
+            for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+                int running = 0, base = 0;
+                #pragma unroll 8
+                for (int b = 0; b < num_blocks; ++b) {
+                    const int v = __ldcg(scratch + static_cast<int64_t>(b) * num_keys + key);
+                    running += v;
+                    base += b < block ? v : 0;
+                }
+                block_base[key] = base;
+                totals[key] = running;
+            }
+        }
+        __syncthreads();
+        return true;
+    };
+    // The outputs of this thread's token: its slots at every destination, its expert positions and, for the thread of
+    // each V1 channel's last token, the count of tokens up to it per destination (empty channels are block 0's,
+    // below; block 0 sends them on after one more grid barrier). Position of key `key` = its base for this warp (plus
+    // the block's base where `with_block_base`: one tile) + the position inside the warp.
+    const bool with_channels = num_channels > 0 && channel_prefix_matrix != nullptr;
+    const int tokens_per_channel = with_channels ? (num_tokens + num_channels - 1) / num_channels : 0;
+    NotifyToken<kNumRanks, kMaxTopk> tok;
+    auto place = [&](bool with_block_base) {
+        auto base_of = [&](int key) {
+            return (with_block_base ? block_base[key] : 0) + warp_counts[warp * num_keys + key];
+        };
+        if (!tok.valid)
+            return;
         #pragma unroll
         for (int d = 0; d < kNumRanks; ++d) {
-            const int key = num_experts + d;
-            const int pos =
-                ((dst_mask >> d) & 1u) ? block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] : -1;
-            send_pos[static_cast<int64_t>(t) * kNumRanks + d] = pos;
+            const int pos = ((tok.dst_mask >> d) & 1u) ? base_of(num_experts + d) + tok.dst_pos[d] : -1;
+            send_pos[static_cast<int64_t>(tok.t) * kNumRanks + d] = pos;
             if (pos >= 0)
-                token_of_slot[static_cast<int64_t>(d) * num_tokens + pos] = t;
+                token_of_slot[static_cast<int64_t>(d) * num_tokens + pos] = tok.t;
+        }
+        #pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k) {
+            const int e = tok.expert[k];
+            if (k < num_topk)
+                send_expert_pos[static_cast<int64_t>(tok.t) * num_topk + k] =
+                    e >= 0 ? base_of(e) + tok.expert_pos[k] : -1;
+        }
+        if (with_channels) {
+            const int c = tok.t / tokens_per_channel;
+            if (tok.t == min(num_tokens, (c + 1) * tokens_per_channel) - 1) {
+                #pragma unroll
+                for (int d = 0; d < kNumRanks; ++d)
+                    channel_prefix_matrix[d * num_channels + c] =
+                        base_of(num_experts + d) + tok.dst_pos[d] + ((tok.dst_mask >> d) & 1u);
+            }
+        }
+    };
+    if (!kTiled || one_tile) {
+        // The token's state and its warp bases stay (registers, shared memory) across the barrier; the ids are copied
+        // while counting.
+        notify_tile<kNumRanks, kMaxTopk, kThreads>(tok, block, topk_idx, num_tokens, num_topk, num_experts,
+                                                   topk_copy, warp_counts);
+        scan_warps(false);
+        if (!exchange_bases())
+            return false;
+        place(true);
+    } else if constexpr (kTiled) {
+        // Counting the block's tiles, then placing them (each read again; the ids are copied then). Separate from the
+        // branch above so that neither keeps the other's values live across the barrier.
+        #pragma unroll 1
+        for (int tile = first_tile; tile < end_tile; ++tile) {
+            notify_tile<kNumRanks, kMaxTopk, kThreads>(tok, tile, topk_idx, num_tokens, num_topk, num_experts,
+                                                       nullptr, warp_counts);
+            scan_warps(false);
+            __syncthreads();      // (the next tile zeroes warp_counts)
+        }
+        if (!exchange_bases())
+            return false;
+        #pragma unroll 1
+        for (int tile = first_tile; tile < end_tile; ++tile) {
+            notify_tile<kNumRanks, kMaxTopk, kThreads>(tok, tile, topk_idx, num_tokens, num_topk, num_experts,
+                                                       topk_copy, warp_counts);
+            scan_warps(true);
+            __syncthreads();
+            place(false);
+            __syncthreads();      // (the next tile zeroes warp_counts)
         }
     }
     if (block == 0 && threadIdx.x < kNumRanks)
         send_count[threadIdx.x] = totals[num_experts + threadIdx.x];
-    if (valid) {
-        #pragma unroll
-        for (int k = 0; k < kMaxTopk; ++k) {
-            const int e = expert[k];
-            if (k < num_topk)
-                send_expert_pos[static_cast<int64_t>(t) * num_topk + k] =
-                    e >= 0 ? block_base[e] + warp_counts[warp * num_keys + e] + expert_pos[k] : -1;
-        }
-    }
-    // V1 channel prefixes: the thread of each channel's last token writes the count of tokens up to it, per
-    // destination (empty channels are block 0's, below); block 0 sends them on after one more grid barrier.
-    const bool with_channels = num_channels > 0 && channel_prefix_matrix != nullptr;
-    const int tokens_per_channel = with_channels ? (num_tokens + num_channels - 1) / num_channels : 0;
     if (with_channels) {
-        if (valid) {
-            const int c = t / tokens_per_channel;
-            if (t == min(num_tokens, (c + 1) * tokens_per_channel) - 1) {
-                #pragma unroll
-                for (int d = 0; d < kNumRanks; ++d) {
-                    const int key = num_experts + d;
-                    channel_prefix_matrix[d * num_channels + c] =
-                        block_base[key] + warp_counts[warp * num_keys + key] + dst_pos[d] + ((dst_mask >> d) & 1u);
-                }
-            }
-        }
         if (num_blocks > 1) {
             if (!grid_sync(ctrl, num_blocks, timeout_ns, sink, kPhaseNotify, rank))
                 return false;
@@ -382,8 +468,10 @@ notify_body(const int64_t* topk_idx, int num_tokens, int num_topk, int num_exper
     return true;
 }
 
+// At least 3 blocks per SM (2 from top-k 16: 128 registers), without spills at sm_90: the co-resident blocks the grid
+// is capped at (features/ep/bound.py) hold at least the tokens one pass of the uncapped kernel's grid held.
 template <int kNumRanks, int kMaxTopk>
-__global__ void __launch_bounds__(kNotifyThreads, 1)
+__global__ void __launch_bounds__(kNotifyThreads, kMaxTopk >= 16 ? 2 : 3)
 notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_max_tokens_per_rank,
                 int expert_alignment, const uint64_t* peer_bases, int rank, int32_t* error_record, uint64_t timeout_ns,
                 int32_t* scratch, int32_t* send_pos, int32_t* send_expert_pos, int32_t* recv_layout,
@@ -392,7 +480,7 @@ notify_dispatch(const int64_t* topk_idx, int num_tokens, int num_topk, int num_e
                 int num_channels, int32_t* channel_prefix_matrix, int32_t* recv_channel_prefix_matrix,
                 int32_t* rank_prefix_matrix, int32_t* token_of_slot, int32_t* send_count) {
     extern __shared__ int32_t smem[];
-    notify_body<kNumRanks, kMaxTopk, kNotifyThreads>(
+    notify_body<kNumRanks, kMaxTopk, kNotifyThreads, NoNotifyHook, true>(
         topk_idx, num_tokens, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, peer_bases, rank,
         error_record, timeout_ns, scratch, send_pos, send_expert_pos, recv_layout, psum_recv_per_expert, do_expand,
         cumulative_stats, host_counts, host_seq, topk_copy, reported_num_tokens, expert_counts, num_channels,

@@ -25,8 +25,8 @@
 // ll_internode_gather   (owner, warp per row, before the hybrid combine): combine input row i = V1 row row_of[i] of
 //                       the caller's x (or the zero-copy buffer); zeros for a dropped row.
 // ll_internode_reduce   (origin, warp per token, after the hybrid combine): V1's weighted sum, exactly ep_ll.cu's:
-//                       acc = acc + w_k * row_k in FP32 in ascending k over the slots with send_pos >= 0, a valid
-//                       expert and a live owner (each operation rounded, no FMA), one rounding to bfloat16.
+//                       acc = fma(w_k, row_k, acc) in FP32 in ascending k over the slots with send_pos >= 0, a
+//                       valid expert and a live owner (DeepEP v1.2.1's fused multiply-add), one rounding to bfloat16.
 //
 // No kernel here waits on another rank: the hybrid dispatch / combine do every cross-rank wait (bounded there).
 #include "common/ep.cuh"
@@ -280,8 +280,8 @@ ll_internode_reduce(const uint8_t* pseudo_out, const int64_t* topk_idx, const fl
                 const uint32_t words[4] = {v.x, v.y, v.z, v.w};
                 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
-                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, bf16_lo(words[q])));
-                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, bf16_hi(words[q])));
+                    acc[2 * q] = __fmaf_rn(w, bf16_lo(words[q]), acc[2 * q]);
+                    acc[2 * q + 1] = __fmaf_rn(w, bf16_hi(words[q]), acc[2 * q + 1]);
                 }
             }
             st_v4(combined_x + static_cast<int64_t>(t) * row_bytes + static_cast<int64_t>(ch) * 16,

@@ -1,8 +1,8 @@
-"""Host time per call of the real API (dispatch / combine, all-gather, reduce-scatter, all-reduce, PP send/recv,
-engram fetch) without a GPU: every line of deepep_cupy's Python runs as on a GPU, only the CUDA calls underneath are
-replaced (tests/fakes.py's buffer; kernels are real `jit.launch.Kernel`s that pack their arguments, with a driver
-whose launch is a no-op; CPU torch tensors; streams and events that do nothing). The notify and range kernels'
-fakes write their host-mapped records, so the host's polling runs too.
+"""Host time per call of the real API (dispatch / combine, DeepEP V1's normal and low-latency calls, all-gather,
+reduce-scatter, all-reduce, PP send/recv, engram fetch) without a GPU: every line of deepep_cupy's Python runs as on
+a GPU, only the CUDA calls underneath are replaced (tests/fakes.py's buffer; kernels are real `jit.launch.Kernel`s
+that pack their arguments, with a driver whose launch is a no-op; CPU torch tensors; streams and events that do
+nothing). The notify and range kernels' fakes write their host-mapped records, so the host's polling runs too.
 
     PYTHONPATH=. python perf/host_path_cpu.py [--calls 2000] [--tokens 128] [--buffer-tokens 4096] [--ranks 1]
         [--json] [--trace]
@@ -14,6 +14,9 @@ it does not see the CUDA API calls themselves (`cuLaunchKernel`, the caching all
 host's (about 2x slower Python there). `--trace` also counts the Python work per call (bytecodes, Python and C
 calls in deepep_cupy's frames): deterministic, so a change's effect shows where the timings of a loaded machine drift;
 and the bytecodes between a call's first and last launch (the host gap the GPU sees between its kernels).
+The low-latency cases (`LL ...`) are perf/ll_side_by_side.py's host rows, with its arguments; a step of one of its
+chains (a hook-mode send, a `hook()`, a combine of the last dispatch's handle) is timed and counted alone, the rest
+of its chain run untimed between the calls (`settle`).
 """
 
 import argparse
@@ -219,19 +222,48 @@ def make_buffer(num_ranks: int, rank: int, num_bytes: int, **attrs):
     return buf
 
 
+def _settle(fn):
+    """`fn.settle()` (a step of a chain: the rest of the chain, run after each call; `fn.prime()` once first: what
+    the step's first call needs), untimed and uncounted; None for a case without one."""
+    settle = getattr(fn, 'settle', None)
+    if settle is None:
+        return None
+
+    def run(what=settle):
+        saved = dict(API)
+        what()
+        API.update(saved)
+    run(fn.prime)
+    return run
+
+
 def timed(fn, calls: int):
     """Best µs per call over batches of 50 calls (`calls` in all; the minimum resists other load on the machine),
-    and the CUDA API calls per call."""
+    and the CUDA API calls per call. A step of a chain (`fn.settle`: the rest of the chain) is timed call by call,
+    the rest of its chain run between the calls untimed."""
+    settle = _settle(fn)
     for _ in range(min(200, calls)):
         fn()
+        if settle is not None:
+            settle()
     for key in API:
         API[key] = 0
     per_batch, batch = [], 50
+    clock = time.perf_counter
     for _ in range(max(1, calls // batch)):
-        t0 = time.perf_counter()
+        if settle is None:
+            t0 = clock()
+            for _ in range(batch):
+                fn()
+            per_batch.append((clock() - t0) / batch)
+            continue
+        spent = 0.0
         for _ in range(batch):
+            t0 = clock()
             fn()
-        per_batch.append((time.perf_counter() - t0) / batch)
+            spent += clock() - t0
+            settle()
+        per_batch.append(spent / batch)
     n = max(1, calls // batch) * batch
     return min(per_batch) * 1e6, {k: v / n for k, v in API.items()}
 
@@ -272,8 +304,11 @@ def traced(fn, calls: int = 200):
     def profiler(frame, event, arg):
         if event == 'c_call' and frame.f_code.co_filename not in skip:
             count['c_calls'] += 1
+    settle = _settle(fn)
     for _ in range(min(200, calls)):
         fn()
+        if settle is not None:
+            settle()
     LAUNCH_MARKS = marks = []
     EP._wait_host_counts = wait_host_counts
     sys.settrace(tracer)
@@ -290,6 +325,12 @@ def traced(fn, calls: int = 200):
                 count['c_after_counts'] += count['c_calls'] - counted[-1][1]
                 count['to_launch'] += next((m for m in marks if m >= counted[-1][0]), count['opcodes']) - \
                     counted[-1][0]
+            if settle is not None:      # (untraced)
+                sys.settrace(None)
+                sys.setprofile(None)
+                settle()
+                sys.settrace(tracer)
+                sys.setprofile(profiler)
     finally:
         sys.settrace(None)
         sys.setprofile(None)
@@ -325,12 +366,18 @@ def ep_cases(args):
 
 def v1_cases(args):
     """DeepEP V1's `Buffer` (normal mode: its engine laid out by the first dispatch) with the same tokens; the
-    layout tensors made once, as V1 callers get them from `get_dispatch_layout`."""
+    layout tensors made once, as V1 callers get them from `get_dispatch_layout`, which is a case too (its memset of
+    the counts, a CUDA call, is counted with the launches)."""
     try:
         from deepep_cupy.v1.buffer import Buffer
+        from deepep_cupy.v1.kernels import layout as v1_layout
         from deepep_cupy.v1.normal import NormalEngine, NormalMode
     except ImportError:                 # (absent before the V1 Buffer: the harness runs on both)
         return {}
+
+    def memset(ptr, num_bytes, stream):     # (cudaMemsetAsync)
+        API['launch'] += 1
+    v1_layout._memset_async = memset
     R, E = args.ranks, args.experts
 
     def make_engine(num_bytes):
@@ -345,7 +392,8 @@ def v1_cases(args):
     buf.__dict__.update(
         _destroyed=False, group=None, rank=0, group_size=R, num_nvl_bytes=1 << 30, num_rdma_bytes=0,
         low_latency_mode=False, explicitly_destroy=True, enable_shrink=False, device=-1, _stream=None, _order=order,
-        _configs={}, _ll=None, _layout=None, _normal=NormalMode(R, -1, 1 << 30, make_engine))
+        _configs={}, _ll=None, _layout=v1_layout.DispatchLayout(-1, kernel=fake_kernel(v1_layout.LAYOUT_SPEC)),
+        _normal=NormalMode(R, -1, 1 << 30, make_engine))
     g = torch.Generator().manual_seed(0)
     n = args.tokens
     x = torch.randn(n, args.hidden, generator=g).to(torch.bfloat16)
@@ -362,6 +410,75 @@ def v1_cases(args):
                                                              num_worst_tokens=R * n, **layout),
         'V1 dispatch cached': lambda: buf.dispatch(x, handle=handle),
         'V1 combine weights': lambda: buf.combine(recv_x, handle, topk_weights=recv_w),
+        'V1 get_dispatch_layout': lambda: buf.get_dispatch_layout(idx, E),
+    }
+
+
+def ll_cases(args):
+    """DeepEP V1's `Buffer` in low-latency mode (its engine laid out by the first call, on a fake `BufferBase` sized by
+    `get_low_latency_rdma_size_hint`): the calls perf/ll_side_by_side.py's host rows time, with its arguments and its
+    chains, each step timed alone (the case's `settle`, untimed, runs the rest of the chain): FP8 / BF16 dispatch;
+    combine of the last FP8 dispatch's handle; with `return_recv_hook=True` the dispatch's send, its `hook()`, the
+    combine's send (of that dispatch's handle) and its `hook()`."""
+    try:
+        from deepep_cupy.features.ll import feature as ll_feature
+        from deepep_cupy.v1.buffer import Buffer
+        from deepep_cupy.v1.low_latency import LowLatencyMode
+    except ImportError:                 # (absent before the V1 Buffer: the harness runs on both)
+        return {}
+    ll_feature.LowLatencyEngine._events = lambda self: (CountingEvent(), CountingEvent())
+    R, E, M, H = args.ranks, args.experts, args.tokens, args.hidden
+    L = E // R
+    buf = Buffer.__new__(Buffer)
+    buf.__dict__.update(
+        _destroyed=False, group=None, rank=0, group_size=R, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=True,
+        explicitly_destroy=True, enable_shrink=False, device=-1, _stream=None, _configs={}, _normal=None,
+        _layout=None, _ll=LowLatencyMode(R, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), False,
+                                         lambda num_bytes: make_buffer(R, 0, num_bytes)))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    idx = torch.topk(torch.rand(M, E, generator=g), args.topk).indices
+    w = torch.rand(M, args.topk, generator=g)
+    y = torch.zeros(L, R * M, H, dtype=torch.bfloat16)
+
+    # (perf/ll_side_by_side.py's `dispatch` and `combine`)
+    def dispatch(use_fp8=True, hook=False):
+        recv, count, handle, event, h = buf.low_latency_dispatch(
+            x, idx, M, E, cumulative_local_expert_recv_stats=None, use_fp8=use_fp8, round_scale=False,
+            use_ue8m0=False, async_finish=False, return_recv_hook=hook)
+        return recv, count, handle, h
+
+    def combine(y, handle, hook=False):
+        out, event, h = buf.low_latency_combine(y, idx, w, handle, async_finish=False, return_recv_hook=hook)
+        return out, h
+
+    def step(fn, settle, prime=None):
+        fn.settle, fn.prime = settle, prime or settle
+        return fn
+
+    last = {}
+
+    def new_dispatch():
+        last['d'] = dispatch(True)
+
+    def new_hooked():       # the hook chain up to the dispatch's send
+        last['h'] = dispatch(True, hook=True)
+
+    def new_hooked_combine():
+        new_hooked()
+        last['h'][3]()
+        last['c'] = combine(y, last['h'][2], hook=True)
+    return {
+        'LL dispatch FP8': lambda: dispatch(True),
+        'LL dispatch BF16': lambda: dispatch(False),
+        'LL combine': step(lambda: combine(y, last['d'][2]), new_dispatch),
+        'LL dispatch send (hook)': step(lambda: last.__setitem__('h', dispatch(True, hook=True)),
+                                        lambda: last['h'][3](), lambda: None),
+        'LL dispatch hook()': step(lambda: last['h'][3](), new_hooked),
+        'LL combine send (hook)': step(lambda: last.__setitem__('c', combine(y, last['h'][2], hook=True)),
+                                       lambda: (last['c'][1](), new_hooked(), last['h'][3]()),
+                                       lambda: (new_hooked(), last['h'][3]())),
+        'LL combine hook()': step(lambda: last['c'][1](), new_hooked_combine),
     }
 
 
@@ -424,7 +541,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     install()
     only = [s for s in args.only.split(',') if s]
-    for make in (ep_cases, v1_cases, agrs_cases, pp_cases, engram_cases):
+    for make in (ep_cases, v1_cases, ll_cases, agrs_cases, pp_cases, engram_cases):
         for name, fn in make(args).items():
             if only and not any(s in name for s in only):
                 continue

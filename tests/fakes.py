@@ -17,16 +17,32 @@ from deepep_cupy.runtime.streams import StreamOrder
 class RecordingKernel:
     """A kernel whose `launch` / `prepare` have the real launchers' keyword signatures (so a missing, extra or
     misspelled argument raises TypeError as on a GPU), packs the arguments like a real launch (exact types) and
-    records each launch as `Launch` (or calls `run(args)` with the arguments by name)."""
+    records each launch as `Launch` (or calls `run(args)` with the arguments by name). `co_resident`: the blocks that
+    can be resident at once (`Kernel.co_resident_blocks`); a larger cooperative grid raises ValueError, as on a GPU."""
 
-    def __init__(self, spec: launch.KernelSpec, log: Optional[List] = None, run: Optional[Callable] = None):
+    # An H100's 132 SMs x 3 blocks (the notify kernel's occupancy at top-8 and 256 experts)
+    CO_RESIDENT_BLOCKS = 396
+
+    def __init__(self, spec: launch.KernelSpec, log: Optional[List] = None, run: Optional[Callable] = None,
+                 co_resident: int = CO_RESIDENT_BLOCKS):
         self.spec, self.log, self.run = spec, log if log is not None else [], run
+        self.co_resident = co_resident
         self.converters = launch.converters_for(spec)
         self.launch = launch.named_launcher(spec, self._launch)
         self.prepare = launch.named_launcher(spec, self._prepare, with_stream=False, what='prepare')
         self.bind = launch.named_launcher(spec, self._bind, with_stream=False, what='bind')
 
+    def co_resident_blocks(self, num_threads: int, shared_mem: int = 0) -> int:
+        return self.co_resident
+
+    def _check_cooperative(self, grid, cooperative) -> None:
+        num_blocks = int(np.prod(grid))
+        if cooperative and num_blocks > self.co_resident:
+            raise ValueError(f'{self.spec.name}: cooperative grid of {num_blocks} blocks exceeds the '
+                             f'{self.co_resident} blocks that can be co-resident on this device')
+
     def _launch(self, grid, block, args, stream, shared_mem, cooperative):
+        self._check_cooperative(grid, cooperative)
         launch.pack_args(self.spec, args, self.converters)
         named = dict(zip(self.spec.param_names, args))
         self.log.append(SimpleNamespace(name=self.spec.name, grid=grid, block=block, args=named, stream=stream,
@@ -40,6 +56,7 @@ class RecordingKernel:
 
     def _bind(self, grid, block, args, shared_mem, cooperative):
         """A real `BoundLaunch` (packed like the GPU's); each call records the packed arguments by name."""
+        self._check_cooperative(grid, cooperative)
         packed = launch.pack_args(self.spec, args, self.converters)
         layout, offsets = launch.arg_struct(self.spec)
         bound = launch.BoundLaunch(self.spec, layout, offsets, grid, block, shared_mem, cooperative, self._go_bound)
@@ -47,6 +64,7 @@ class RecordingKernel:
         return bound
 
     def _go_bound(self, bound, stream):
+        self._check_cooperative(bound.grid, bound.cooperative)     # (a grid patched after binding, as on a GPU)
         named = bound.values()
         grid = bound.grid[0] if bound.grid[1:] == (1, 1) else bound.grid
         block = bound.block[0] if bound.block[1:] == (1, 1) else bound.block

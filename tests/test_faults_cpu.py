@@ -9,6 +9,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import fakes
 import numpy as np
 import pytest
 
@@ -311,13 +312,16 @@ def test_main_reports_one_line_per_case_and_fails_on_a_bad_case(tmp_path, monkey
     assert faults.main(['--out', str(tmp_path), '--victim', '5']) == 2
 
 
-def test_a_failed_buffer_is_destroyed_locally_and_aborts_its_rails_first():
-    """BufferBase.destroy after a timeout: no host barrier (the peers may be dead: the TCP group's barrier raised
-    ConnectionError on 1xH100), the rails aborted before the streams are waited for; a healthy buffer stays
-    collective."""
-    from deepep_cupy.buffers import hybrid
-    from deepep_cupy.buffers.base import BufferBase
+def test_a_failed_buffer_meets_live_peers_and_gives_up_on_dead_ones(monkeypatch):
+    """BufferBase.destroy after a timeout: the rails are aborted first, the communication stream is waited for
+    (bounded) instead of the device, and the collective teardown's host barriers run soft: with the peers alive (the
+    rank that was only missing destroys as a healthy one) every barrier pairs with theirs, as from a healthy rank
+    (1xH100: skipping them paired the missing rank's teardown barrier with its peer's next all-gather:
+    MPI_ERR_TRUNCATE, then a hang); with a peer dead (the TCP group's barrier raised ConnectionError on 1xH100) the
+    first barrier fails and the rest are skipped. A healthy buffer's barriers still raise."""
+    from deepep_cupy.buffers import base, hybrid
     from deepep_cupy.features.hybrid.feature import HybridEP
+    from deepep_cupy.runtime import symmetric
 
     calls = []
 
@@ -332,23 +336,59 @@ def test_a_failed_buffer_is_destroyed_locally_and_aborts_its_rails_first():
             calls.append('abort')
             self.aborted = True
 
-    def make(failed, record, rails_failed=False):
-        buf = BufferBase.__new__(BufferBase)
-        buf._destroyed, buf._failed, buf.error_record = False, failed, np.array([record] + [0] * 7, np.int32)
+    class Group:
+        def __init__(self, dead):
+            self.dead = dead
+
+        def barrier(self, timeout=None):
+            calls.append(f'barrier {timeout:g}')
+            if self.dead:
+                raise ConnectionError('the root closed the connection')
+
+    class Runtime:      # cupy.cuda.runtime, without a GPU
+        @staticmethod
+        def deviceSynchronize():
+            calls.append('device synchronised')
+
+        @staticmethod
+        def free(ptr):
+            calls.append('free')
+
+    cupy = pytest.importorskip('cupy')
+    monkeypatch.setattr(cupy.cuda, 'runtime', Runtime)
+    monkeypatch.setattr(base, '_release_stream', lambda device, stream: None)
+
+    def make(failed, record, rails_failed=False, dead=False):
+        group = Group(dead)
+        sym = symmetric.SymmetricMemory.__new__(symmetric.SymmetricMemory)
+        sym.group, sym.base, sym._opened, sym._table, sym.peer_bases = group, 0x7000, [], None, []
+        buf = fakes.make_buffer(group=group, sym=sym, num_cpu_timeout_secs=7.0)
+        buf._failed, buf.error_record[0] = failed, record
         buf._transports_failed = lambda: rails_failed
         buf._abort_transports = lambda: calls.append('abort transports')
-        buf._release_local = lambda: calls.append('local release')
-        buf._destroy_features = lambda: calls.append('collective teardown')
+        buf._wait_comm_stream = lambda: calls.append('comm stream waited')
+        buf.host_mapped.free = lambda: calls.append('free host-mapped')
         return buf
 
+    soft_alive = ['abort transports', 'comm stream waited', 'barrier 7', 'free', 'barrier 7', 'free host-mapped']
     for failed, record, rails_failed in (('dispatch CPU wait timed out', 0, False), (None, 1, False), (None, 0, True)):
         calls.clear()
         make(failed, record, rails_failed).destroy()
-        assert calls == ['abort transports', 'local release'], (failed, record, calls)
+        assert calls == soft_alive, (failed, record, calls)
     calls.clear()
-    with pytest.raises((AttributeError, RuntimeError)):     # the collective path (no memory here, maybe no GPU)
-        make(None, 0).destroy()
-    assert calls == ['collective teardown']
+    buf = make('dispatch CPU wait timed out', 0, dead=True)
+    buf.destroy()
+    assert calls == ['abort transports', 'comm stream waited', 'barrier 7', 'free', 'free host-mapped'], calls
+    assert buf._destroyed and buf.sym.base == 0
+    buf.destroy()                                           # idempotent
+    assert calls[-1] == 'free host-mapped'
+    calls.clear()
+    make(None, 0).destroy()                                 # healthy: the collective teardown as before
+    assert calls == ['device synchronised', 'device synchronised', 'barrier 7', 'free', 'barrier 7',
+                     'free host-mapped'], calls
+    calls.clear()
+    with pytest.raises(ConnectionError):                    # healthy: a failing barrier raises
+        make(None, 0, dead=True).destroy()
 
     ep = HybridEP.__new__(HybridEP)
     ep.rails = SimpleNamespace(transport=Transport())

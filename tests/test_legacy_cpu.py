@@ -512,7 +512,9 @@ def test_v1_lean_paths_match_the_general_call(monkeypatch, inputs, case):
     general `BoundDispatch.__call__` launches (every argument, V1's matrices' pointers included; addresses relative to
     the handle's workspace and the outputs' allocation) and return the same outputs and V1 handle (shapes, strides,
     dtypes, places; send_head is the EP handle's dst_buffer_slot_idx), the same growth count; 'large': recv_x (and
-    recv_sf) too large to carve out of the small outputs' allocation."""
+    recv_sf) too large to carve out of the small outputs' allocation. The adapter's per-signature entries
+    (`NormalMode.lean_dispatch`: a repeated call with top-k ids runs its bound dispatch without `EP.dispatch`) give
+    what its checked path (through `EP.dispatch`) gives."""
     from deepep_cupy.features.ep import bound as ep_bound
     from deepep_cupy.features.ep import lean as ep_lean
     from deepep_cupy.runtime import streams
@@ -532,18 +534,26 @@ def test_v1_lean_paths_match_the_general_call(monkeypatch, inputs, case):
         kw['num_worst_tokens'] = 777
     if case.endswith('one-rank'):
         kw['config'] = Config(2, 8, 256)
-    buf.dispatch(xin, **kw)         # binds
+    for _ in range(2):              # binds (the second call: the adapter's entry, once torch tensors were seen)
+        buf.dispatch(xin, **kw)
     ep = world.made[-1].ep
     (b,) = [v for v in ep._bound.values() if v.v1_channels is not None]
     lean = (b.run_v1 is not ep_bound.BoundDispatch.__call__)
     assert lean == (case != 'no top-k async')
     if lean:
         assert b.run_v1 is (ep_lean.run_no_sync_v1 if case.startswith('worst') else ep_lean.run_cpu_sync_v1)
+    lean_dispatch, ep_calls = NormalMode.lean_dispatch, []
+    real_ep_dispatch = ep_feature.EP.dispatch
+    monkeypatch.setattr(ep_feature.EP, 'dispatch', lambda *a, **k: ep_calls.append(1) or real_ep_dispatch(*a, **k))
     runs = []
-    for general in (False, True):
-        if general:
+    for mode in ('lean', 'checked', 'general'):
+        # (checked: `Buffer.dispatch` without the adapter's entries; general: the entries, `BoundDispatch.__call__`)
+        monkeypatch.setattr(NormalMode, 'lean_dispatch', (lambda self, *a: None) if mode == 'checked' else
+                            lean_dispatch)
+        if mode == 'general':
             b.run_v1 = ep_bound.BoundDispatch.__call__
         runs.append([])
+        ep_calls.clear()
         for _ in range(3):          # (CPU-sync: the second and third speculate on the sizes)
             world.log.clear()
             out = buf.dispatch(xin, **kw)
@@ -564,9 +574,62 @@ def test_v1_lean_paths_match_the_general_call(monkeypatch, inputs, case):
                              handle[4] is in_rank, eh.num_recv_tokens, eh.num_expanded_tokens,
                              None if event is None else [_describe(t, bases) for t in event if t is not None]))
         assert buf._normal.num_growths == 0
-    assert runs[0] == runs[1]
+        # (the entries serve every call with top-k ids: EP.dispatch only when the adapter's checked path runs)
+        assert len(ep_calls) == (3 if mode == 'checked' or 'no top-k' in case else 0)
+    assert runs[0] == runs[1] == runs[2]
     assert all(r[4] and r[5] for r in runs[0])
+    assert len(buf._normal._lean) == (0 if 'no top-k' in case else 1)
     assert runs[0][0][0][0][2]['rank_prefix_matrix'][0] == 'ws'
+
+
+def test_v1_signature_entries_check_per_call_grow_and_go(monkeypatch, inputs):
+    """A remembered V1 dispatch signature (`NormalMode.lean_dispatch`'s entry) still raises, naming the argument and
+    before any kernel, on what is per call (layout tensors missing, a scalar of another type, the previous event's
+    type, x's alignment, the top-k range); grows and redoes the call when a peer holds more tokens than M (the next
+    call has an entry on the grown engine); and its entry goes when the EP component forgets its bound calls."""
+    world = World(monkeypatch)
+    buf = make_buffer(world)
+    x, idx, w, in_rank, per_expert, per_rank = inputs
+    kw = dict(topk_idx=idx, topk_weights=w, **_layout_args(inputs))
+    for _ in range(2):
+        buf.dispatch(x, **kw)
+        buf.dispatch(x, previous_event=fake_event(), **kw)
+    normal = buf._normal
+    assert len(normal._lean) == 2
+    world.log.clear()
+    shifted = torch.empty(x.numel() + 8, dtype=x.dtype)[1:1 + x.numel()].view(x.shape)     # 2 bytes off
+    shifted.copy_(x)
+    bad_idx = idx.clone()
+    bad_idx[3, 0] = E
+    for exc, match, args in [
+            (ValueError, 'is_token_in_rank is required', dict(kw, is_token_in_rank=None)),
+            (ValueError, 'num_tokens_per_expert is required', dict(kw, num_tokens_per_expert=None)),
+            (TypeError, 'expert_alignment', dict(kw, expert_alignment=True)),
+            (TypeError, 'expert_alignment', dict(kw, expert_alignment=[1])),
+            (TypeError, 'num_worst_tokens', dict(kw, num_worst_tokens=2.0)),
+            (TypeError, 'previous_event', dict(kw, previous_event=EventOverlap(object()))),
+            (ValueError, '16-byte aligned', dict(kw, x=shifted)),
+            (ValueError, 'topk_idx values', dict(kw, topk_idx=bad_idx))]:
+        with pytest.raises(exc, match=match):
+            buf.dispatch(args.pop('x', x), **args)
+    assert not [e for e in world.log if not isinstance(e, str)], 'a kernel ran before the error'
+    # A peer holding more than M: the remembered call grows and redoes on the checked path.
+    M = world.made[0].geometry[0]
+    world.max = M + 1
+    out = buf.dispatch(x, **kw)
+    world.max = None
+    assert normal.num_growths == 1 and len(world.made) == 2 and out[4].engine is world.made[1]
+    assert normal.tokens_seen == M + 1
+    ep = world.made[1].ep
+    (entry,) = normal._lean.values()
+    assert entry[1] is ep and entry[2] is ep._bound and entry[0] in ep._bound.values()
+    out2 = buf.dispatch(x, **kw)
+    assert out2[4].engine is world.made[1] and normal.num_growths == 1
+    # The EP component forgot its bound calls (`set_default_num_sms`): the entry goes, the next call binds anew.
+    ep_feature.set_default_num_sms(0)
+    buf.dispatch(x, **kw)
+    (entry2,) = normal._lean.values()
+    assert entry2[2] is ep._bound and entry2[0] is not entry[0]
 
 
 # ---- low-latency mode: when the engine is laid out ------------------------------------------------------------------
@@ -582,8 +645,9 @@ class FakeLLEngine:
     def clean_buffer(self, *args):
         self.cleaned += 1
 
-    def dispatch(self, *args):
-        return ('dispatch', self) + args
+    def dispatch(self, *args, bound_only=False):
+        # (bound_only: the Buffer's path for bound signatures, features/ll/bound.py; this fake binds none)
+        return None if bound_only else ('dispatch', self) + args
 
     def combine(self, *args):
         return ('combine', self) + args

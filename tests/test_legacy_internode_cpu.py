@@ -102,40 +102,50 @@ def test_reference_invariants(num_domains, num_scaleup):
 
 # ---- get_dispatch_layout across domains ---------------------------------------------------------------------------
 def _domains_kernel_run(counts_of):
-    """The CUDA kernel `get_dispatch_layout_domains`, in Python, on the recorded arguments."""
+    """The CUDA kernel `get_dispatch_layout_domains`, in Python, on the recorded arguments (bound launches record
+    pointers: `counts_of` maps them back to the allocations)."""
     def run(a):
-        in_rank, out = a['is_token_in_rank'], counts_of(a['num_tokens_per_domain'])
+        in_rank, out = counts_of(a['is_token_in_rank']), counts_of(a['num_tokens_per_domain'])
         n, r, d = int(a['num_tokens']), int(a['num_ranks']), int(a['num_domains'])
-        out[:d] += in_rank[:n].view(n, d, r // d).any(2).sum(0).int()
+        out[:d] += in_rank.view(-1)[:n * r].view(n, d, r // d).any(2).sum(0).int()
     return run
 
 
-def _layout_run(a):
+def _layout_run(a, counts_of):
     """The CUDA kernel `get_dispatch_layout`, in Python (is_token_in_rank only: the counts are tested elsewhere)."""
-    ids, out = a['topk_idx'], a['is_token_in_rank']
-    out.copy_(torch.from_numpy(iref.ranks_of(ids.numpy(), int(a['num_experts']), int(a['num_ranks']))))
+    ids, out = a['topk_idx'], counts_of(a['is_token_in_rank'])
+    ranks = torch.from_numpy(iref.ranks_of(ids.numpy(), int(a['num_experts']), int(a['num_ranks'])))
+    out[:ranks.numel()].copy_(ranks.view(-1))
 
 
 def _fake_world(monkeypatch, log):
+    """Allocations recorded (zeroed: `allocs`, in order; the layout's through `Carver`), memsets logged; returns
+    `allocs` and `counts_of(ptr)`: the recorded allocation holding address `ptr`, viewed from there."""
     allocs = []
-    monkeypatch.setattr(interop.Allocator, 'empty',
-                        lambda self, shape, dtype, stream=None: allocs.append(torch.zeros(shape,
-                                                                                          dtype=getattr(torch, dtype)))
-                        or allocs[-1])
+
+    def empty(self, shape, dtype, stream=None):
+        allocs.append(torch.zeros(shape, dtype=getattr(torch, dtype)))
+        return allocs[-1]
+    monkeypatch.setattr(interop.Allocator, 'empty', empty)
+    monkeypatch.setattr(interop.Carver, 'empty', empty)
+    monkeypatch.setattr(interop.Carver, 'allocator', lambda self, shape, dtype: lambda: empty(self, shape, dtype))
     monkeypatch.setattr(legacy_layout, '_memset_async', lambda ptr, n, stream: log.append(('memset', n)))
     current = fakes.FakeStream('current')
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
 
     def counts_of(ptr):
-        base = allocs[0]
-        return base[(ptr - base.data_ptr()) // 4:]
+        for base in allocs:
+            start = base.data_ptr()
+            if start <= ptr < start + base.numel() * base.element_size():
+                return base.view(-1)[(ptr - start) // base.element_size():]
+        raise AssertionError(f'no recorded allocation holds address {ptr:#x}')
     return allocs, counts_of
 
 
 def _make_layout(log, counts_of, topk_arg, num_domains):
     """A DispatchLayout whose kernels record and emulate; `topk_arg` maps the pointer back to the tensor."""
     def layout_run(a):
-        _layout_run(dict(a, topk_idx=topk_arg[0]))
+        _layout_run(dict(a, topk_idx=topk_arg[0]), counts_of)
     return legacy_layout.DispatchLayout(
         -1, kernel=fakes.RecordingKernel(legacy_layout.LAYOUT_SPEC, log, run=layout_run), num_domains=num_domains,
         domains_kernel=fakes.RecordingKernel(legacy_layout.DOMAINS_SPEC, log, run=_domains_kernel_run(counts_of)))
@@ -170,7 +180,7 @@ def test_layout_num_tokens_per_rdma_rank(monkeypatch, num_domains, num_scaleup):
     first, second = log[1], log[2]
     assert first.name == legacy_layout.LAYOUT_SPEC.name and second.name == legacy_layout.DOMAINS_SPEC.name
     assert second.stream is first.stream and second.grid == first.grid == 2
-    assert second.args['is_token_in_rank'] is in_rank
+    assert second.args['is_token_in_rank'] == first.args['is_token_in_rank'] == in_rank.data_ptr()
     assert per_rank.shape == (R,) and per_expert.shape == (num_experts,)
     assert per_domain.data_ptr() == allocs[0].data_ptr() + 4 * (R + num_experts)
     assert per_expert.data_ptr() == allocs[0].data_ptr() + 4 * R

@@ -7,7 +7,9 @@
 - the argument errors, raised before any engine is built; construction no longer refuses; the size hint across
   domains; the kernel specs against the C++ and an NVRTC compile (slow);
 - the mode's host path (fake engine, recording kernels): which kernels run on which stream with and without hooks
-  and async_finish, every argument packed with its declared type."""
+  and async_finish, every argument packed with its declared type; with a model of torch's streams (its default
+  stream is handle 0, `torch.cuda.ExternalStream(0)` a pool stream), every launch of a local call on the caller's
+  stream."""
 
 import contextlib
 from types import SimpleNamespace
@@ -263,21 +265,84 @@ class _FakeFeature:
         return torch.zeros((0, x.shape[1]), dtype=torch.bfloat16), None, None
 
 
-def _fake_mode(monkeypatch, log, enable_shrink=False):
-    current, comm = fakes.FakeStream('current'), fakes.FakeStream('comm')
-    streams = {'now': current}
-    monkeypatch.setattr(interop, 'current_stream', lambda like=None: streams['now'])
-    monkeypatch.setattr(interop.Allocator, 'empty', lambda self, shape, dtype, stream=None:
-                        torch.zeros(shape, dtype=getattr(torch, dtype)))
+class _CupyStream(fakes.FakeStream):
+    """A CuPy stream stand-in with a chosen raw handle (0: the legacy NULL stream, torch's default stream)."""
+
+    def __init__(self, name: str, ptr: int):
+        super().__init__(name)
+        self.ptr = ptr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class _TorchCudaModel:
+    """torch.cuda's streams as torch has them (no GPU): the default stream is handle 0, and
+    `torch.cuda.ExternalStream(0)` is NOT the default stream but a new stream from torch's pool (THCPStream_pynew: no
+    pointer and no id -> getStreamFromPool; pool streams are non-blocking, unordered with the default stream)."""
+
+    def __init__(self, caller: int = 0):
+        self.default = SimpleNamespace(cuda_stream=0)
+        self.now = self.default if caller == 0 else SimpleNamespace(cuda_stream=caller)
+        self.num_pool = 0
+
+    def ExternalStream(self, stream_ptr, device=None):  # noqa: N802 (torch's name)
+        if not stream_ptr:
+            self.num_pool += 1
+            return SimpleNamespace(cuda_stream=0x9000 + self.num_pool)
+        return SimpleNamespace(cuda_stream=stream_ptr)
+
+    def current_stream(self, device=None):
+        return self.now
+
+    def default_stream(self, device=None):
+        return self.default
 
     @contextlib.contextmanager
-    def on_stream(kind, stream):
-        before, streams['now'] = streams['now'], stream
+    def stream(self, s):
+        before, self.now = self.now, s
         try:
             yield
         finally:
-            streams['now'] = before
-    monkeypatch.setattr(lli, '_OnStream', on_stream)
+            self.now = before
+
+    def install(self, monkeypatch):
+        for name in ('ExternalStream', 'current_stream', 'default_stream', 'stream'):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(interop, '_TORCH_STREAMS', {})
+        return self
+
+
+def _fake_mode(monkeypatch, log, enable_shrink=False, torch_model=None):
+    """The mode over a fake engine. Default: `_OnStream` replaced by a switch of the fake current stream. With
+    `torch_model` (`_TorchCudaModel`): the real `_OnStream` over the model of torch's streams, and
+    `interop.current_stream` answering torch's current stream, as on a GPU (a stream nobody named is 'pool')."""
+    if torch_model is None:
+        current, comm = fakes.FakeStream('current'), fakes.FakeStream('comm')
+        streams = {'now': current}
+        monkeypatch.setattr(interop, 'current_stream', lambda like=None: streams['now'])
+
+        @contextlib.contextmanager
+        def on_stream(kind, stream):
+            before, streams['now'] = streams['now'], stream
+            try:
+                yield
+            finally:
+                streams['now'] = before
+        monkeypatch.setattr(lli, '_OnStream', on_stream)
+    else:
+        current, comm = _CupyStream('current', torch_model.now.cuda_stream), _CupyStream('comm', 0x7700)
+        by_ptr = {current.ptr: current, comm.ptr: comm}
+
+        def current_stream(like=None):
+            ptr = torch_model.now.cuda_stream
+            return by_ptr.setdefault(ptr, _CupyStream('pool', ptr))
+        monkeypatch.setattr(interop, 'current_stream', current_stream)
+    monkeypatch.setattr(interop.Allocator, 'empty', lambda self, shape, dtype, stream=None:
+                        torch.zeros(shape, dtype=getattr(torch, dtype)))
     monkeypatch.setattr(lli, '_record', lambda kind, stream, tensors: None)
     monkeypatch.setattr(lli, 'EventHandle', fakes.FakeEventHandle)
     monkeypatch.setattr(lli, '_capturing', lambda kind: False)
@@ -378,3 +443,64 @@ def test_legacy_internode_ll_kernels_compile_for_sm90():
     names = [s.name for s in ill.SPECS]
     module = compiler.compile_cubin(ill.FAMILY, names, arch='90', use_cache=False)
     assert module.cubin[:4] == b'\x7fELF' and sorted(module.lowered) == sorted(names)
+
+
+# ---- streams as torch has them -------------------------------------------------------------------------------------
+@pytest.mark.parametrize('caller', [0, 0x5500], ids=['default stream', 'side stream'])
+@pytest.mark.parametrize('target', [0, 0x5500, 0x7700], ids=['to 0', 'to side', 'to comm'])
+def test_on_stream_makes_exactly_that_stream_current_for_torch(monkeypatch, caller, target):
+    """Inside `_OnStream`, torch's current stream is the one asked for, also for handle 0 (torch's default stream,
+    where a caller's local call runs): `torch.cuda.ExternalStream(0)` would be a pool stream, unordered with it."""
+    model = _TorchCudaModel(caller).install(monkeypatch)
+    before = model.now
+    with lli._OnStream('torch', _CupyStream('s', target)):
+        assert model.now.cuda_stream == target and model.num_pool == 0
+    assert model.now is before
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, 'record_stream', lambda t, s: recorded.append(s), raising=False)
+    lli._record('torch', _CupyStream('s', target), (torch.zeros(1), None))
+    assert [s.cuda_stream for s in recorded] == [target] and model.num_pool == 0
+
+
+@pytest.mark.parametrize('caller', [0, 0x5500], ids=['default stream', 'side stream'])
+@pytest.mark.parametrize('fp8', [False, True])
+def test_local_calls_launch_everything_on_the_callers_stream(monkeypatch, caller, fp8):
+    """Without hook or async_finish every launch of dispatch and combine (ours and the hybrid feature's, which run on
+    torch's current stream) is on the caller's stream, whichever torch stream that is (the first GPU run: on torch's
+    default stream, the hybrid dispatch ran on a pool stream and the layout read its counts before they were
+    written: recv_count all zeros). With a hook, the sends run on the communication stream, the receive on the
+    caller's."""
+    model = _TorchCudaModel(caller).install(monkeypatch)
+    log = []
+    mode, current, comm, _ = _fake_mode(monkeypatch, log, torch_model=model)
+    M, H, K, E = 8, 512, 2, 16
+    x = torch.zeros(5, H, dtype=torch.bfloat16)
+    t = torch.zeros(5, K, dtype=torch.int64)
+    w = torch.zeros(5, K)
+    _, _, handle, _, _ = mode.dispatch(x, t, M, E, use_fp8=fp8, round_scale=fp8)
+    y = torch.zeros(E // 4, 4 * M, H, dtype=torch.bfloat16)
+    mode.combine(y, t, w, handle)
+    names = _names(log)
+    assert [n for n, _ in names] == ['ll_internode_prepare', 'hybrid_dispatch', 'll_internode_layout',
+                                     'll_internode_scatter', 'll_internode_gather', 'hybrid_combine',
+                                     'll_internode_reduce']
+    assert {s for _, s in names} == {'current'}, names
+    assert model.now.cuda_stream == caller and model.num_pool == 0
+    log.clear()
+    _, _, handle, _, hook = mode.dispatch(x, t, M, E, use_fp8=fp8, round_scale=fp8, return_recv_hook=True)
+    hook()
+    assert _names(log) == [('ll_internode_prepare', 'comm'), ('hybrid_dispatch', 'comm'),
+                           ('ll_internode_layout', 'current'), ('ll_internode_scatter', 'current')]
+    assert model.now.cuda_stream == caller and model.num_pool == 0
+
+
+def test_receive_kernels_read_the_dispatch_outputs_and_write_the_returned_tensors():
+    """tests/legacy_internode_ll_host_path_prog.py in a subprocess: over the real hybrid feature and intranode engine
+    host paths, the layout / scatter launches read the intranode dispatch's outputs and received count and write the
+    tensors the call returns (BF16 and FP8, 2x1 and 2x2, every rank)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    prog = Path(__file__).with_name('legacy_internode_ll_host_path_prog.py')
+    out = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith('OK'), out.stdout[-3000:] + out.stderr[-3000:]

@@ -23,37 +23,88 @@ def _random_x(n, h, seed=0):
     return x
 
 
-@pytest.mark.parametrize('round_scale', [False, True])
-def test_cast_fp8_equals_utils_math(round_scale):
+def _bf16_amaxes():
+    """Every group amax the cast can see: each finite positive bfloat16, clamped to 1e-4, as float32."""
+    bits = np.arange(0x0001, 0x7F80, dtype=np.uint32) << 16
+    return np.unique(np.maximum(bits.view(np.float32), np.float32(1e-4)))
+
+
+def _ceil_pow2_exponent(d):
+    b = d.view(np.uint32)
+    return (b >> 23) + ((b & 0x7FFFFF) != 0)
+
+
+def test_cast_fp8_round_scale_equals_utils_math():
+    # With round_scale DeepEP V1's kernel (amax * float(1/448)) and V2's torch recipe (amax / 448) agree
     from deepep_cupy.utils.math import per_token_cast_to_fp8
     x = _random_x(48, 1024)
-    q, sf = ref.cast_fp8(x, round_scale)
-    q2, sf2 = per_token_cast_to_fp8(x, round_scale=round_scale)
+    q, sf = ref.cast_fp8(x, True)
+    q2, sf2 = per_token_cast_to_fp8(x, round_scale=True)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
     assert torch.equal(sf.view(torch.int32), sf2.view(torch.int32))
-    if round_scale:
-        _, packed = per_token_cast_to_fp8(x, use_ue8m0=True, round_scale=True)
-        assert torch.equal(ref.pack_ue8m0(sf), packed)
+    _, packed = per_token_cast_to_fp8(x, use_ue8m0=True, round_scale=True)
+    assert torch.equal(ref.pack_ue8m0(sf), packed)
+
+
+def test_round_scale_recipes_agree_on_every_bf16_amax():
+    # ... on every input: the two products differ by at most one ulp, and only an exact power of two (amax = 448 * 2^k,
+    # where both are exact) could put them on either side of a binade boundary
+    amax = _bf16_amaxes()
+    f32 = np.float32
+    v1 = amax * (f32(1) / f32(448))
+    v2 = amax / f32(448)
+    assert v1.dtype == v2.dtype == np.float32
+    assert np.array_equal(_ceil_pow2_exponent(v1), _ceil_pow2_exponent(v2))
+    assert (v1 != v2).mean() > 0.4                  # while the unrounded scales often differ
+
+
+def test_cast_fp8_differs_from_utils_math_without_round_scale():
+    # Without round_scale the V1 low-latency cast is DeepEP v1.2.1's kernel recipe, not V2's torch recipe
+    from deepep_cupy.utils.math import per_token_cast_to_fp8
+    x = _random_x(48, 1024)
+    q, sf = ref.cast_fp8(x, False)
+    q2, sf2 = per_token_cast_to_fp8(x, round_scale=False)
+    amax = x.reshape(48, 8, 128).abs().float().amax(dim=2).clamp(min=1e-4).numpy()
+    assert np.array_equal(sf.numpy(), amax * (np.float32(1) / np.float32(448)))
+    assert not torch.equal(sf, sf2) and not torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    assert (sf - sf2).abs().max() <= sf.abs().max() * 2 ** -23
+
+
+def test_cast_fp8_on_a_value_where_the_recipes_differ():
+    # amax 3: 448 / 3 rounds to 0x43155555, and 1.125 * it is exactly 168, a tie between e4m3 160 (0x72, even) and
+    # 176 (0x73); V2's reciprocal(3) * 448 rounds one ulp higher (0x43155556), so 1.125 * it goes to 176. The scales
+    # differ in the last bit too: 3 * float(1/448) = 0x3bdb6db8, 3 / 448 = 0x3bdb6db7.
+    x = torch.zeros((1, 128), dtype=torch.bfloat16)
+    x[0, 0], x[0, 1], x[0, 2] = 3.0, 1.125, -2.25
+    q, sf = ref.cast_fp8(x, False)
+    assert int(sf.view(torch.int32)[0, 0]) == 0x3BDB6DB8
+    assert q.view(torch.uint8)[0, :3].tolist() == [0x7E, 0x72, 0xFA]
+    from deepep_cupy.utils.math import per_token_cast_to_fp8
+    q2, sf2 = per_token_cast_to_fp8(x)
+    assert int(sf2.view(torch.int32)[0, 0]) == 0x3BDB6DB7
+    assert q2.view(torch.uint8)[0, :3].tolist() == [0x7E, 0x73, 0xFB]
 
 
 @pytest.mark.parametrize('round_scale', [False, True])
 def test_cast_fp8_equals_naive_loop(round_scale):
+    # DeepEP v1.2.1 csrc/kernels/utils.cuh calculate_fp8_scales, csrc/kernels/internode_ll.cu dispatch's cast
     x = _random_x(6, 256, seed=3)
     q, sf = ref.cast_fp8(x, round_scale)
     f32 = np.float32
+    inv = f32(f32(1) / f32(448))
     for t in range(x.shape[0]):
         for g in range(2):
             vals = x[t, g * 128:(g + 1) * 128].float().numpy()
             amax = max(f32(np.abs(vals).max()), f32(1e-4))
             if round_scale:
-                d = f32(amax / f32(448))
+                d = f32(amax * inv)
                 bits = int(np.array([d], np.float32).view(np.int32)[0])
                 e = (bits >> 23) + (1 if bits & 0x7FFFFF else 0)
                 scale_inv = np.array([e << 23], np.int32).view(np.float32)[0]
                 scaled = [f32(v / scale_inv) for v in vals]
             else:
-                scale_inv = f32(amax / f32(448))
-                scale = f32(f32(f32(1) / amax) * f32(448))
+                scale_inv = f32(amax * inv)
+                scale = f32(f32(448) / amax)
                 scaled = [f32(v * scale) for v in vals]
             assert sf[t, g].item() == scale_inv
             want = torch.tensor(scaled, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -361,6 +412,21 @@ class _FakeKernel:
         pack_args(self.spec, args)
         return lambda stream: self.launch(grid, block, args, stream, shared_mem)
 
+    def bind(self, grid, block, *, shared_mem=0, cooperative=False, **named):
+        """A real `BoundLaunch` (the bound calls' launches: features/ll/bound.py), packed like the GPU's; each launch
+        is logged with the packed arguments by name."""
+        from deepep_cupy.jit import launch
+        assert set(named) == set(self.spec.param_names), sorted(set(named) ^ set(self.spec.param_names))
+        packed = launch.pack_args(self.spec, [named[n] for n in self.spec.param_names])
+        layout, offsets = launch.arg_struct(self.spec)
+        bound = launch.BoundLaunch(self.spec, layout, offsets, grid, block, shared_mem, cooperative, self._go_bound)
+        layout.pack_into(bound.data, 0, *packed)
+        return bound
+
+    def _go_bound(self, bound, stream):
+        self.log.append((self.spec.name, bound.grid[0], bound.block[0], bound.shared_mem, stream.name,
+                         bound.values()))
+
 
 class _FakeBase:
     def __init__(self, num_ranks, rank, num_bytes):
@@ -373,6 +439,7 @@ class _FakeBase:
         self.comm_stream = _FakeStream('comm')
         self.error_record = np.zeros(8, np.int32)
         self.claimed = None
+        self._destroyed, self._failed = False, None
 
     def claim_data_region(self, owner):
         self.claimed = owner
@@ -387,6 +454,7 @@ def fake_engine(monkeypatch):
     from deepep_cupy.runtime import interop
     current = _FakeStream('current')
     monkeypatch.setattr(interop, 'current_stream', lambda like=None: current)
+    monkeypatch.setattr(interop, 'stream_getter', lambda kind, device: lambda: current)
     monkeypatch.setattr(interop.Allocator, 'empty',
                         lambda self, shape, dtype, stream=None: torch.zeros(shape, dtype=getattr(torch, dtype)))
 
@@ -394,6 +462,7 @@ def fake_engine(monkeypatch):
         def __init__(self, stream=None):
             self.stream = stream
     monkeypatch.setattr(event_mod, 'EventHandle', _Handle)
+    monkeypatch.setattr(ll.feature, 'EventHandle', _Handle)
     monkeypatch.setattr(interop, 'torch_stream', lambda handle: None)
     monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: None)
     monkeypatch.setattr(ll.LowLatencyEngine, '_events', lambda self: (_FakeEvent(), _FakeEvent()))
@@ -478,3 +547,24 @@ def test_engine_rejects_handles_and_modes(fake_engine):
     with pytest.raises(ValueError):
         eng.dispatch(torch.zeros((17, 1024), dtype=torch.bfloat16), torch.zeros((17, 4), dtype=torch.int64), 16, 16)
     assert len(log) == n, 'no kernel may run for a bad call'
+
+
+def test_combine_reference_is_deepeps_fused_multiply_add():
+    """V1 low-latency combine as DeepEP v1.2.1 compiles it (`accum += float(row) * weight` contracted to fma.rn.f32):
+    `fma_f32` rounds once, where a multiply then an add would round twice; exact on random values too."""
+    from fractions import Fraction
+
+    from deepep_cupy.tests.ll_reference import fma_f32
+    a = torch.tensor([1 + 2 ** -12], dtype=torch.float32)
+    c = torch.tensor([-1.0], dtype=torch.float32)
+    assert float(fma_f32(a, a, c)) == 2 ** -11 + 2 ** -24      # a * a = 1 + 2^-11 + 2^-24, kept in full
+    assert float(a * a + c) == 2 ** -11                          # two roundings lose the 2^-24
+    g = torch.Generator().manual_seed(3)
+    x, y, z = (torch.randn(4000, generator=g) * 10 ** torch.randint(-3, 4, (4000,), generator=g) for _ in range(3))
+    got = fma_f32(x, y, z)
+    for i in range(0, 4000, 7):
+        exact = Fraction(float(x[i])) * Fraction(float(y[i])) + Fraction(float(z[i]))
+        lo = torch.tensor(float(exact), dtype=torch.float32)
+        near = [torch.nextafter(lo, torch.tensor(-float('inf'))), lo, torch.nextafter(lo, torch.tensor(float('inf')))]
+        best = min(near, key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(torch.int32)) & 1))
+        assert float(got[i]) == float(best), i

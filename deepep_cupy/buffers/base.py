@@ -25,7 +25,7 @@ from ..runtime.group import ProcessGroup, get_group
 from ..runtime.host_storage import HostStorage
 from ..runtime.polling import wait_until
 from ..runtime.streams import StreamOrder
-from ..runtime.symmetric import HostMappedMemory, SymmetricMemory
+from ..runtime.symmetric import HostMappedMemory, SymmetricMemory, soft_barriers
 from ..runtime.topology import Topology, detect_topology, select_device
 
 WORKSPACE_BYTES = workspace.WORKSPACE_BYTES
@@ -309,31 +309,57 @@ class BufferBase:
 
     def destroy(self) -> None:
         """Release all GPU memory (collective: every rank must call it). Idempotent. A buffer that failed (a wait
-        timed out: `is_usable()` is False, or a rail transport gave up) is released locally instead: its peers may
-        be gone, so no host barrier runs, and its rail transports are aborted first (ncclCommAbort: no NCCL kernel
-        keeps waiting for them)."""
+        timed out: `is_usable()` is False, or a rail transport gave up) aborts its rail transports first
+        (ncclCommAbort: no NCCL kernel keeps waiting for them), waits for its communication stream bounded instead of
+        synchronising the device, and meets its peers through bounded barriers that give up once one fails
+        (`symmetric.soft_barriers`): a peer that is alive, e.g. the rank that was missing, destroys through the same
+        host collectives; a dead one costs one barrier timeout (`num_cpu_timeout_secs`)."""
         if self._destroyed:
             return
-        if self._failed is not None or int(self.error_record[0]) != 0 or self._transports_failed():
-            self._abort_transports()
-            self._release_local()
+        failed = self._failed is not None or int(self.error_record[0]) != 0 or self._transports_failed()
+        if not failed:
+            self._teardown(failed=False)
             return
+        self._abort_transports()
+        with soft_barriers(self.num_cpu_timeout_secs):
+            self._teardown(failed=True)
+
+    def _teardown(self, failed: bool) -> None:
+        """The collective teardown. A failed buffer waits for its communication stream (bounded; if the stream does not
+        finish, the memory is left allocated rather than freed under a running kernel); a healthy one synchronises
+        the device."""
         import cupy
         self._destroyed = True
         self._destroy_features()
+        if failed:
+            self._wait_comm_stream()
+            self._release_collective()
+            return
         try:
             cupy.cuda.runtime.deviceSynchronize()
         finally:
-            self._release_extra(collective=True)
-            if self.nccl is not None:
-                self.nccl.destroy()
-                self.nccl = None
-            self._release_host_storage()
-            self.sym.destroy(timeout=self.num_cpu_timeout_secs)
-            self.host_mapped.free()
-            if self._owns_stream:
-                _release_stream(self.device, self.comm_stream)
-            self.comm_stream = None
+            self._release_collective()
+
+    def _release_collective(self) -> None:
+        self._release_extra(collective=True)
+        if self.nccl is not None:
+            self.nccl.destroy()
+            self.nccl = None
+        self._release_host_storage()
+        self.sym.destroy(timeout=self.num_cpu_timeout_secs)
+        self.host_mapped.free()
+        if self._owns_stream:
+            _release_stream(self.device, self.comm_stream)
+        self.comm_stream = None
+
+    def _wait_comm_stream(self) -> None:
+        """Wait for the communication stream, bounded by the GPU timeout plus a margin (its kernels give up by then)."""
+        event = self.stream_order.settle().record()
+        limit = self.num_gpu_timeout_secs + 30
+
+        def timed_out():
+            raise TimeoutError('the communication stream did not finish')
+        wait_until(lambda: event.done, limit, timed_out, spin=False)
 
     def _release_host_storage(self) -> None:
         """Unregister and unmap the host segments (local on every rank: mappings keep the pages alive)."""
@@ -347,12 +373,7 @@ class BufferBase:
         If the stream does not finish, the memory is left allocated rather than freed under a running kernel."""
         self._destroyed = True
         self._destroy_features()
-        event = self.stream_order.settle().record()
-        limit = self.num_gpu_timeout_secs + 30
-
-        def timed_out():
-            raise TimeoutError('the communication stream did not finish')
-        wait_until(lambda: event.done, limit, timed_out, spin=False)
+        self._wait_comm_stream()
         self._release_extra(collective=False)
         if self.nccl is not None:
             self.nccl.destroy()

@@ -330,6 +330,23 @@ class Kernel:
         from cupy_backends.cuda.api import driver
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.ptr, block, shared_mem)
 
+    def co_resident_blocks(self, num_threads: int, shared_mem: int = 0) -> int:
+        """The largest cooperative grid: blocks of `num_threads` threads and `shared_mem` bytes resident at once."""
+        self._allow_smem(shared_mem)
+        capacity = self._capacity.get((num_threads, shared_mem))
+        if capacity is None:
+            if self._num_sms is None:
+                import cupy
+                self._num_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
+            capacity = self.max_active_blocks_per_sm(num_threads, shared_mem) * self._num_sms
+            self._capacity[(num_threads, shared_mem)] = capacity
+        return capacity
+
+    def _allow_smem(self, shared_mem: int) -> None:     # (before an occupancy query or a launch that needs it)
+        if shared_mem > self._smem_limit:
+            _driver().funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+            self._smem_limit = shared_mem
+
     def _pack_into(self, buffer: _ArgBuffer, args: Sequence) -> None:
         if len(args) != len(self._converters):
             pack_args(self.spec, args, self._converters)     # raises with the expected parameter names
@@ -348,18 +365,9 @@ class Kernel:
             raise TypeError(f'{self.spec.name}: bad launch arguments: {e}') from e
 
     def _check_launch(self, grid: Tuple[int, ...], block: Tuple[int, ...], shared_mem: int, cooperative: bool):
-        if shared_mem > self._smem_limit:
-            _driver().funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
-            self._smem_limit = shared_mem
+        self._allow_smem(shared_mem)
         if cooperative:
-            num_threads = block[0] * block[1] * block[2]
-            capacity = self._capacity.get((num_threads, shared_mem))
-            if capacity is None:
-                if self._num_sms is None:
-                    import cupy
-                    self._num_sms = cupy.cuda.Device(self.device).attributes['MultiProcessorCount']
-                capacity = self.max_active_blocks_per_sm(num_threads, shared_mem) * self._num_sms
-                self._capacity[(num_threads, shared_mem)] = capacity
+            capacity = self.co_resident_blocks(block[0] * block[1] * block[2], shared_mem)
             num_blocks = grid[0] * grid[1] * grid[2]
             if num_blocks > capacity:
                 raise ValueError(f'{self.spec.name}: cooperative grid of {num_blocks} blocks exceeds the '
@@ -392,7 +400,6 @@ class Kernel:
         self._pack_into(buffer, args)
         self._check_launch(grid, block, shared_mem, cooperative)
         return lambda stream: self._go(grid, block, shared_mem, cooperative, stream, buffer)
-
 
     def bind_args(self, grid, block, args: Sequence, shared_mem: int = 0, cooperative: bool = False) -> BoundLaunch:
         """A `BoundLaunch` of these arguments (declaration order; the named `bind` calls it): checked and packed once,

@@ -235,7 +235,12 @@ _TORCH_STREAMS = {}
 
 def torch_stream(handle: int):
     """A cached `torch.cuda.ExternalStream` for a raw `cudaStream_t` value (the buffers' streams live as long as the
-    process: they come from a pool and are never destroyed)."""
+    process: they come from a pool and are never destroyed). Handle 0 (the legacy default stream) is torch's default
+    stream of the current device: torch takes `ExternalStream(0)` for "no handle" and hands out a stream of its pool,
+    unordered with the default stream (torch 2.11)."""
+    if handle == 0:
+        import torch
+        return torch.cuda.default_stream()
     s = _TORCH_STREAMS.get(handle)
     if s is None:
         import torch

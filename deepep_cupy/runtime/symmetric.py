@@ -8,14 +8,54 @@ keeps a table of the bases (`peer_bases_ptr`, uint64 `[num_peers]`) for kernels.
 Teardown order (collective): close the peers' mappings → host barrier → free the own allocation → host barrier
 (`release_local` skips the barriers, for garbage collection).
 A rank must not free its memory while a peer still maps it, and no kernel may be in flight.
+
+A failed buffer (a wait timed out) still runs that collective teardown, inside `soft_barriers`: its peers may be alive
+(a rank that was only missing or late destroys as a healthy one, through the same barriers, and a host collective
+that one side skipped would pair with the next collective of the other side: a deadlock or MPI_ERR_TRUNCATE), or dead.
+So each barrier is bounded; the first one that fails means a peer is gone, and the teardown's later barriers are
+skipped (local from then on).
 """
 
+import contextlib
+import contextvars
 import ctypes
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from .group import ProcessGroup
+
+
+class SoftBarriers:
+    """The host barriers of one failed buffer's teardown (`soft_barriers`): each bounded by `timeout`; once one fails
+    (a peer is gone), the rest return at once."""
+
+    def __init__(self, timeout: Optional[float]):
+        self.timeout = timeout
+        self.peers_gone: Optional[str] = None
+
+    def barrier(self, group: ProcessGroup) -> None:
+        if self.peers_gone is not None:
+            return
+        try:
+            group.barrier(timeout=self.timeout)
+        except Exception as e:      # a timeout, or the host transport's own error (a dead peer's closed socket)
+            self.peers_gone = f'{type(e).__name__}: {e}'
+
+
+_soft: contextvars.ContextVar = contextvars.ContextVar('deepep_cupy_soft_barriers', default=None)
+
+
+@contextlib.contextmanager
+def soft_barriers(timeout: Optional[float]) -> Iterator[SoftBarriers]:
+    """Within it, `SymmetricMemory.destroy` meets its peers through bounded barriers that give up instead of raising
+    (the teardown of a failed buffer; see the module's docstring)."""
+    soft = SoftBarriers(timeout)
+    token = _soft.set(soft)
+    try:
+        yield soft
+    finally:
+        _soft.reset(token)
 
 
 class HostMappedMemory:
@@ -115,18 +155,27 @@ class SymmetricMemory:
         self._opened = []
 
     def destroy(self, timeout: Optional[float] = None):
-        """Collective teardown: close peer mappings, barrier, free, barrier. Idempotent."""
+        """Collective teardown: close peer mappings, barrier, free, barrier. Idempotent. Under `soft_barriers` the
+        caller has waited (bounded) for its streams, and the device is not synchronised here (a failed buffer)."""
         if not self.base:
             return
         import cupy
-        cupy.cuda.runtime.deviceSynchronize()
+        if _soft.get() is None:
+            cupy.cuda.runtime.deviceSynchronize()
         self._close_peers()
         self._table = None
-        self.group.barrier(timeout=timeout)
+        self._barrier(timeout)
         cupy.cuda.runtime.free(self.base)
         self.base = 0
         self.peer_bases = []
-        self.group.barrier(timeout=timeout)
+        self._barrier(timeout)
+
+    def _barrier(self, timeout: Optional[float]) -> None:
+        soft = _soft.get()
+        if soft is None:
+            self.group.barrier(timeout=timeout)
+        else:
+            soft.barrier(self.group)
 
     def release_local(self) -> None:
         """Local teardown, without the host barriers (a buffer garbage-collected with `explicitly_destroy=False`):

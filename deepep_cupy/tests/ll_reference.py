@@ -1,11 +1,13 @@
 """Host references (torch, CPU) of the low-latency dispatch and combine, with exactly the kernels' arithmetic
 (kernels_cu/ep_ll.cu), so that results compare bit for bit.
 
-- `cast_fp8`: per token, per 128 channels: `amax = max(max |x|, 1e-4)` in float; without round_scale
-  `scale_inv = amax / 448`, `q = e4m3(x * (reciprocal(amax) * 448))`; with round_scale `scale_inv =
-  2^ceil(log2(amax / 448))` (exactly: the exponent of `amax / 448` bumped when its mantissa is not zero) and
-  `q = e4m3(x * 2^-e)` (== `x / scale_inv`). This is `deepep_cupy.utils.math.per_token_cast_to_fp8`'s arithmetic
-  (torch evaluates its `448 / amax` as reciprocal then multiply); tests/test_ll_cpu.py checks they agree.
+- `cast_fp8`: DeepEP v1.2.1's low-latency recipe (kernels_cu/common/ll_fp8.cuh): per token, per 128 channels,
+  `amax = max(max |x|, 1e-4)` in float and `inv = float(1 / 448)`; without round_scale `scale_inv = amax * inv`,
+  `q = e4m3(x * (448 / amax))` (each operation rounded once); with round_scale `scale_inv = 2^ceil(log2(amax * inv))`
+  (exactly: the exponent of `amax * inv` bumped when its mantissa is not zero) and `q = e4m3(x * 2^-e)`
+  (== `x / scale_inv`). Not DeepEP V2's torch recipe (`deepep_cupy.utils.math.per_token_cast_to_fp8`:
+  `scale_inv = amax / 448`), which differs in the last bit of about half the scales without round_scale; with
+  round_scale both agree on every bfloat16 input (tests/test_ll_cpu.py checks both statements).
 - `dispatch_reference`: the masked layout of one receiving rank from every rank's inputs.
 - `combine_reference`: `sum_k w_k * row_k` in float32, ascending k, `acc = acc + w * row` (two roundings), one
   rounding to bfloat16.
@@ -19,6 +21,8 @@ import torch
 FP8_MAX = 448.0
 AMAX_CLAMP = 1e-4
 GROUP = 128
+# float(1 / 448), rounded once (0x3b124925): DeepEP's kFinfoAmaxInvE4M3, ll_fp8.cuh's kFp8MaxInv.
+FP8_MAX_INV = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32)
 
 
 def cast_fp8(x: torch.Tensor, round_scale: bool):
@@ -28,13 +32,13 @@ def cast_fp8(x: torch.Tensor, round_scale: bool):
     amax = x.reshape(n, s, GROUP).abs().float().amax(dim=2).clamp(min=AMAX_CLAMP) if n > 0 else \
         torch.empty((0, s), dtype=torch.float32)
     if round_scale:
-        bits = (amax / FP8_MAX).view(torch.int32)
+        bits = (amax * FP8_MAX_INV).view(torch.int32)
         exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
         scale_inv = (exponent << 23).view(torch.float32)
         scale = ((254 - exponent) << 23).view(torch.float32)
     else:
-        scale_inv = amax / FP8_MAX
-        scale = torch.reciprocal(amax) * FP8_MAX
+        scale_inv = amax * FP8_MAX_INV
+        scale = torch.full_like(amax, FP8_MAX) / amax
     q = (x.float().reshape(n, s, GROUP) * scale.unsqueeze(2)).reshape(n, h).to(torch.float8_e4m3fn)
     return q, scale_inv
 
@@ -125,7 +129,8 @@ def combine_reference(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_ex
                       row_of: Callable[[torch.Tensor, int], torch.Tensor],
                       masked: Iterable[int] = ()) -> torch.Tensor:
     """`combined[t] = bf16(sum over k ascending with topk_idx[t, k] in [0, E) and its owner not masked of
-    w[t, k] * row_of(t, k))`, accumulated in float32 as `acc = acc + w * row`.
+    w[t, k] * row_of(t, k))`, accumulated in float32 as `acc = fma(w, row, acc)` (one rounding per step: DeepEP
+    v1.2.1's fused multiply-add; `fma_f32`).
 
     Args:
         topk_idx: `[N, K]` int64; topk_weights: `[N, K]` float32.
@@ -146,11 +151,27 @@ def combine_reference(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_ex
         rows = row_of(e, k).float()
         if acc is None:
             acc = torch.zeros_like(rows)
-        term = topk_weights[:, k:k + 1].float() * rows
-        acc = torch.where(valid.unsqueeze(1), acc + term, acc)
+        acc = torch.where(valid.unsqueeze(1), fma_f32(topk_weights[:, k:k + 1].float().expand_as(rows), rows, acc),
+                          acc)
     if acc is None:
         raise ValueError('topk_idx needs at least one column')
     return acc.to(torch.bfloat16)
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """`a * b + c` rounded once to float32 (CUDA's `__fmaf_rn`), for finite float32 tensors of one shape. The product
+    is exact in float64 (24 + 24 significant bits); the sum is rounded to float64 by round-to-odd (the error of the
+    float64 sum, from Knuth's two-sum, decides the last bit), and round-to-odd at 53 bits followed by a rounding to
+    24 bits is the correctly rounded result (53 >= 24 + 2)."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(s, float('inf')), torch.full_like(s, float('-inf')))
+    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    return s.float()
 
 
 def expert_factor(expert_ids: torch.Tensor) -> torch.Tensor:

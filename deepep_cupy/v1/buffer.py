@@ -20,10 +20,11 @@ import sys
 from typing import Optional
 
 from ..buffers.base import BufferBase, _acquire_stream, _release_stream, check_configuration
+from ..features.ep.handle import EPHandle
 from ..features.ll import CONTROL_BYTES as LL_CONTROL_BYTES
 from ..runtime import dtypes, interop
 from ..runtime.checks import check_int
-from ..runtime.event import EventHandle, EventOverlap, as_event_handle
+from ..runtime.event import EventHandle, EventOverlap
 from ..runtime.group import get_group
 from ..runtime.nvlink import get_nvlink_gbs
 from ..runtime.streams import StreamOrder
@@ -32,9 +33,17 @@ from .config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config, ta
 from .internode import InternodeEngine, InternodeMode, expected_internode_handle
 from .internode_ll import InternodeLLMode, LLInternodeEngine
 from .kernels.internode import check_domains, no_topk_refusal
-from .kernels.layout import DispatchLayout, plan_layout
+from .kernels.layout import DispatchLayout
 from .low_latency import LowLatencyMethods, LowLatencyMode
-from .normal import NormalEngine, NormalMode, check_event_rule, check_num_sms, expected_handle_type
+from .normal import (
+    LegacyHandle,
+    NormalEngine,
+    NormalMode,
+    check_dispatch_scalars,
+    check_event_rule,
+    check_num_sms,
+    expected_handle_type,
+)
 
 __all__ = ['Buffer', 'Config']
 
@@ -202,6 +211,9 @@ class Buffer(LowLatencyMethods):
                 table = DISPATCH_TABLE if which == 'dispatch' else COMBINE_TABLE
                 num_sms = self._configs[key] = check_num_sms(table_config(table, self.group_size, Buffer.num_sms))
             return num_sms
+        num_sms = config.num_sms        # (read per call: a Config may be changed between calls)
+        if num_sms.__class__ is int and num_sms >= 2 and not num_sms & 1:     # (`check_num_sms` where it passes)
+            return num_sms
         return check_num_sms(config)
 
     def get_comm_stream(self):
@@ -284,16 +296,13 @@ class Buffer(LowLatencyMethods):
             one of its experts; None inside one domain, as V1), (token, slot) pairs of each expert, whether each
             token goes to each rank. The counts are views of one allocation.
         """
-        self._check_alive()
-        previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
-        p = plan_layout(topk_idx, num_experts, self.group_size, self.device, self._layout.num_domains)
-        current = interop.current_stream(topk_idx)
-        comm = self._order.enter(current, as_event_handle(previous_event),
-                                 local=not (async_finish or allocate_on_comm_stream))
-        per_rank, per_domain, per_expert, in_rank, counts = self._layout(p, comm,
-                                                                         comm if allocate_on_comm_stream else None)
-        event = self._order.leave(p.kind, current, comm, async_finish, (topk_idx, counts, in_rank))
-        return per_rank, per_domain, per_expert, in_rank, event
+        if self._destroyed:
+            self._check_alive()
+        if previous_event is not None or allocate_on_comm_stream:      # (`check_event_rule` where it acts)
+            previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
+        # (checked and bound once per signature: `DispatchLayout.run`)
+        return self._layout.run(self._order, topk_idx, num_experts, self.group_size, self.device, previous_event,
+                                async_finish, allocate_on_comm_stream)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment: int = 1,
@@ -334,18 +343,31 @@ class Buffer(LowLatencyMethods):
             `internode.InternodeHandle`; its `recv_gbl_rank_prefix_sum`, `handle[-4]`, bounds each source's
             rows). Cached: `(recv_x, None, None, None, None, event)`.
         """
-        self._check_alive()
-        previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
+        if self._destroyed:
+            self._check_alive()
+        if previous_event is not None or allocate_on_comm_stream:      # (`check_event_rule` where it acts)
+            previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         num_sms = self._config(config, 'dispatch')
-        internode = self.num_domains > 1
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError('a cached dispatch (handle given) takes no topk_idx / topk_weights')
-            if internode:
+            if self.num_domains > 1:
                 return InternodeMode.cached_dispatch(x, expected_internode_handle(handle), num_sms, previous_event,
                                                      async_finish, allocate_on_comm_stream)
-            return NormalMode.cached_dispatch(x, expected_handle_type(handle), num_sms, previous_event, async_finish,
+            if type(handle) is not LegacyHandle or type(handle.ep_handle) is not EPHandle:
+                handle = expected_handle_type(handle)       # (its TypeError)
+            return NormalMode.cached_dispatch(x, handle, num_sms, previous_event, async_finish,
                                               allocate_on_comm_stream)
+        normal = self._normal
+        if normal is not None and topk_idx is not None and num_tokens_per_rank is not None and \
+                is_token_in_rank is not None:
+            # (one domain, top-k ids: by signature, `NormalMode.lean_dispatch`; None: other array types)
+            out = normal.lean_dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                       expert_alignment, num_worst_tokens, num_sms, previous_event, async_finish,
+                                       allocate_on_comm_stream)
+            if out is not None:
+                return out
+        internode = self.num_domains > 1
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
             for name, value in (('num_tokens_per_rank', num_tokens_per_rank), ('is_token_in_rank', is_token_in_rank),
                                 ('num_tokens_per_expert', num_tokens_per_expert)):
@@ -356,12 +378,7 @@ class Buffer(LowLatencyMethods):
                              '(get_dispatch_layout gives it)')
         if topk_idx is None and topk_weights is not None:
             raise ValueError('topk_weights needs topk_idx')
-        if type(expert_alignment) is not int or expert_alignment < 1:     # (`check_int` where it may raise)
-            check_int('expert_alignment', expert_alignment, 1)
-        if type(num_worst_tokens) is not int or num_worst_tokens < 0:
-            check_int('num_worst_tokens', num_worst_tokens, 0)
-        if num_worst_tokens and topk_idx is None:
-            raise ValueError('num_worst_tokens > 0 needs topk_idx (as DeepEP)')
+        check_dispatch_scalars(expert_alignment, num_worst_tokens, topk_idx is not None)
         num_experts = interop.shape_of(num_tokens_per_expert, 'num_tokens_per_expert')[0]
         if internode:
             if topk_idx is None:
@@ -398,14 +415,18 @@ class Buffer(LowLatencyMethods):
             `(combined_x [num_tokens, hidden] bfloat16, combined_topk_weights [num_tokens, num_topk] float32 or
             None, event)`.
         """
-        self._check_alive()
-        previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
+        if self._destroyed:
+            self._check_alive()
+        if previous_event is not None or allocate_on_comm_stream:      # (`check_event_rule` where it acts)
+            previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
         num_sms = self._config(config, 'combine')
         if self.num_domains > 1:
             return InternodeMode.combine(x, expected_internode_handle(handle), topk_weights, bias, num_sms,
                                          previous_event, async_finish, allocate_on_comm_stream)
-        return NormalMode.combine(x, expected_handle_type(handle), topk_weights, bias, num_sms, previous_event,
-                                  async_finish, allocate_on_comm_stream)
+        if type(handle) is not LegacyHandle or type(handle.ep_handle) is not EPHandle:
+            handle = expected_handle_type(handle)       # (its TypeError)
+        return NormalMode.combine(x, handle, topk_weights, bias, num_sms, previous_event, async_finish,
+                                  allocate_on_comm_stream)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,

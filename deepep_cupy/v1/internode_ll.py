@@ -86,8 +86,20 @@ class LLInternodeEngine(hybrid.RailHooks, BufferBase):
         self._hybrid, self._ep = self._ep, None
 
 
+def _torch_stream(handle: int):
+    """The torch stream of raw `cudaStream_t` `handle`. Handle 0 is torch's default stream (the legacy NULL stream,
+    what `torch.cuda.current_stream()` is unless the caller picked another): `torch.cuda.ExternalStream(0)` is NOT
+    that stream but a fresh stream from torch's pool, created non-blocking, so work made current through it runs
+    unordered with the caller's stream."""
+    if handle == 0:
+        import torch
+        return torch.cuda.default_stream()
+    return interop.torch_stream(handle)
+
+
 class _OnStream:
-    """Makes `stream` (a cupy stream) current for CuPy and, for torch arrays, for torch too."""
+    """Makes `stream` (a cupy stream) current for CuPy and, for torch arrays, for torch too (unchanged when it already
+    is torch's current stream: the local calls' case, which must keep every launch on the caller's stream)."""
 
     def __init__(self, kind: str, stream):
         self.kind, self.stream, self._torch = kind, stream, None
@@ -96,13 +108,15 @@ class _OnStream:
         self.stream.__enter__()
         if self.kind == 'torch':
             import torch
-            self._torch = torch.cuda.stream(interop.torch_stream(self.stream.ptr))
-            self._torch.__enter__()
+            if torch.cuda.current_stream().cuda_stream != self.stream.ptr:
+                self._torch = torch.cuda.stream(_torch_stream(self.stream.ptr))
+                self._torch.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self._torch is not None:
             self._torch.__exit__(*exc)
+            self._torch = None
         self.stream.__exit__(*exc)
 
 
@@ -110,7 +124,7 @@ def _record(kind: str, stream, tensors) -> None:
     """torch: mark `tensors` used on `stream` (the caching allocator keeps them until its work is done)."""
     if kind != 'torch':
         return
-    s = interop.torch_stream(stream.ptr)
+    s = _torch_stream(stream.ptr)
     for t in tensors:
         if t is not None and interop.is_torch(t):
             t.record_stream(s)

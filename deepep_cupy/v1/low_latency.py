@@ -37,6 +37,7 @@ class LowLatencyMode:
         self.base: Optional[BufferBase] = make_base(align(num_rdma_bytes, BUFFER_ALIGNMENT)) if num_rdma_bytes else None
         self.engine: Optional[LowLatencyEngine] = None
         self._placeholder = False       # the engine only holds masks (set before any low-latency call)
+        self.ready: Optional[LowLatencyEngine] = None      # the engine once laid out by a call (not a placeholder)
 
     def engine_for(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> LowLatencyEngine:
         """The engine with room for these maxima (laid out, or again with larger maxima; collective then)."""
@@ -59,6 +60,7 @@ class LowLatencyMode:
         if reused and eng is not None and not self._placeholder:
             self.engine.clean_buffer()      # the old layout's words are stale under the new one
         self._placeholder = False           # (a placeholder ran no call: its masks carry over, nothing is stale)
+        self.ready = self.engine
         return self.engine
 
     def mask_engine(self, what: str) -> LowLatencyEngine:
@@ -81,7 +83,7 @@ class LowLatencyMode:
     def destroy(self) -> None:
         if self.base is not None:
             self.base.destroy()
-        self.base = self.engine = None
+        self.base = self.engine = self.ready = None
 
 
 class LowLatencyMethods:
@@ -147,8 +149,9 @@ class LowLatencyMethods:
             num_max_dispatch_tokens_per_rank: M; num_experts: E, a multiple of the number of ranks.
             cumulative_local_expert_recv_stats: `[E / R]` int32, += tokens received per local expert.
             dispatch_wait_recv_cost_stats: `[R]` int64, += cycles spent waiting for each source.
-            use_fp8: cast to float8_e4m3fn in the kernel (one scale per 128 channels, amax / 448); round_scale:
-                power-of-two scales; use_ue8m0: scales packed as exponent bytes (needs round_scale, hidden % 512 == 0).
+            use_fp8: cast to float8_e4m3fn in the kernel (one scale per 128 channels: amax * (1 / 448), as DeepEP
+                v1.2.1); round_scale: power-of-two scales; use_ue8m0: scales packed as exponent bytes (needs
+                round_scale, hidden % 512 == 0).
             async_finish: return an event instead of making the current stream wait (not with return_recv_hook).
             return_recv_hook: launch only the send phase (current stream, no SM held while waiting); `hook()`
                 launches the receive phase. Across domains the sends (and the whole hybrid exchange) run on the
@@ -167,6 +170,15 @@ class LowLatencyMethods:
         if x_global_scale is not None or use_nvfp4:
             raise NotImplementedError('x_global_scale / use_nvfp4 (NVFP4 low-latency dispatch, a DeepEP fork option) '
                                       'are not supported; use use_fp8')
+        ll = self._ll
+        if ll is not None and ll.ready is not None and not self._destroyed:
+            # A call signature the laid-out engine has bound (features/ll/bound.py) fits its maxima: no relayout
+            # to decide, the engine's per-call path only. Else (None) the checks and the layout below.
+            out = ll.ready.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                    cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                    round_scale, use_ue8m0, async_finish, return_recv_hook, bound_only=True)
+            if out is not None:
+                return out
         ll = self._low_latency('low_latency_dispatch')
         if ll is self._ll_internode:
             return ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -206,6 +218,10 @@ class LowLatencyMethods:
         if overlap or src_signals is not None or src_signal_expect_value:
             raise NotImplementedError('overlap / src_signals (single-batch overlap, a DeepEP fork option) are not '
                                       'supported')
+        ll = self._ll
+        if ll is not None and ll.engine is not None and not self._destroyed:       # (`_low_latency` inline)
+            return ll.engine.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                     return_recv_hook, out, combine_wait_recv_cost_stats)
         eng = self._low_latency('low_latency_combine')
         if eng is not self._ll_internode:
             eng = eng.require_engine('low_latency_combine')

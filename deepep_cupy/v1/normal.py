@@ -23,8 +23,19 @@ V1 streams any number of tokens through fixed rings of `num_nvl_bytes`; the EP e
   before a growth run on the old engine (every rank holds the same handles).
 
 The V1 handle is a 6-tuple (DeepEP's intranode layout, every element filled: see `LegacyHandle`).
+
+Host path. A dispatch with top-k ids (torch tensors) is remembered by its signature (`NormalMode.lean_dispatch`): the
+first call takes the checked path (`dispatch`, through `EP.dispatch`), later ones run the EP bound dispatch that served
+it (`EPHandle._origin`, its `run_v1`, as `EP.dispatch` would: V1's signature decides EP's, so EP's key is not built a
+second time) and make V1's handle without a Python-level constructor. The engine parts this uses beyond the entry
+points in `v1/__init__.py`: `EPHandle._origin`, `BoundDispatch.key` / `run_v1`, `EP._bound` (replaced when EP forgets
+its bound calls: the entries go too) and the usability check `EP.dispatch` makes (the engine's `_destroyed`,
+`_failed`, `EP._error_state`). tests/test_legacy_cpu.py checks that both paths launch and return the same. What V1's
+API itself costs beyond ElasticBuffer's call: the handle's five tensors (views made per call, as DeepEP makes them
+per call) and the per-expert list.
 """
 
+import functools
 import weakref
 from typing import Any, Callable, Optional, Tuple
 
@@ -35,12 +46,13 @@ from ..features.ep.kernels import COMBINE_CHUNK_ROWS, COMBINE_CHUNK_SIGNAL_BYTES
 from ..features.ep.layout import EPLayout, buffer_size_hint
 from ..features.ep.legacy import LegacyLayout
 from ..runtime import checks, interop
-from ..runtime.event import EventOverlap
+from ..runtime.event import EventOverlap, as_event_handle
 from ..runtime.sizes import align
 
 TOKEN_ALIGNMENT = 256           # M is a multiple of the notify kernel's tokens per block
 DEFAULT_TOKENS = 1024           # M of a buffer built without num_nvl_bytes, before any growth
 MAX_ATTEMPTS = 3                # a dispatch redone after growing (once is enough; the rest is a safety bound)
+MAX_LEAN_CALLS = 64             # dispatch signatures remembered (`NormalMode.lean_dispatch`); more: forgotten at once
 
 
 # ---- sizes (pure) --------------------------------------------------------------------------------------------------
@@ -137,6 +149,10 @@ class LegacyHandle(tuple):
         raise TypeError('a DeepEP V1 handle refers to GPU tensors and cannot be pickled')
 
 
+# `LegacyHandle(items)` without its Python-level `__new__` (a C call; the lean dispatch sets the attributes)
+_new_handle = functools.partial(tuple.__new__, LegacyHandle)
+
+
 # ---- argument checks (pure) ------------------------------------------------------------------------------------------
 def check_event_rule(previous_event, async_finish: bool, allocate_on_comm_stream: bool):
     """V1's rule: `allocate_on_comm_stream` needs `previous_event` and `async_finish` (a `previous_event` alone is
@@ -147,6 +163,17 @@ def check_event_rule(previous_event, async_finish: bool, allocate_on_comm_stream
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
         raise ValueError('allocate_on_comm_stream=True needs previous_event and async_finish=True (DeepEP V1 rule)')
     return previous_event
+
+
+def check_dispatch_scalars(expert_alignment, num_worst_tokens, with_topk: bool) -> None:
+    """V1 dispatch's scalar arguments: `expert_alignment` an int >= 1, `num_worst_tokens` an int >= 0 and, when > 0,
+    top-k ids given; TypeError / ValueError naming the argument."""
+    if type(expert_alignment) is not int or expert_alignment < 1:     # (`check_int` where it may raise)
+        checks.check_int('expert_alignment', expert_alignment, 1)
+    if type(num_worst_tokens) is not int or num_worst_tokens < 0:
+        checks.check_int('num_worst_tokens', num_worst_tokens, 0)
+    if num_worst_tokens and not with_topk:
+        raise ValueError('num_worst_tokens > 0 needs topk_idx (as DeepEP)')
 
 
 def check_num_sms(config) -> int:
@@ -193,6 +220,7 @@ class NormalMode:
         self._rank_bases = {}
         self.num_growths = 0
         self.tokens_seen = 0        # the most tokens any rank dispatched in a CPU-synced call (known to every rank)
+        self._lean = {}             # dispatch signature -> its entry (`lean_dispatch`); emptied when `ensure` lays out
 
     # -- sizing --
     def ensure(self, hidden: int, num_topk: int, num_tokens: int = 0) -> EP:
@@ -205,6 +233,7 @@ class NormalMode:
                 return eng.ep
         else:
             M, H, K = 0, 0, 0
+        self._lean.clear()          # (the entries' bound dispatches are of the EP component being replaced)
         R = self.num_ranks
         # Synthetic top-k ids (a dispatch without top-k) have one column per rank: lay out for at least that.
         H, K, need = max(hidden, H), max(num_topk, K, R), max(num_tokens, self.tokens_seen, 1)
@@ -297,6 +326,101 @@ class NormalMode:
             recv_topk_idx = recv_topk_weights = None
         return recv_x, recv_topk_idx, recv_topk_weights, ep_handle.num_recv_tokens_per_expert_list, handle, event
 
+    def lean_dispatch(self, x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                      num_worst_tokens, num_sms: int, previous_event, async_finish: bool,
+                      allocate_on_comm_stream: bool):
+        """`dispatch` of a call with top-k ids and torch tensors by its signature (the caller checked the event rule
+        and `num_sms`, and that the layout tensors are given): the first call of a signature takes the checked path
+        (`_checked_dispatch`) and remembers its entry, the EP bound dispatch that served it (`EPHandle._origin`) with
+        what its calls share; a repeated signature runs that bound dispatch straight (`b.run_v1`, what
+        `EP.dispatch` calls: the signature here decides EP's, so EP's own key is not rebuilt), with the engine's
+        usability check, a `LegacyLayout` of the entry (reused: the engine fills its outputs per call) and V1's handle
+        made without a Python-level constructor. Checks that depend on the values (x's alignment; a CPU-sync call's
+        top-k range) stay in the bound dispatch; growth (a peer's count above M) redoes the call on the checked path.
+        Entries are dropped when `ensure` lays out anew and when the EP component forgot its bound calls (its
+        `_bound` replaced: destroyed, or `set_default_num_sms`).
+
+        Returns:
+            `dispatch`'s result, or None for a call with other array types (the caller's checked path takes it).
+        """
+        tensor = interop.TORCH_TENSOR[0]
+        if type(x) is tensor:       # (`interop.meta` of plain torch tensors, inline as in `EP.dispatch`)
+            xs, xp, ss, sp = (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr(), None, 0
+        elif type(x) is tuple and len(x) == 2 and type(x[0]) is tensor and type(x[1]) is tensor:
+            data, sf = x
+            xs, xp = (data.shape, data.stride(), data.dtype, data.get_device()), data.data_ptr()
+            ss, sp = (sf.shape, sf.stride(), sf.dtype, sf.get_device()), sf.data_ptr()
+        else:
+            return None
+        if type(topk_idx) is not tensor or type(num_tokens_per_expert) is not tensor:
+            return None
+        ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
+        if topk_weights is None:
+            ws, wp = None, 0
+        elif type(topk_weights) is tensor:
+            ws, wp = ((topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device()),
+                      topk_weights.data_ptr())
+        else:
+            return None
+        # (the scalars' types too: 1, 1.0 and True are equal keys, and only int passes the checks)
+        key = (xs, ss, ts, ws, num_tokens_per_expert.shape, expert_alignment, expert_alignment.__class__,
+               num_worst_tokens, num_worst_tokens.__class__, num_sms, previous_event is None, async_finish,
+               allocate_on_comm_stream)
+        try:
+            entry = self._lean.get(key)
+        except TypeError:   # (an unhashable argument: the checked path names it, or takes the call unremembered)
+            entry = key = None
+        if entry is not None:
+            b, ep, bound, lg, eng, attrs, worst, M = entry
+            if ep._bound is bound:
+                # (`EP.dispatch`'s usability check, on the engine itself rather than through the EP's proxy of it)
+                if eng._destroyed or eng._failed is not None or ep._error_state[0]:
+                    eng.check_usable()
+                out = b.run_v1(b, ep, x, topk_idx, topk_weights, None, None,
+                               None if previous_event is None else as_event_handle(previous_event), xp, sp, tp, wp,
+                               0, lg, 0)
+                if not worst:
+                    seen = lg.max_num_tokens
+                    if seen > self.tokens_seen:
+                        self.tokens_seen = seen
+                    if seen > M:        # every rank saw the same maximum: grow, then redo (the checked path)
+                        self.ensure(0, 0, seen)
+                        return self._checked_dispatch(key, x, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                                      topk_weights, expert_alignment, num_worst_tokens, num_sms,
+                                                      previous_event, async_finish, allocate_on_comm_stream)
+                recv_x, recv_topk_idx, recv_topk_weights, ep_handle, event = out
+                handle = _new_handle((lg.rank_prefix_matrix, lg.channel_prefix_matrix, lg.recv_channel_prefix_matrix,
+                                      lg.recv_src_idx, is_token_in_rank, lg.send_head))
+                handle.__dict__.update(attrs)
+                handle.ep_handle = ep_handle
+                return (recv_x, recv_topk_idx, recv_topk_weights, ep_handle.num_recv_tokens_per_expert_list, handle,
+                        event)
+            del self._lean[key]
+        return self._checked_dispatch(key, x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                      expert_alignment, num_worst_tokens, num_sms, previous_event, async_finish,
+                                      allocate_on_comm_stream)
+
+    def _checked_dispatch(self, key, x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                          expert_alignment, num_worst_tokens, num_sms: int, previous_event, async_finish: bool,
+                          allocate_on_comm_stream: bool):
+        """`lean_dispatch` of a signature without an entry: the remaining checks and `dispatch`, then the entry of
+        `key` (None: not remembered) when the bound dispatch that served the call is one EP remembers (its key set)
+        on the current EP component."""
+        check_dispatch_scalars(expert_alignment, num_worst_tokens, True)
+        num_experts = interop.shape_of(num_tokens_per_expert, 'num_tokens_per_expert')[0]
+        out = self.dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                            num_worst_tokens, num_experts, num_sms, previous_event, async_finish,
+                            allocate_on_comm_stream)
+        handle, eng = out[4], self.engine
+        b = handle.ep_handle._origin
+        if key is not None and b is not None and b.key is not None and eng is not None and handle.ep is eng.ep:
+            if len(self._lean) >= MAX_LEAN_CALLS:
+                self._lean.clear()
+            ep, N = handle.ep, split_x(x)[2]
+            self._lean[key] = (b, ep, ep._bound, LegacyLayout(num_sms // 2, N, None), eng,
+                               {'ep': ep, 'engine': eng, 'with_topk': True}, num_worst_tokens > 0, eng.geometry[0])
+        return out
+
     @staticmethod
     def cached_dispatch(x, handle: LegacyHandle, num_sms: int, previous_event, async_finish: bool,
                         allocate_on_comm_stream: bool):
@@ -319,6 +443,7 @@ class NormalMode:
 
     def destroy(self) -> None:
         """Collective teardown of the current engine (older ones, kept by handles, are freed when dropped)."""
+        self._lean.clear()
         if self.engine is not None:
             self.engine.destroy()
         self.engine = None

@@ -1,5 +1,7 @@
 // DeepEP V1 low-latency FP8 cast (one scale per 128 channels), shared by the single-domain low-latency kernels
-// (ep_ll.cu) and the cross-domain ones (legacy_internode_ll.cu), so that both cast bit for bit alike.
+// (ep_ll.cu) and the cross-domain ones (legacy_internode_ll.cu), so that both cast bit for bit alike. Only DeepEP
+// V1's low-latency API casts on the device: V2's FP8 dispatch takes tensors the caller cast with V2's torch recipe
+// (deepep_cupy/utils/math.py `per_token_cast_to_fp8`: `amax / 448`), which this file does not follow.
 #pragma once
 #include "common/ep.cuh"
 
@@ -7,6 +9,7 @@ namespace deepep {
 namespace ll {
 
 constexpr float kFp8Max = 448.f;
+constexpr float kFp8MaxInv = 1.f / 448.f;   // rounded once to float (0x3b124925), as DeepEP's kFinfoAmaxInvE4M3
 constexpr float kAmaxClamp = 1e-4f;
 
 // ---- FP8 ----------------------------------------------------------------------------------------------------------
@@ -19,12 +22,13 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 
 // Quantise the 16 channels a lane holds (two 16-byte vectors of bfloat16) with the scale of its 128-channel group,
 // which is held by the 8 lanes (lane & ~7) ... (lane | 7). Every lane of the warp calls it (lanes past the hidden size
-// pass zeros; a group is entirely inside or outside). Arithmetic (ll_reference.cast_fp8 mirrors it):
+// pass zeros; a group is entirely inside or outside). DeepEP v1.2.1's arithmetic (csrc/kernels/internode_ll.cu
+// dispatch, csrc/kernels/utils.cuh calculate_fp8_scales; deepep_cupy/tests/ll_reference.cast_fp8 mirrors it):
 //   amax = max(max |x|, 1e-4) over the group, in float
-//   round_scale: scale_inv = 2^ceil(log2(amax / 448)) (amax / 448 rounded, then the exponent bumped if the mantissa
-//                is not zero), q = e4m3(x * 2^-e) (== x / scale_inv exactly)
-//   otherwise:   scale_inv = amax / 448, q = e4m3(x * (rcp(amax) * 448)) (each operation rounded: torch evaluates
-//                utils/math.py's `448 / amax` as reciprocal then multiply)
+//   round_scale: scale_inv = 2^ceil(log2(amax * kFp8MaxInv)) (the product rounded, then its exponent bumped if the
+//                mantissa is not zero), q = e4m3(x * 2^-e) (== x / scale_inv exactly)
+//   otherwise:   scale_inv = amax * kFp8MaxInv, q = e4m3(x * (448 / amax)) (a correctly rounded division, then the
+//                product rounded; not V2's `amax / 448`, which differs in the last bit for about half the amaxes)
 __device__ __forceinline__ Vec16 cast_fp8_lane(const Vec16& a, const Vec16& b, bool round_scale, float& scale_inv) {
     const uint32_t words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     float f[16];
@@ -43,13 +47,13 @@ __device__ __forceinline__ Vec16 cast_fp8_lane(const Vec16& a, const Vec16& b, b
     amax = fmaxf(amax, kAmaxClamp);
     float scale;
     if (round_scale) {
-        const uint32_t bits = __float_as_uint(__fdiv_rn(amax, kFp8Max));
+        const uint32_t bits = __float_as_uint(__fmul_rn(amax, kFp8MaxInv));
         const uint32_t exponent = (bits >> 23) + ((bits & 0x7fffffu) != 0 ? 1u : 0u);
         scale_inv = __uint_as_float(exponent << 23);
         scale = __uint_as_float((254u - exponent) << 23);
     } else {
-        scale_inv = __fdiv_rn(amax, kFp8Max);
-        scale = __fmul_rn(__frcp_rn(amax), kFp8Max);
+        scale_inv = __fmul_rn(amax, kFp8MaxInv);
+        scale = __fdiv_rn(kFp8Max, amax);
     }
     uint32_t out[4];
     #pragma unroll

@@ -167,7 +167,6 @@ class BoundDispatch:
         R, K, L, lg, sym, lay = self.num_ranks, self.num_topk, self.num_local_experts, p.legacy, ep._sym, p.layout
         self.ws_words, self.offsets = workspace_layout(p.num_tokens, R, K, L, p.do_handle_copy)
         reported = p.num_tokens if lg is None or lg.reported_num_tokens < 0 else lg.reported_num_tokens
-        grid = max(1, ceil_div(p.num_tokens, NOTIFY_THREADS))
         notify_args = dict(
             topk_idx=0, num_tokens=p.num_tokens, num_topk=K, num_experts=p.num_experts,
             num_max_tokens_per_rank=p.num_max_tokens_per_rank, expert_alignment=p.expert_alignment,
@@ -177,9 +176,15 @@ class BoundDispatch:
             send_count=0, reported_num_tokens=reported, expert_counts=0,
             num_channels=self.v1_channels or 0, channel_prefix_matrix=0, recv_channel_prefix_matrix=0,
             rank_prefix_matrix=0, **tail)
-        # Cooperative for several blocks only (one block has no grid barrier to wait in).
-        self.notify = None if self.fused else kernels.notify.bind(
-            grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes, cooperative=grid > 1, **notify_args)
+        self.notify = None
+        if not self.fused:
+            # A block per NOTIFY_THREADS tokens, at most the blocks that can be co-resident (past them a block takes
+            # several tiles of tokens: ep_notify.cu); cooperative for several blocks only (one block has no grid
+            # barrier to wait in).
+            grid = ep_plan.notify_grid(p.num_tokens,
+                                       kernels.notify.co_resident_blocks(NOTIFY_THREADS, p.notify_smem_bytes))
+            self.notify = kernels.notify.bind(grid, NOTIFY_THREADS, shared_mem=p.notify_smem_bytes,
+                                              cooperative=grid > 1, **notify_args)
         return notify_args
 
     def _bind_patchers(self, p) -> Tuple[dict, tuple]:

@@ -21,7 +21,7 @@ from typing import Tuple
 from . import plan as ep_plan
 from .handle import EPHandle, WorkspaceOffsets
 from .kernels import HOST_MAX_TOKENS_WORD
-from .legacy import v1_outputs
+from .legacy import receive_views, workspace_views
 from .patch import Outputs as _Outputs
 from .patch import allocate_x, cached_patcher, call_patcher, cupy_views
 
@@ -157,7 +157,7 @@ def run_cached(b, ep, x_in, topk_idx, topk_weights, stats, handle: EPHandle, eve
 
 
 def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: int, sp: int, tp: int, wp: int,
-                 cp: int):
+                 cp: int, v1=None):
     """`__call__` of a dispatch with a CPU sync, bound without V1 matrices: its per-call work only, in `__call__`'s
     order (the top-k range check started first and read back before any EP kernel; the notify and the send (several
     ranks: its own launch); the host's wait for the counts; the receive of exact outputs). What needs no count comes
@@ -173,7 +173,9 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     freed one (at most 16 MiB) for later calls; a miss costs about what the outputs cost without speculating plus
     the unused group's allocation and views (spent before the wait, while the GPU counts). A CPU-sync call cannot be
     captured into a CUDA graph (the host reads back what its kernels wrote: captured, they would not run and the
-    wait would time out), so its event is `StreamOrder.leave`'s with `captured=False`: the stream is not asked."""
+    wait would time out), so its event is `StreamOrder.leave`'s with `captured=False`: the stream is not asked.
+    `v1`: a DeepEP V1 call's `LegacyLayout` (`run_cpu_sync_v1`), whose views of the workspace are made while the GPU
+    counts too."""
     if xp & 15:
         raise ValueError('x rows must start at 16-byte aligned addresses')
     if b._lean_blocked or ep.ready_guard is not None:
@@ -201,6 +203,8 @@ def run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp: 
     spec = b._lean_spec
     made = None if spec is None else prepare_receive(b, spec[2], comm, ws, ws_ptr, user_topk, None, xp, sp, tp, wp,
                                                      cp)
+    if v1 is not None:
+        workspace_views(b, v1, ws)
     num_recv, num_expanded, counts = ep._wait_host_counts(seq, b.num_local_experts)
     if made is None or num_recv != spec[0] or num_expanded != spec[1]:
         made = None             # (a miss: the speculated outputs go before the right ones are allocated)
@@ -342,13 +346,14 @@ def run_no_sync_v1(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp
                    cp: int, legacy, ecp: int):
     """`run_no_sync` of a DeepEP V1 call (`legacy`: its `LegacyLayout`, without expert counts: `ecp` is 0, as
     bound): V1's matrices' pointers are in `call_patch` / `call_patch_x` (workspace plus constants); V1's outputs are
-    views made after the launches (`v1_outputs`; recv_src_idx, like the other outputs, in the workspace's
+    views made after the launches (`v1_outputs`' two parts; recv_src_idx, like the other outputs, in the workspace's
     allocation)."""
     if b._lean_blocked or ep.ready_guard is not None:
         return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp, legacy, ecp)
     out = run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
     nh = out[3]
-    v1_outputs(b, legacy, nh, nh.workspace, b.fixed.byte_at[5])
+    ws = nh.workspace
+    receive_views(b, legacy, nh, ws, b.fixed.byte_at[5], workspace_views(b, legacy, ws))
     return out
 
 
@@ -356,16 +361,18 @@ def run_cpu_sync_v1(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, x
                     cp: int, legacy, ecp: int):
     """`run_cpu_sync` of a DeepEP V1 call (`legacy`: its `LegacyLayout`; `ecp`: its expert counts' address, patched
     before the notify's launch when the signature has them): the receive speculated as V2's (its recv_src_idx pointer
-    is one of the outputs' patch); after the receive's launch the largest reported token count (growth) and V1's
-    outputs (`v1_outputs`)."""
+    is one of the outputs' patch); V1's views of the workspace (its matrices, send_head) made while the GPU counts
+    (`legacy.workspace_views`); after the receive's launch the largest reported token count (growth) and the rest of
+    V1's outputs (`legacy.receive_views`: recv_src_idx)."""
     if b._lean_blocked or ep.ready_guard is not None:
         return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp, legacy, ecp)
     if b.v1_counts:
         b.notify.u64[b.notify_v1_idx[0]] = ecp
-    out = run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
+    out = run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp, legacy)
     legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
     nh = out[3]
-    v1_outputs(b, legacy, nh, nh._meta_of[0], b.outputs(nh.num_recv_tokens, nh.num_expanded_tokens).byte_at[5])
+    receive_views(b, legacy, nh, nh._meta_of[0], b.outputs(nh.num_recv_tokens, nh.num_expanded_tokens).byte_at[5],
+                  None)
     return out
 
 

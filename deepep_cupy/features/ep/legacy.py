@@ -104,23 +104,42 @@ def v1_outputs(b, legacy: LegacyLayout, handle, group, src_byte: int) -> None:
     """DeepEP V1's parts of one call of the bound dispatch `b` (bound.py; after its launches: the kernels took their
     addresses from the patchers), set on `legacy`: the matrices and send_head, views of the new `handle`'s workspace
     allocation (`view_args`), and recv_src_idx, of the outputs' allocation `group` from byte `src_byte`. Torch: one
-    int32 view of each allocation, shared with the handle's own views (dst_buffer_slot_idx is send_head)."""
-    ws = handle.workspace
-    rpm, cpm, rcpm, head, head_key = b.v1_views
+    int32 view of each allocation, shared with the handle's own views (dst_buffer_slot_idx is send_head). In two parts
+    (`workspace_views`, `receive_views`): a CPU-sync lean call makes the first while the GPU counts."""
+    receive_views(b, legacy, handle, group, src_byte, workspace_views(b, legacy, handle.workspace))
+
+
+def workspace_views(b, legacy: LegacyLayout, ws):
+    """`v1_outputs`' views of the workspace allocation `ws` (they exist before the counts): the matrices and, torch,
+    send_head. Returns torch's int32 view of `ws` (None: CuPy)."""
+    rpm, cpm, rcpm, head, _ = b.v1_views
     if b._torch_dtypes is not None:
         i32 = b.v1_int32
         w = ws if ws.dtype is i32 else ws.view(i32)
-        g = w if group is ws else group if group.dtype is i32 else group.view(i32)
         legacy.rank_prefix_matrix = w.as_strided(*rpm)
         legacy.channel_prefix_matrix = w.as_strided(*cpm)
         legacy.recv_channel_prefix_matrix = w.as_strided(*rcpm)
-        legacy.send_head = sh = w.as_strided(*head)
-        legacy.recv_src_idx = g.as_strided((handle.num_recv_tokens,), (1,), src_byte >> 2)
-        handle._views = {'int32': w, head_key: sh}
-        return
+        legacy.send_head = w.as_strided(*head)
+        return w
     carver = b.carver
     legacy.rank_prefix_matrix = carver.view(ws, 'int32', rpm[0], rpm[2])
     legacy.channel_prefix_matrix = carver.view(ws, 'int32', cpm[0], cpm[2])
     legacy.recv_channel_prefix_matrix = carver.view(ws, 'int32', rcpm[0], rcpm[2])
+    return None
+
+
+def receive_views(b, legacy: LegacyLayout, handle, group, src_byte: int, w) -> None:
+    """The rest of `v1_outputs` once the new `handle` exists: recv_src_idx (a view of `group` from byte `src_byte`);
+    torch: the handle's views shared (`w`: `workspace_views`' int32 view of its workspace, None: made here); CuPy:
+    send_head, the handle's dst_buffer_slot_idx."""
+    if b._torch_dtypes is not None:
+        i32 = b.v1_int32
+        ws = handle.workspace
+        if w is None:
+            w = ws if ws.dtype is i32 else ws.view(i32)
+        g = w if group is ws else group if group.dtype is i32 else group.view(i32)
+        legacy.recv_src_idx = g.as_strided((handle.num_recv_tokens,), (1,), src_byte >> 2)
+        handle._views = {'int32': w, b.v1_views[4]: legacy.send_head}
+        return
     legacy.send_head = handle.dst_buffer_slot_idx
-    legacy.recv_src_idx = carver.view(group, 'int32', (handle.num_recv_tokens,), src_byte >> 2)
+    legacy.recv_src_idx = b.carver.view(group, 'int32', (handle.num_recv_tokens,), src_byte >> 2)

@@ -84,6 +84,13 @@ def notify_smem_bytes(num_experts: int, num_ranks: int) -> int:
     return (NOTIFY_THREADS // 32 + 2) * (num_experts + num_ranks) * 4
 
 
+def notify_grid(num_tokens: int, num_co_resident_blocks: int) -> int:
+    """Blocks of a notify launch (kernels_cu/ep_notify.cu): one per NOTIFY_THREADS tokens, at most the blocks that can
+    be co-resident (`Kernel.co_resident_blocks`; the launch is cooperative when it has several blocks, and a grid
+    barrier needs them all resident), past which the blocks take several tiles of tokens each. At least 1."""
+    return max(1, min(ceil_div(num_tokens, NOTIFY_THREADS), num_co_resident_blocks))
+
+
 def epilogue_blocks(num_rows: int, row_bytes: int, num_device_sms: int) -> int:
     """Blocks (16 warps each) of a receive epilogue: a warp per row segment of up to 1 KiB (two 16-byte loads per
     lane), at most one block per SM. Decode-size calls get enough warps to split rows instead of walking them."""

@@ -1,5 +1,5 @@
 """Low-latency (decode) EP engine: DeepEP V1's low_latency_dispatch / low_latency_combine (plan.py: pure layout
-and checks; feature.py: the engine)."""
+and checks; feature.py: the engine; bound.py: its calls bound per signature)."""
 
 from .feature import LowLatencyEngine, describe_wait  # noqa: F401
 from .plan import (  # noqa: F401

@@ -8,16 +8,22 @@ word only ever holds epochs of its own kind: no call ever needs the buffer clear
 H' <= H (H' % 128 == 0), E' <= E (E' % R == 0) and K' <= K.
 
 Layering: `LLLayout` (sizes and offsets, pure), `LLPlanner` (argument checks, pure: runs without a GPU),
-`LowLatencyEngine` (allocation, streams, launches). The V1 `Buffer` holds an engine and forwards
+`LowLatencyEngine` (allocation, streams, launches). A dispatch or combine of a call signature met for the first time
+is checked by the planner and bound (bound.py); later calls of it do only their per-call work (bound.py says which).
+The V1 `Buffer` holds an engine and forwards
 `low_latency_dispatch` / `low_latency_combine` / `get_next_low_latency_combine_buffer` /
 `clean_low_latency_buffer` / `low_latency_{update,query,clean}_mask_buffer` / `get_low_latency_rdma_size_hint`.
 """
 
-from typing import Any, Callable, Dict, Optional, Tuple
+import sys
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
 from ...runtime import interop
+from ...runtime.event import EventHandle, EventOverlap, empty_overlap
+from ...runtime.interop import meta
+from .bound import MAX_BOUND, BoundCombine, BoundDispatch, bind_combine, bind_dispatch, make_hook
 from .plan import (  # noqa: F401
     CTL_MASK_WORD,
     PHASE_RECV,
@@ -32,6 +38,10 @@ from .plan import (  # noqa: F401
     layout_for_region,
     specs_for,
 )
+
+# An `LLHandle` without `LLHandle.__new__`'s keyword dictionary (the bound calls set its attributes)
+_new_handle = tuple.__new__
+_INT64 = []         # [torch.int64] once a torch call was bound (this module imports no torch)
 
 
 # ---- engine --------------------------------------------------------------------------------------------------------
@@ -83,6 +93,12 @@ class LowLatencyEngine:
         self._order_events = None
         self._staging_views: Dict[Tuple, Any] = {}
         self._mask_view = None
+        # The bound calls by signature (bound.py), and what their per-call path reads without a lookup chain
+        self._dispatches: Dict[Tuple, BoundDispatch] = {}
+        self._combines: Dict[Tuple, BoundCombine] = {}
+        self._id = id(self)
+        self._error_word = base.error_record         # word 0 != 0: a kernel reported a timeout
+        self._staging_ptrs = (self._staging_ptr(0), self._staging_ptr(1))
 
     # -- small helpers --
     @property
@@ -114,7 +130,6 @@ class LowLatencyEngine:
         return comm
 
     def _leave_comm(self, kind: str, current, comm, async_finish: bool, tensors):
-        from ...runtime.event import EventHandle, EventOverlap
         live = tuple(t for t in tensors if t is not None)
         if async_finish:
             if kind == 'torch':
@@ -125,17 +140,13 @@ class LowLatencyEngine:
         ev = self._events()[1]
         ev.record(comm)
         current.wait_event(ev)
-        return EventOverlap(None)
-
-    @staticmethod
-    def _swap_last(a, kind: str):
-        return a.transpose(1, 2) if kind == 'torch' else a.swapaxes(1, 2)
+        return empty_overlap()
 
     # -- dispatch --
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8: bool = True,
                  round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                 return_recv_hook: bool = False):
+                 return_recv_hook: bool = False, *, bound_only: bool = False):
         """DeepEP's `low_latency_dispatch`.
 
         Args:
@@ -149,69 +160,111 @@ class LowLatencyEngine:
             use_fp8: cast to float8_e4m3fn in the kernel with one scale per 128 channels (round_scale: power-of-two
                 scales; use_ue8m0: pack them as exponent bytes, needs round_scale and H % 512 == 0).
             async_finish: return an event instead of making the current stream wait (not with a hook).
-            return_recv_hook: launch only the send phase on the current stream; `hook()` launches the receive phase.
+            return_recv_hook: launch only the send phase on the current stream; `hook()` launches the receive phase
+                (once: a second call raises RuntimeError).
+            bound_only: return None, doing nothing, when this call signature is met for the first time (the V1
+                Buffer's path, which then lays the engine out again for larger maxima if needed).
 
         Returns:
             `(recv_x, recv_count, handle, event, hook)`: recv_x `[L, R*M, H]` bfloat16, or with FP8
             `(float8_e4m3fn [L, R*M, H], scales)` with scales float32 `[L, R*M, H/128]` (int32 `[L, R*M, H/512]`
             with UE8M0), a transposed view of a `[L, H/128, R*M]` buffer; rows of expert j: source blocks in
             ascending rank order, each in the source's token order, the first recv_count[j] valid. recv_count `[L]`
-            int32. handle: `LLHandle`. event: `EventOverlap`. hook: callable or None.
+            int32. handle: `LLHandle`. event: `EventOverlap`. hook: callable or None. recv_x and the scales are
+            allocations of their own; recv_count and the handle's tensors are views of one allocation of the call
+            (bound.py `HandleLayout`).
         """
-        self._check_usable()
-        p = self.planner.plan_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                       cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                       round_scale, use_ue8m0, async_finish, return_recv_hook)
-        lay, R = self.layout, self.num_ranks
-        L, T, H, N, K = p.num_local_experts, p.num_rows, p.hidden, p.num_tokens, p.num_topk
-        current = interop.current_stream(x)
-        alloc = interop.Allocator(p.kind)
-        if p.use_fp8:
-            recv_x = alloc.empty((L, T, H), 'float8_e4m3fn')
-            sf_buffer = alloc.empty((L, H // 512, T), 'int32') if p.use_ue8m0 else alloc.empty((L, H // 128, T),
-                                                                                                  'float32')
-            recv_out = (recv_x, self._swap_last(sf_buffer, p.kind))
+        base = self.base
+        if base._destroyed or base._failed is not None or self._error_word[0]:
+            self._check_usable()
+        # The call signature (bound.py): `interop.meta` inline for plain torch tensors
+        tensor = interop.TORCH_TENSOR[0]
+        if type(x) is tensor:
+            xs, xp = (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
         else:
-            recv_x = alloc.empty((L, T, H), 'bfloat16')
-            sf_buffer = None
-            recv_out = recv_x
-        recv_count = alloc.empty((L,), 'int32')
-        src_info = alloc.empty((L, T), 'int32')
-        layout_range = alloc.empty((L, R), 'int64')
-        row_route = alloc.empty((L, T), 'int32')
-        send_pos = alloc.empty((N, K), 'int32')
-        call_info = alloc.empty((1,), 'int32')
-
-        def args(phases: int) -> Dict[str, Any]:
-            return dict(
-                x=p.x.ptr, topk_idx=p.topk_idx.ptr, num_tokens=N, num_topk=K, hidden=H, num_experts=p.num_experts,
-                num_max_tokens=p.num_max_tokens, use_fp8=int(p.use_fp8), round_scale=int(p.round_scale),
-                use_ue8m0=int(p.use_ue8m0), recv_x=recv_x, recv_sf=0 if sf_buffer is None else sf_buffer,
-                recv_count=recv_count, src_info=src_info, layout_range=layout_range, row_route=row_route,
-                send_pos=send_pos, call_info=call_info,
-                cumulative_stats=0 if p.cumulative_stats is None else p.cumulative_stats.ptr,
-                wait_stats=0 if p.wait_stats is None else p.wait_stats.ptr, lists_offset=lay.lists_offset,
-                dslots_offset=lay.dslots_offset, slot_tokens=lay.num_max_tokens, msg_bytes=lay.msg_bytes,
-                msg_hidden_offset=lay.msg_hidden_offset, phases=phases, **self._common_args())
-
-        grid, smem = self.base.num_device_sms, dispatch_smem_bytes(p.num_experts, R)
-        handle = LLHandle(src_info, layout_range, p.num_max_tokens, H, p.num_experts, recv_count=recv_count,
-                          row_route=row_route, send_pos=send_pos, call_info=call_info, num_tokens=N, num_topk=K,
-                          kind=p.kind, engine_id=id(self))
-        hook: Optional[Callable[[], None]] = None
-        if return_recv_hook:
-            _launch(self._dispatch_kernel, grid, args(PHASE_SEND), current, smem)
-            recv_launch = _prepare(self._dispatch_kernel, grid, args(PHASE_RECV), smem)
-            hook = _make_hook(recv_launch, recv_x, (x, topk_idx))
-            from ...runtime.event import EventOverlap
-            event = EventOverlap(None)
+            xs, xp = meta(x)
+        if type(topk_idx) is tensor:
+            ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
         else:
-            comm = self._enter_comm(current)
-            _launch(self._dispatch_kernel, grid, args(PHASE_SEND | PHASE_RECV), comm, smem)
-            event = self._leave_comm(p.kind, current, comm, bool(async_finish), (
-                x, topk_idx, recv_x, sf_buffer, recv_count, src_info, layout_range, row_route, send_pos, call_info,
-                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
-        return recv_out, recv_count, handle, event, hook
+            ts, tp = meta(topk_idx)
+        cs, ws = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+        css, cp = (None, 0) if cs is None else meta(cs)
+        wss, wp = (None, 0) if ws is None else meta(ws)
+        M, E = num_max_dispatch_tokens_per_rank, num_experts
+        key = (xs, ts, css, wss, M, M.__class__, E, E.__class__, use_fp8, use_fp8.__class__, round_scale,
+               round_scale.__class__, use_ue8m0, use_ue8m0.__class__, async_finish, async_finish.__class__,
+               return_recv_hook, return_recv_hook.__class__)
+        b = self._dispatches.get(key)
+        if b is None:
+            if bound_only:
+                return None
+            b = self._bind_dispatch(key, x, topk_idx, M, E, cs, ws, use_fp8, round_scale, use_ue8m0, async_finish,
+                                    return_recv_hook)
+        (torch, hook, async_, check_x, stream, patch, send_u, send, recv_free, bind_recv, x_alloc, sf_alloc,
+         group_alloc, views, hl, handle_const, carver) = b
+        if check_x and xp & 15:
+            raise ValueError('x must start at a 16-byte aligned address')
+        current = stream()
+        recv_x = x_alloc()
+        sf = None if sf_alloc is None else sf_alloc()
+        group = group_alloc()
+        if torch:
+            xo, g0 = recv_x.data_ptr(), group.data_ptr()
+            rc_view, si_view, lr_view = views
+            recv_count = group.as_strided(*rc_view)
+            src_info = group.as_strided(*si_view)
+            layout_range = group.view(_INT64[0]).as_strided(*lr_view)
+            if sf is None:
+                so, recv_out = 0, recv_x
+            else:
+                so, recv_out = sf.data_ptr(), (recv_x, sf.transpose(1, 2))
+        else:
+            xo, g0 = carver.ptr(recv_x), carver.ptr(group)
+            recv_count, src_info, layout_range = (hl.view(carver, group, 'recv_count'),
+                                                  hl.view(carver, group, 'src_info'),
+                                                  hl.view(carver, group, 'layout_range'))
+            if sf is None:
+                so, recv_out = 0, recv_x
+            else:
+                so, recv_out = carver.ptr(sf), (recv_x, sf.swapaxes(1, 2))
+        handle = _new_handle(LLHandle, (src_info, layout_range, hl.num_max_tokens, hl.hidden, hl.num_experts))
+        d = handle.__dict__
+        d.update(handle_const)
+        d['recv_count'], d['_group'], d['_g0'] = recv_count, group, g0
+        patch(send_u, xp, tp, xo, so, g0, cp, wp)
+        if hook:
+            rb = recv_free.pop() if recv_free else bind_recv()
+            patch(rb.u64, xp, tp, xo, so, g0, cp, wp)
+            send(current)
+            return recv_out, recv_count, handle, empty_overlap(), make_hook(
+                stream, recv_free, (rb, x, topk_idx, recv_x, sf, group, cs, ws))
+        comm = base.comm_stream
+        enter, leave = self._order_events
+        enter.record(current)
+        comm.wait_event(enter)
+        send(comm)
+        if async_:
+            return recv_out, recv_count, handle, self._leave_comm(
+                handle_const['kind'], current, comm, True, (x, topk_idx, recv_x, sf, group, cs, ws)), None
+        leave.record(comm)
+        current.wait_event(leave)
+        return recv_out, recv_count, handle, empty_overlap(), None
+
+    def _bind_dispatch(self, key, x, topk_idx, M, E, cs, ws, use_fp8, round_scale, use_ue8m0, async_finish,
+                       return_recv_hook) -> BoundDispatch:
+        """Check a dispatch signature met for the first time (`LLPlanner.plan_dispatch`: every user error raises here,
+        before any kernel runs), bind it (bound.py) and remember it under `key`."""
+        p = self.planner.plan_dispatch(x, topk_idx, M, E, cs, ws, use_fp8, round_scale, use_ue8m0, async_finish,
+                                       return_recv_hook)
+        b = bind_dispatch(self, p, bool(return_recv_hook), bool(async_finish))
+        if p.kind == 'torch' and not _INT64:
+            _INT64.append(sys.modules['torch'].int64)
+        if not b.hook:
+            self._order_events = self._events()
+        if len(self._dispatches) >= MAX_BOUND:
+            self._dispatches.clear()
+        self._dispatches[key] = b
+        return b
 
     # -- combine --
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -233,43 +286,90 @@ class LowLatencyEngine:
         Returns:
             `(combined_x [N, H] bfloat16, event, hook)`.
         """
-        self._check_usable()
-        p = self.planner.plan_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                      return_recv_hook, out, combine_wait_recv_cost_stats)
-        if getattr(handle, 'engine_id', None) != id(self):
-            raise ValueError('handle comes from another buffer\'s low_latency_dispatch')
-        lay, R = self.layout, self.num_ranks
-        current = interop.current_stream(x)
-        alloc = interop.Allocator(p.kind)
-        src_ptr = self._staging_ptr(self._num_combines % 2) if p.zero_copy else p.x.ptr
-        self._num_combines += 1
-        combined = out if out is not None else alloc.empty((p.num_tokens, p.hidden), 'bfloat16')
-        call_info = alloc.empty((1,), 'int32')
-
-        def args(phases: int) -> Dict[str, Any]:
-            return dict(
-                x=src_ptr, recv_count=handle.recv_count, row_route=handle.row_route, layout_range=handle[1],
-                send_pos=handle.send_pos, topk_idx=p.topk_idx.ptr, topk_weights=p.topk_weights.ptr,
-                combined_x=combined, num_tokens=p.num_tokens, num_topk=p.num_topk, hidden=p.hidden,
-                num_experts=p.num_experts, num_max_tokens=p.num_max_tokens, call_info=call_info,
-                wait_stats=0 if p.wait_stats is None else p.wait_stats.ptr, cflags_offset=lay.cflags_offset,
-                cslots_offset=lay.cslots_offset, slot_segs=lay.num_segs, phases=phases, **self._common_args())
-
-        grid, smem = self.base.num_device_sms, combine_smem_bytes(p.num_experts, R)
-        hook = None
-        if return_recv_hook:
-            _launch(self._combine_kernel, grid, args(PHASE_SEND), current, smem)
-            recv_launch = _prepare(self._combine_kernel, grid, args(PHASE_RECV), smem)
-            hook = _make_hook(recv_launch, combined, (x, topk_idx, topk_weights, handle, call_info))
-            from ...runtime.event import EventOverlap
-            event = EventOverlap(None)
+        base = self.base
+        if base._destroyed or base._failed is not None or self._error_word[0]:
+            self._check_usable()
+        tensor = interop.TORCH_TENSOR[0]
+        if type(x) is tensor:
+            xs, xp = (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
         else:
-            comm = self._enter_comm(current)
-            _launch(self._combine_kernel, grid, args(PHASE_SEND | PHASE_RECV), comm, smem)
-            event = self._leave_comm(p.kind, current, comm, bool(async_finish), (
-                x, topk_idx, topk_weights, combined, call_info, handle[0], handle[1], handle.recv_count,
-                handle.row_route, handle.send_pos, combine_wait_recv_cost_stats))
-        return combined, event, hook
+            xs, xp = meta(x)
+        if type(topk_idx) is tensor:
+            ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
+        else:
+            ts, tp = meta(topk_idx)
+        if type(topk_weights) is tensor:
+            wts, wp = ((topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device()),
+                       topk_weights.data_ptr())
+        else:
+            wts, wp = meta(topk_weights)
+        # (the handle's dispatch signature, by identity: its `HandleLayout`; None never matches a bound combine)
+        hs = handle.__dict__.get('_sig') if type(handle) is LLHandle else None
+        os_, op = (None, 0) if out is None else meta(out)
+        stats = combine_wait_recv_cost_stats
+        ss, sp = (None, 0) if stats is None else meta(stats)
+        key = (xs, ts, wts, hs, os_, ss, use_logfmt, use_logfmt.__class__, zero_copy, zero_copy.__class__,
+               async_finish, async_finish.__class__, return_recv_hook, return_recv_hook.__class__)
+        b = self._combines.get(key)
+        if b is None:
+            b = self._bind_combine(key, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                   return_recv_hook, out, stats)
+        (torch, hook, async_, zero, check_x, check_out, stream, patch, send_u, send, recv_free, bind_recv,
+         out_alloc, call_alloc, combine_call_word, _, _) = b
+        if check_x and xp & 15:
+            raise ValueError('x must start at a 16-byte aligned address')
+        if check_out and op & 15:
+            raise ValueError('out must start at a 16-byte aligned address')
+        if handle.engine_id != self._id:
+            raise ValueError('handle comes from another buffer\'s low_latency_dispatch')
+        if zero:
+            xp = self._staging_ptrs[self._num_combines % 2]
+        self._num_combines += 1
+        current = stream()
+        if out_alloc is None:
+            combined = out
+        else:
+            combined = out_alloc()
+            op = combined.data_ptr() if torch else combined.data.ptr
+        g0 = handle._g0
+        if hook:
+            call = call_alloc()
+            ci = call.data_ptr() if torch else call.data.ptr
+            patch(send_u, xp, g0, tp, wp, op, ci, sp)
+            rb = recv_free.pop() if recv_free else bind_recv()
+            patch(rb.u64, xp, g0, tp, wp, op, ci, sp)
+            send(current)
+            return combined, empty_overlap(), make_hook(
+                stream, recv_free, (rb, x, topk_idx, topk_weights, handle, call, combined, stats))
+        patch(send_u, xp, g0, tp, wp, op, g0 + combine_call_word, sp)
+        comm = base.comm_stream
+        enter, leave = self._order_events
+        enter.record(current)
+        comm.wait_event(enter)
+        send(comm)
+        if async_:
+            return combined, self._leave_comm(hs.kind, current, comm, True, (
+                x, topk_idx, topk_weights, combined, handle._group, stats)), None
+        leave.record(comm)
+        current.wait_event(leave)
+        return combined, empty_overlap(), None
+
+    def _bind_combine(self, key, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                      return_recv_hook, out, stats) -> BoundCombine:
+        """Check a combine signature met for the first time (`LLPlanner.plan_combine`, the handle's origin), bind it
+        (bound.py) and remember it under `key`."""
+        p = self.planner.plan_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                      return_recv_hook, out, stats)
+        hl = handle.__dict__.get('_sig')
+        if getattr(handle, 'engine_id', None) != id(self) or hl is None:
+            raise ValueError('handle comes from another buffer\'s low_latency_dispatch')
+        b = bind_combine(self, p, hl, bool(return_recv_hook), bool(async_finish))
+        if not b.hook:
+            self._order_events = self._events()
+        if len(self._combines) >= MAX_BOUND:
+            self._combines.clear()
+        self._combines[key] = b
+        return b
 
     # -- zero-copy staging --
     def _staging_offset(self, half: int) -> int:
@@ -367,20 +467,3 @@ def _launch(kernel, grid: int, named: Dict[str, Any], stream, shared_mem: int) -
     """Launch by parameter name (positional `launch_args` where the launcher has it, else `launch`)."""
     go = getattr(kernel, 'launch_args', None) or kernel.launch
     go(grid, THREADS, _ordered(kernel, named), stream=stream, shared_mem=shared_mem)
-
-
-def _prepare(kernel, grid: int, named: Dict[str, Any], shared_mem: int) -> Callable:
-    """A packed launch (`launch(stream)`) by parameter name."""
-    pack = getattr(kernel, 'prepare_args', None) or kernel.prepare
-    return pack(grid, THREADS, _ordered(kernel, named), shared_mem=shared_mem)
-
-
-def _make_hook(recv_launch: Callable, like: Any, keep: Tuple) -> Callable[[], None]:
-    """`hook()`: launches the receive phase on the current stream (torch's when `like` is a torch tensor). Holds
-    `keep` (the call's inputs) until then."""
-    state = {'keep': keep}
-
-    def hook() -> None:
-        recv_launch(interop.current_stream(like))
-        state['keep'] = None
-    return hook

@@ -235,12 +235,27 @@ class LLHandle(tuple):
         send_pos: `[N, K]` int32, per top-k slot of this rank's tokens: the token's position among this rank's
             tokens sent to that expert, or -1 (no expert, masked owner).
         num_tokens, num_topk: N and K of the dispatch; kind: 'torch' or 'cupy'.
+
+    A dispatch's handle holds its small outputs' allocation (`_group`, at `_g0`; bound.py `HandleLayout`, `_sig`):
+    row_route, send_pos and call_info (int32 `[1]`) are views of it made when first read (the combine takes their
+    addresses, not views).
     """
+
+    _LAZY = ('row_route', 'send_pos', 'call_info')
 
     def __new__(cls, src_info, layout_range, num_max_tokens: int, hidden: int, num_experts: int, **extra):
         self = super().__new__(cls, (src_info, layout_range, num_max_tokens, hidden, num_experts))
         self.__dict__.update(extra)
         return self
+
+    def __getattr__(self, name: str):
+        # (only for attributes not in the instance dictionary: the lazy views)
+        d = self.__dict__
+        if name in LLHandle._LAZY and '_sig' in d:
+            sig = d['_sig']
+            view = d[name] = sig.view(sig.carver, d['_group'], name)
+            return view
+        raise AttributeError(f'{type(self).__name__!r} object has no attribute {name!r}')
 
     def __reduce__(self):
         raise TypeError('a low-latency handle refers to GPU tensors and cannot be pickled')

@@ -14,24 +14,25 @@ with `num_worst_tokens` rows; rails between domains, the intranode engine inside
 - dispatch at the origin: `ll_internode_prepare` makes T * K pseudo tokens `p = t * K + k`, each with top-k of one
   expert (`topk_idx[t][k]`, or -1), its V1 slot position as weight (the position of (t, k) among this rank's (t, k)
   choosing that expert, in (t, k) order, as ep_ll.cu numbers them; dropped at >= M or a masked owner), and its row:
-  V1's FP8 cast (common/ll_fp8.cuh, the same code as ep_ll.cu: per 128 channels, amax / 448 or round_scale's power
-  of two) done once per token and stored for each valid slot as FP8 + float32 scales (or the bfloat16 row). One
-  hybrid dispatch of `(pseudo_x, pseudo_sf)` with `num_max_tokens_per_rank = M * K` sends each pseudo token to the one
-  rank owning its expert (over the rail once per destination domain, then NVLink), without a CPU sync, into
-  `R * M * min(K, L)` worst-case rows (L = E / R local experts). Every rank must pass the same M and top-k (the rail
-  exchange sizes are `M * K` rows per rail peer on both ends), as every model does.
-- at the receiver: `ll_internode_layout` counts the rows per (local expert, global source rank) and builds V1's
-  layout (`layout_range`, `recv_count`, the cumulative stats); `ll_internode_scatter` puts row i at V1's row
-  `(j, begin[j][s] + slot)` (bytes, scales as float `[L, H/128, R*M]` or UE8M0-packed int32 `[L, H/512, R*M]` viewed
-  transposed, `src_info = t`). Rows of expert j therefore come in ascending source rank, then the source's (t, k)
-  order: the single-domain order (ep_ll.cu), whatever order the hybrid dispatch delivered them in (no sort is
-  needed: the engine is built `deterministic=False`).
+  V1's FP8 cast (common/ll_fp8.cuh, the same code as ep_ll.cu: per 128 channels, scale_inv = amax * (1 / 448) or
+  round_scale's power of two) done once per token and stored for each valid slot as FP8 + float32 scales (or the
+  bfloat16 row). One hybrid dispatch of `(pseudo_x, pseudo_sf)` with `num_max_tokens_per_rank = M * K` sends each
+  pseudo token to the one rank owning its expert (over the rail once per destination domain, then NVLink), without a
+  CPU sync, into `R * M * min(K, L)` worst-case rows (L = E / R local experts). Every rank must pass the same M and
+  top-k (the rail exchange sizes are `M * K` rows per rail peer on both ends), as every model does.
+- at the receiver: `ll_internode_layout` counts the rows per (local expert, global source rank) and builds V1's layout
+  (`layout_range`, `recv_count`, the cumulative stats); `ll_internode_scatter` puts row i at V1's row `(j, begin[j][s]
+  + slot)` (bytes, scales as float `[L, H/128, R*M]` or UE8M0-packed int32 `[L, H/512, R*M]` viewed transposed,
+  `src_info = t`). Rows of expert j therefore come in ascending source rank, then the source's (t, k) order: the
+  single-domain order (ep_ll.cu), whatever order the hybrid dispatch delivered them in (no sort is needed: the engine
+  is built `deterministic=False`).
 - combine: `ll_internode_gather` builds the hybrid combine's input from V1's layout (row i = the caller's row
   `row_of[i]`; zero-copy: the staging buffer), the hybrid combine returns one bfloat16 row per pseudo token (its only
-  row: the FP32 in-domain and cross-domain sums of one row are exact), and `ll_internode_reduce` computes V1's
-  `acc = acc + w_k * row_k` in FP32, ascending k, over the slots with `send_pos >= 0`, a valid expert and a live
-  owner, no FMA, one rounding: the arithmetic of ep_ll.cu's combine on the same rows, so results are bit for bit the
-  single-domain path's (a -0 row becomes +0 on the way, which changes no sum: acc starts at +0 and never is -0).
+  row: the FP32 in-domain and cross-domain sums of one row are exact), and `ll_internode_reduce` computes V1's `acc =
+  fma(w_k, row_k, acc)` in FP32, ascending k, over the slots with `send_pos >= 0`, a valid expert and a live owner
+  (DeepEP v1.2.1's fused multiply-add), one rounding to bfloat16: the arithmetic of ep_ll.cu's combine on the same
+  rows, so results are bit for bit the single-domain path's (a -0 row becomes +0 on the way, which changes no sum: acc
+  starts at +0 and never is -0).
 - Hooks: `return_recv_hook=True` enqueues prepare and the whole hybrid dispatch (or gather and the hybrid combine) on
   the Buffer's communication stream, forked from the caller's stream by an event, and returns; `hook()` makes the
   caller's current stream wait for it and launches layout + scatter (or reduce) there. The caller's stream is free
