@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from ..buffers import hybrid
 from ..buffers.base import BufferBase
 from ..constants import NUM_MAX_TOPK
+from ..features.ll.feature import ShrinkMaskMethods
 from ..runtime import interop
 from ..runtime.event import EventHandle, EventOverlap
 from .kernels import internode_ll as ill
@@ -130,7 +131,7 @@ def _record(kind: str, stream, tensors) -> None:
             t.record_stream(s)
 
 
-class InternodeLLMode:
+class InternodeLLMode(ShrinkMaskMethods):
     """The low-latency calls of one V1 `Buffer` across domains (see the module docstring).
 
     Args:
@@ -378,32 +379,6 @@ class InternodeLLMode:
             with cupy.cuda.Device(self.planner.device):
                 self._mask = cupy.zeros((self.num_ranks,), dtype=cupy.int32)
         return self._mask
-
-    def _require_shrink(self, what: str) -> None:
-        if not self.enable_shrink:
-            raise RuntimeError(f'{what} needs a Buffer built with enable_shrink=True')
-
-    def update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (`mask=True`) or unmask a rank for this rank's low-latency calls (stream-ordered, current stream)."""
-        self._require_shrink('low_latency_update_mask_buffer')
-        rank_to_mask = ill._int_arg('rank_to_mask', rank_to_mask, 0)
-        if rank_to_mask >= self.num_ranks:
-            raise ValueError(f'rank_to_mask must be below {self.num_ranks}, got {rank_to_mask}')
-        with interop.current_stream():
-            self._masks()[rank_to_mask] = 1 if mask else 0
-
-    def query_mask_buffer(self, mask_status) -> None:
-        """Copy the mask (1 = masked) into `mask_status` (`[R]` int32 on this GPU), on the current stream."""
-        self._require_shrink('low_latency_query_mask_buffer')
-        mi = self.planner._info(mask_status, 'mask_status')
-        self.planner._expect(mi, 'mask_status', 'int32', (self.num_ranks,), mi.kind)
-        with interop.current_stream(mask_status):
-            interop.to_cupy(mask_status)[...] = self._masks()
-
-    def clean_mask_buffer(self) -> None:
-        self._require_shrink('low_latency_clean_mask_buffer')
-        with interop.current_stream():
-            self._masks().fill(0)
 
     def clean_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """`clean_low_latency_buffer`: the arguments checked; nothing to clean (the composed path keeps no signal or

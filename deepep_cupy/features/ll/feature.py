@@ -50,7 +50,40 @@ def describe_wait(record) -> str:
     return WAIT_KINDS.get(int(record[6]), f'aux {int(record[6])}')
 
 
-class LowLatencyEngine:
+class ShrinkMaskMethods:
+    """DeepEP V1's mask methods of low-latency mode (`enable_shrink`), for the engine inside one domain and for the
+    composed mode across domains (v1/internode_ll.py): they need `enable_shrink`, `num_ranks`, `planner` (its
+    `_info` / `_expect` checks) and `_masks()` (this rank's `[R]` int32 mask words on the GPU)."""
+
+    def _require_shrink(self, what: str) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError(f'{what} needs a Buffer built with enable_shrink=True')
+
+    def update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (`mask=True`) or unmask rank `rank_to_mask` on this rank (stream-ordered on the current stream)."""
+        self._require_shrink('low_latency_update_mask_buffer')
+        rank_to_mask = _int_arg('rank_to_mask', rank_to_mask, 0)
+        if rank_to_mask >= self.num_ranks:
+            raise ValueError(f'rank_to_mask must be below {self.num_ranks}, got {rank_to_mask}')
+        with interop.current_stream():
+            self._masks()[rank_to_mask] = 1 if mask else 0
+
+    def query_mask_buffer(self, mask_status) -> None:
+        """Copy the mask (1 = masked) into `mask_status` (`[R]` int32 on this GPU), on the current stream."""
+        self._require_shrink('low_latency_query_mask_buffer')
+        mi = self.planner._info(mask_status, 'mask_status')
+        self.planner._expect(mi, 'mask_status', 'int32', (self.num_ranks,), mi.kind)
+        with interop.current_stream(mask_status):
+            interop.to_cupy(mask_status)[...] = self._masks()
+
+    def clean_mask_buffer(self) -> None:
+        """Unmask every rank (on this rank, current stream)."""
+        self._require_shrink('low_latency_clean_mask_buffer')
+        with interop.current_stream():
+            self._masks().fill(0)
+
+
+class LowLatencyEngine(ShrinkMaskMethods):
     """Low-latency dispatch / combine over a `BufferBase` (one NVLink domain of R <= 8 ranks).
 
     Args:
@@ -403,33 +436,6 @@ class LowLatencyEngine:
             self._mask_view = self.base.sym.local_view(self.region_offset + 4 * CTL_MASK_WORD, self.num_ranks,
                                                        np.int32)
         return self._mask_view
-
-    def _require_shrink(self, what: str) -> None:
-        if not self.enable_shrink:
-            raise RuntimeError(f'{what} needs a buffer built with enable_shrink=True')
-
-    def update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (`mask=True`) or unmask rank `rank_to_mask` on this rank (stream-ordered on the current stream)."""
-        self._require_shrink('low_latency_update_mask_buffer')
-        rank_to_mask = _int_arg('rank_to_mask', rank_to_mask, 0)
-        if rank_to_mask >= self.num_ranks:
-            raise ValueError(f'rank_to_mask must be below {self.num_ranks}, got {rank_to_mask}')
-        with interop.current_stream():
-            self._masks()[rank_to_mask] = 1 if mask else 0
-
-    def query_mask_buffer(self, mask_status) -> None:
-        """Copy the mask (1 = masked) into `mask_status` (`[R]` int32 on this GPU), on the current stream."""
-        self._require_shrink('low_latency_query_mask_buffer')
-        mi = self.planner._info(mask_status, 'mask_status')
-        self.planner._expect(mi, 'mask_status', 'int32', (self.num_ranks,), mi.kind)
-        with interop.current_stream(mask_status):
-            interop.to_cupy(mask_status)[...] = self._masks()
-
-    def clean_mask_buffer(self) -> None:
-        """Unmask every rank (on this rank, current stream)."""
-        self._require_shrink('low_latency_clean_mask_buffer')
-        with interop.current_stream():
-            self._masks().fill(0)
 
     # -- clean --
     def clean_buffer(self, num_max_dispatch_tokens_per_rank: Optional[int] = None, hidden: Optional[int] = None,

@@ -52,6 +52,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ...constants import NUM_MAX_TOPK
+from ...features.ll.plan import _bool_arg, _int_arg
 from ...jit.launch import PTR, KernelSpec, Param, load_kernels
 from ...runtime import interop
 
@@ -138,20 +139,6 @@ class InternodeLLHandle(tuple):
 
 
 # ---- argument checks (pure) ----------------------------------------------------------------------------------------
-def _int_arg(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f'{name} must be an int, got {type(value).__name__} ({value!r})')
-    if value < minimum:
-        raise ValueError(f'{name} must be >= {minimum}, got {value}')
-    return int(value)
-
-
-def _bool_arg(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f'{name} must be a bool, got {type(value).__name__} ({value!r})')
-    return bool(value)
-
-
 @dataclass
 class InternodeDispatchPlan:
     kind: str
