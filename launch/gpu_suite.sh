@@ -95,7 +95,14 @@ step() {
     { flock 9; cat "$tmp" >> "$LOG"; echo "$line" >> "$SUMMARY"; } 9>> /tmp/deepep_cupy_gpu_suite.lock
     rm -f "$tmp"
 }
-lane() { ( export MASTER_PORT; "$@" ) & }      # lane FUNCTION [ARGS]: run in the background until `join`
+# lane FUNCTION [ARGS]: run in the background until `join`. LANES_MAX (default: no bound) caps the lanes running at
+# once: an 80 GB H100 runs out of memory with five lanes of big rank programs beside each other.
+lane() {
+    if [ -n "${LANES_MAX:-}" ]; then
+        while [ "$(jobs -rp | wc -l)" -ge "$LANES_MAX" ]; do wait -n; done
+    fi
+    ( export MASTER_PORT; "$@" ) &
+}
 join() { wait; }
 
 $PY -m pip install -q -e . --no-deps --no-build-isolation >> "$LOG" 2>&1 || echo "pip install failed" | tee -a "$SUMMARY"
