@@ -213,12 +213,17 @@ def torch_compat() -> None:
       gloo from `init_dist`): NCCL accepts that shape, gloo wants `[world * x.shape[0], ...]`, so the output is passed
       as that view of the same memory (DeepEP's `tests/legacy/test_low_latency.py` gathers top-k this way).
 
+    - ranks sharing GPUs in programs that bring their own `init_dist` (DeepEP v1.2.1's `tests/utils.py`:
+      `init_process_group('nccl', device_id=cuda:local_rank)`, `torch.cuda.set_device(local_rank)`): see
+      `share_gpu_compat`.
+
     Nothing happens without torch. The runner (`python -m deepep_cupy.as_deep_ep`) applies it in the program and in
     its child processes; library code never."""
     try:
         import torch.distributed as dist
     except ImportError:
         return
+    share_gpu_compat()
     gather = getattr(dist, 'all_gather_into_tensor', None)
     if gather is not None and not getattr(gather, '_deepep_cupy_compat', False):
         def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -233,3 +238,57 @@ def torch_compat() -> None:
                        ('reduce_scatter_single', 'reduce_scatter_tensor')):
         if not hasattr(dist, name) and hasattr(dist, same):
             setattr(dist, name, getattr(dist, same))
+
+
+def _shared_index(index, num_devices: int):
+    """A device index past the visible devices, taken modulo their count (ranks sharing GPUs); others unchanged."""
+    if isinstance(index, int) and not isinstance(index, bool) and num_devices > 0 and index >= num_devices:
+        return index % num_devices, True
+    return index, False
+
+
+def share_gpu_compat() -> None:
+    """Let a program that binds local rank i to `cuda:i` run with more local ranks than visible GPUs (logic runs on one
+    GPU; the runner only): `torch.cuda.set_device(i)` and `init_process_group(device_id=cuda:i)` with i past the
+    visible devices take `i % device_count`. A rank whose device was remapped, or every rank when
+    `DEEPEP_CUPY_NCCL_HOST_PER_RANK=1` (several would-be nodes on one machine, whose local rank 0s share GPU 0), names
+    its own NCCL host (`NCCL_HOSTID=deepep_cupy_rank<rank>` and NCCL's socket transports:
+    `utils.envs.emulate_nccl_host`) before an NCCL process group starts, so NCCL connects ranks it would otherwise
+    refuse ("Duplicate GPU"). Indices that are valid keep their meaning, so a program on enough GPUs runs as before.
+    Idempotent."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return
+    set_device = torch.cuda.set_device
+    if not getattr(set_device, '_deepep_cupy_compat', False):
+        def shared_set_device(device):
+            index = device.index if isinstance(device, torch.device) else device
+            index, moved = _shared_index(index, torch.cuda.device_count())
+            return set_device(index if moved else device)
+        shared_set_device._deepep_cupy_compat = True
+        shared_set_device.__doc__ = set_device.__doc__
+        torch.cuda.set_device = shared_set_device
+    init = dist.init_process_group
+    if getattr(init, '_deepep_cupy_compat', False):
+        return
+
+    def shared_init_process_group(*args, **kwargs):
+        moved = False
+        device_id = kwargs.get('device_id')
+        if isinstance(device_id, torch.device) and device_id.type == 'cuda':
+            index, moved = _shared_index(device_id.index, torch.cuda.device_count())
+            if moved:
+                kwargs['device_id'] = torch.device('cuda', index)
+        from .utils import envs as utils_envs
+        backend = kwargs.get('backend', args[0] if args else None)
+        per_rank = os.environ.get(utils_envs.NCCL_HOST_PER_RANK_ENV, '').strip() == '1'
+        rank = kwargs.get('rank', -1)
+        if ((moved or per_rank) and isinstance(backend, str) and 'nccl' in backend and isinstance(rank, int)
+                and rank >= 0 and not utils_envs.nccl_hosts_emulated()):
+            utils_envs.emulate_nccl_host(f'deepep_cupy_rank{rank}')
+        return init(*args, **kwargs)
+    shared_init_process_group._deepep_cupy_compat = True
+    shared_init_process_group.__doc__ = init.__doc__
+    dist.init_process_group = shared_init_process_group

@@ -43,7 +43,10 @@
 #              test_ep.py (2x1, 2x2), test_agrs.py and V2.5 pp/test_pp.py over NCCL rails; NCCL references at np=2
 #              (perf/ep_bench.py's refs and a2a paths, DeepEP V2.5's bucket programs) (parallel beside faults)
 #   internode  V1 Buffer across scale-up domains (tests.legacy_internode, tests.legacy_low_latency_internode): 2x1,
-#              2x2, 4x1, 2x4 over loopback rails, 2x2 (normal mode) over NCCL rails (parallel)
+#              2x2, 4x1, 2x4 over loopback rails, 2x2 (normal mode) over NCCL rails (parallel); then alone, DeepEP's
+#              own internode programs as two would-be nodes on this host (launch/nodes_on_one_host.sh): HEAD
+#              legacy/test_internode.py and v1.2.1 test_internode.py at 2 x 8 ranks, legacy/test_low_latency.py and
+#              v1.2.1 test_low_latency.py at 2 x 2, over loopback rails and over NCCL rails
 #   faults     tests.faults: a rank SIGKILLed before a dispatch, inside a dispatch's host wait, before a combine,
 #              inside a low-latency call, inside a CUDA-graph replay; 2 and 4 ranks, CUDA IPC and NCCL rails
 #   fuse       the fused notify + dispatch (DEEPEP_CUPY_EP_FUSED_NOTIFY=1; the library default only at one rank
@@ -521,7 +524,34 @@ deepep_legacy_lane() {
         CUDA_VISIBLE_DEVICES=0 $RUN test_intranode.py --num-processes 2"
     step "DeepEP legacy/test_low_latency.py np=2 (sharing)" 400 bash -c "cd $U/head/tests/legacy && \
         CUDA_VISIBLE_DEVICES=0 $RUN test_low_latency.py --num-processes 2"
-    # v1.2.1's programs bring their own init_dist (device_id=cuda:local_rank): they cannot share a GPU.
+    # v1.2.1's programs bring their own init_dist (NCCL, device_id=cuda:local_rank): the runner maps local ranks past
+    # the visible GPUs to GPU 0 and gives each such rank its own NCCL host (deep_ep_alias.share_gpu_compat).
+    step "DeepEP v1 test_intranode.py np=2 (sharing)" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
+        $RUN test_intranode.py --num-processes 2"
+    step "DeepEP v1 test_low_latency.py np=2 (sharing)" 400 bash -c "cd $U/v1/tests && CUDA_VISIBLE_DEVICES=0 \
+        $RUN test_low_latency.py --num-processes 2"
+}
+# DeepEP's internode programs, unmodified, as two would-be nodes on this host (WORLD_SIZE=2 nodes, RANK = node index,
+# each spawning its local ranks), every rank on GPU 0; scale-up domains of the local rank count, rails over the
+# loopback or over NCCL (sockets; every rank its own NCCL host: DEEPEP_CUPY_NCCL_HOST_PER_RANK). Alone after the
+# lanes: 16 processes and DeepEP's int(2e9) + int(1e9)-byte buffers.
+deepep_internode_steps() {
+    local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep" N="launch/nodes_on_one_host.sh 2" rails
+    [ -d $U ] || return
+    local base="CUDA_VISIBLE_DEVICES=0 DEEPEP_CUPY_NCCL_HOST_PER_RANK=1"
+    for rails in loopback nccl; do
+        local env8="$base DEEPEP_CUPY_SCALEUP_SIZE=8 DEEPEP_CUPY_RAIL_TRANSPORT=$rails"
+        local env2="$base DEEPEP_CUPY_SCALEUP_SIZE=2 DEEPEP_CUPY_RAIL_TRANSPORT=$rails"
+        step "DeepEP legacy/test_internode.py 2 nodes x 8 ($rails rails, sharing)" 600 env $env8 MASTER_PORT=22061 \
+            $N $RUN $U/head/tests/legacy/test_internode.py --num-processes 8 --num-tokens 1024 --hidden 2048
+        step "DeepEP v1 test_internode.py 2 nodes x 8 ($rails rails, sharing)" 600 env $env8 MASTER_PORT=22161 \
+            bash -c "cd $U/v1/tests && ../../../$N $RUN test_internode.py --num-processes 8 --num-tokens 1024 \
+            --hidden 2048"
+        step "DeepEP legacy/test_low_latency.py 2 nodes x 2 ($rails rails, sharing)" 400 env $env2 \
+            MASTER_PORT=22261 $N $RUN $U/head/tests/legacy/test_low_latency.py --num-processes 2
+        step "DeepEP v1 test_low_latency.py 2 nodes x 2 ($rails rails, sharing)" 400 env $env2 MASTER_PORT=22361 \
+            bash -c "cd $U/v1/tests && ../../../$N $RUN test_low_latency.py --num-processes 2"
+    done
 }
 deepep_v25_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep" t
@@ -688,6 +718,7 @@ join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
 # domains x 1 rank sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: the two
 # ranks time-slice one GPU; launch/scaleout_nccl.sh runs it with NCCL rails on two GPUs).
+want internode && deepep_internode_steps
 want hybrid && step "hybrid P2 vs P1 perf/hybrid_pipeline.py 2x1 np=2 (loopback)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
     DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/hybrid_pipeline.py --out "$OUT"
 # The GPU pytest tests alone: their memory checks read the device's free memory, which other lanes' ranks change.

@@ -245,3 +245,41 @@ def test_torch_compat_gathers_into_a_world_leading_tensor_on_gloo(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, str(script), root, str(port)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_share_gpu_compat_maps_devices_and_names_nccl_hosts(monkeypatch):
+    """DeepEP v1.2.1's own init_dist binds local rank i to cuda:i with NCCL: on one GPU the runner maps i past the
+    visible devices to i % count and makes such a rank (or every rank with DEEPEP_CUPY_NCCL_HOST_PER_RANK=1) its own
+    NCCL host; valid indices and non-NCCL groups keep their meaning."""
+    torch = pytest.importorskip('torch')
+    import torch.distributed as dist
+
+    from deepep_cupy.deep_ep_alias import share_gpu_compat
+    calls = []
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda d: calls.append(('set_device', d)))
+    monkeypatch.setattr(dist, 'init_process_group', lambda *a, **k: calls.append(('init', a, k,
+                                                                                  os.environ.get('NCCL_HOSTID'))))
+    for name in ('NCCL_HOSTID', 'DEEPEP_CUPY_NCCL_HOST_PER_RANK', 'NCCL_P2P_DISABLE', 'NCCL_SHM_DISABLE',
+                 'NCCL_IB_DISABLE', 'NCCL_SOCKET_IFNAME'):
+        monkeypatch.setenv(name, '')                    # (recorded, so that what the compat sets is undone)
+        monkeypatch.delenv(name)
+    share_gpu_compat()
+    share_gpu_compat()                                  # idempotent: wrapped once
+    torch.cuda.set_device(0)
+    torch.cuda.set_device(5)
+    torch.cuda.set_device(torch.device('cuda', 3))
+    assert calls == [('set_device', 0), ('set_device', 0), ('set_device', 0)]
+    calls.clear()
+    dist.init_process_group(backend='nccl', init_method='tcp://x', world_size=8, rank=0,
+                            device_id=torch.device('cuda', 0))
+    assert calls[-1][2]['device_id'] == torch.device('cuda', 0) and calls[-1][3] is None
+    dist.init_process_group(backend='gloo', world_size=8, rank=7, device_id=torch.device('cuda', 7))
+    assert calls[-1][2]['device_id'] == torch.device('cuda', 0) and calls[-1][3] is None    # gloo: no NCCL host
+    dist.init_process_group(backend='nccl', world_size=8, rank=7, device_id=torch.device('cuda', 7))
+    assert calls[-1][2]['device_id'] == torch.device('cuda', 0) and calls[-1][3] == 'deepep_cupy_rank7'
+    assert os.environ['NCCL_SOCKET_IFNAME'] == 'lo' and os.environ['NCCL_P2P_DISABLE'] == '1'
+    monkeypatch.delenv('NCCL_HOSTID')
+    monkeypatch.setenv('DEEPEP_CUPY_NCCL_HOST_PER_RANK', '1')
+    dist.init_process_group(backend='nccl', world_size=16, rank=8, device_id=torch.device('cuda', 0))
+    assert calls[-1][3] == 'deepep_cupy_rank8'          # node 1's local rank 0: GPU 0 too, its own host
