@@ -361,6 +361,9 @@ legacy_internode_lane() {
         step "legacy low-latency internode $shape np=$np loopback rails" 300 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.legacy_low_latency_internode
     done
+    # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
+    step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
     step "legacy internode 2x2 np=4 NCCL rails" 300 env $SOCK MASTER_PORT=21061 DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $IL"
@@ -428,6 +431,9 @@ nccl1_more_lane() {
     # The other shapes and programs over real NCCL on one GPU (beside nccl1_lane): EP 2x4 and 4x1, PP and all-gather /
     # reduce-scatter 2x2, the barrier 2x1 (each rank its own NCCL host where domains hold several ranks), and DeepEP's
     # own programs in hybrid mode (init_dist gives each rank its own NCCL host when NCCL rails share a GPU).
+    # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
+    step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
     local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60 --num-tokens 128 \
 --hidden 1024 --num-experts 64 --skip-perf-test --num-create-destroy 0 --skip-timeout-test"
@@ -459,6 +465,9 @@ nccl1_more_lane() {
 nccl_refs_lane() {
     # Programs whose own references need NCCL, at np=2 on one GPU: every rank its own NCCL host (DeepEP's init_dist
     # with DEEPEP_CUPY_NCCL_HOST_PER_RANK=1; our programs through NCCL_HOSTID=rank<g>), NCCL over sockets. Logic only.
+    # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
+    step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
     step "nccl refs: ep_bench np=2 (refs and a2a over NCCL, logic)" 300 env $SOCK MASTER_PORT=19961 $ONE $R 2 \
         bash -c "$host exec $PY perf/ep_bench.py --out $OUT/nccl_refs --tokens 128,512 --num-warmups 2 --num-tests 3"
@@ -736,6 +745,10 @@ if want bench && [ "$NGPU" -ge 2 ]; then
     step "ep_bench --hybrid 2x1 np=2 (NCCL rails)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=1 DEEPEP_CUPY_RAIL_TRANSPORT=nccl \
         $R 2 $PY perf/ep_bench.py --hybrid --out "$OUT/hybrid" --tokens 128,512,4096 --num-warmups 10 --num-tests 30
     [ -f deepep_cupy/tests/legacy_low_latency.py ] && step "ll np=$NGPU (perf)" 300 $R "$NGPU" $LL
+    # V1 Buffer across domains (2 x 1 rank, NCCL rails): internode normal-mode rows beside ElasticBuffer's hybrid
+    # engine, low-latency spans, hooks and graphs
+    step "v1_bench 2x1 np=2 (V1 internode rows, NCCL rails)" 600 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl $R 2 $PY perf/v1_bench.py --tokens 128,4096 --out "$OUT/v1_internode"
 fi
 if want tune && [ "$NGPU" -ge 2 ]; then
     step "reduce-scatter sweep np=$NGPU" 300 $R "$NGPU" $PY perf/reduce_scatter_sweep.py

@@ -14,6 +14,13 @@ Rows (per rank; see deepep_cupy/tests/legacy_perf.py for the definitions):
             ElasticBuffer's decode (do_cpu_sync=False, FP8) dispatch + combine in a CUDA graph
 Hidden 7168, top-8, 256 experts (288 for low latency) by default, as DeepEP's tests. `--out DIR` writes
 DIR/v1_bench.json (every rank's lines per case).
+
+Across scale-up domains (several hosts, or DEEPEP_CUPY_SCALEUP_SIZE below the rank count) the same rows time V1's
+internode mode (layout with `num_tokens_per_rdma_rank`) beside ElasticBuffer's hybrid engine, and the low-latency
+rows give each call's span and the hooks' send / receive spans (a call is several kernels there) instead of kernel
+times; on one GPU with ranks sharing it they are logic-grade only:
+
+    DEEPEP_CUPY_SCALEUP_SIZE=1 launch/run_local.sh 2 python perf/v1_bench.py --tokens 128 --ll-tokens 128
 """
 
 import argparse
@@ -40,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--seed', type=int, default=0, help='input seed')
     p.add_argument('--out', default='', help='directory for v1_bench.json')
     return p
+
+
+def domains(buf) -> str:
+    """`' in D scale-up domains'` for a V1 Buffer across domains (its internode mode), else nothing."""
+    mode = getattr(buf, '_internode', None) or getattr(buf, '_ll_internode', None)
+    return f' in {mode.num_domains} scale-up domains' if mode is not None else ''
 
 
 def main(argv=None) -> int:
@@ -76,7 +89,7 @@ def main(argv=None) -> int:
         try:
             if rank == 0:
                 print(f'== normal mode: {tokens} tokens, hidden {args.hidden}, top-{args.num_topk}, {E} experts, '
-                      f'{R} ranks, {args.num_sms} SMs ==', flush=True)
+                      f'{R} ranks{domains(buf)}, {args.num_sms} SMs ==', flush=True)
             emit(f'normal_{tokens}', legacy_perf.normal_rows(buf, eb, case, args.num_sms, group))
         finally:
             torch.cuda.synchronize()
@@ -91,7 +104,8 @@ def main(argv=None) -> int:
         try:
             inp = ll_prog.Inputs(group, rank, R, M, H, args.num_topk, LE, args.seed)
             if rank == 0:
-                print(f'== low-latency mode: {M} tokens, hidden {H}, top-{args.num_topk}, {LE} experts ==', flush=True)
+                print(f'== low-latency mode: {M} tokens, hidden {H}, top-{args.num_topk}, {LE} experts'
+                      f'{domains(buf)} ==', flush=True)
             lines = legacy_perf.low_latency_rows(buf, inp, M, group)
             fp8 = inp.x.float()
             from deepep_cupy.utils.math import per_token_cast_to_fp8

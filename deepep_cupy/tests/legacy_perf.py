@@ -68,12 +68,22 @@ def graph_us(fn: Callable[[], object]) -> float:
     return bench(graph.replay, num_warmups=10, num_tests=30)[0] * 1e6
 
 
+def layout_args(buf: Buffer, case) -> dict:
+    """The dispatch's layout arguments: the case's (one domain), or across scale-up domains `get_dispatch_layout`'s,
+    which add `num_tokens_per_rdma_rank` (`[num_domains]`) as V1's internode dispatch takes it."""
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(case.topk_idx, case.E)
+    if per_rdma is None:
+        return case.layout_args()
+    return dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert)
+
+
 def normal_rows(buf: Buffer, eb: ElasticBuffer, case, num_sms: int, group) -> List[str]:
     """One line per path: V1 next to ElasticBuffer, ratio V1 / ElasticBuffer (time), each pair measured alternately in
     this run (`side_by_side`); a `[ratio]` line sums them up (the V1 adapter's target: within 1.05)."""
     rank, E = case.rank, case.E
     cfg = Config(num_sms, 8, 256)
-    lay = case.layout_args()
+    lay = layout_args(buf, case)
     idx, w = case.topk_idx, case.topk_weights
     lines, ratios = [], {}
 
@@ -125,10 +135,10 @@ def normal_rows(buf: Buffer, eb: ElasticBuffer, case, num_sms: int, group) -> Li
     by = case.combine_input
 
     def v1_step():
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        o = buf.dispatch(case.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, num_worst_tokens=worst,
-                         config=cfg)
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        o = buf.dispatch(case.x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+                         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                         num_worst_tokens=worst, config=cfg)
         buf.combine(by(o[0], 'bf16', True), o[4], config=ccfg)
 
     def eb_step():
@@ -156,9 +166,28 @@ def perf(buf: Buffer, case, group, args) -> List[str]:
         eb.destroy()
 
 
+def span_us(timed: Callable[[], object], before: Callable[[], object] = lambda: None, num_tests: int = 30) -> float:
+    """Median µs between CUDA events around `timed()` on the current stream, `before()` run untimed ahead of each
+    (a hook's send call, for the receive alone). Whatever `timed` launches on other streams must join the current one
+    (as V1's calls do without `async_finish`)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(num_tests + 3):
+        before()
+        start.record()
+        timed()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def low_latency_rows(buf: Buffer, inp, M: int, group) -> List[str]:
     """Low-latency dispatch (FP8) and combine: eager (`bench`), CUDA graph, and hook send / receive kernels
-    (`bench_kineto`), on a V1 Buffer built with low_latency_mode."""
+    (`bench_kineto`), on a V1 Buffer built with low_latency_mode. Across scale-up domains (a call is several kernels:
+    the hybrid engine's and V1's layout kernels), the spans of each call and of the hooks' send and receive halves
+    instead of kernel times (`span_us`)."""
     from ..utils.testing import bench_kineto
     rank, E = inp.rank, inp.E
     out = buf.low_latency_dispatch(inp.x, inp.topk_idx, M, E)
@@ -174,6 +203,8 @@ def low_latency_rows(buf: Buffer, inp, M: int, group) -> List[str]:
             h()
 
     lines = [f'[ll] rank {rank} | eager dispatch + combine: {bench(lambda: both(False))[0] * 1e6:.1f} us']
+    if getattr(buf, '_ll_internode', None) is not None:
+        return lines + internode_low_latency_rows(buf, inp, M, y, both, group)
     barrier = (lambda: group.barrier())
     d, c = bench_kineto(lambda: both(False), kernel_names=('dispatch', 'combine'), barrier_comm_profiling=True,
                         suppress_kineto_output=True, barrier=barrier)
@@ -182,6 +213,42 @@ def low_latency_rows(buf: Buffer, inp, M: int, group) -> List[str]:
                         suppress_kineto_output=True, num_kernels_per_period=2, barrier=barrier)
     lines.append(f'[ll] rank {rank} | hooks: dispatch send {d[0] * 1e6:.1f} + recv {d[1] * 1e6:.1f} us, combine send '
                  f'{c[0] * 1e6:.1f} + recv {c[1] * 1e6:.1f} us')
+    group.barrier()
+    lines.append(f'[ll] rank {rank} | CUDA graph: dispatch + combine {graph_us(lambda: both(False)):.1f} us, with '
+                 f'hooks {graph_us(lambda: both(True)):.1f} us')
+    return lines
+
+
+def internode_low_latency_rows(buf: Buffer, inp, M: int, y, both: Callable[[bool], None], group) -> List[str]:
+    """`low_latency_rows` across scale-up domains: spans (CUDA events; every rank starts each sample after a host
+    barrier) of dispatch, combine, the hook-mode send calls and their `hook()` receives, and CUDA graphs."""
+    rank, E = inp.rank, inp.E
+    state = {}
+
+    def synced(fn):
+        def run():
+            torch.cuda.synchronize()
+            group.barrier()
+            fn()
+        return run
+
+    def dispatch(hook=False):
+        state['d'] = buf.low_latency_dispatch(inp.x, inp.topk_idx, M, E, use_fp8=True, return_recv_hook=hook)
+
+    def combine(hook=False):
+        state['c'] = buf.low_latency_combine(y, inp.topk_idx, inp.topk_weights, state['d'][2], return_recv_hook=hook)
+
+    dispatch()
+    torch.cuda.synchronize()
+    d = span_us(dispatch, synced(lambda: None))
+    c = span_us(combine, synced(dispatch))
+    ds = span_us(lambda: dispatch(True), synced(lambda: None))
+    dr = span_us(lambda: state['d'][4](), synced(lambda: dispatch(True)))
+    cs = span_us(lambda: combine(True), synced(dispatch))
+    cr = span_us(lambda: state['c'][2](), synced(lambda: (dispatch(), combine(True))))
+    lines = [f'[ll] rank {rank} | across domains, spans: dispatch {d:.1f} us, combine {c:.1f} us',
+             f'[ll] rank {rank} | across domains, hooks: dispatch send {ds:.1f} + recv {dr:.1f} us, combine send '
+             f'{cs:.1f} + recv {cr:.1f} us']
     group.barrier()
     lines.append(f'[ll] rank {rank} | CUDA graph: dispatch + combine {graph_us(lambda: both(False)):.1f} us, with '
                  f'hooks {graph_us(lambda: both(True)):.1f} us')
