@@ -47,11 +47,51 @@
 // the last block releases combine_consumed[hc][me] = c at every owner. One launch: rows of our own experts are read
 // straight from x.
 // Masks: a masked rank is neither sent to nor waited for (slots of a masked owner add nothing).
+//
+// Measurement hooks (perf/ll_variants.py compiles variants of these kernels with -D values and times them beside the
+// shipped ones; without a -D every value below is the shipped kernel's):
+//   DEEPEP_LL_MIN_BLOCKS      dispatch / combine blocks per SM in __launch_bounds__ (the variant's launcher
+//                             launches that many per SM: every block stays co-resident);
+//   DEEPEP_LL_SEG_BATCH       segments each lane loads before it converts any (kSegBatch);
+//   DEEPEP_LL_GPU_SCOPE       1: signals acquire / release at GPU scope (valid only while every rank is on one GPU);
+//   DEEPEP_LL_PROBE_NO_DATA   1: the receive phases move no row bytes (dispatch: no cast or copy, combine: no
+//                             reduction; outputs invalid): the time of everything else, for leave-one-out timing.
 #include "common/ep.cuh"
 #include "common/ll_fp8.cuh"
 
+#ifndef DEEPEP_LL_MIN_BLOCKS
+#define DEEPEP_LL_MIN_BLOCKS 1
+#endif
+#ifndef DEEPEP_LL_SEG_BATCH
+#define DEEPEP_LL_SEG_BATCH 4
+#endif
+#ifndef DEEPEP_LL_GPU_SCOPE
+#define DEEPEP_LL_GPU_SCOPE 0
+#endif
+#ifndef DEEPEP_LL_PROBE_NO_DATA
+#define DEEPEP_LL_PROBE_NO_DATA 0
+#endif
+
 namespace deepep {
 namespace ll {
+
+// Signal loads and stores (system scope: the peers are other GPUs; see DEEPEP_LL_GPU_SCOPE above).
+template <typename T>
+__device__ __forceinline__ T acquire(const T* flag) {
+#if DEEPEP_LL_GPU_SCOPE
+    return ld_acquire_gpu(flag);
+#else
+    return ld_acquire_sys(flag);
+#endif
+}
+template <typename T>
+__device__ __forceinline__ void release(T* flag, T value) {
+#if DEEPEP_LL_GPU_SCOPE
+    st_release_gpu(flag, value);
+#else
+    st_release_sys(flag, value);
+#endif
+}
 
 constexpr int kThreads = 512;
 constexpr int kNumWarps = kThreads / 32;
@@ -104,7 +144,7 @@ __device__ __noinline__ bool wait_signal_slow(const T* flag, uint32_t target, co
     const long long c0 = clock64();
     bool ok = false;
     for (uint32_t iter = 0;; ++iter) {
-        value = ld_acquire_sys(flag);
+        value = acquire(flag);
         if (epoch_reached(epoch_of(value), target)) {
             ok = true;
             break;
@@ -131,7 +171,7 @@ __device__ __noinline__ bool wait_signal_slow(const T* flag, uint32_t target, co
 template <typename T>
 __device__ __forceinline__ bool wait_signal(const T* flag, uint32_t target, const Waiter& w, int peer, int aux,
                                             T& value, uint64_t* cycles) {
-    value = ld_acquire_sys(flag);
+    value = acquire(flag);
     return epoch_reached(epoch_of(value), target) || wait_signal_slow(flag, target, w, peer, aux, value, cycles);
 }
 
@@ -171,7 +211,7 @@ struct ScaleOut {
 };
 
 // Segments in flight per lane: a lane loads 32 bytes of each segment, all before it converts any.
-constexpr int kSegBatch = 4;
+constexpr int kSegBatch = DEEPEP_LL_SEG_BATCH;
 
 // The lane's 16 channels of segments [g0, g0 + kSegBatch) ∩ [g0, seg_end) of bfloat16 row `src` (zeros past hidden).
 __device__ __forceinline__ void load_segments(const uint8_t* src, int hidden, int g0, int seg_end, int lane,
@@ -268,7 +308,7 @@ __device__ __forceinline__ void flush_wait_stats(const uint64_t* s_wait, int64_t
 
 // ---- dispatch -----------------------------------------------------------------------------------------------------
 template <int kNumRanks>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, DEEPEP_LL_MIN_BLOCKS)
 dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk, int hidden, int num_experts,
          int num_max_tokens, int use_fp8, int round_scale, int use_ue8m0,
          uint8_t* recv_x, void* recv_sf, int32_t* recv_count, int32_t* src_info, int64_t* layout_range,
@@ -362,7 +402,7 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
                 if (lane == 0 && to_live) {
                     uint64_t* word = reinterpret_cast<uint64_t*>(region.at(d) + half) +
                                      static_cast<int64_t>(j) * kNumRanks + rank;
-                    st_release_sys(word, (static_cast<uint64_t>(n) << 32) | static_cast<uint32_t>(
+                    release(word, (static_cast<uint64_t>(n) << 32) | static_cast<uint32_t>(
                                              min(count, num_max_tokens)));
                 }
                 continue;
@@ -419,7 +459,7 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
             for (int p = lane; p < num_flags; p += 32) {
                 const int g = seg_begin + p / kNumRanks, d = p % kNumRanks;
                 if ((dest >> d) & 1u)
-                    st_release_sys(reinterpret_cast<uint32_t*>(message(d, rank, t)) + g, n);
+                    release(reinterpret_cast<uint32_t*>(message(d, rank, t)) + g, n);
             }
         }
         if (last_block_done(ctl + kCtlDispatchSendTicket)) {
@@ -509,8 +549,9 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
                 static_cast<int32_t>((static_cast<uint32_t>(s) << 29) | (static_cast<uint32_t>(k) << 24) | t);
         }
         if (direct && s == rank) {
-            cast_row_part(x + static_cast<int64_t>(t) * hidden * 2, hidden, use_fp8 != 0, round_scale != 0,
-                          seg_begin, seg_end, dst_row, sf, j, r, lane);
+            if (!DEEPEP_LL_PROBE_NO_DATA)
+                cast_row_part(x + static_cast<int64_t>(t) * hidden * 2, hidden, use_fp8 != 0, round_scale != 0,
+                              seg_begin, seg_end, dst_row, sf, j, r, lane);
             continue;
         }
         const uint8_t* m = message(rank, s, t);
@@ -530,6 +571,8 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
             break;
         }
         __syncwarp();   // lanes read segments whose flags other lanes acquired
+        if (DEEPEP_LL_PROBE_NO_DATA)
+            continue;
         const int c_begin = seg_begin * chunks_per_seg, c_end = min(row_chunks, seg_end * chunks_per_seg);
         warp_copy(dst_row + c_begin * 16, m + msg_hidden_offset + c_begin * 16, (c_end - c_begin) * 16, lane);
         if (use_fp8) {
@@ -551,13 +594,13 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
     // Every block copied its rows out: the sources may reuse this half's slots (call n + 2).
     if (last_block_done(ctl + kCtlDispatchRecvTicket)) {
         if (threadIdx.x < kNumRanks && !((read_mask_bits(mask, kNumRanks) >> threadIdx.x) & 1u))
-            st_release_sys(region.ctl(threadIdx.x) + kCtlDispatchConsumed + 8 * h + rank, n);
+            release(region.ctl(threadIdx.x) + kCtlDispatchConsumed + 8 * h + rank, n);
     }
 }
 
 // ---- combine ------------------------------------------------------------------------------------------------------
 template <int kNumRanks>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, DEEPEP_LL_MIN_BLOCKS)
 combine(const uint8_t* x, const int32_t* recv_count, const int32_t* row_route, const int64_t* layout_range,
         const int32_t* send_pos, const int64_t* topk_idx, const float* topk_weights, uint8_t* combined_x,
         int num_tokens, int num_topk, int hidden, int num_experts, int num_max_tokens, int32_t* call_info,
@@ -636,7 +679,7 @@ combine(const uint8_t* x, const int32_t* recv_count, const int32_t* row_route, c
                             (c_end - c_begin) * 16, lane);
             __syncwarp();
             for (int p = lane; p < seg_end - seg_begin; p += 32)
-                st_release_sys(flag(s, slot, seg_begin + p), c);
+                release(flag(s, slot, seg_begin + p), c);
         }
         if (last_block_done(ctl + kCtlCombineSendTicket)) {
             if (threadIdx.x == 0)
@@ -708,7 +751,7 @@ combine(const uint8_t* x, const int32_t* recv_count, const int32_t* row_route, c
         __syncwarp();
         const uint32_t add_mask = __ballot_sync(0xffffffffu, lane < num_topk && s_rows[warp][lane] != nullptr);
         const int c_begin = seg_begin * kChunksPerSeg, c_end = min(row_chunks, seg_end * kChunksPerSeg);
-        for (int ch = c_begin + lane; ch < c_end; ch += 32) {
+        for (int ch = c_begin + lane; ch < (DEEPEP_LL_PROBE_NO_DATA ? c_begin : c_end); ch += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int k0 = 0; k0 < num_topk; k0 += 8) {
                 Vec16 v[8];
@@ -740,7 +783,7 @@ combine(const uint8_t* x, const int32_t* recv_count, const int32_t* row_route, c
     // Every block reduced its tokens: the owners may reuse this half's slots (call c + 2).
     if (last_block_done(ctl + kCtlCombineRecvTicket)) {
         if (threadIdx.x < kNumRanks && !((read_mask_bits(mask, kNumRanks) >> threadIdx.x) & 1u))
-            st_release_sys(region.ctl(threadIdx.x) + kCtlCombineConsumed + 8 * hc + rank, c);
+            release(region.ctl(threadIdx.x) + kCtlCombineConsumed + 8 * hc + rank, c);
     }
 }
 

@@ -155,6 +155,13 @@ if want perf1; then
             $PY perf/ep_profile.py --tokens 128,4096"
     fi
     [ -f deepep_cupy/tests/legacy_low_latency.py ] && step "ll np=1 (perf)" 240 $ONE $R 1 $LL
+    # Where the low-latency kernels' time goes: variants of ep_ll.cu's measurement hooks beside the shipped kernels,
+    # and Nsight Compute's sections of one FP8 dispatch, one BF16 dispatch and one combine (after two warm-up rounds)
+    step "ll variants np=1 (perf/ll_variants.py)" 300 $ONE $PY perf/ll_variants.py --out "$OUT"
+    command -v ncu > /dev/null && step "ll ncu np=1 (perf/ll_ncu.py, ours)" 300 $ONE ncu --clock-control none \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --section LaunchStats --section SchedulerStats -k regex:'dispatch|combine' --launch-skip 6 --launch-count 3 \
+        $PY perf/ll_ncu.py
     # DeepEP v1.2.1's low-latency kernels beside ours, each in its own process, same inputs: needs .deepep_src
     # (tools/fetch_deepep_src.sh export, then carried to the GPU machine)
     if [ -d .deepep_src/v1.2.1 ]; then
