@@ -253,7 +253,7 @@ def share_gpu_compat() -> None:
     visible devices take `i % device_count`. A rank whose device was remapped, or every rank when
     `DEEPEP_CUPY_NCCL_HOST_PER_RANK=1` (several would-be nodes on one machine, whose local rank 0s share GPU 0), names
     its own NCCL host (`NCCL_HOSTID=deepep_cupy_rank<rank>` and NCCL's socket transports:
-    `utils.envs.emulate_nccl_host`) before an NCCL process group starts, so NCCL connects ranks it would otherwise
+    `envs.emulate_nccl_host`) before an NCCL process group starts, so NCCL connects ranks it would otherwise
     refuse ("Duplicate GPU"). Indices that are valid keep their meaning, so a program on enough GPUs runs as before.
     Idempotent."""
     try:
@@ -281,13 +281,11 @@ def share_gpu_compat() -> None:
             index, moved = _shared_index(device_id.index, torch.cuda.device_count())
             if moved:
                 kwargs['device_id'] = torch.device('cuda', index)
-        from .utils import envs as utils_envs
         backend = kwargs.get('backend', args[0] if args else None)
-        per_rank = os.environ.get(utils_envs.NCCL_HOST_PER_RANK_ENV, '').strip() == '1'
         rank = kwargs.get('rank', -1)
-        if ((moved or per_rank) and isinstance(backend, str) and 'nccl' in backend and isinstance(rank, int)
-                and rank >= 0 and not utils_envs.nccl_hosts_emulated()):
-            utils_envs.emulate_nccl_host(f'deepep_cupy_rank{rank}')
+        if ((moved or envs.nccl_host_per_rank()) and isinstance(backend, str) and 'nccl' in backend
+                and isinstance(rank, int) and rank >= 0 and not envs.nccl_hosts_emulated()):
+            envs.emulate_nccl_host(f'deepep_cupy_rank{rank}')
         return init(*args, **kwargs)
     shared_init_process_group._deepep_cupy_compat = True
     shared_init_process_group.__doc__ = init.__doc__

@@ -181,6 +181,36 @@ def tcp_secret() -> Optional[str]:
     return None if value is None or value == '' else check_tcp_secret(value)
 
 
+# NCCL between ranks that share one GPU: NCCL refuses two ranks of a communicator on one GPU ("Duplicate GPU")
+# unless each rank names its own host with NCCL_HOSTID; it then takes them for separate hosts and connects them
+# with its socket transport over the loopback (logic tests only, never timings).
+NCCL_SHARED_GPU_ENV = {'NCCL_P2P_DISABLE': '1', 'NCCL_SHM_DISABLE': '1', 'NCCL_IB_DISABLE': '1',
+                       'NCCL_SOCKET_IFNAME': 'lo'}
+NCCL_HOST_PER_RANK_ENV = 'DEEPEP_CUPY_NCCL_HOST_PER_RANK'
+
+
+def nccl_hosts_emulated() -> bool:
+    """Whether this rank names its own NCCL host (`NCCL_HOSTID`), so NCCL accepts it beside ranks on its GPU."""
+    return bool(os.environ.get('NCCL_HOSTID', '').strip())
+
+
+def nccl_host_per_rank() -> bool:
+    """`DEEPEP_CUPY_NCCL_HOST_PER_RANK` (bool, default False): DeepEP's `init_dist`, and the runner for programs that
+    bring their own, make every rank its own NCCL host (`emulate_nccl_host`) when ranks share GPUs."""
+    return _get_bool(NCCL_HOST_PER_RANK_ENV)
+
+
+def emulate_nccl_host(host: str) -> None:
+    """Let NCCL run between ranks sharing a GPU: `NCCL_HOSTID=host` (unique per rank, or per would-be host) and the
+    transports that need no second GPU (`NCCL_SHARED_GPU_ENV`; a variable the caller set keeps its value). Call it
+    before NCCL's first communicator in this process."""
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f'host must be a non-empty name without spaces, got {host!r}')
+    os.environ['NCCL_HOSTID'] = host
+    for name, value in NCCL_SHARED_GPU_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 @dataclass(frozen=True)
 class DesignKnobs:
     """The knobs that choose a kernel design or a stream policy, which every rank of a buffer must set alike (the

@@ -71,31 +71,12 @@ def _num_cuda_devices(torch=None) -> int:
     return 0
 
 
-# NCCL between ranks that share one GPU: NCCL refuses two ranks of a communicator on one GPU ("Duplicate GPU")
-# unless each rank names its own host with NCCL_HOSTID; it then takes them for separate hosts and connects them
-# with its socket transport over the loopback (logic tests only, never timings).
-NCCL_SHARED_GPU_ENV = {'NCCL_P2P_DISABLE': '1', 'NCCL_SHM_DISABLE': '1', 'NCCL_IB_DISABLE': '1',
-                       'NCCL_SOCKET_IFNAME': 'lo'}
-
-
-def nccl_hosts_emulated() -> bool:
-    """Whether this rank names its own NCCL host (`NCCL_HOSTID`), so NCCL accepts it beside ranks on its GPU."""
-    return bool(os.environ.get('NCCL_HOSTID', '').strip())
-
-
-# `1`: DeepEP's `init_dist` makes every rank its own NCCL host when ranks share GPUs (as NCCL rails do by themselves).
-NCCL_HOST_PER_RANK_ENV = 'DEEPEP_CUPY_NCCL_HOST_PER_RANK'
-
-
-def emulate_nccl_host(host: str) -> None:
-    """Let NCCL run between ranks sharing a GPU: `NCCL_HOSTID=host` (unique per rank, or per would-be host) and the
-    transports that need no second GPU (`NCCL_SHARED_GPU_ENV`; a variable the caller set keeps its value). Call it
-    before NCCL's first communicator in this process."""
-    if not host or any(c.isspace() for c in host):
-        raise ValueError(f'host must be a non-empty name without spaces, got {host!r}')
-    os.environ['NCCL_HOSTID'] = host
-    for name, value in NCCL_SHARED_GPU_ENV.items():
-        os.environ.setdefault(name, value)
+# NCCL between ranks sharing a GPU: the library's envs holds these (the runner uses them too); re-exported here, where
+# DeepEP's programs and the test programs find them.
+NCCL_SHARED_GPU_ENV = lib_envs.NCCL_SHARED_GPU_ENV
+NCCL_HOST_PER_RANK_ENV = lib_envs.NCCL_HOST_PER_RANK_ENV
+nccl_hosts_emulated = lib_envs.nccl_hosts_emulated
+emulate_nccl_host = lib_envs.emulate_nccl_host
 
 
 def torch_backend(num_local_ranks: int, torch=None) -> str:
@@ -202,7 +183,7 @@ def _init_spawned(local_rank, num_local_ranks, torch):
         group_mod.set_default_group(pg)
         return rank, size, pg, pg, local_rank
     import torch.distributed as dist
-    wanted = lib_envs.rail_transport() == 'nccl' or os.environ.get(NCCL_HOST_PER_RANK_ENV, '').strip() == '1'
+    wanted = lib_envs.rail_transport() == 'nccl' or lib_envs.nccl_host_per_rank()
     if (wanted and not nccl_hosts_emulated() and torch.cuda.is_available()
             and torch.cuda.device_count() < num_local_ranks):
         # NCCL rails (or NCCL for the program's own references) asked for while ranks share GPUs (DeepEP's programs
