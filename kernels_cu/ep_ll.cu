@@ -55,7 +55,10 @@
 //   DEEPEP_LL_SEG_BATCH       segments each lane loads before it converts any (kSegBatch);
 //   DEEPEP_LL_GPU_SCOPE       1: signals acquire / release at GPU scope (valid only while every rank is on one GPU);
 //   DEEPEP_LL_PROBE_NO_DATA   1: the receive phases move no row bytes (dispatch: no cast or copy, combine: no
-//                             reduction; outputs invalid): the time of everything else, for leave-one-out timing.
+//                             reduction; outputs invalid): the time of everything else, for leave-one-out timing;
+//   DEEPEP_LL_OWN_TOKENS      1: one launch receives our own tokens by token, not by row: a warp per (token, part)
+//                             reads x once, casts once and stores into each of the token's rows at our experts
+//                             (shipped: a warp per row, each reading and casting its token again).
 #include "common/ep.cuh"
 #include "common/ll_fp8.cuh"
 
@@ -70,6 +73,9 @@
 #endif
 #ifndef DEEPEP_LL_PROBE_NO_DATA
 #define DEEPEP_LL_PROBE_NO_DATA 0
+#endif
+#ifndef DEEPEP_LL_OWN_TOKENS
+#define DEEPEP_LL_OWN_TOKENS 0
 #endif
 
 namespace deepep {
@@ -263,6 +269,57 @@ __device__ __forceinline__ void cast_row_part(const uint8_t* src, int hidden, bo
                                         (__shfl_sync(0xffffffffu, e, 24) << 24);
                 if (lane == 0)
                     sf.put_packed(j, g, r, packed);
+            }
+        }
+    }
+}
+
+// Segments [seg_begin, seg_end) of token row `src` (bfloat16 x), cast once, into the output rows of the top-k slots
+// in `rows` (bit k: slot k has a row here; lane k holds its expert `j` and row `r`). Every lane of the warp calls it.
+__device__ __forceinline__ void cast_token_part(const uint8_t* src, int hidden, bool use_fp8, bool round_scale,
+                                                int seg_begin, int seg_end, uint8_t* recv_x, int out_row_bytes,
+                                                int num_rows_out, const ScaleOut& sf, uint32_t rows, int j, int r,
+                                                int lane) {
+    for (int g0 = seg_begin; g0 < seg_end; g0 += kSegBatch) {
+        Vec16 v0[kSegBatch], v1[kSegBatch];
+        load_segments(src, hidden, g0, seg_end, lane, v0, v1);
+        #pragma unroll
+        for (int u = 0; u < kSegBatch; ++u) {
+            const int g = g0 + u;
+            if (g >= seg_end)
+                break;
+            const int c0 = g * kSegChannels + lane * 16;
+            const bool active = c0 < hidden;
+            float scale_inv = 0.f;
+            Vec16 q = v0[u];
+            uint32_t packed = 0;
+            if (use_fp8) {
+                q = cast_fp8_lane(v0[u], v1[u], round_scale, scale_inv);
+                if (sf.ue8m0) {
+                    const uint32_t e = ue8m0_byte(scale_inv);
+                    packed = __shfl_sync(0xffffffffu, e, 0) | (__shfl_sync(0xffffffffu, e, 8) << 8) |
+                             (__shfl_sync(0xffffffffu, e, 16) << 16) | (__shfl_sync(0xffffffffu, e, 24) << 24);
+                }
+            }
+            for (uint32_t left = rows; left != 0; left &= left - 1) {
+                const int k = __ffs(left) - 1;
+                const int jk = __shfl_sync(0xffffffffu, j, k), rk = __shfl_sync(0xffffffffu, r, k);
+                uint8_t* dst_row = recv_x + (static_cast<int64_t>(jk) * num_rows_out + rk) * out_row_bytes;
+                if (!use_fp8) {
+                    if (active) {
+                        st_na_v4(dst_row + static_cast<int64_t>(c0) * 2, v0[u]);
+                        st_na_v4(dst_row + static_cast<int64_t>(c0) * 2 + 16, v1[u]);
+                    }
+                    continue;
+                }
+                if (active)
+                    st_na_v4(dst_row + c0, q);
+                if (!sf.ue8m0) {
+                    if (active && lane % 8 == 0)
+                        sf.put_float(jk, c0 / 128, rk, scale_inv);
+                } else if (lane == 0) {
+                    sf.put_packed(jk, g, rk, packed);
+                }
             }
         }
     }
@@ -549,7 +606,7 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
                 static_cast<int32_t>((static_cast<uint32_t>(s) << 29) | (static_cast<uint32_t>(k) << 24) | t);
         }
         if (direct && s == rank) {
-            if (!DEEPEP_LL_PROBE_NO_DATA)
+            if (!DEEPEP_LL_PROBE_NO_DATA && !DEEPEP_LL_OWN_TOKENS)
                 cast_row_part(x + static_cast<int64_t>(t) * hidden * 2, hidden, use_fp8 != 0, round_scale != 0,
                               seg_begin, seg_end, dst_row, sf, j, r, lane);
             continue;
@@ -586,6 +643,25 @@ dispatch(const uint8_t* x, const int64_t* topk_idx, int num_tokens, int num_topk
                                                (ue8m0_byte(scales[4 * g + 2]) << 16) |
                                                (ue8m0_byte(scales[4 * g + 3]) << 24));
             }
+        }
+    }
+    if (DEEPEP_LL_OWN_TOKENS && !DEEPEP_LL_PROBE_NO_DATA && direct && !aborted) {
+        // Our own tokens, by token: slot k of token t went to our expert j as entry send_pos[t][k] of our block of
+        // expert j's rows (the scan wrote it before it released the count this block acquired).
+        const Parts tparts(num_tokens, num_segs, total_warps);
+        for (int item = global_warp; item < num_tokens * tparts.num; item += total_warps) {
+            const int t = item / tparts.num, part = item - t * tparts.num;
+            const int seg_begin = part * tparts.segs, seg_end = min(num_segs, seg_begin + tparts.segs);
+            const int64_t idx = static_cast<int64_t>(t) * num_topk + lane;
+            const int64_t e = lane < num_topk ? __ldg(topk_idx + idx) : -1;
+            const bool ours = e >= static_cast<int64_t>(rank) * L && e < static_cast<int64_t>(rank + 1) * L;
+            const int pos = ours ? send_pos[idx] : -1;
+            const int j = ours ? static_cast<int>(e) - rank * L : 0;
+            const int r = pos >= 0 ? s_begin[j * kNumRanks + rank] + pos : 0;
+            const uint32_t rows = __ballot_sync(0xffffffffu, pos >= 0);
+            if (rows != 0)
+                cast_token_part(x + static_cast<int64_t>(t) * hidden * 2, hidden, use_fp8 != 0, round_scale != 0,
+                                seg_begin, seg_end, recv_x, out_row_bytes, num_rows_out, sf, rows, j, r, lane);
         }
     }
     if (__syncthreads_or(aborted))

@@ -9,12 +9,14 @@ Variants (the -D values of ep_ll.cu's header; `base` is the shipped kernel):
     gpu_scope     DEEPEP_LL_GPU_SCOPE=1: signals at GPU scope instead of system scope (one GPU only)
     seg2, seg7    DEEPEP_LL_SEG_BATCH=2 / 7 segments loaded per lane before any is converted (shipped: 4)
     blocks2       DEEPEP_LL_MIN_BLOCKS=2 and two blocks per SM launched
+    own_tokens    DEEPEP_LL_OWN_TOKENS=1: our own tokens received by token (read and cast once), not by row
+    own_tokens_gpu  both that and gpu_scope
     no_data       DEEPEP_LL_PROBE_NO_DATA=1: the receive phases move no row bytes (outputs invalid): the rest's time
     no_data_gpu   both of the above
 Per variant: CUDA-graph µs per call of FP8 dispatch, BF16 combine and dispatch + combine (median of --graph-reps
-replays of --graph-calls calls), and whether its outputs equal base's bit for bit (recv_x, scales, counts, layout,
-combined_x; `n/a` for the probes). One line per variant, the ratio to base beside each figure; `--out DIR` writes
-DIR/ll_variants.json.
+replays of --graph-calls calls), and whether its outputs equal base's bit for bit (FP8 recv_x and scales, also with
+round_scale and UE8M0, counts, the combine of a BF16 dispatch; `n/a` for the probes). One line per variant, the
+ratio to base beside each figure; `--out DIR` writes DIR/ll_variants.json.
 """
 
 import argparse
@@ -35,6 +37,8 @@ VARIANTS = {
     'seg2': ({'DEEPEP_LL_SEG_BATCH': 2}, 1),
     'seg7': ({'DEEPEP_LL_SEG_BATCH': 7}, 1),
     'blocks2': ({'DEEPEP_LL_MIN_BLOCKS': 2}, 2),
+    'own_tokens': ({'DEEPEP_LL_OWN_TOKENS': 1}, 1),
+    'own_tokens_gpu': ({'DEEPEP_LL_OWN_TOKENS': 1, 'DEEPEP_LL_GPU_SCOPE': 1}, 1),
     'no_data': ({'DEEPEP_LL_PROBE_NO_DATA': 1}, 1),
     'no_data_gpu': ({'DEEPEP_LL_PROBE_NO_DATA': 1, 'DEEPEP_LL_GPU_SCOPE': 1}, 1),
 }
@@ -132,14 +136,16 @@ def main(argv=None) -> int:
 
     def outputs(buf):
         """The checked outputs of one FP8 dispatch and of the BF16 combine of a BF16 dispatch."""
-        recv, count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, M, E, use_fp8=True)
+        rows = []
+        for fp8 in ({}, {'round_scale': True, 'use_ue8m0': True}):
+            recv, count, _, _, _ = buf.low_latency_dispatch(x, topk_idx, M, E, use_fp8=True, **fp8)
+            torch.cuda.synchronize()
+            for j in range(recv[0].shape[0]):           # valid rows only: the rest is stale by contract
+                c = int(count[j])
+                rows.append((recv[0][j, :c].view(torch.uint8).clone(), recv[1][j, :c].clone()))
         rb, _, hb, _, _ = buf.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False)
         comb, _, _ = buf.low_latency_combine(rb, topk_idx, topk_weights, hb)
         torch.cuda.synchronize()
-        rows = []
-        for j in range(recv[0].shape[0]):               # valid rows only: the rest is stale by contract
-            c = int(count[j])
-            rows.append((recv[0][j, :c].view(torch.uint8).clone(), recv[1][j, :c].clone()))
         return {'count': count.clone(), 'rows': rows, 'combined': comb.clone()}
 
     def same(a, b) -> bool:
