@@ -58,7 +58,9 @@
 //                             reduction; outputs invalid): the time of everything else, for leave-one-out timing;
 //   DEEPEP_LL_OWN_TOKENS      1: one launch receives our own tokens by token, not by row: a warp per (token, part)
 //                             reads x once, casts once and stores into each of the token's rows at our experts
-//                             (shipped: a warp per row, each reading and casting its token again).
+//                             (shipped: a warp per row, each reading and casting its token again);
+//   DEEPEP_LL_PART_SEGS       segments per warp item (row part or token part) in every phase (shipped: 0, as many
+//                             parts per row as keep every warp busy).
 #include "common/ep.cuh"
 #include "common/ll_fp8.cuh"
 
@@ -76,6 +78,9 @@
 #endif
 #ifndef DEEPEP_LL_OWN_TOKENS
 #define DEEPEP_LL_OWN_TOKENS 0
+#endif
+#ifndef DEEPEP_LL_PART_SEGS
+#define DEEPEP_LL_PART_SEGS 0
 #endif
 
 namespace deepep {
@@ -194,7 +199,7 @@ struct Parts {
     int num, segs;   // parts per row, segments per part
     __device__ __forceinline__ Parts(int num_rows, int num_segs, int total_warps) {
         const int want = num_rows > 0 ? max(1, min(num_segs, total_warps / num_rows)) : 1;
-        segs = (num_segs + want - 1) / want;
+        segs = DEEPEP_LL_PART_SEGS > 0 ? min(num_segs, DEEPEP_LL_PART_SEGS) : (num_segs + want - 1) / want;
         num = (num_segs + segs - 1) / segs;
     }
 };

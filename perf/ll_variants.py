@@ -11,6 +11,8 @@ Variants (the -D values of ep_ll.cu's header; `base` is the shipped kernel):
     blocks2       DEEPEP_LL_MIN_BLOCKS=2 and two blocks per SM launched
     own_tokens    DEEPEP_LL_OWN_TOKENS=1: our own tokens received by token (read and cast once), not by row
     own_tokens_gpu  both that and gpu_scope
+    parts2/4/7    DEEPEP_LL_PART_SEGS=2 / 4 / 7 segments (of 512 channels) per warp item (shipped: enough items for
+                  every warp: 1 or 2 segments at 128 tokens)
     no_data       DEEPEP_LL_PROBE_NO_DATA=1: the receive phases move no row bytes (outputs invalid): the rest's time
     no_data_gpu   both of the above
 Per variant: CUDA-graph µs per call of FP8 dispatch, BF16 combine and dispatch + combine (median of --graph-reps
@@ -39,6 +41,9 @@ VARIANTS = {
     'blocks2': ({'DEEPEP_LL_MIN_BLOCKS': 2}, 2),
     'own_tokens': ({'DEEPEP_LL_OWN_TOKENS': 1}, 1),
     'own_tokens_gpu': ({'DEEPEP_LL_OWN_TOKENS': 1, 'DEEPEP_LL_GPU_SCOPE': 1}, 1),
+    'parts2': ({'DEEPEP_LL_PART_SEGS': 2}, 1),
+    'parts4': ({'DEEPEP_LL_PART_SEGS': 4}, 1),
+    'parts7': ({'DEEPEP_LL_PART_SEGS': 7}, 1),
     'no_data': ({'DEEPEP_LL_PROBE_NO_DATA': 1}, 1),
     'no_data_gpu': ({'DEEPEP_LL_PROBE_NO_DATA': 1, 'DEEPEP_LL_GPU_SCOPE': 1}, 1),
 }
