@@ -44,11 +44,12 @@ ALLOC_CODES = {interop.Carver.words.__code__: 'alloc', interop.Carver.empty.__co
                _allocate.__code__: 'alloc'}
 # The per-call functions of bound.py and patch.py (a first call also binds: `__init__` and what it calls are not
 # recorded)
-PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_size_recv')} | \
+PER_CALL = {(BOUND_FILE, n) for n in ('__call__', '_receive_outputs', '_size_recv')} | \
     {(ep_lean.__file__, n) for n in ('run_cached', 'run_no_sync', 'run_cpu_sync', 'run_no_sync_v1', 'run_cpu_sync_v1',
                                     'prepare_receive', 'receive_event', 'views')} | \
     {(ep_legacy.__file__, 'v1_outputs')} | \
-    {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard')}
+    {(ep_patch.__file__, n) for n in ('cupy_views', 'allocate_x', 'patch_guard', 'check_guard', 'from_handle',
+                                     'wait_counts')}
 
 
 def record_host_calls(fn):

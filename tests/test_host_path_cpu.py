@@ -117,21 +117,21 @@ PINNED_TO_LAUNCH = {'dispatch cpu-sync': 45}
 # the Buffer's checks where they can act; the CPU-sync call's views of the workspace while the GPU counts) took them
 # to 1290 (294 after the counts, from 325), 857, 643, 562; get_dispatch_layout, checked and bound once per signature
 # (v1/kernels/layout.py `DispatchLayout.run`), from 912 to 284.
-PINNED_BYTECODES_V1 = {'V1 dispatch cpu-sync': 1310, 'V1 dispatch num_worst_tokens': 870, 'V1 dispatch cached': 655,
-                       'V1 combine weights': 575, 'V1 get_dispatch_layout': 295}
+PINNED_BYTECODES_V1 = {'V1 dispatch cpu-sync': 1240, 'V1 dispatch num_worst_tokens': 800, 'V1 dispatch cached': 620,
+                       'V1 combine weights': 540, 'V1 get_dispatch_layout': 295}
 PINNED_TO_LAUNCH_V1 = {'V1 dispatch cpu-sync': 45}
-PINNED_AFTER_COUNTS_V1 = {'V1 dispatch cpu-sync': 300}
+PINNED_AFTER_COUNTS_V1 = {'V1 dispatch cpu-sync': 245}
 # C calls per call (torch ops among them: on the GPU host the costlier part), at most: 34, 26, 12, 14, 17 before.
 # Beyond ElasticBuffer's same call V1 makes the handle's five tensors (views) and, without a carved int32 workspace, an
 # int32 view of it (or of the outputs' allocation), and the per-expert list.
-PINNED_C_CALLS_V1 = {'V1 dispatch cpu-sync': 31, 'V1 dispatch num_worst_tokens': 24, 'V1 dispatch cached': 10,
-                     'V1 combine weights': 12, 'V1 get_dispatch_layout': 7}
+PINNED_C_CALLS_V1 = {'V1 dispatch cpu-sync': 28, 'V1 dispatch num_worst_tokens': 22, 'V1 dispatch cached': 9,
+                     'V1 combine weights': 11, 'V1 get_dispatch_layout': 7}
 # The adapter's own bytecodes per call beyond ElasticBuffer's same call on the same engine (issue: V1 normal mode
 # within 5% of ElasticBuffer): (V1 case, V2 case) -> at most. 669, 613, 101, 94 before the entries; 316, 247, 75, 70
 # with them (what is left: V1's arguments and signature, its handle and outputs, the Buffer's checks).
-PINNED_V1_OVER_V2 = {('V1 dispatch cpu-sync', 'dispatch cpu-sync'): 330,
-                     ('V1 dispatch num_worst_tokens', 'dispatch no-sync'): 255,
-                     ('V1 dispatch cached', 'dispatch cached'): 80, ('V1 combine weights', 'combine weights'): 75}
+PINNED_V1_OVER_V2 = {('V1 dispatch cpu-sync', 'dispatch cpu-sync'): 255,
+                     ('V1 dispatch num_worst_tokens', 'dispatch no-sync'): 180,
+                     ('V1 dispatch cached', 'dispatch cached'): 45, ('V1 combine weights', 'combine weights'): 40}
 
 
 # DeepEP V1's low-latency calls (128 tokens, hidden 7168, top-8, 256 experts, one rank): bytecodes per call, pinned like

@@ -440,6 +440,36 @@ def test_cached_dispatch_and_combine(monkeypatch, inputs):
         buf.combine(recv_x, tuple(handle))
 
 
+def test_default_config_sm_counts_follow_buffer_num_sms(monkeypatch, inputs):
+    """Without a config, dispatch and combine take `Buffer.num_sms` (the default config's, checked once per value by
+    `Buffer._config` and then compared inline): a new value is checked and used by the next call; a config's SM
+    count is checked per call (the Config may change between calls)."""
+    world = World(monkeypatch)
+    buf = make_buffer(world)
+    x, idx, w, *_ = inputs
+    for num_sms in (24, 20, 24):
+        monkeypatch.setattr(Buffer, 'num_sms', num_sms)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **_layout_args(inputs))
+        assert handle.ep_handle.num_sms == num_sms and buf._dispatch_sms == num_sms
+        buf.combine(recv_x, handle, topk_weights=recv_w)
+        assert world.launch('combine_impl').args['num_send_blocks'] == num_sms and buf._combine_sms == num_sms
+        cached = buf.dispatch(x, handle=handle)
+        assert cached[0].shape == recv_x.shape
+    monkeypatch.setattr(Buffer, 'num_sms', 5)       # (assigned, not through set_num_sms: checked at the next call)
+    with pytest.raises(ValueError, match='even'):
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, **_layout_args(inputs))
+    with pytest.raises(ValueError, match='even'):
+        buf.combine(recv_x, handle, topk_weights=recv_w)
+    config = Config(24, 8, 256)
+    buf.combine(recv_x, handle, topk_weights=recv_w, config=config)
+    config.num_sms = 7
+    with pytest.raises(ValueError, match='even'):
+        buf.combine(recv_x, handle, topk_weights=recv_w, config=config)
+    config.num_sms = 24.0
+    with pytest.raises((TypeError, ValueError)):
+        buf.dispatch(x, handle=handle, config=config)
+
+
 def test_larger_topk_lays_out_again_on_the_same_memory(monkeypatch, inputs):
     world = World(monkeypatch)
     buf = make_buffer(world, num_nvl_bytes=64 * MiB)

@@ -321,6 +321,7 @@ def test_handle_is_deepeps_tuple():
     assert isinstance(h, tuple) and len(h) == 5 and h[2:] == (16, 1024, 16)
     src_info, layout_range, M, H, E = h
     assert src_info.shape == (8, 32) and layout_range.shape == (8, 2) and h.num_topk == 4
+    assert (h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts) == (M, H, E)     # (fields 2..4 by name)
 
 
 def _combine_args(N=4, K=4, M=16, H=1024, E=16):

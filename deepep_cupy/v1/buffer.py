@@ -20,7 +20,6 @@ import sys
 from typing import Optional
 
 from ..buffers.base import BufferBase, _acquire_stream, _release_stream, check_configuration
-from ..features.ep.handle import EPHandle
 from ..features.ll import CONTROL_BYTES as LL_CONTROL_BYTES
 from ..runtime import dtypes, interop
 from ..runtime.checks import check_int
@@ -82,6 +81,8 @@ class Buffer(LowLatencyMethods):
     """
 
     num_sms: int = 20
+    # The last `Buffer.num_sms` `_config` checked as the SM count of the default dispatch / combine config (0: none)
+    _dispatch_sms = _combine_sms = 0
     num_domains: int = 1            # scale-up domains (set at construction)
     num_scaleup_ranks: int = 0      # ranks per domain (set at construction)
     _internode: Optional[InternodeMode] = None      # normal mode across domains
@@ -203,13 +204,19 @@ class Buffer(LowLatencyMethods):
         return table_config(COMBINE_TABLE, num_ranks, Buffer.num_sms)
 
     def _config(self, config: Optional[Config], which: str) -> int:
-        """The SM count of `config`, else of the default config (cached per `Buffer.num_sms`)."""
+        """The SM count of `config`, else of the default config (cached per `Buffer.num_sms`). The default config's
+        is `Buffer.num_sms` itself (`table_config`) once checked for this rank count: the last one checked is kept as
+        `_dispatch_sms` / `_combine_sms`, which dispatch and combine compare inline."""
         if config is None:
             key = (which, Buffer.num_sms)
             num_sms = self._configs.get(key)
             if num_sms is None:     # (the checked SM count of the default config, remembered)
                 table = DISPATCH_TABLE if which == 'dispatch' else COMBINE_TABLE
                 num_sms = self._configs[key] = check_num_sms(table_config(table, self.group_size, Buffer.num_sms))
+            if which == 'dispatch':
+                self._dispatch_sms = num_sms
+            else:
+                self._combine_sms = num_sms
             return num_sms
         num_sms = config.num_sms        # (read per call: a Config may be changed between calls)
         if num_sms.__class__ is int and num_sms >= 2 and not num_sms & 1:     # (`check_num_sms` where it passes)
@@ -347,21 +354,31 @@ class Buffer(LowLatencyMethods):
             self._check_alive()
         if previous_event is not None or allocate_on_comm_stream:      # (`check_event_rule` where it acts)
             previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
-        num_sms = self._config(config, 'dispatch')
+        if config is None:      # (`_config` inline where it has the answer)
+            num_sms = Buffer.num_sms
+            if num_sms != self._dispatch_sms:
+                num_sms = self._config(None, 'dispatch')
+        else:
+            num_sms = config.num_sms
+            if num_sms.__class__ is not int or num_sms < 2 or num_sms & 1:
+                num_sms = check_num_sms(config)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError('a cached dispatch (handle given) takes no topk_idx / topk_weights')
             if self.num_domains > 1:
                 return InternodeMode.cached_dispatch(x, expected_internode_handle(handle), num_sms, previous_event,
                                                      async_finish, allocate_on_comm_stream)
-            if type(handle) is not LegacyHandle or type(handle.ep_handle) is not EPHandle:
-                handle = expected_handle_type(handle)       # (its TypeError)
-            return NormalMode.cached_dispatch(x, handle, num_sms, previous_event, async_finish,
-                                              allocate_on_comm_stream)
+            if type(handle) is not LegacyHandle:
+                handle = expected_handle_type(handle)       # (its TypeError; a LegacyHandle holds an EPHandle)
+            # (V1's cached dispatch: `(recv_x, None, None, None, None, event)`)
+            recv_x, _, _, _, event = handle.ep.dispatch(
+                x, num_sms=num_sms, previous_event=previous_event, async_with_compute_stream=async_finish,
+                allocate_on_comm_stream=allocate_on_comm_stream, handle=handle.ep_handle,
+                allow_previous_event_alone=True)
+            return recv_x, None, None, None, None, event
         normal = self._normal
-        if normal is not None and topk_idx is not None and num_tokens_per_rank is not None and \
-                is_token_in_rank is not None:
-            # (one domain, top-k ids: by signature, `NormalMode.lean_dispatch`; None: other array types)
+        if normal is not None and num_tokens_per_rank is not None and is_token_in_rank is not None:
+            # (one domain: by signature, `NormalMode.lean_dispatch`; None: no top-k ids, other array types)
             out = normal.lean_dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                        expert_alignment, num_worst_tokens, num_sms, previous_event, async_finish,
                                        allocate_on_comm_stream)
@@ -419,14 +436,25 @@ class Buffer(LowLatencyMethods):
             self._check_alive()
         if previous_event is not None or allocate_on_comm_stream:      # (`check_event_rule` where it acts)
             previous_event = check_event_rule(previous_event, async_finish, allocate_on_comm_stream)
-        num_sms = self._config(config, 'combine')
+        if config is None:      # (`_config` inline where it has the answer)
+            num_sms = Buffer.num_sms
+            if num_sms != self._combine_sms:
+                num_sms = self._config(None, 'combine')
+        else:
+            num_sms = config.num_sms
+            if num_sms.__class__ is not int or num_sms < 2 or num_sms & 1:
+                num_sms = check_num_sms(config)
         if self.num_domains > 1:
             return InternodeMode.combine(x, expected_internode_handle(handle), topk_weights, bias, num_sms,
                                          previous_event, async_finish, allocate_on_comm_stream)
-        if type(handle) is not LegacyHandle or type(handle.ep_handle) is not EPHandle:
-            handle = expected_handle_type(handle)       # (its TypeError)
-        return NormalMode.combine(x, handle, topk_weights, bias, num_sms, previous_event, async_finish,
-                                  allocate_on_comm_stream)
+        if type(handle) is not LegacyHandle:
+            handle = expected_handle_type(handle)       # (its TypeError; a LegacyHandle holds an EPHandle)
+        if topk_weights is not None and not handle.with_topk:
+            raise ValueError('topk_weights given to combine, but the dispatch of this handle had no top-k ids')
+        return handle.ep.combine(x, handle.ep_handle, topk_weights=topk_weights, bias=bias, num_sms=num_sms,
+                                 previous_event=previous_event, async_with_compute_stream=async_finish,
+                                 allocate_on_comm_stream=allocate_on_comm_stream, weights_over_ranks=True,
+                                 allow_previous_event_alone=True)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,

@@ -34,7 +34,8 @@ def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks
     from ..features.ll.plan import SIZE_ALIGN, LLLayout
     planner = ill.InternodeLLPlanner(ill._int_arg('num_ranks', num_ranks, 1), -1)
     planner.dims(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-    layout = LLLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, NUM_MAX_TOPK)
+    layout = LLLayout(num_max_tokens=num_max_dispatch_tokens_per_rank, hidden=hidden, num_ranks=num_ranks,
+                      num_experts=num_experts, num_max_topk=NUM_MAX_TOPK)
     return -(-layout.total_bytes // SIZE_ALIGN) * SIZE_ALIGN
 
 
@@ -242,8 +243,9 @@ class InternodeLLMode(ShrinkMaskMethods):
                     v1=_WorstRows(worst))
             inner = hh.inner
             psum = inner.psum_num_recv_tokens_per_scaleup_rank
-            rows = ill.ReceivedRows(rx, rtopk, rw, inner.recv_src_metadata, inner.num_recv_tokens,
-                                    ill._ptr(psum) + 4 * (interop.shape_of(psum)[0] - 1))
+            rows = ill.ReceivedRows(x=rx, topk=rtopk, weights=rw, meta=inner.recv_src_metadata,
+                                    num_rows=inner.num_recv_tokens,
+                                    num_recv_ptr=ill._ptr(psum) + 4 * (interop.shape_of(psum)[0] - 1))
             return hh, rows, (pseudo_x, pseudo_sf, pseudo_topk, pseudo_pos, rx if not fp8 else rx[0],
                               rx[1] if fp8 else None, rtopk, rw, inner.metadata_owner, psum)
 
@@ -353,7 +355,7 @@ class InternodeLLMode(ShrinkMaskMethods):
 
     # -- zero-copy staging --
     def _staging_key(self, half: int, handle):
-        M, H, E = handle[2], handle[3], handle[4]
+        M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         return (half, E // self.num_ranks, self.num_ranks * M, H, handle.kind)
 
     def get_next_combine_buffer(self, handle):

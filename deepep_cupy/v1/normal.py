@@ -28,11 +28,11 @@ Host path. A dispatch with top-k ids (torch tensors) is remembered by its signat
 first call takes the checked path (`dispatch`, through `EP.dispatch`), later ones run the EP bound dispatch that served
 it (`EPHandle._origin`, its `run_v1`, as `EP.dispatch` would: V1's signature decides EP's, so EP's key is not built a
 second time) and make V1's handle without a Python-level constructor. The engine parts this uses beyond the entry
-points in `v1/__init__.py`: `EPHandle._origin`, `BoundDispatch.key` / `run_v1`, `EP._bound` (replaced when EP forgets
-its bound calls: the entries go too) and the usability check `EP.dispatch` makes (the engine's `_destroyed`,
-`_failed`, `EP._error_state`). tests/test_legacy_cpu.py checks that both paths launch and return the same. What V1's
-API itself costs beyond ElasticBuffer's call: the handle's five tensors (views made per call, as DeepEP makes them
-per call) and the per-expert list.
+points in `v1/__init__.py`: `EPHandle._origin` / `_counts`, `BoundDispatch.key` / `run_v1`, `EP._bound` (replaced
+when EP forgets its bound calls: the entries go too) and the usability check `EP.dispatch` makes (the engine's
+`_destroyed`, `_failed`, `EP._error_state`). tests/test_legacy_cpu.py checks that both paths launch and return the
+same. What V1's API itself costs beyond ElasticBuffer's call: the handle's five tensors (views made per call, as DeepEP
+makes them per call) and the per-expert list.
 """
 
 import functools
@@ -330,20 +330,22 @@ class NormalMode:
                       num_worst_tokens, num_sms: int, previous_event, async_finish: bool,
                       allocate_on_comm_stream: bool):
         """`dispatch` of a call with top-k ids and torch tensors by its signature (the caller checked the event rule
-        and `num_sms`, and that the layout tensors are given): the first call of a signature takes the checked path
-        (`_checked_dispatch`) and remembers its entry, the EP bound dispatch that served it (`EPHandle._origin`) with
-        what its calls share; a repeated signature runs that bound dispatch straight (`b.run_v1`, what
-        `EP.dispatch` calls: the signature here decides EP's, so EP's own key is not rebuilt), with the engine's
-        usability check, a `LegacyLayout` of the entry (reused: the engine fills its outputs per call) and V1's handle
-        made without a Python-level constructor. Checks that depend on the values (x's alignment; a CPU-sync call's
-        top-k range) stay in the bound dispatch; growth (a peer's count above M) redoes the call on the checked path.
-        Entries are dropped when `ensure` lays out anew and when the EP component forgot its bound calls (its
-        `_bound` replaced: destroyed, or `set_default_num_sms`).
+        and `num_sms`, and that num_tokens_per_rank and is_token_in_rank are given): the first call of a signature
+        takes the checked path (`_checked_dispatch`) and remembers its entry, the EP bound dispatch that served it
+        (`EPHandle._origin`) with what its calls share; a repeated signature runs that bound dispatch straight
+        (`b.run_v1`, what `EP.dispatch` calls: the signature here decides EP's, so EP's own key is not rebuilt), with
+        the engine's usability check, a `LegacyLayout` of the entry (reused: the engine fills its outputs per call) and
+        V1's handle made without a Python-level constructor. Checks that depend on the values (x's alignment; a
+        CPU-sync call's top-k range) stay in the bound dispatch; growth (a peer's count above M) redoes the call on the
+        checked path. Entries are dropped when `ensure` lays out anew and when the EP component forgot its bound calls
+        (its `_bound` replaced: destroyed, or `set_default_num_sms`).
 
         Returns:
             `dispatch`'s result, or None for a call with other array types (the caller's checked path takes it).
         """
         tensor = interop.TORCH_TENSOR[0]
+        if type(topk_idx) is not tensor or type(num_tokens_per_expert) is not tensor:     # (None too)
+            return None
         if type(x) is tensor:       # (`interop.meta` of plain torch tensors, inline as in `EP.dispatch`)
             xs, xp, ss, sp = (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr(), None, 0
         elif type(x) is tuple and len(x) == 2 and type(x[0]) is tensor and type(x[1]) is tensor:
@@ -351,8 +353,6 @@ class NormalMode:
             xs, xp = (data.shape, data.stride(), data.dtype, data.get_device()), data.data_ptr()
             ss, sp = (sf.shape, sf.stride(), sf.dtype, sf.get_device()), sf.data_ptr()
         else:
-            return None
-        if type(topk_idx) is not tensor or type(num_tokens_per_expert) is not tensor:
             return None
         ts, tp = (topk_idx.shape, topk_idx.stride(), topk_idx.dtype, topk_idx.get_device()), topk_idx.data_ptr()
         if topk_weights is None:
@@ -371,7 +371,7 @@ class NormalMode:
         except TypeError:   # (an unhashable argument: the checked path names it, or takes the call unremembered)
             entry = key = None
         if entry is not None:
-            b, ep, bound, lg, eng, attrs, worst, M = entry
+            b, ep, bound, lg, eng, worst, M = entry
             if ep._bound is bound:
                 # (`EP.dispatch`'s usability check, on the engine itself rather than through the EP's proxy of it)
                 if eng._destroyed or eng._failed is not None or ep._error_state[0]:
@@ -391,10 +391,11 @@ class NormalMode:
                 recv_x, recv_topk_idx, recv_topk_weights, ep_handle, event = out
                 handle = _new_handle((lg.rank_prefix_matrix, lg.channel_prefix_matrix, lg.recv_channel_prefix_matrix,
                                       lg.recv_src_idx, is_token_in_rank, lg.send_head))
-                handle.__dict__.update(attrs)
-                handle.ep_handle = ep_handle
-                return (recv_x, recv_topk_idx, recv_topk_weights, ep_handle.num_recv_tokens_per_expert_list, handle,
-                        event)
+                handle.__dict__ = {'ep_handle': ep_handle, 'ep': ep, 'engine': eng, 'with_topk': True}
+                counts = ep_handle._counts      # (`EPHandle.num_recv_tokens_per_expert_list` inline)
+                if type(counts) is not list:
+                    counts = ep_handle._counts = counts.tolist()
+                return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
             del self._lean[key]
         return self._checked_dispatch(key, x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                       expert_alignment, num_worst_tokens, num_sms, previous_event, async_finish,
@@ -417,29 +418,9 @@ class NormalMode:
             if len(self._lean) >= MAX_LEAN_CALLS:
                 self._lean.clear()
             ep, N = handle.ep, split_x(x)[2]
-            self._lean[key] = (b, ep, ep._bound, LegacyLayout(num_sms // 2, N, None), eng,
-                               {'ep': ep, 'engine': eng, 'with_topk': True}, num_worst_tokens > 0, eng.geometry[0])
+            self._lean[key] = (b, ep, ep._bound, LegacyLayout(num_sms // 2, N, None), eng, num_worst_tokens > 0,
+                               eng.geometry[0])
         return out
-
-    @staticmethod
-    def cached_dispatch(x, handle: LegacyHandle, num_sms: int, previous_event, async_finish: bool,
-                        allocate_on_comm_stream: bool):
-        """V1's cached dispatch: `(recv_x, None, None, None, None, event)`."""
-        recv_x, _, _, _, event = handle.ep.dispatch(
-            x, num_sms=num_sms, previous_event=previous_event, async_with_compute_stream=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream, handle=handle.ep_handle, allow_previous_event_alone=True)
-        return recv_x, None, None, None, None, event
-
-    @staticmethod
-    def combine(x, handle: LegacyHandle, topk_weights, bias, num_sms: int, previous_event, async_finish: bool,
-                allocate_on_comm_stream: bool) -> Tuple[Any, Any, EventOverlap]:
-        """V1's combine: `(combined_x, combined_topk_weights, event)`."""
-        if topk_weights is not None and not handle.with_topk:
-            raise ValueError('topk_weights given to combine, but the dispatch of this handle had no top-k ids')
-        return handle.ep.combine(x, handle.ep_handle, topk_weights=topk_weights, bias=bias, num_sms=num_sms,
-                                 previous_event=previous_event, async_with_compute_stream=async_finish,
-                                 allocate_on_comm_stream=allocate_on_comm_stream, weights_over_ranks=True,
-                                 allow_previous_event_alone=True)
 
     def destroy(self) -> None:
         """Collective teardown of the current engine (older ones, kept by handles, are freed when dropped)."""

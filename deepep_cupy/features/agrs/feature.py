@@ -275,20 +275,20 @@ class AGRS(GatherLaunches, HybridSteps, Reductions):
         comm = buf.stream_order.begin(current)
         if pack is not None:        # (single domain, up to GATHER_BATCH tensors: one launch, one pack)
             if _or_all(ptrs, 0) & 15:
-                grid = self._misaligned_grid(rest[1], ptrs, 0, len(ptrs))
+                grid = self._misaligned_grid(rest.tensors, ptrs, 0, len(ptrs))
             b = self._batch_launch
             if grid is not self._batch_grid:
                 b.grid = self._batch_grid = grid
             pack(*ptrs, *consts, epoch, meta)
             b(comm)
         elif self.hybrid:
-            kind, per, free_start, regions, batches = rest
+            per = rest.tensors
             g = self._single_gather_launch()
-            g.u32[self._gather_launch_idx[5]], g.u32[self._gather_launch_idx[6]] = epoch, meta
-            self._hybrid_gather(g, comm, ptrs, [f[1] for f in per], regions,
+            g.u32[self._gather_launch_idx.epoch], g.u32[self._gather_launch_idx.meta] = epoch, meta
+            self._hybrid_gather(g, comm, ptrs, [f.num_bytes for f in per], rest.regions,
                                 [not mask >> i & 1 for i in range(len(per))], meta)
         else:
-            self._gather_batches(comm, rest[4], rest[1], ptrs, mask, epoch, meta)
+            self._gather_batches(comm, rest.batches, rest.tensors, ptrs, mask, epoch, meta)
         handle = AGRSWaitHandle((self, self.session_idx, epoch, meta, items[0]), keep, keep if track else (), current,
                                 comm)
         if self.hybrid:     # (a rail timeout skips the signal that the wait kernel's return would stand for)
@@ -298,8 +298,8 @@ class AGRS(GatherLaunches, HybridSteps, Reductions):
     def _in_place(self, items, ptrs, e):
         """`all_gather`'s `(in-place mask, sources to keep, pack constants)` for a call whose sources come near its free
         area (entry `e`; see `_copy_mask`)."""
-        pack, consts, _, _, _, free_end, _, _, _, _, _, (_, per, free_start, _, _) = e
-        mask = self._copy_mask(ptrs, per, free_start, free_end)
+        pack, consts, _, _, _, free_end, _, _, _, _, _, rest = e
+        mask = self._copy_mask(ptrs, rest.tensors, rest.free_start, free_end)
         if mask == e[3]:
             return mask, items, consts
         keep = tuple([t for i, t in enumerate(items) if mask >> i & 1])
@@ -328,8 +328,8 @@ class AGRS(GatherLaunches, HybridSteps, Reductions):
         area must be its own in-place slot."""
         mask = 0
         for i, (ptr, f) in enumerate(zip(ptrs, per)):
-            nbytes = f[1]
-            if ptr != f[0] or not nbytes:
+            nbytes = f.num_bytes
+            if ptr != f.slot_ptr or not nbytes:
                 mask |= 1 << i
                 if nbytes and ptr < free_end and ptr + nbytes > free_start:
                     raise ValueError(f'tensors[{i}] lies in the part of the session buffer that this or a later '

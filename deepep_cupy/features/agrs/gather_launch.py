@@ -4,9 +4,31 @@ launch per GATHER_BATCH tensors in a single domain, agrs_gather_kernel's for hyb
 import operator
 import struct
 from functools import reduce
+from typing import List, NamedTuple
 
-from .gather_entry import BATCH_PACK, single_batch_pack
+from .gather_entry import BATCH_PACK, GatherTensor, single_batch_pack
 from .kernels import GATHER_BATCH, THREADS
+
+
+class GatherLaunchIndex(NamedTuple):
+    """The words of agrs_gather_kernel's arguments that hybrid mode patches per launch (its parameter names)."""
+    src: int
+    num_bytes: int
+    region_offset: int
+    write_local: int
+    do_signal: int
+    epoch: int
+    meta: int
+
+
+class BatchIndex(NamedTuple):
+    """Where the per-call arguments of agrs_gather_batch_kernel's block go (`GatherLaunches._bind_batch_launch`)."""
+    src_packs: List[struct.Struct]      # [n]: the struct of the first n sources (from the block's start)
+    packed: slice                       # bytes of the sizes, offsets and count (`gather_entry.BATCH_PACK`)
+    write_local_mask: int               # u32 word
+    do_signal: int                      # i32 word
+    epoch: int                          # u32 word
+    meta: int                           # u32 word
 
 
 class GatherLaunches:
@@ -20,8 +42,7 @@ class GatherLaunches:
             g = self._gather_launch = self.kernels['gather'].bind(
                 1, THREADS, src=0, num_bytes=0, region_offset=0, peer_bases=buf.sym.peer_bases_ptr,
                 rank=buf.sym.local_idx, write_local=0, do_signal=0, epoch=0, meta=0, meta_word=0)
-            self._gather_launch_idx = tuple(g.index(n) for n in ('src', 'num_bytes', 'region_offset',
-                                                                 'write_local', 'do_signal', 'epoch', 'meta'))
+            self._gather_launch_idx = GatherLaunchIndex._make(g.index(n) for n in GatherLaunchIndex._fields)
         return g
 
     def _bind_batch_launch(self):
@@ -44,11 +65,12 @@ class GatherLaunches:
         assert b.index('epoch') == tail + 1 and b.index('meta') == tail + 2, 'agrs_gather_batch_kernel argument layout'
         assert b.index('peer_bases') * 2 == b.index('write_local_mask') + 1 and \
             b.index('rank') == b.index('peer_bases') * 2 + 2 and tail == b.index('rank') + 1 and \
-            single_batch_pack(((0, 0, 0),), 0, (0, 0))[0].size == 4 * (tail + 3), \
+            single_batch_pack((GatherTensor(0, 0, 0, (1, 1, 1), (1, 1, 1), True),), 0, (0, 0))[0].size == \
+            4 * (tail + 3), \
             'agrs_gather_batch_kernel argument layout'
         src_pack = [struct.Struct(f'={n}Q') for n in range(GATHER_BATCH + 1)]     # the first n sources
-        self._batch_idx = (src_pack, slice(start, start + BATCH_PACK.size), b.index('write_local_mask'), tail,
-                           tail + 1, tail + 2)
+        self._batch_idx = BatchIndex(src_pack, slice(start, start + BATCH_PACK.size), b.index('write_local_mask'),
+                                     tail, tail + 1, tail + 2)
         self._batch_bytes = memoryview(b.data).cast('B')
         self._batch_tail = (b.u64[b.index('peer_bases')], b.i32[b.index('rank')])     # (as bound)
         self._batch_launch = b
@@ -75,4 +97,5 @@ class GatherLaunches:
     @staticmethod
     def _misaligned_grid(per, ptrs, lo: int, hi: int):
         """The grid of tensors lo..hi-1 when a source is off 16 bytes (it takes the byte path, with its own grid)."""
-        return (max([(f[3] if f[5] and not ptr & 15 else f[4])[0] for ptr, f in zip(ptrs[lo:hi], per[lo:hi])]), 1, 1)
+        return (max([(f.grid if f.aligned and not ptr & 15 else f.byte_grid)[0]
+                     for ptr, f in zip(ptrs[lo:hi], per[lo:hi])]), 1, 1)

@@ -60,6 +60,15 @@ class _Fetch:
         self.col_major = self.layered = False      # (the call's flags, set by `Engram._plan_fetch`)
 
 
+def _layer_hooks(c: _Fetch, datas, sf_outs, event, indices, keep, record, current, comm) -> List[EngramFetchHook]:
+    """The hooks of a fetch of several layers (`c`), one per layer: `datas` (and `sf_outs`) its outputs; the hooks
+    share one deferred record of `record` (torch: the arrays used on `comm`, allocated on `current`)."""
+    deferred = DeferredRecord(record, current, comm) if record else None
+    if not c.layered or c.sf is not None:
+        return [EngramFetchHook(event, indices, (data, sf), keep, deferred) for data, sf in zip(datas, sf_outs)]
+    return [EngramFetchHook(event, indices, data, keep, deferred) for data in datas]
+
+
 class Engram:
     """The engram feature of one buffer: the tables' layout, where the storage is, a private copy of the replicated
     scale factors, views of the fetch output and the index range check.
@@ -346,17 +355,20 @@ class Engram:
             width, padded = n * self.num_sf, align(num_tokens, 4)
             sf_strides = (width * padded, 1, padded) if col_major else (num_tokens * width, width, 1)
 
-        def bind(c: _Fetch) -> None:
+        def bind(c: _Fetch, iptr: int):
+            """The launch (bound by the first call that passed the range check) with the indices' address `iptr`."""
             fetch = self._fetch_kernel
             if fetch is None:
                 fetch = self._fetch_kernel = self._kernels()[fetch_spec(buf.num_scaleup_ranks).name]
             dev = self._device
-            c.launch = fetch.bind(
+            b = c.launch = fetch.bind(
                 grid_for(num_layers * rows * (layout.row_bytes // 16), num_qps or buf.num_device_sms), THREADS,
                 **fetch_args(layout, 0, num_layers, num_tokens, n, int(dev['layers'].data.ptr),
                              int(dev['table_bases'].data.ptr), buf.sym.base + layout.out_offset, self.sf, self.num_sf,
                              None, sf_strides))
-            c.i_indices, c.i_sf_out = c.launch.index('indices'), c.launch.index('sf_out')
+            c.i_indices, c.i_sf_out = b.index('indices'), b.index('sf_out')
+            b.u64[c.i_indices] = iptr
+            return b
         c = _Fetch(tables, ii.kind, interop.stream_getter(ii.kind, ii.device), num_layers, num_tokens, n, rows,
                    ii.numel, bind)
         c.col_major, c.layered = col_major, layered
@@ -402,15 +414,7 @@ class Engram:
         c = self._fetch_calls.get(key)
         layout, sf_table, device_arrays = self.layout, self.sf, self._device
         if c is None or c.layout is not layout or c.sf is not sf_table or c.device is not device_arrays:
-            # (a written layout comes with new device arrays, so a remembered call is never one of unwritten tables)
-            if layout is None or not self.written:
-                raise RuntimeError('engram fetch: write the tables first (no table was written on this buffer)')
-            c = self._plan_fetch(indices, num_qps, bool(use_tma_aligned_col_major_sf), bool(layered),
-                                 (layout, sf_table, device_arrays))
-            if type(key[0]) is not object:
-                if len(self._fetch_calls) >= 64:
-                    self._fetch_calls.clear()
-                self._fetch_calls[key] = c
+            c = self._new_fetch(key, indices, num_qps, use_tma_aligned_col_major_sf, layered)
         kind, rows = c.kind, c.rows
         current = c.stream()
         # The range check needs the GPU: start it first, do the host work that launches nothing meanwhile (the
@@ -436,9 +440,7 @@ class Engram:
         event, keep, record = None, (), ()
         if rows:
             if b is None:
-                c.bind(c)
-                b = c.launch
-                b.u64[c.i_indices] = iptr
+                b = c.bind(c, iptr)
             if sf_out is not None:
                 b.u64[c.i_sf_out] = sf_out.data_ptr() if kind == 'torch' else sf_out.data.ptr
             b(comm)
@@ -448,10 +450,21 @@ class Engram:
         if len(datas) == 1:
             result = datas[0] if c.layered and sf_table is None else (datas[0], sf_outs[0])
             return [SoleFetchHook(event, indices, result, keep, record, current, comm if rows else None)]
-        deferred = DeferredRecord(record, current, comm) if record else None
-        if not c.layered or sf_table is not None:
-            return [EngramFetchHook(event, indices, (data, sf), keep, deferred) for data, sf in zip(datas, sf_outs)]
-        return [EngramFetchHook(event, indices, data, keep, deferred) for data in datas]
+        return _layer_hooks(c, datas, sf_outs, event, indices, keep, record, current, comm if rows else None)
+
+    def _new_fetch(self, key: tuple, indices, num_qps: int, col_major, layered) -> _Fetch:
+        """A fetch signature met for the first time, or one whose tables changed: checked (`_plan_fetch`) and
+        remembered under `key` when the key is a signature (`interop.meta` gives anything else a fresh object)."""
+        layout = self.layout
+        # (a written layout comes with new device arrays, so a remembered call is never one of unwritten tables)
+        if layout is None or not self.written:
+            raise RuntimeError('engram fetch: write the tables first (no table was written on this buffer)')
+        c = self._plan_fetch(indices, num_qps, bool(col_major), bool(layered), (layout, self.sf, self._device))
+        if type(key[0]) is not object:
+            if len(self._fetch_calls) >= 64:
+                self._fetch_calls.clear()
+            self._fetch_calls[key] = c
+        return c
 
     def _sf_outputs(self, kind: str, num_layers: int, num_tokens: int, n: int, col_major: bool):
         """Per layer `[num_tokens, n * num_sf]` scale-factor outputs in one allocation, that allocation and its

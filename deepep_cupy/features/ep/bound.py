@@ -44,21 +44,23 @@ from .kernels import (
     COMBINE_CHUNK_ROWS,
     COMBINE_THREADS,
     DISPATCH_THREADS,
-    HOST_MAX_TOKENS_WORD,
     NOTIFY_THREADS,
     PHASE_RECV,
     PHASE_SEND,
     dispatch_chunk_rows,
 )
+from .patch import GuardIndex as _GuardIndex
+from .patch import NotifyV1Index, ReceiveIndex, TorchDtypes
 from .patch import Outputs as _Outputs
 from .patch import address_patcher as _address_patcher
 from .patch import allocate_x as _allocate_x
 from .patch import check_guard as _check_guard
 from .patch import cupy_views as _cupy_views
+from .patch import from_handle as _from_handle
 from .patch import output_layout as _output_layout
 from .patch import patch_guard as _patch_guard
 from .patch import patcher as _patcher
-from .patch import psum_expert_from_layout as _psum_expert_from_layout
+from .patch import wait_counts as _wait_counts
 
 _MAX_SIZES = 64     # output layouts remembered per bound dispatch (CPU-sync counts vary per call)
 # recv_x and recv_sf together up to this size are carved out of the small outputs' allocation (see the module
@@ -92,14 +94,35 @@ class BoundDispatch:
         self.stream = interop.stream_getter(p.kind, p.xi.device)
         self.alloc_on_comm, self.async_ = bool(allocate_on_comm_stream), bool(async_with_compute_stream)
         self.local = not (self.alloc_on_comm or self.async_)     # may run on the caller's stream (streams.py)
-        R, K, L = s.num_ranks, p.num_topk, p.num_local_experts
+        K, L = p.num_topk, p.num_local_experts
         self.num_experts, self.num_local_experts, self.num_topk = p.num_experts, L, K
         self.num_topk_values = p.num_tokens * K
         self.num_ranks = R
+        self.num_device_sms = s.num_device_sms
         self.x_dtype = 'float8_e4m3fn' if p.fp8 else 'bfloat16'
         self.sf_dtype = p.sfi.dtype if p.sfi is not None else None
+        self._torch_dtypes = None   # torch: the views' dtypes resolved once
+        if self.kind == 'torch':
+            import torch
+            self._torch_dtypes = TorchDtypes(torch.int64, torch.float32, getattr(torch, self.sf_dtype or 'int32'))
         self._sizes: Dict[Tuple[int, int], _Outputs] = {}
-        kernels = ep.kernels(K)
+        inputs, notify_exprs = self._bind_launches(ep, p)
+        self._bind_outputs(ep, p)
+        ep_lean.bind_call_patch(self, p, inputs, notify_exprs)
+        self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
+        self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
+        if self.fixed is not None:  # (sized now: lean.run_no_sync relies on it, `__call__` re-sizes after a guard)
+            self._size_recv(self.fixed, 0)
+        ep_legacy.bind(self, p)     # DeepEP V1's per-call needs: `v1_counts`, `v1_views`, `v1_int32`
+        # `run`: what `EP.dispatch` calls, the lean path chosen for this binding or `__call__` (lean.py)
+        ep_lean.bind(self, p)
+
+    def _bind_launches(self, ep, p) -> Tuple[dict, tuple]:
+        """The launch structure (one launch, a send and a receive launch, or the fused one), the bound launches, their
+        patchers and the words patched by index (the readiness guard's, the receive's sizes); returns the inputs' and
+        the notify's (parameter, expression) pairs (`_bind_patchers`)."""
+        s, R = ep.settings, self.num_ranks
+        kernels = ep.kernels(self.num_topk)
         sym, xi = ep._sym, p.xi
         tail = dict(peer_bases=sym.peer_bases_ptr, rank=sym.local_idx, error_record=ep._host_ptr,
                     timeout_ns=ep._buf.timeout_ns)
@@ -115,25 +138,31 @@ class BoundDispatch:
         self.fused_cooperative = ep.fused_cooperative
         self.num_notify_blocks = ep_fused.fused_notify_blocks(p.num_tokens) if self.fused else 0
         notify_args = self._bind_notify(ep, p, kernels, tail)
-        do_cpu_sync = p.handle.do_cpu_sync if p.cached else p.do_cpu_sync
         self._bind_dispatch(p, kernels, tail, x_row_bytes, notify_args)
         inputs, notify_exprs = self._bind_patchers(p)
         r = self.recv
         guarded = not self.fused
-        guard_idx = (lambda b: (b.index('ready'), b.index('ready_mod')) if guarded and b is not None else None)
+        guard_idx = (lambda b: _GuardIndex(b.index('ready'), b.index('ready_mod')) if guarded and b is not None
+                     else None)
         self.send_guard_idx, self.recv_guard_idx = guard_idx(self.send), guard_idx(r)
         # Whether the send / receive block holds a guard (bound without: patched while a guard is on, or to clear one)
         self._send_guarded = self._recv_guarded = False
-        self.recv_rows_idx = (r.index('num_out_rows'), r.index('num_meta_rows'))
-        self.recv_sf_idx = (r.index('recv_sf_stride_row'), r.index('recv_sf_stride_col'))
+        self.recv_idx = ReceiveIndex(r.index('num_out_rows'), r.index('num_meta_rows'), r.index('recv_sf_stride_row'),
+                                     r.index('recv_sf_stride_col'))
         self.recv_extra = 0 if self.send is not None else self.num_send_blocks
+        return inputs, notify_exprs
+
+    def _bind_outputs(self, ep, p) -> None:
+        """The fields every handle of this binding shares, where the outputs start in their allocation, the fixed
+        output layout (no CPU sync, not cached: the worst case) and the workspace's allocation."""
+        s, R, K, L = ep.settings, self.num_ranks, self.num_topk, self.num_local_experts
+        do_cpu_sync = p.handle.do_cpu_sync if p.cached else p.do_cpu_sync
         self.handle_fields = HandleFields(
             do_expand=p.do_expand, num_experts=p.num_experts, expert_alignment=p.expert_alignment,
             num_max_tokens_per_rank=p.num_max_tokens_per_rank, num_sms=p.num_sms, num_tokens=p.num_tokens,
             num_topk=K, hidden=p.hidden, kind=p.kind, buffer_id=s.owner_id, do_cpu_sync=do_cpu_sync, num_ranks=R,
             num_local_experts=L, offsets=self.offsets)
         self.p = p.without_arrays()
-        self.num_device_sms = s.num_device_sms
         # Where the outputs start in their allocation: after the workspace (and V1's matrices) without a CPU sync, at
         # word 0 of an allocation of their own otherwise.
         self._out_base = 0 if (p.cached or p.do_cpu_sync) else self.ws_words + self.v1_words
@@ -144,19 +173,6 @@ class BoundDispatch:
         # (without a CPU sync and recv_x carved: of recv_x's dtype, `Outputs.alloc_dtype`)
         self.ws_alloc_dtype = 'int32' if self.fixed is None else self.fixed.alloc_dtype
         self.ws_alloc_shape = (max(2, self.ws_alloc_words) * (4 // interop.itemsize(self.ws_alloc_dtype)),)
-        ep_lean.bind_call_patch(self, p, inputs, notify_exprs)
-        self._recv_sized = None     # the `_Outputs` whose sizes and grid the receive launch's block holds
-        self._recv_free = 0         # and the SMs the grid left free for hybrid P2's side stream
-        if self.fixed is not None:  # (sized now: lean.run_no_sync relies on it, `__call__` re-sizes after a guard)
-            self._size_recv(self.fixed, 0)
-        # torch: (int64, float32, recv_sf's dtype) resolved once
-        self._torch_dtypes = None
-        if self.kind == 'torch':
-            import torch
-            self._torch_dtypes = (torch.int64, torch.float32, getattr(torch, self.sf_dtype or 'int32'))
-        ep_legacy.bind(self, p)     # DeepEP V1's per-call needs: `v1_counts`, `v1_views`, `v1_int32`
-        # `run`: what `EP.dispatch` calls, the lean path chosen for this binding or `__call__` (lean.py)
-        ep_lean.bind(self, p)
 
     def _bind_notify(self, ep, p, kernels, tail) -> Optional[dict]:
         """The workspace's layout (a cached dispatch: its handle's) and, without a handle, the notify launch; returns
@@ -245,11 +261,7 @@ class BoundDispatch:
             self.recv = kernels.dispatch.bind(1, DISPATCH_THREADS, phases=PHASE_RECV, num_send_blocks=0,
                                               ready=0, ready_mod=0, **common)
         if not p.cached:
-            self.notify_idx = tuple(self.notify.index(n) for n in (
-                'topk_idx', 'send_pos', 'send_expert_pos', 'recv_layout', 'psum_recv_per_expert', 'cumulative_stats',
-                'topk_copy', 'token_of_slot', 'send_count'))
-            self.notify_v1_idx = tuple(self.notify.index(n) for n in (
-                'expert_counts', 'rank_prefix_matrix', 'channel_prefix_matrix', 'recv_channel_prefix_matrix'))
+            self.notify_v1_idx = NotifyV1Index._make(self.notify.index(n) for n in NotifyV1Index._fields)
             self.notify_seq = self.notify.index('host_seq')
 
     # ---- output layout -----------------------------------------------------------------------------------------------
@@ -292,18 +304,10 @@ class BoundDispatch:
             wait_range = ep._start_range(topk_idx, tp, self.num_topk_values, self.num_topk, current)
         comm = ep._order.enter(current, event, self.local)
         alloc_stream = comm if self.alloc_on_comm else None
-        psum_expert = None
         if cached:
-            h = handle
-            ws, ws_ptr, user_topk = h.workspace, h.workspace_ptr, h._topk_idx
-            # (`h.topk_idx_ptr` inline: the handle's origin, and so its workspace offsets, are this call's key's)
-            tp = ws_ptr + self.topk_copy_bytes if user_topk is None else h.topk_idx_ptr
-            psum_expert = h._psum_expert
-            if self.do_expand != h.do_expand:
-                psum_expert = _psum_expert_from_layout(h.recv_layout, h.num_ranks, self.num_local_experts,
-                                                       h.expert_alignment, self.do_expand, self.kind, comm)
+            ws, ws_ptr, user_topk, tp, psum_expert, out, counts = _from_handle(self, handle, comm)
         else:
-            user_topk = topk_idx if self.user_topk else None
+            user_topk, psum_expert = topk_idx if self.user_topk else None, None
             ws = carver.empty(self.ws_alloc_shape, self.ws_alloc_dtype, alloc_stream)
             ws_ptr = ws.data_ptr() if self._torch_dtypes is not None else carver.ptr(ws)
         if cpu_sync:
@@ -318,7 +322,7 @@ class BoundDispatch:
             if one_patch is None:
                 self.notify_patch(n.u64, xp, sp, tp, wp, cp, ws_ptr)       # (V1's matrices too)
             if self.v1_counts:      # (V1's expert counts: the notify publishes them)
-                n.u64[self.notify_v1_idx[0]] = ecp
+                n.u64[self.notify_v1_idx.expert_counts] = ecp
         snd = self.send
         if snd is not None:
             if one_patch is None:
@@ -326,48 +330,50 @@ class BoundDispatch:
             if self.send_guard_idx is not None and (guard is not None or self._send_guarded):
                 _patch_guard(snd, self.send_guard_idx, guard)
                 self._send_guarded = guard is not None
-
-        out = self.fixed
-        if out is not None:           # no CPU sync, not cached: worst-case sizes, carved out of the workspace
-            group, g0, counts = ws, ws_ptr, []
-        else:
-            if cpu_sync:
-                seq = ep._next_host_seq()
-                n.i32[self.notify_seq] = seq
-                if not self.fused:    # (never with a CPU sync: features/ep/fused.py)
-                    n(comm)
-                if snd is not None:
-                    snd(comm)
-                num_recv, num_expanded, counts = ep._wait_host_counts(seq, self.num_local_experts)
-                if legacy is not None:
-                    legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
-            else:       # cached: `plan.dispatch_counts` inline, the counts' copy deferred
-                num_recv, num_expanded, counts = h.num_recv_tokens, h.num_expanded_tokens, h._counts
-                if self.do_expand and not h.do_expand and not h.do_cpu_sync:
-                    num_expanded = self.worst_expanded
-                if type(counts) is list:    # (the handle's list, which its caller may hold: copied now)
-                    counts = list(counts)
-                # else the numpy counts of a CPU-sync dispatch, written by nobody: shared, each handle makes its own
-                # list on first access (EPHandle.num_recv_tokens_per_expert_list)
-            out = self.outputs(num_recv, num_expanded)
+        if cpu_sync:
+            out, counts = _wait_counts(self, ep, comm, legacy)
+        if cached or cpu_sync:      # exact sizes: the outputs' allocation of their own
             group = carver.empty(out.alloc_shape, out.alloc_dtype, alloc_stream)
             g0 = group.data_ptr() if self._torch_dtypes is not None else carver.ptr(group)
-        # The outputs: views of `group` (the outputs from its word `_out_base`), recv_x / recv_sf too where `out`
-        # carves them, else allocations of their own. recv_src_metadata stays a (pointer, place) until someone reads
-        # it: the handle makes the view then.
-        recv_sf = recv_topk_idx = recv_topk_weights = None
-        topk_at, weights_at, x_at, sf_at, meta_at = out.at
+        else:                       # no CPU sync, not cached: worst-case sizes, carved out of the workspace
+            out, group, g0, counts = self.fixed, ws, ws_ptr, []
+        recv_x, recv_sf, recv_topk_idx, recv_topk_weights = self._receive_outputs(out, group, g0, alloc_stream, guard,
+                                                                                  xp, sp, tp, wp, cp, ws_ptr)
+        if not cpu_sync:              # the launches back to back: nothing but the launch calls between them
+            if not cached and not self.fused:
+                n(comm)
+            if snd is not None:
+                snd(comm)
+        self.recv(comm)
+        counts = counts.copy() if cpu_sync else counts      # (a host-mapped view: `EP._wait_host_counts`)
+        byte_at = out.byte_at
+        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + byte_at.meta,
+                                   (group, (carver, out.meta_shape, out.at.meta)), ws, ws_ptr, user_topk, psum_expert)
+        if legacy is not None:      # (after the launches: views only, the kernels have their addresses)
+            ep_legacy.v1_outputs(self, legacy, new_handle, group, byte_at.src_idx)
+        if self.async_:
+            event_out = ep_lean.async_event(self, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
+                                          recv_topk_idx, recv_topk_weights, ws, group, user_topk,
+                                          None if legacy is None else legacy.expert_counts)
+        else:
+            event_out = ep._order.leave(self.kind, current, comm, False)
+        return ((recv_x, recv_sf) if self.fp8 else recv_x), recv_topk_idx, recv_topk_weights, new_handle, event_out
+
+    def _receive_outputs(self, out: _Outputs, group, g0: int, alloc_stream, guard, xp: int, sp: int, tp: int, wp: int,
+                         cp: int, ws_ptr: int):
+        """The outputs of the layout `out` and the receive launch's words for them: views of `group` (address `g0`;
+        the outputs from its word `_out_base`), recv_x / recv_sf too where `out` carves them, else allocations of
+        their own; the receive's pointers (every launch's with `call_patch`), its readiness guard, its sizes and grid.
+        Returns `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights)`. recv_src_metadata stays a (pointer, place)
+        until someone reads it: the handle makes the view then."""
         td = self._torch_dtypes
-        if td is not None:      # torch: Carver.view inline, the dtypes, strides and offsets resolved once
-            i64, f32, sf_dtype = td
-            if topk_at >= 0:
-                recv_topk_idx = group.view(i64).as_strided(out.topk_shape, out.topk_strides, topk_at)
-            if weights_at >= 0:
-                recv_topk_weights = group.view(f32).as_strided(out.weights_shape, out.weights_strides, weights_at)
-            if x_at >= 0:       # (the allocation is of recv_x's dtype)
-                recv_x = group.as_strided(out.x_shape, out.x_strides, x_at)
-            if sf_at >= 0:
-                recv_sf = group.view(sf_dtype).as_strided(out.sf_view_shape, out.sf_strides, sf_at)
+        if td is not None:      # torch: Carver.view inline, the views' arguments fixed per layout (`Outputs.views`)
+            x_v, sf_v, topk_v, weights_v = out.views
+            recv_topk_idx = None if topk_v is None else group.view(td.int64).as_strided(*topk_v)
+            recv_topk_weights = None if weights_v is None else group.view(td.float32).as_strided(*weights_v)
+            if x_v is not None:       # (the allocation is of recv_x's dtype)
+                recv_x = group.as_strided(*x_v)
+            recv_sf = None if sf_v is None else group.view(td.sf).as_strided(*sf_v)
         else:
             recv_topk_idx, recv_topk_weights, recv_x, recv_sf = _cupy_views(self.carver, group, out, self.x_dtype,
                                                                              self.sf_dtype)
@@ -376,6 +382,7 @@ class BoundDispatch:
             (recv_x, recv_sf), (xo, sfo) = _allocate_x(self.carver, out, self.x_dtype, self.sf_dtype,
                                                        self.p.use_tma_aligned_col_major_sf, alloc_stream)
         r = self.recv
+        one_patch = self.call_patch
         if one_patch is not None:
             one_patch(xp, sp, tp, wp, cp, ws_ptr)
         else:
@@ -385,38 +392,23 @@ class BoundDispatch:
             self.recv_in_patch(u, xp, sp, tp, wp, cp, ws_ptr)
             self.recv_out_patch(u, (xo, sfo, g0 + tb if tb >= 0 else 0, g0 + wb if wb >= 0 else 0, g0 + mb,
                                     g0 + ib if ib >= 0 else 0))
-        if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
-            _patch_guard(r, self.recv_guard_idx, guard)
-            self._recv_guarded = guard is not None
-        self._lean_blocked = self.claim or self._send_guarded or self._recv_guarded
-        free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
+        if guard is None and not self._lean_blocked:    # (no guard on, none left in a block, the region claimed)
+            free = 0
+        else:
+            if self.recv_guard_idx is not None and (guard is not None or self._recv_guarded):
+                _patch_guard(r, self.recv_guard_idx, guard)
+                self._recv_guarded = guard is not None
+            self._lean_blocked = self.claim or self._send_guarded or self._recv_guarded
+            free = guard[2] if guard is not None else 0     # SMs hybrid P2 leaves to its side stream (checked above)
         if out is not self._recv_sized or free != self._recv_free:     # these sizes' words and grid stay in the block
             self._size_recv(out, free)
-        if not cpu_sync:              # the launches back to back: nothing but the launch calls between them
-            if not cached and not self.fused:
-                n(comm)
-            if snd is not None:
-                snd(comm)
-        r(comm)
-        counts = counts.copy() if cpu_sync else counts      # (a host-mapped view: `EP._wait_host_counts`)
-        new_handle = EPHandle._new(self, self.handle_fields, out.num_recv, out.num_expanded, counts, g0 + mb,
-                                   (group, (carver, out.meta_shape, meta_at)), ws, ws_ptr, user_topk, psum_expert)
-        if legacy is not None:      # (after the launches: views only, the kernels have their addresses)
-            ep_legacy.v1_outputs(self, legacy, new_handle, group, ib)
-        if self.async_:
-            event_out = ep_lean.async_event(self, ep, current, x_in, topk_idx, topk_weights, stats, recv_x, recv_sf,
-                                          recv_topk_idx, recv_topk_weights, ws, group, user_topk,
-                                          None if legacy is None else legacy.expert_counts)
-        else:
-            event_out = ep._order.leave(self.kind, current, comm, False)
-        out_x = (recv_x, recv_sf) if self.fp8 else recv_x
-        return out_x, recv_topk_idx, recv_topk_weights, new_handle, event_out
+        return recv_x, recv_sf, recv_topk_idx, recv_topk_weights
 
     def _size_recv(self, out: _Outputs, free: int) -> None:
         """The receive launch's words and grid for the sizes `out` (and `free` SMs left to hybrid P2's side stream)."""
-        r = self.recv
-        r.i32[self.recv_rows_idx[0]], r.i32[self.recv_rows_idx[1]] = out.num_out_rows, out.num_recv
-        r.i64[self.recv_sf_idx[0]], r.i64[self.recv_sf_idx[1]] = out.sf_strides
+        r, idx = self.recv, self.recv_idx
+        r.i32[idx.num_out_rows], r.i32[idx.num_meta_rows] = out.num_out_rows, out.num_recv
+        r.i64[idx.recv_sf_stride_row], r.i64[idx.recv_sf_stride_col] = out.sf_strides
         # One launch: the senders first, then the receivers (all co-resident, at most one block per SM).
         if self.fused:
             r.grid = (ep_fused.fused_grid(self.num_send_blocks, out.grid, self.num_notify_blocks,

@@ -223,28 +223,35 @@ class EP:
                do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf, num_worst_tokens,
                num_worst_tokens.__class__, allow_previous_event_alone, v1)
         b = self._bound.get(key)
-        if b is None:
-            # Full checks (plan.py); the bound call is remembered when every part of the key is a signature.
-            p = ep_plan.plan_dispatch(
-                self.settings, self.layout, x, topk_idx=topk_idx, topk_weights=topk_weights,
-                stats=cumulative_local_expert_recv_stats, num_experts=num_experts,
-                num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment, num_sms=num_sms,
-                previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream, handle=handle,
-                do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
-                do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-                start_range=None, num_worst_tokens=num_worst_tokens,
+        if b is None:       # a signature met for the first time
+            b = self._bind_dispatch(
+                key, bool((handle is None or origin) and _cacheable(xs, ss, ts, ws, cs, es)), async_with_compute_stream,
+                x, topk_idx=topk_idx, topk_weights=topk_weights, stats=cumulative_local_expert_recv_stats,
+                num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
+                expert_alignment=expert_alignment, num_sms=num_sms, previous_event=previous_event,
+                allocate_on_comm_stream=allocate_on_comm_stream, handle=handle, do_handle_copy=do_handle_copy,
+                do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
+                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, num_worst_tokens=num_worst_tokens,
                 allow_previous_event_alone=allow_previous_event_alone, legacy=legacy)
-            b = BoundDispatch(self, p, allocate_on_comm_stream, async_with_compute_stream)
-            if (handle is None or origin) and _cacheable(xs, ss, ts, ws, cs, es):
-                b.key = key
-                if not b.claim:
-                    self._remember(key, b)
         event = None if previous_event is None else as_event_handle(previous_event)
         if legacy is None:      # (`run`: the bound call's path specialised at binding, bound.py)
             return b.run(b, self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle, event, xp, sp,
                          tp, wp, cp)
         return b.run_v1(b, self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle, event, xp, sp,
                         tp, wp, cp, legacy, ecp)
+
+    def _bind_dispatch(self, key: tuple, remember: bool, async_with_compute_stream: bool, x,
+                       **plan_args) -> BoundDispatch:
+        """A dispatch signature's full checks (`plan.plan_dispatch` of `x` and `plan_args`, the call's other
+        arguments) and its bound dispatch, remembered under `key` when every part of the key is a signature
+        (`remember`; a call that laid the EP regions out: once it claimed the data region, `_claim`)."""
+        p = ep_plan.plan_dispatch(self.settings, self.layout, x, start_range=None, **plan_args)
+        b = BoundDispatch(self, p, plan_args['allocate_on_comm_stream'], async_with_compute_stream)
+        if remember:
+            b.key = key
+            if not b.claim:
+                self._remember(key, b)
+        return b
 
     def _start_range(self, topk_idx, ptr: int, num_values: int, num_topk: int, stream):
         """Start reading topk_idx's (min, max) back: one small kernel on `stream` (the one that made topk_idx) writing

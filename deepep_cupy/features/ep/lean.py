@@ -346,14 +346,26 @@ def run_no_sync_v1(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp
                    cp: int, legacy, ecp: int):
     """`run_no_sync` of a DeepEP V1 call (`legacy`: its `LegacyLayout`, without expert counts: `ecp` is 0, as
     bound): V1's matrices' pointers are in `call_patch` / `call_patch_x` (workspace plus constants); V1's outputs are
-    views made after the launches (`v1_outputs`' two parts; recv_src_idx, like the other outputs, in the workspace's
-    allocation)."""
+    views made after the launches, like the other outputs in the workspace's allocation (torch: one int32 view of it
+    and an `as_strided` per output, their arguments fixed at binding, `legacy.bind`'s `v1_fixed_views`, send_head
+    shared with the handle as its dst_buffer_slot_idx; CuPy: `v1_outputs`' two parts)."""
     if b._lean_blocked or ep.ready_guard is not None:
         return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp, legacy, ecp)
     out = run_no_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp)
     nh = out[3]
     ws = nh.workspace
-    receive_views(b, legacy, nh, ws, b.fixed.byte_at[5], workspace_views(b, legacy, ws))
+    fixed_views = b.v1_fixed_views
+    if fixed_views is None:
+        receive_views(b, legacy, nh, ws, b.fixed.byte_at[5], workspace_views(b, legacy, ws))
+        return out
+    w = ws if b.v1_ws_int32 else ws.view(b.v1_int32)
+    rpm, cpm, rcpm, src, head, head_key = fixed_views
+    legacy.rank_prefix_matrix = w.as_strided(*rpm)
+    legacy.channel_prefix_matrix = w.as_strided(*cpm)
+    legacy.recv_channel_prefix_matrix = w.as_strided(*rcpm)
+    legacy.recv_src_idx = w.as_strided(*src)
+    legacy.send_head = send_head = w.as_strided(*head)
+    nh._views = {'int32': w, head_key: send_head}
     return out
 
 
@@ -363,7 +375,8 @@ def run_cpu_sync_v1(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, x
     before the notify's launch when the signature has them): the receive speculated as V2's (its recv_src_idx pointer
     is one of the outputs' patch); V1's views of the workspace (its matrices, send_head) made while the GPU counts
     (`legacy.workspace_views`); after the receive's launch the largest reported token count (growth) and the rest of
-    V1's outputs (`legacy.receive_views`: recv_src_idx)."""
+    V1's outputs: recv_src_idx (torch: a view of the outputs' allocation right after recv_src_metadata, patch.py
+    `output_layout`'s order; CuPy: `legacy.receive_views`)."""
     if b._lean_blocked or ep.ready_guard is not None:
         return b(ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp, legacy, ecp)
     if b.v1_counts:
@@ -371,8 +384,16 @@ def run_cpu_sync_v1(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, x
     out = run_cpu_sync(b, ep, x_in, topk_idx, topk_weights, stats, handle, event, xp, sp, tp, wp, cp, legacy)
     legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
     nh = out[3]
-    receive_views(b, legacy, nh, nh._meta_of[0], b.outputs(nh.num_recv_tokens, nh.num_expanded_tokens).byte_at[5],
-                  None)
+    i32 = b.v1_int32
+    if i32 is None:
+        receive_views(b, legacy, nh, nh._meta_of[0], b.outputs(nh.num_recv_tokens, nh.num_expanded_tokens).byte_at[5],
+                      None)
+        return out
+    group, (_, _, meta_word) = nh._meta_of
+    num_recv = nh.num_recv_tokens
+    g = group if group.dtype is i32 else group.view(i32)
+    legacy.recv_src_idx = g.as_strided((num_recv,), (1,), meta_word + num_recv * b.v1_meta_cols)
+    nh._views = legacy.handle_views     # (`legacy.workspace_views`' while the GPU counted)
     return out
 
 

@@ -32,6 +32,8 @@ class LegacyLayout:
         send_head: `[N, R]` int32, the slot of each token at each destination rank, or -1 (the handle's
             dst_buffer_slot_idx).
         max_num_tokens: after a CPU-sync dispatch, the most tokens any rank reported (-1 without a CPU sync).
+        handle_views: torch, the engine's own: the new `EPHandle`'s views made before it exists (`workspace_views`:
+            its int32 workspace, send_head as its dst_buffer_slot_idx), handed to it.
     """
     num_channels: int = 0
     reported_num_tokens: int = -1
@@ -42,6 +44,7 @@ class LegacyLayout:
     recv_src_idx: Any = None
     send_head: Any = None
     max_num_tokens: int = -1
+    handle_views: Any = None
 
     def check(self, num_tokens: int) -> None:
         """ValueError / TypeError naming the setting that is out of range."""
@@ -89,15 +92,24 @@ def view_args(num_ranks: int, num_channels: int, ws_words: int, num_tokens: int,
 def bind(b, p) -> None:
     """DeepEP V1's part of the bound dispatch `b` of the checked plan `p` (bound.py, at the end of its binding):
     `v1_counts` (the expert counts' pointer is patched per call), `v1_views` (`view_args`; None: not a non-cached V1
-    call) and `v1_int32` (torch's int32, else None)."""
+    call), `v1_int32` (torch's int32, else None), `v1_ws_int32` (the workspace's allocation is int32: no view of it
+    per call), `v1_meta_cols` (recv_src_metadata's words per row: recv_src_idx follows it, patch.py `output_layout`)
+    and `v1_fixed_views` (torch without a CPU sync: the `as_strided` arguments of V1's five outputs in the workspace's
+    allocation, `view_args` with recv_src_idx's place, then send_head's view key; else None)."""
     lg = p.legacy
     b.v1_counts = lg is not None and lg.expert_counts is not None
-    b.v1_views = b.v1_int32 = None
+    b.v1_views = b.v1_int32 = b.v1_fixed_views = None
+    b.v1_ws_int32 = b.ws_alloc_dtype == 'int32'
+    b.v1_meta_cols = b.num_topk + 2
     if lg is not None and not p.cached:
         b.v1_views = view_args(b.num_ranks, lg.num_channels, b.ws_words, p.num_tokens, b.offsets.send_pos)
         if b.kind == 'torch':
             import torch
             b.v1_int32 = torch.int32
+            f = b.fixed
+            if f is not None:
+                rpm, cpm, rcpm, head, head_key = b.v1_views
+                b.v1_fixed_views = (rpm, cpm, rcpm, ((f.num_recv,), (1,), f.byte_at[5] >> 2), head, head_key)
 
 
 def v1_outputs(b, legacy: LegacyLayout, handle, group, src_byte: int) -> None:
@@ -111,15 +123,16 @@ def v1_outputs(b, legacy: LegacyLayout, handle, group, src_byte: int) -> None:
 
 def workspace_views(b, legacy: LegacyLayout, ws):
     """`v1_outputs`' views of the workspace allocation `ws` (they exist before the counts): the matrices and, torch,
-    send_head. Returns torch's int32 view of `ws` (None: CuPy)."""
-    rpm, cpm, rcpm, head, _ = b.v1_views
+    send_head and the new handle's views (`LegacyLayout.handle_views`). Returns torch's int32 view of `ws` (None:
+    CuPy)."""
+    rpm, cpm, rcpm, head, head_key = b.v1_views
     if b._torch_dtypes is not None:
-        i32 = b.v1_int32
-        w = ws if ws.dtype is i32 else ws.view(i32)
+        w = ws if b.v1_ws_int32 else ws.view(b.v1_int32)
         legacy.rank_prefix_matrix = w.as_strided(*rpm)
         legacy.channel_prefix_matrix = w.as_strided(*cpm)
         legacy.recv_channel_prefix_matrix = w.as_strided(*rcpm)
-        legacy.send_head = w.as_strided(*head)
+        legacy.send_head = send_head = w.as_strided(*head)
+        legacy.handle_views = {'int32': w, head_key: send_head}
         return w
     carver = b.carver
     legacy.rank_prefix_matrix = carver.view(ws, 'int32', rpm[0], rpm[2])
@@ -130,16 +143,13 @@ def workspace_views(b, legacy: LegacyLayout, ws):
 
 def receive_views(b, legacy: LegacyLayout, handle, group, src_byte: int, w) -> None:
     """The rest of `v1_outputs` once the new `handle` exists: recv_src_idx (a view of `group` from byte `src_byte`);
-    torch: the handle's views shared (`w`: `workspace_views`' int32 view of its workspace, None: made here); CuPy:
-    send_head, the handle's dst_buffer_slot_idx."""
+    torch: the handle's views shared (`w`: `workspace_views`' int32 view of its workspace); CuPy: send_head, the
+    handle's dst_buffer_slot_idx."""
     if b._torch_dtypes is not None:
         i32 = b.v1_int32
-        ws = handle.workspace
-        if w is None:
-            w = ws if ws.dtype is i32 else ws.view(i32)
-        g = w if group is ws else group if group.dtype is i32 else group.view(i32)
+        g = w if group is handle.workspace else group if group.dtype is i32 else group.view(i32)
         legacy.recv_src_idx = g.as_strided((handle.num_recv_tokens,), (1,), src_byte >> 2)
-        handle._views = {'int32': w, b.v1_views[4]: legacy.send_head}
+        handle._views = legacy.handle_views
         return
     legacy.send_head = handle.dst_buffer_slot_idx
     legacy.recv_src_idx = b.carver.view(group, 'int32', (handle.num_recv_tokens,), src_byte >> 2)

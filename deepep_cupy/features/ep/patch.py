@@ -1,10 +1,12 @@
 """Parts of the bound dispatch (bound.py): the generated patchers of a launch's argument words, the output layout of
-one (num_recv, num_expanded) and the per-call helpers of rarer paths."""
+one (num_recv, num_expanded), the words patched by index, and the per-call helpers of rarer paths (the general call's
+cached and CPU-sync steps among them)."""
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 from ...runtime import interop
 from ...runtime.sizes import align
+from .kernels import HOST_MAX_TOKENS_WORD
 
 CARVE_ALIGN_WORDS = 64      # recv_x / recv_sf start at 256-byte boundaries of their allocation (16 B rows, TMA)
 
@@ -72,6 +74,37 @@ def strides(shape) -> Optional[Tuple[int, ...]]:
     return None if shape is None else interop.contiguous_strides(tuple(shape))
 
 
+class OutputOffsets(NamedTuple):
+    """The torch storage offsets, from the start of the outputs' allocation, of the outputs carved out of it (elements
+    of each view's dtype; -1: none / not carved), in this order (`cupy_views` unpacks them)."""
+    topk_idx: int           # int64
+    topk_weights: int       # float32
+    x: int                  # recv_x's dtype
+    sf: int                 # recv_sf's dtype
+    meta: int               # int32: recv_src_metadata (always carved)
+
+
+class OutputBytes(NamedTuple):
+    """The byte offsets, from the start of the outputs' allocation, of each of `lean.OUTPUTS` (the receive launch's
+    output pointers, in its order: the generated patchers read them by index; -1: none / not carved)."""
+    x: int
+    sf: int
+    topk_idx: int
+    topk_weights: int
+    meta: int
+    src_idx: int            # V1's recv_src_idx
+
+
+class OutputViews(NamedTuple):
+    """The `as_strided` arguments of a torch call's views of the outputs' allocation: each (shape, strides, offset in
+    its dtype's elements), None where the layout carves none (recv_x and recv_sf too large to carve: allocations of
+    their own)."""
+    x: Optional[tuple]
+    sf: Optional[tuple]
+    topk_idx: Optional[tuple]
+    topk_weights: Optional[tuple]
+
+
 class Outputs(NamedTuple):
     """Where a dispatch's outputs go for one (num_recv, num_expanded)."""
     num_recv: int
@@ -99,10 +132,10 @@ class Outputs(NamedTuple):
     alloc_dtype: str            # of that allocation (and of the workspace's without a CPU sync): recv_x's when it is
     #                             carved (recv_x is then a plain as_strided view of it), else int32
     # From the start of the allocation (the outputs begin at the bound dispatch's `_out_base` word in it): the torch
-    # storage offsets (elements of the view's dtype) of recv_topk_idx, recv_topk_weights, recv_x, recv_sf (-1: none /
-    # not carved) and recv_src_metadata (int32), and the byte offsets of `bound._OUTPUTS` (-1: none / not carved).
-    at: Tuple[int, int, int, int, int]
-    byte_at: Tuple[int, int, int, int, int, int]
+    # storage offsets of the carved outputs, the byte offsets of the receive's output pointers, a torch call's views.
+    at: OutputOffsets
+    byte_at: OutputBytes
+    views: OutputViews
 
 
 def output_layout(p, o, v1: bool, base: int, x_dtype: str, carve_max_bytes: int) -> Outputs:
@@ -139,22 +172,61 @@ def output_layout(p, o, v1: bool, base: int, x_dtype: str, carve_max_bytes: int)
     # An even number of words: int64 views of the allocation need one (torch views the whole allocation).
     offset = align(offset, 2)
     b = base
-    at = ((b + topk) >> 1 if has_topk else -1, b + weights if has_weights else -1,
-          (b + x_at) * x_per_word if x_at >= 0 else -1, b + sf_at if sf_at >= 0 else -1, b + meta)
-    byte_at = tuple(4 * (b + w) if w >= 0 else -1 for w in (
+    at = OutputOffsets((b + topk) >> 1 if has_topk else -1, b + weights if has_weights else -1,
+                       (b + x_at) * x_per_word if x_at >= 0 else -1, b + sf_at if sf_at >= 0 else -1, b + meta)
+    byte_at = OutputBytes._make(4 * (b + w) if w >= 0 else -1 for w in (
         x_at, sf_at, topk if has_topk else -1, weights if has_weights else -1, meta, src_idx))
-    return Outputs(o.num_recv, o.num_expanded, rows, offset, meta, src_idx, topk, weights, (rows, p.hidden),
-                   o.sf_shape, o.sf_strides, o.topk_idx_shape, o.topk_weights_shape, o.metadata_shape,
-                   o.epilogue_blocks, strides(o.topk_idx_shape), strides(o.topk_weights_shape), x_at, sf_at,
-                   (p.hidden, 1), None if o.sf_shape is None else (rows, p.num_sf),
-                   (max(2, offset) * (x_per_word if x_at >= 0 else 1),), x_dtype if x_at >= 0 else 'int32', at,
-                   byte_at)
+    topk_strides, weights_strides = strides(o.topk_idx_shape), strides(o.topk_weights_shape)
+    x_shape, x_strides = (rows, p.hidden), (p.hidden, 1)
+    sf_view_shape = None if o.sf_shape is None else (rows, p.num_sf)
+    views = OutputViews((x_shape, x_strides, at.x) if at.x >= 0 else None,
+                        (sf_view_shape, o.sf_strides, at.sf) if at.sf >= 0 else None,
+                        (o.topk_idx_shape, topk_strides, at.topk_idx) if at.topk_idx >= 0 else None,
+                        (o.topk_weights_shape, weights_strides, at.topk_weights) if at.topk_weights >= 0 else None)
+    return Outputs(
+        num_recv=o.num_recv, num_expanded=o.num_expanded, num_out_rows=rows, words=offset, meta_offset=meta,
+        src_idx_offset=src_idx, topk_offset=topk, weights_offset=weights, x_shape=x_shape, sf_shape=o.sf_shape,
+        sf_strides=o.sf_strides, topk_shape=o.topk_idx_shape, weights_shape=o.topk_weights_shape,
+        meta_shape=o.metadata_shape, grid=o.epilogue_blocks, topk_strides=topk_strides,
+        weights_strides=weights_strides, x_offset=x_at, sf_offset=sf_at, x_strides=x_strides,
+        sf_view_shape=sf_view_shape, alloc_shape=(max(2, offset) * (x_per_word if x_at >= 0 else 1),),
+        alloc_dtype=x_dtype if x_at >= 0 else 'int32', at=at, byte_at=byte_at, views=views)
 
 
-def patch_guard(launch, idx: Tuple[int, int], guard) -> None:
+class TorchDtypes(NamedTuple):
+    """A torch binding's dtypes of the views of the outputs' allocation, resolved once."""
+    int64: Any              # recv_topk_idx
+    float32: Any            # recv_topk_weights
+    sf: Any                 # recv_sf (int32 without FP8: unused)
+
+
+class ReceiveIndex(NamedTuple):
+    """The receive launch's words that an output layout sets (`BoundDispatch._size_recv`; its kernel's parameter
+    names)."""
+    num_out_rows: int       # i32
+    num_meta_rows: int      # i32
+    recv_sf_stride_row: int     # i64
+    recv_sf_stride_col: int     # i64
+
+
+class NotifyV1Index(NamedTuple):
+    """The notify launch's words of DeepEP V1's pointers (its kernel's parameter names)."""
+    expert_counts: int
+    rank_prefix_matrix: int
+    channel_prefix_matrix: int
+    recv_channel_prefix_matrix: int
+
+
+class GuardIndex(NamedTuple):
+    """The words of a dispatch launch's readiness guard arguments (`ep_dispatch.cu`)."""
+    ready: int          # u64: the counter's address
+    ready_mod: int      # i32: rows modulo
+
+
+def patch_guard(launch, idx: GuardIndex, guard) -> None:
     """The readiness guard's arguments of a dispatch launch (`ep_dispatch.cu`; guard None: off)."""
-    launch.u64[idx[0]] = guard[0] if guard is not None else 0
-    launch.i32[idx[1]] = guard[1] if guard is not None else 0
+    launch.u64[idx.ready] = guard[0] if guard is not None else 0
+    launch.i32[idx.ready_mod] = guard[1] if guard is not None else 0
 
 
 def psum_expert_from_layout(recv_layout, R: int, L: int, alignment: int, do_expand: bool, kind: str, stream):
@@ -195,6 +267,45 @@ def allocate_x(carver, out: Outputs, x_dtype: str, sf_dtype: Optional[str], col_
         else:
             recv_sf = storage
     return (recv_x, recv_sf), (carver.ptr(recv_x), sfo)
+
+
+def from_handle(b, h, comm) -> tuple:
+    """What a cached call of the bound dispatch `b` takes from its handle `h` (`BoundDispatch.__call__`): `(workspace,
+    its address, the user's top-k ids or None, the top-k ids' address, psum_num_recv_tokens_per_expert or None, the
+    output layout, the counts)`; the sizes are `plan.dispatch_counts` inline (worst case for an expanded output the
+    handle was not made for), the psum is recomputed (on `comm`) for a handle of the other mode."""
+    ws, ws_ptr, user_topk = h.workspace, h.workspace_ptr, h._topk_idx
+    # (`h.topk_idx_ptr` inline: the handle's origin, and so its workspace offsets, are this call's key's)
+    tp = ws_ptr + b.topk_copy_bytes if user_topk is None else h.topk_idx_ptr
+    psum_expert = h._psum_expert
+    if b.do_expand != h.do_expand:
+        psum_expert = psum_expert_from_layout(h.recv_layout, h.num_ranks, b.num_local_experts, h.expert_alignment,
+                                              b.do_expand, b.kind, comm)
+    num_recv, num_expanded, counts = h.num_recv_tokens, h.num_expanded_tokens, h._counts
+    if b.do_expand and not h.do_expand and not h.do_cpu_sync:
+        num_expanded = b.worst_expanded
+    if type(counts) is list:    # (the handle's list, which its caller may hold: copied now)
+        counts = list(counts)
+    # else the numpy counts of a CPU-sync dispatch, written by nobody: shared, each handle makes its own list on
+    # first access (EPHandle.num_recv_tokens_per_expert_list)
+    return ws, ws_ptr, user_topk, tp, psum_expert, b.outputs(num_recv, num_expanded), counts
+
+
+def wait_counts(b, ep, comm, legacy) -> tuple:
+    """The notify and send launches of a CPU-sync call of the bound dispatch `b` (`BoundDispatch.__call__`), then the
+    host's wait for the counts (V1: and the largest reported token count); returns `(the output layout of the counts,
+    the aligned counts per local expert)`, the latter a view of the host-mapped words (`EP._wait_host_counts`)."""
+    n = b.notify
+    seq = ep._next_host_seq()
+    n.i32[b.notify_seq] = seq
+    if not b.fused:    # (never with a CPU sync: features/ep/fused.py)
+        n(comm)
+    if b.send is not None:
+        b.send(comm)
+    num_recv, num_expanded, counts = ep._wait_host_counts(seq, b.num_local_experts)
+    if legacy is not None:
+        legacy.max_num_tokens = int(ep.host_counts[HOST_MAX_TOKENS_WORD])
+    return b.outputs(num_recv, num_expanded), counts
 
 
 def check_guard(bound, guard) -> None:

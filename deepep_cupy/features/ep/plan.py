@@ -199,6 +199,42 @@ def _checked_layout(s: EPSettings, lay: Optional[layout.EPLayout], num_max_token
     return lay
 
 
+def _checked_local_experts(s: EPSettings, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms,
+                           num_tokens: int) -> int:
+    """The dispatch's counts are integers in range, its experts split evenly over the ranks (at most
+    `NUM_MAX_LOCAL_EXPERTS` per rank) and x's tokens within num_max_tokens_per_rank; returns the experts per rank."""
+    checks.check_int('num_experts', num_experts, 1)
+    checks.check_int('expert_alignment', expert_alignment, 1)
+    checks.check_int('num_max_tokens_per_rank', num_max_tokens_per_rank, 1)
+    checks.check_int('num_sms', num_sms, 0)
+    R = s.num_ranks
+    if num_experts % R != 0:
+        raise ValueError(f'num_experts={num_experts} must be a multiple of the number of ranks ({R})')
+    L = num_experts // R
+    if L > layout.NUM_MAX_LOCAL_EXPERTS:
+        raise ValueError(f'num_experts / num_ranks = {L} local experts; at most {layout.NUM_MAX_LOCAL_EXPERTS}')
+    if num_tokens > num_max_tokens_per_rank:
+        raise ValueError(f'x has {num_tokens} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}')
+    return L
+
+
+def _check_modes(do_cpu_sync: bool, do_expand: bool, do_zero_padding: bool, cached: bool, num_worst_tokens,
+                 legacy: Optional[LegacyLayout], num_tokens: int) -> None:
+    """The dispatch's modes fit together: zero padding needs expanded outputs, `num_worst_tokens` a non-cached,
+    non-expanded dispatch without CPU sync, a `LegacyLayout` (checked here) a non-cached dispatch."""
+    if do_zero_padding and not do_expand:
+        raise ValueError('do_zero_padding=True needs do_expand=True')
+    checks.check_int('num_worst_tokens', num_worst_tokens, 0)
+    if num_worst_tokens and (do_cpu_sync or do_expand or cached):
+        raise ValueError('num_worst_tokens > 0 needs a non-cached, non-expanded dispatch without CPU sync')
+    if legacy is not None:
+        if not isinstance(legacy, LegacyLayout):
+            raise TypeError(f'legacy must be a LegacyLayout or None, got {type(legacy).__name__}')
+        if cached:
+            raise ValueError('a cached dispatch takes no LegacyLayout (its handle has the layout)')
+        legacy.check(num_tokens)
+
+
 def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, topk_weights, stats,
                   num_experts: Optional[int], num_max_tokens_per_rank: Optional[int],
                   expert_alignment: Optional[int], num_sms: int, previous_event, allocate_on_comm_stream: bool,
@@ -227,29 +263,9 @@ def plan_dispatch(s: EPSettings, lay: Optional[layout.EPLayout], x, topk_idx, to
                             do_cpu_sync=do_cpu_sync)
     num_experts, expert_alignment = route.num_experts, route.expert_alignment
     num_max_tokens_per_rank, do_cpu_sync = route.num_max_tokens_per_rank, route.do_cpu_sync
-    checks.check_int('num_experts', num_experts, 1)
-    checks.check_int('expert_alignment', expert_alignment, 1)
-    checks.check_int('num_max_tokens_per_rank', num_max_tokens_per_rank, 1)
-    checks.check_int('num_sms', num_sms, 0)
+    L = _checked_local_experts(s, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, num_tokens)
     R = s.num_ranks
-    if num_experts % R != 0:
-        raise ValueError(f'num_experts={num_experts} must be a multiple of the number of ranks ({R})')
-    L = num_experts // R
-    if L > layout.NUM_MAX_LOCAL_EXPERTS:
-        raise ValueError(f'num_experts / num_ranks = {L} local experts; at most {layout.NUM_MAX_LOCAL_EXPERTS}')
-    if num_tokens > num_max_tokens_per_rank:
-        raise ValueError(f'x has {num_tokens} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}')
-    if do_zero_padding and not do_expand:
-        raise ValueError('do_zero_padding=True needs do_expand=True')
-    checks.check_int('num_worst_tokens', num_worst_tokens, 0)
-    if num_worst_tokens and (do_cpu_sync or do_expand or cached):
-        raise ValueError('num_worst_tokens > 0 needs a non-cached, non-expanded dispatch without CPU sync')
-    if legacy is not None:
-        if not isinstance(legacy, LegacyLayout):
-            raise TypeError(f'legacy must be a LegacyLayout or None, got {type(legacy).__name__}')
-        if cached:
-            raise ValueError('a cached dispatch takes no LegacyLayout (its handle has the layout)')
-        legacy.check(num_tokens)
+    _check_modes(do_cpu_sync, do_expand, do_zero_padding, cached, num_worst_tokens, legacy, num_tokens)
     ti = check_topk_idx(s, kind, route.topk_idx, num_tokens, num_experts, legacy)
     K = ti.shape[1]
     # The value range needs the GPU: start it now, read it after the other checks.

@@ -12,7 +12,8 @@ message formats, layout) live beside their tests in tests/references/ (the packa
 kernels it needs are listed at the end.
 
 Modules:
-    feature.py            P1: `HybridEP` (dispatch / combine), `HybridRails` (rail memory and transport)
+    feature.py            P1: `HybridEP` (dispatch / combine)
+    rails.py              P1: `HybridRails` (rail memory and transport)
     plan.py, checks.py    P1: rail area, row sizes, payloads, transport choice, metadata translation, row order
                           (`hybrid_row_order`); argument checks
     handle.py, kernels.py P1: `HybridHandle`; kernel declarations and the loopback's stream signals

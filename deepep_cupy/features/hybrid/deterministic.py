@@ -168,7 +168,9 @@ def sort_dispatch(k, inner, recv_x, recv_sf, recv_topk_idx, recv_topk_weights, n
         for a, lay in zip(arrays, layouts):
             _launch_rows(k, a, _ptr(scratch), index, num_index, lay, 2, stream)
             _launch_rows(k, scratch, _ptr(a), index, num_index, lay, 1, stream)
-    return SortedRows(row_src, row_dst, exp_src, exp_dst, sorted_meta, (words,)), scratch
+    order = SortedRows(row_src=row_src, row_dst=row_dst, exp_src=exp_src, exp_dst=exp_dst, meta=sorted_meta,
+                       keep=(words,))
+    return order, scratch
 
 
 def unsort_combine(k, order: SortedRows, x, topk_weights, stream) -> Tuple[Any, Any]:

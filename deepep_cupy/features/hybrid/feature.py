@@ -39,89 +39,23 @@ NVLink (P2), and combine units pushed to the forwarder without the union round t
 """
 
 import weakref
-from typing import Optional
+from typing import Any, Optional, Tuple
 
-from ... import envs
 from ...constants import NUM_MAX_TOPK, topk_bucket
-from ...runtime import interop, workspace
+from ...runtime import interop
 from ...runtime.event import EventHandle, EventOverlap, as_event_handle
 from ...runtime.polling import wait_until
-from ...runtime.rail_nccl import NcclRailTransport
-from ...runtime.rails import IpcLoopbackTransport, plan_exchange, rail_topology
+from ...runtime.rails import plan_exchange
 from ...runtime.sizes import ceil_div
 from . import deterministic as hdet
 from . import plan as hplan
-from .checks import check_combine_args, check_dispatch_args, check_sorted_combine_args
+from .checks import DispatchArgs, check_combine_args, check_dispatch_args, check_sorted_combine_args
 from .handle import HybridHandle
-from .kernels import MAX_DOMAINS, MAX_SIGNALS, ROUTE_THREADS, THREADS, HybridKernels, KernelSignals
+from .kernels import MAX_DOMAINS, ROUTE_THREADS, THREADS, HybridKernels
+from .plan import RailCounts, RoutedRows, UnionRows
+from .rails import HybridRails
 
 HOST_BYTES = 4096           # the report record: [seq, send counts [N], recv counts [N]]
-
-
-class HybridRails:
-    """This rank's rail memory and transport (made collectively with the buffer; released by `release`)."""
-
-    def __init__(self, buf, area: hplan.RailArea, kernels, transport: Optional[str] = None):
-        import cupy
-        topo = buf.topology
-        self.rails = rail_topology(buf.num_ranks, buf.num_scaleup_ranks, buf.rank_idx)
-        gpus = [topo.nccl_gpu_ids[g] for g in self.rails.rail_ranks]
-        self.kind = hplan.choose_transport(transport or envs.rail_transport(), gpus)
-        self.area, self.mem, self.own_ptr = area, None, 0
-        kinds = buf.group.allgather_object(self.kind)
-        if len(set(kinds)) != 1:
-            raise ValueError(f'hybrid mode: the rails chose different transports {sorted(set(kinds))}; set '
-                             f'DEEPEP_CUPY_RAIL_TRANSPORT to one value on every rank')
-        if self.kind == 'loopback':
-            if self.rails.num_domains - 1 > MAX_SIGNALS:
-                raise ValueError(f'the loopback rail transport signals at most {MAX_SIGNALS} rail peers, got '
-                                 f'{self.rails.num_domains - 1}; use fewer domains or NCCL rails')
-            from ...runtime.symmetric import SymmetricMemory
-            self.mem = SymmetricMemory(buf.group, list(self.rails.rail_ranks), area.total_bytes)
-            self.base = self.mem.base
-            signals = KernelSignals(kernels, self.base + area.flags_offset, buf.rank_idx,
-                                    self.rails.rail_ranks, buf.sym.base + workspace.ERROR_CLAIM.offset,
-                                    buf.host_mapped.ptr + workspace.HOST_ERROR_RECORD.offset, buf.timeout_ns)
-            self.transport = IpcLoopbackTransport(self.rails, self.mem.peer_bases, area.flags_offset, signals)
-        else:
-            self.own_ptr = self.base = cupy.cuda.runtime.malloc(area.total_bytes)
-            cupy.cuda.runtime.memset(self.base, 0, area.total_bytes)
-            cupy.cuda.runtime.deviceSynchronize()
-            self.transport = NcclRailTransport.create(buf.group, self.rails, self.base)
-            self.transport.watch_timeouts(buf.num_gpu_timeout_secs)
-        peers = self.rails.peer_domains
-        self.barrier_plan = plan_exchange(self.rails, area, 'barrier', {m: 0 for m in peers}, {m: 0 for m in peers})
-
-    def exchange(self, plan, stream, after_chunk=None) -> None:
-        """Enqueue `plan` on `stream`; `after_chunk(c, stream)`, when given, runs after chunk c's group is enqueued
-        (the transport's hook, set for this exchange only)."""
-        transport = self.transport
-        if after_chunk is None:
-            transport.exchange(plan, stream)
-            return
-        transport.after_chunk = after_chunk
-        try:
-            transport.exchange(plan, stream)
-        finally:
-            transport.after_chunk = None
-
-    def barrier(self, stream) -> None:
-        self.transport.exchange(self.barrier_plan, stream)
-
-    def release(self, collective: bool) -> None:
-        if self.transport is not None:
-            self.transport.destroy()
-            self.transport = None
-        if self.mem is not None:
-            if collective:
-                self.mem.destroy()
-            else:
-                self.mem.release_local()
-            self.mem = None
-        if self.own_ptr:
-            import cupy
-            cupy.cuda.runtime.free(self.own_ptr)
-            self.own_ptr = 0
 
 
 def _empty(like, shape, dtype=None):
@@ -243,23 +177,70 @@ class HybridEP:
         a = check_dispatch_args(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                                 expert_alignment, previous_event, allocate_on_comm_stream, handle, do_cpu_sync,
                                 v1 is not None)
-        N, n, Mc, K = self.N, self.domain, a.num_max_tokens, a.num_topk
-        xa, sf, topk, w = a.x, a.sf, a.topk_idx, topk_weights
-        stream = interop.current_stream(xa)
+        stream = interop.current_stream(a.x)
         if previous_event is not None:
             as_event_handle(previous_event).stream_wait(stream)
-        if a.cpu_sync and not _capturing(xa):      # as the intranode engine: checked where the host syncs anyway
+        if a.cpu_sync and not _capturing(a.x):      # as the intranode engine: checked where the host syncs anyway
             a.check_range(self._buf)
-        k = self._kernels_of(K)
-        T, area, base = a.num_tokens, self.area, self.rails.base
-        rails = self.rails.rails
-        row = hplan.dispatch_row_bytes(K, a.num_sf, a.hidden_bytes)
+        k = self._kernels_of(a.num_topk)
+        routed = self._route(k, a, stream)
+        if v1 is not None:
+            v1.routed(self, stream)
+        counts = self._exchange_rows(k, a, routed, stream, v1)
+        union = self._unpack(k, a, routed, counts, stream)
+        N, Mc = self.N, a.num_max_tokens
+        v1_args = {} if v1 is None else dict(num_worst_tokens=v1.num_worst, allow_previous_event_alone=True,
+                                             legacy=v1.forward(self, stream, a.topk_idx, union.topk, union.fwd_src,
+                                                               union.fwd_count, Mc))
+        # With a previous event the intranode engine's stream waits for that event only, not for the current stream:
+        # hand it an event recorded after the union was built (the current stream already waited for the caller's).
+        self.inner.ready_guard = union.guard
+        try:
+            recv_x, recv_topk, recv_w, inner_handle, event = self.inner.dispatch(
+                (union.x, union.sf) if a.sf is not None else union.x,
+                topk_idx=None if handle is not None else union.topk, topk_weights=union.weights,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                num_experts=a.num_experts // N, num_max_tokens_per_rank=N * Mc, expert_alignment=expert_alignment,
+                num_sms=num_sms, num_qps=num_qps,
+                previous_event=None if previous_event is None else EventHandle(stream),
+                async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
+                handle=None if handle is None else handle.inner, do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync,
+                do_expand=do_expand, do_zero_padding=do_zero_padding,
+                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, **v1_args)
+        finally:
+            self.inner.ready_guard = None
+            if union.side is not None:
+                _stream_after(stream, union.side)   # the payload stream joins the caller's (its reads of the rails too)
+        if async_with_compute_stream and interop.is_torch(a.x):
+            self._keep_for_comm_stream(union)
+        topk = a.topk_idx
+        user_topk = handle.topk_idx if handle is not None else topk
+        if handle is None and do_handle_copy:
+            user_topk = topk.clone() if hasattr(topk, 'clone') else topk.copy()
+        order = None
+        if self.R > 1 and getattr(self._buf, 'deterministic', False):
+            order, event = self._sort(k, inner_handle, recv_x, recv_topk, recv_w, Mc, stream, event,
+                                      async_with_compute_stream)
+        h = HybridHandle(
+            inner_handle, topk_idx=user_topk, num_experts=a.num_experts, num_max_tokens_per_rank=Mc, num_domains=N,
+            num_scaleup_ranks=self.R, domain=self.domain, domain_pos=routed.domain_pos, fwd_src=union.fwd_src,
+            fwd_count=union.fwd_count, send_counts=counts.send, recv_counts=counts.recv,
+            union_topk=union.topk if handle is None else handle.union_topk,
+            keep=(union.x, union.sf, union.topk, union.weights, union.fwd, routed.counts), buffer_id=id(self),
+            sorted_rows=order)
+        return recv_x, recv_topk, recv_w, h, event
+
+    def _route(self, k, a: DispatchArgs, stream) -> RoutedRows:
+        """Step 1: hybrid_route (per token its destination domains and rail positions, the rows per domain), then
+        hybrid_pack of the rows into the send region of each domain (P2: hybrid_pack_split, metadata then payload)."""
+        N, n, Mc, K, T = self.N, self.domain, a.num_max_tokens, a.num_topk, a.num_tokens
+        area, base, topk, w = self.area, self.rails.base, a.topk_idx, a.topk_weights
         domain_pos = _empty(topk, (T, N), 'int32')
         counts = _empty(topk, (N,), 'int32')
         k.route.launch(1, ROUTE_THREADS, stream=stream, topk_idx=topk, num_tokens=T, num_topk=K,
                        experts_per_domain=a.num_experts // N, num_domains=N, domain=n, domain_pos=domain_pos,
                        counts=counts, rail_base=base, send_offset=area.send_offset, region_bytes=area.region_bytes)
-        xargs = dict(x=xa, x_row_bytes=a.x_row_bytes, hidden_bytes=a.hidden_bytes, sf=sf if sf is not None else 0,
+        xargs = dict(x=a.x, x_row_bytes=a.x_row_bytes, hidden_bytes=a.hidden_bytes, sf=a.sf if a.sf is not None else 0,
                      sf_stride_token=a.sf_strides[0], sf_stride_col=a.sf_strides[1], num_sf=a.num_sf, topk_idx=topk,
                      topk_weights=w if w is not None else 0, num_tokens=T, num_topk=K)
         pipelined = self.pipeline
@@ -271,26 +252,41 @@ class HybridEP:
         elif T:
             k.pack.launch(T, THREADS, stream=stream, **xargs, domain_pos=domain_pos, num_domains=N, domain=n,
                           rail_base=base, send_offset=area.send_offset, region_bytes=area.region_bytes)
-        if v1 is not None:
-            v1.routed(self, stream)
+        return RoutedRows(domain_pos=domain_pos, counts=counts, row_args=xargs, pipelined=pipelined, split=split)
+
+    def _exchange_rows(self, k, a: DispatchArgs, routed: RoutedRows, stream, v1) -> RailCounts:
+        """Step 2: with a CPU sync the notify (the counts on the host), then the rail exchange of the rows: P1 whole
+        rows, exact sizes after a CPU sync, else M rows per peer; P2 the metadata rows only (the payload follows on
+        the side stream, `_unpack`)."""
         send_counts = recv_counts = None
         if a.cpu_sync:
-            send_counts, recv_counts = self._notify(k, counts, stream, v1)
-        # P1: whole rows in one exchange; P2: the metadata rows first (the payload follows on the side stream).
-        first = split.meta_bytes if pipelined else row
-        plan = plan_exchange(rails, area, 'dispatch', hplan.payloads(rails.peer_domains, send_counts, Mc, first),
+            send_counts, recv_counts = self._notify(k, routed.counts, stream, v1)
+        rails, Mc = self.rails.rails, a.num_max_tokens
+        first = (routed.split.meta_bytes if routed.pipelined else
+                 hplan.dispatch_row_bytes(a.num_topk, a.num_sf, a.hidden_bytes))
+        plan = plan_exchange(rails, self.area, 'dispatch', hplan.payloads(rails.peer_domains, send_counts, Mc, first),
                              hplan.payloads(rails.peer_domains, recv_counts, Mc, first))
         self.rails.exchange(plan, stream)
+        return RailCounts(send=send_counts, recv=recv_counts)
+
+    def _unpack(self, k, a: DispatchArgs, routed: RoutedRows, counts: RailCounts, stream) -> UnionRows:
+        """Step 3: hybrid_unpack of the received rows into the forwarder's union input of N * M rows. P2: its
+        metadata (hybrid_unpack_meta), then the payload exchange and unpack in chunks on the side stream, which the
+        intranode dispatch's readiness guard waits for."""
+        N, n, Mc, K = self.N, self.domain, a.num_max_tokens, a.num_topk
+        area, base, xa, sf, topk = self.area, self.rails.base, a.x, a.sf, a.topk_idx
+        pipelined = routed.pipelined
         union_x = _empty(xa, (N * Mc, xa.shape[1]))
         union_sf = _empty(sf, (N * Mc, a.num_sf)) if sf is not None else None
         union_topk = _empty(topk, (N * Mc, K))
-        union_w = _empty(topk, (N * Mc, K), 'float32') if w is not None else None
+        union_w = _empty(topk, (N * Mc, K), 'float32') if a.topk_weights is not None else None
         fwd = _empty(topk, (N * Mc + N + (1 if pipelined else 0),), 'int32')
         fwd_src, fwd_count = fwd[:N * Mc], fwd[N * Mc:N * Mc + N]
         uargs = dict(experts_per_domain=a.num_experts // N, num_domains=N, domain=n, num_max_tokens=Mc,
                      rail_base=base, recv_offset=area.recv_offset, region_bytes=area.region_bytes, union_x=union_x,
                      union_sf=_ptr(union_sf), union_topk=union_topk, union_weights=_ptr(union_w), fwd_src=fwd_src,
                      fwd_count=fwd_count)
+        xargs = routed.row_args
         k.unpack.launch(min(N * Mc, 8192), THREADS, stream=stream, mode=0, **xargs, **uargs)
         guard = side = None
         if pipelined:
@@ -302,48 +298,20 @@ class HybridEP:
                                  union_weights=_ptr(union_w), fwd_src=fwd_src, fwd_count=fwd_count, ready=ready)
             side = self._payload_stream()
             _stream_after(side, stream)
-            self._payload(k, split, send_counts, recv_counts, union_x, union_sf, a, ready, side)
+            self._payload(k, routed.split, counts.send, counts.recv, union_x, union_sf, a, ready, side)
             guard = (ready, Mc, hplan.PIPELINE_FREE_SMS)
         else:
             k.unpack.launch(N * Mc, THREADS, stream=stream, mode=1, **xargs, **uargs)
-        v1_args = {} if v1 is None else dict(num_worst_tokens=v1.num_worst, allow_previous_event_alone=True,
-                                             legacy=v1.forward(self, stream, topk, union_topk, fwd_src, fwd_count, Mc))
-        # With a previous event the intranode engine's stream waits for that event only, not for the current stream:
-        # hand it an event recorded after the union was built (the current stream already waited for the caller's).
-        self.inner.ready_guard = guard
-        try:
-            recv_x, recv_topk, recv_w, inner_handle, event = self.inner.dispatch(
-                (union_x, union_sf) if sf is not None else union_x, topk_idx=None if handle is not None else union_topk,
-                topk_weights=union_w, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                num_experts=a.num_experts // N, num_max_tokens_per_rank=N * Mc, expert_alignment=expert_alignment,
-                num_sms=num_sms, num_qps=num_qps,
-                previous_event=None if previous_event is None else EventHandle(stream),
-                async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
-                handle=None if handle is None else handle.inner, do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync,
-                do_expand=do_expand, do_zero_padding=do_zero_padding,
-                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, **v1_args)
-        finally:
-            self.inner.ready_guard = None
-            if side is not None:
-                _stream_after(stream, side)     # the payload stream joins the caller's (its reads of the rails too)
-        if async_with_compute_stream and interop.is_torch(xa):
-            # The intranode engine reads the union on its stream after this call returns: keep the caching
-            # allocator from handing the memory to the current stream meanwhile.
-            comm = interop.torch_stream(self._buf.comm_stream.ptr)
-            for t in (union_x, union_sf, union_topk, union_w):
-                if t is not None:
-                    t.record_stream(comm)
-        user_topk = handle.topk_idx if handle is not None else topk
-        if handle is None and do_handle_copy:
-            user_topk = topk.clone() if hasattr(topk, 'clone') else topk.copy()
-        order = None
-        if self.R > 1 and getattr(self._buf, 'deterministic', False):
-            order, event = self._sort(k, inner_handle, recv_x, recv_topk, recv_w, Mc, stream, event,
-                                      async_with_compute_stream)
-        h = HybridHandle(inner_handle, user_topk, a.num_experts, Mc, N, self.R, n, domain_pos, fwd_src, fwd_count,
-                         send_counts, recv_counts, union_topk if handle is None else handle.union_topk,
-                         (union_x, union_sf, union_topk, union_w, fwd, counts), id(self), order)
-        return recv_x, recv_topk, recv_w, h, event
+        return UnionRows(x=union_x, sf=union_sf, topk=union_topk, weights=union_w, fwd=fwd, fwd_src=fwd_src,
+                         fwd_count=fwd_count, guard=guard, side=side)
+
+    def _keep_for_comm_stream(self, union: UnionRows) -> None:
+        """The intranode engine reads the union on its stream after this call returns: keep the caching allocator
+        from handing the memory to the current stream meanwhile (torch arrays)."""
+        comm = interop.torch_stream(self._buf.comm_stream.ptr)
+        for t in (union.x, union.sf, union.topk, union.weights):
+            if t is not None:
+                t.record_stream(comm)
 
     def _sort(self, k, inner_handle, recv_x, recv_topk, recv_w, num_max_tokens: int, stream, event, async_: bool):
         """`deterministic=True`: the intranode dispatch's outputs moved (in place) into DeepEP's order
@@ -434,9 +402,7 @@ class HybridEP:
         `v1`: DeepEP V1's rules (in-domain weights summed over ranks, a previous event alone: the intranode's)."""
         self.inner._check_usable()
         biases = check_combine_args(self, x, handle, bias)
-        N, n, Mc, T = self.N, self.domain, handle.num_max_tokens_per_rank, handle.num_tokens
-        K, hidden = handle.topk_idx.shape[1], x.shape[1]
-        k = self._kernels_of(K)
+        k = self._kernels_of(handle.topk_idx.shape[1])
         stream = interop.current_stream(x)
         unsorted = ()
         if handle.sorted_rows is not None:
@@ -451,6 +417,18 @@ class HybridEP:
         cx, cw, _ = self.inner.combine(x, handle.inner, topk_weights=topk_weights, num_sms=num_sms, num_qps=num_qps,
                                        previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
                                        weights_over_ranks=v1, allow_previous_event_alone=v1)
+        out_x, out_w = self._combine_rails(k, handle, x, cx, cw, biases, stream)
+        handle.keep_combine = (cx, cw) + tuple(unsorted)
+        event = EventOverlap(EventHandle(stream) if async_with_compute_stream else None)
+        return out_x, out_w, event
+
+    def _combine_rails(self, k, handle: HybridHandle, x, cx, cw, biases, stream) -> Tuple[Any, Any]:
+        """Combine across domains after the intranode combine (`cx`, `cw`: its union rows and weights):
+        hybrid_combine_pack of the rows of other domains' tokens into the rail send regions, the reverse rail
+        exchange, then hybrid_combine_final at the origin (bias, then each domain's partial in ascending key).
+        Returns `(out_x [T, hidden], out_w [T, K] or None)`."""
+        N, n, Mc, T = self.N, self.domain, handle.num_max_tokens_per_rank, handle.num_tokens
+        K, hidden = handle.topk_idx.shape[1], x.shape[1]
         area, base, rails = self.area, self.rails.base, self.rails.rails
         k.combine_pack.launch(N * Mc, THREADS, stream=stream, combined_x=cx, combined_weights=_ptr(cw), hidden=hidden,
                               num_topk=K, fwd_src=handle.fwd_src, fwd_count=handle.fwd_count, num_domains=N,
@@ -494,6 +472,4 @@ class HybridEP:
             self.rails.exchange(plan, stream)
             if T:
                 k.combine_final.launch(T, THREADS, stream=stream, token_begin=0, **fargs)
-        handle.keep_combine = (cx, cw) + tuple(unsorted)
-        event = EventOverlap(EventHandle(stream) if async_with_compute_stream else None)
-        return out_x, out_w, event
+        return out_x, out_w

@@ -1,9 +1,9 @@
 """Pure host-side pieces of the composed hybrid path (feature.py): the rail area, row sizes, exchange payloads, the
-transport choice, the metadata translation and row order, and the size of the intranode part. No CUDA here
-(CPU-tested)."""
+transport choice, the metadata translation and row order, the size of the intranode part, and the records a dispatch's
+steps hand on. No CUDA here (CPU-tested)."""
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ...constants import SF_GROUP
 from ...runtime.rails import FLAGS_BYTES, HEADER_BYTES, RailOp, RailPlan, RailTopology
@@ -269,3 +269,31 @@ def sort_transposition(keys, group_end: Sequence[int], alignment: int, num_rows:
         row_src[dst] = e
     return row_src, row_dst
 
+
+# ---- the records of a dispatch's steps (feature.py) --------------------------------------------------------------
+class RoutedRows(NamedTuple):
+    """What a dispatch's step 1 (feature.py `HybridEP._route`) leaves for the exchange and the unpack."""
+    domain_pos: Any             # `[T, N]` int32: each token's rail position in each destination domain, or -1
+    counts: Any                 # `[N]` int32: tokens per destination domain (hybrid_report reads them)
+    row_args: Dict[str, Any]    # the row arguments hybrid_pack and hybrid_unpack share (x, scales, top-k, weights)
+    pipelined: bool             # P2 (`HybridEP.pipeline`, read once per call)
+    split: Optional[SplitRows]  # P2: the split row layout, else None
+
+
+class RailCounts(NamedTuple):
+    """Tokens per peer domain each way after a CPU sync (`HybridEP._notify`), else None each (static sizes)."""
+    send: Optional[Dict[int, int]]
+    recv: Optional[Dict[int, int]]
+
+
+class UnionRows(NamedTuple):
+    """The forwarder's union input of N * M rows (`HybridEP._unpack`), the intranode dispatch's input."""
+    x: Any                      # `[N * M, hidden]` (the dispatch's x dtype)
+    sf: Any                     # `[N * M, num_sf]` scales (FP8), else None
+    topk: Any                   # `[N * M, K]` int64, domain-relative expert ids (-1 elsewhere)
+    weights: Any                # `[N * M, K]` float32, or None without topk_weights
+    fwd: Any                    # int32 allocation of fwd_src, fwd_count (and P2's rows-ready counter)
+    fwd_src: Any                # `[N * M]` int32: the source token of each union row
+    fwd_count: Any              # `[N]` int32: rows received per source domain
+    guard: Optional[Tuple[int, int, int]]   # P2: `EP.ready_guard` (counter address, M, SMs left free), else None
+    side: Any                   # P2: the payload's side stream (joins the caller's after the intranode dispatch)

@@ -38,6 +38,41 @@ from .plan import (
 DATA_REGION_OWNER = 'load balancing'
 
 
+def _tensor_lists(op: str, redundant, sources) -> Tuple[str, str, List[Any], List[Any]]:
+    """`(the redundant tensors' argument name, the owners' one, the redundant tensors, the owners' tensors)` of a
+    prefetch (a tensor or a non-empty sequence of each, as many of both) or a reduction (one tensor each)."""
+    dst_name = 'redundant_expert_weights' if op == 'prefetch' else 'redundant_expert_grads'
+    src_name = 'expert_weights' if op == 'prefetch' else 'expert_grads'
+    if op != 'prefetch':
+        return dst_name, src_name, [redundant], [sources]
+    dsts = list(redundant) if isinstance(redundant, (list, tuple)) else [redundant]
+    srcs = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    if not dsts:
+        raise ValueError(f'{dst_name} must be a tensor or a non-empty sequence of tensors')
+    if len(dsts) != len(srcs):
+        raise ValueError(f'{dst_name} has {len(dsts)} tensors but {src_name} has {len(srcs)}')
+    return dst_name, src_name, dsts, srcs
+
+
+def _check_pair_layout(op: str, di: interop.TensorInfo, si: interop.TensorInfo, dn: str, sn: str,
+                       num_redundant: int) -> None:
+    """A (redundant, owner's) pair of tensors `dn`, `sn` fits the operation: a reduction's are 2-D float32 of one
+    hidden size, a prefetch's of one dtype; the redundant one has a row per redundant slot."""
+    if op == 'reduce':
+        for info, name, rows in ((di, dn, num_redundant), (si, sn, None)):
+            checks.check_dtype(info, name, 'float32')
+            if info.ndim != 2:
+                raise ValueError(f'{name} must be 2-D [{"num_redundant" if rows else "L"}, hidden], got '
+                                 f'{list(info.shape)}')
+        if di.shape[1] != si.shape[1]:
+            raise ValueError(f'{dn} has hidden {di.shape[1]} but {sn} has {si.shape[1]}')
+    elif di.dtype != si.dtype:
+        raise TypeError(f'{dn} ({di.dtype}) and {sn} ({si.dtype}) must have the same dtype')
+    if di.shape[0] != num_redundant:
+        raise ValueError(f'{dn} must have num_redundant={num_redundant} rows (redundancy_mapping columns), '
+                         f'got {list(di.shape)}')
+
+
 class LB:
     """The load-balancing feature of one buffer: its region (V2.0: the start of the data region, its size set by
     `set_region` or on first use; V2.5 `EPBuffer`: a region of its own after the data region, fixed at construction),
@@ -123,22 +158,34 @@ class LB:
         """This rank's argument checks (no collective); raises ValueError / TypeError naming the argument."""
         buf = self._buf
         event = as_event_handle(previous_event)
-        dst_name = 'redundant_expert_weights' if op == 'prefetch' else 'redundant_expert_grads'
-        src_name = 'expert_weights' if op == 'prefetch' else 'expert_grads'
-        if op == 'prefetch':
-            dsts = list(redundant) if isinstance(redundant, (list, tuple)) else [redundant]
-            srcs = list(sources) if isinstance(sources, (list, tuple)) else [sources]
-            if not dsts:
-                raise ValueError(f'{dst_name} must be a tensor or a non-empty sequence of tensors')
-            if len(dsts) != len(srcs):
-                raise ValueError(f'{dst_name} has {len(dsts)} tensors but {src_name} has {len(srcs)}')
-        else:
-            dsts, srcs = [redundant], [sources]
+        dst_name, src_name, dsts, srcs = _tensor_lists(op, redundant, sources)
         check_int('num_sms', num_sms)
-        mi = checks.info(mapping, 'redundancy_mapping', buf.device)
-        kind = mi.kind
+        kind, num_redundant = self._check_mapping(mapping)
+        region = self.region()
+        pairs, num_local_experts = [], None
+        for k, (dst, src) in enumerate(zip(dsts, srcs)):
+            dn = dst_name if len(dsts) == 1 else f'{dst_name}[{k}]'
+            sn = src_name if len(srcs) == 1 else f'{src_name}[{k}]'
+            di, si = self._tensor(dst, dn, kind), self._tensor(src, sn, kind)
+            _check_pair_layout(op, di, si, dn, sn, num_redundant)
+            L = si.shape[0]
+            if L < 1 or L > NUM_MAX_LOCAL_EXPERTS:
+                raise ValueError(f'{sn} must have between 1 and {NUM_MAX_LOCAL_EXPERTS} experts (dim 0), got {L}')
+            if num_local_experts is not None and L != num_local_experts:
+                raise ValueError(f'{sn} has {L} experts but {src_name}[0] has {num_local_experts}')
+            num_local_experts = L
+            pairs.append(self._pool_pair(di, si, dn, sn, L, num_redundant, region))
+        host = np.ascontiguousarray(to_host(mapping)).astype(np.int32, copy=False)
+        check_mapping_values(host, num_local_experts)
+        num_sms = min(num_sms or self.theoretical_num_sms(), buf.num_device_sms)
+        return LBCall(op, kind, mapping, host, num_redundant, num_local_experts, tuple(pairs), num_sms, event)
+
+    def _check_mapping(self, mapping) -> Tuple[str, int]:
+        """The redundancy mapping's layout (its values are checked once on the host, `check_mapping_values`); returns
+        `(its array kind, num_redundant)`."""
+        num_ranks = self._buf.num_scaleup_ranks
+        mi = checks.info(mapping, 'redundancy_mapping', self._buf.device)
         checks.check_dtype(mi, 'redundancy_mapping', 'int32')
-        num_ranks = buf.num_scaleup_ranks
         if mi.ndim != 2 or mi.shape[0] != num_ranks:
             raise ValueError(f'redundancy_mapping must be [num_nvlink_ranks={num_ranks}, num_redundant], got '
                              f'{list(mi.shape)}')
@@ -147,51 +194,26 @@ class LB:
         if num_ranks * num_redundant > NUM_MAX_MAPPING_ENTRIES:
             raise ValueError(f'redundancy_mapping has {num_ranks} x {num_redundant} entries; at most '
                              f'{NUM_MAX_MAPPING_ENTRIES} are supported')
+        return mi.kind, num_redundant
 
-        region_offset, region_bytes = self.region()
-        base = buf.sym.base
-        pairs, num_local_experts = [], None
-        for k, (dst, src) in enumerate(zip(dsts, srcs)):
-            dn = dst_name if len(dsts) == 1 else f'{dst_name}[{k}]'
-            sn = src_name if len(srcs) == 1 else f'{src_name}[{k}]'
-            di, si = self._tensor(dst, dn, kind), self._tensor(src, sn, kind)
-            if op == 'reduce':
-                for info, name, rows in ((di, dn, num_redundant), (si, sn, None)):
-                    checks.check_dtype(info, name, 'float32')
-                    if info.ndim != 2:
-                        raise ValueError(f'{name} must be 2-D [{"num_redundant" if rows else "L"}, hidden], got '
-                                         f'{list(info.shape)}')
-                if di.shape[1] != si.shape[1]:
-                    raise ValueError(f'{dn} has hidden {di.shape[1]} but {sn} has {si.shape[1]}')
-            elif di.dtype != si.dtype:
-                raise TypeError(f'{dn} ({di.dtype}) and {sn} ({si.dtype}) must have the same dtype')
-            if di.shape[0] != num_redundant:
-                raise ValueError(f'{dn} must have num_redundant={num_redundant} rows (redundancy_mapping columns), '
-                                 f'got {list(di.shape)}')
-            L = si.shape[0]
-            if L < 1 or L > NUM_MAX_LOCAL_EXPERTS:
-                raise ValueError(f'{sn} must have between 1 and {NUM_MAX_LOCAL_EXPERTS} experts (dim 0), got {L}')
-            if num_local_experts is not None and L != num_local_experts:
-                raise ValueError(f'{sn} has {L} experts but {src_name}[0] has {num_local_experts}')
-            num_local_experts = L
-            num_bytes_per_expert = si.nbytes // L
-            if num_redundant and di.nbytes // num_redundant != num_bytes_per_expert:
-                raise ValueError(f'{dn} holds {di.nbytes // num_redundant} bytes per expert but {sn} holds '
-                                 f'{num_bytes_per_expert}: they must be equal')
-            if num_bytes_per_expert % EXPERT_BYTES_ALIGNMENT:
-                raise ValueError(f'{sn}: bytes per expert ({num_bytes_per_expert}) must be a multiple of '
-                                 f'{EXPERT_BYTES_ALIGNMENT}')
-            offset = di.ptr - base
-            if offset < region_offset or offset + di.nbytes > region_offset + region_bytes:
-                raise ValueError(f'{dn} must lie in this buffer\'s load-balancing region (symmetric memory '
-                                 f'[{region_offset}, {region_offset + region_bytes}) of the buffer); plan it with a '
-                                 f'BufferAllocator passed to lb_set_plan')
-            pairs.append(LBPair(si.obj, di.obj, offset, num_bytes_per_expert))
-
-        host = np.ascontiguousarray(to_host(mapping)).astype(np.int32, copy=False)
-        check_mapping_values(host, num_local_experts)
-        num_sms = min(num_sms or self.theoretical_num_sms(), buf.num_device_sms)
-        return LBCall(op, kind, mapping, host, num_redundant, num_local_experts, tuple(pairs), num_sms, event)
+    def _pool_pair(self, di: interop.TensorInfo, si: interop.TensorInfo, dn: str, sn: str, num_local_experts: int,
+                   num_redundant: int, region: Tuple[int, int]) -> LBPair:
+        """A (redundant pool, owner's experts) pair of `num_local_experts` experts: the same bytes per expert (a
+        multiple of `EXPERT_BYTES_ALIGNMENT`), the pool inside the load-balancing region `region` (offset, bytes)."""
+        region_offset, region_bytes = region
+        num_bytes_per_expert = si.nbytes // num_local_experts
+        if num_redundant and di.nbytes // num_redundant != num_bytes_per_expert:
+            raise ValueError(f'{dn} holds {di.nbytes // num_redundant} bytes per expert but {sn} holds '
+                             f'{num_bytes_per_expert}: they must be equal')
+        if num_bytes_per_expert % EXPERT_BYTES_ALIGNMENT:
+            raise ValueError(f'{sn}: bytes per expert ({num_bytes_per_expert}) must be a multiple of '
+                             f'{EXPERT_BYTES_ALIGNMENT}')
+        offset = di.ptr - self._buf.sym.base
+        if offset < region_offset or offset + di.nbytes > region_offset + region_bytes:
+            raise ValueError(f'{dn} must lie in this buffer\'s load-balancing region (symmetric memory '
+                             f'[{region_offset}, {region_offset + region_bytes}) of the buffer); plan it with a '
+                             f'BufferAllocator passed to lb_set_plan')
+        return LBPair(si.obj, di.obj, offset, num_bytes_per_expert)
 
     def check(self, op: str, redundant, sources, mapping, num_sms: int, previous_event=None) -> LBCall:
         """Local checks, then one all-gather: every rank raises the same error if any rank's arguments are bad or if

@@ -99,7 +99,7 @@ def _at(base: str, words: int) -> str:
 
 
 class BoundDispatch(NamedTuple):
-    """One dispatch signature, bound (`bind_dispatch`); feature.py's `LowLatencyEngine.dispatch` unpacks it."""
+    """One dispatch signature, bound (`bind_dispatch`); feature.py's `LowLatencyEngine._run_dispatch` unpacks it."""
     torch: bool                 # the arrays are torch tensors (else CuPy)
     hook: bool                  # return_recv_hook: the send now, the receive in `hook()`
     async_: bool                # async_finish
@@ -117,10 +117,12 @@ class BoundDispatch(NamedTuple):
     layout: HandleLayout
     handle_const: Dict[str, Any]    # the handles' attributes fixed by the signature
     carver: Any
+    enter: Any                  # without a hook: the engine's events of the stream order (the comm stream waits for
+    leave: Any                  # `enter` on the current one, the current one for `leave` on the comm stream), else None
 
 
 class BoundCombine(NamedTuple):
-    """One combine signature, bound (`bind_combine`)."""
+    """One combine signature, bound (`bind_combine`); feature.py's `LowLatencyEngine._run_combine` unpacks it."""
     torch: bool
     hook: bool
     async_: bool
@@ -136,8 +138,8 @@ class BoundCombine(NamedTuple):
     out_alloc: Optional[Callable]   # combined [N, H] (None: `out` given)
     call_alloc: Optional[Callable]  # with a hook: the call word (int32 [1]) the receive reads back
     combine_call_word: int      # without a hook: the byte offset of the handle's shared call word
-    num_tokens: int
-    num_topk: int
+    enter: Any                  # (as BoundDispatch's)
+    leave: Any
 
 
 def _bind_pair(kernel, grid: int, smem: int, named: Dict[str, Any], hook: bool):
@@ -177,6 +179,7 @@ def bind_dispatch(engine, p, hook: bool, async_finish: bool) -> BoundDispatch:
     if p.wait_stats is not None:
         exprs.append(('wait_stats', 'wp'))
     patch = patcher(send, tuple(exprs), 'xp, tp, xo, so, g0, cp, wp', 'dispatch')
+    enter, leave = (None, None) if hook else engine._events()
     sf_alloc = None
     if p.use_fp8:
         sf_alloc = (carver.allocator((L, H // 512, T), 'int32') if p.use_ue8m0 else
@@ -191,7 +194,8 @@ def bind_dispatch(engine, p, hook: bool, async_finish: bool) -> BoundDispatch:
         recv_free=recv_free, bind_recv=bind_recv,
         x_alloc=carver.allocator((L, T, H), 'float8_e4m3fn' if p.use_fp8 else 'bfloat16'), sf_alloc=sf_alloc,
         group_alloc=carver.allocator((hl.num_words,), 'int32'), views=views, layout=hl,
-        handle_const=dict(num_tokens=N, num_topk=K, kind=p.kind, engine_id=id(engine), _sig=hl), carver=carver)
+        handle_const=dict(num_tokens=N, num_topk=K, kind=p.kind, engine_id=id(engine), _sig=hl), carver=carver,
+        enter=enter, leave=leave)
 
 
 def bind_combine(engine, p, hl: HandleLayout, hook: bool, async_finish: bool) -> BoundCombine:
@@ -210,6 +214,7 @@ def bind_combine(engine, p, hl: HandleLayout, hook: bool, async_finish: bool) ->
     if p.wait_stats is not None:
         exprs.append(('wait_stats', 'sp'))
     patch = patcher(send, tuple(exprs), 'xp, g0, tp, wp, op, ci, sp', 'combine')
+    enter, leave = (None, None) if hook else engine._events()
     carver = interop.Carver(p.kind, engine.base.device)
     return BoundCombine(
         torch=p.kind == 'torch', hook=hook, async_=async_finish, zero_copy=p.zero_copy, check_x=p.x.numel > 0,
@@ -217,7 +222,7 @@ def bind_combine(engine, p, hl: HandleLayout, hook: bool, async_finish: bool) ->
         patch=patch, send_u=send.u64, send=send, recv_free=recv_free, bind_recv=bind_recv,
         out_alloc=None if p.out is not None else carver.allocator((p.num_tokens, p.hidden), 'bfloat16'),
         call_alloc=carver.allocator((1,), 'int32') if hook else None, combine_call_word=4 * hl.combine_call_info,
-        num_tokens=p.num_tokens, num_topk=p.num_topk)
+        enter=enter, leave=leave)
 
 
 def make_hook(stream: Callable, recv_free: list, keep: Tuple) -> Callable[[], None]:

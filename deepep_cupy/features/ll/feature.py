@@ -22,7 +22,7 @@ import numpy as np
 
 from ...runtime import interop
 from ...runtime.event import EventHandle, EventOverlap, empty_overlap
-from ...runtime.interop import meta
+from ...runtime.interop import TORCH_TENSOR, meta
 from .bound import MAX_BOUND, BoundCombine, BoundDispatch, bind_combine, bind_dispatch, make_hook
 from .plan import (  # noqa: F401
     CTL_MASK_WORD,
@@ -207,11 +207,10 @@ class LowLatencyEngine(ShrinkMaskMethods):
             allocations of their own; recv_count and the handle's tensors are views of one allocation of the call
             (bound.py `HandleLayout`).
         """
-        base = self.base
-        if base._destroyed or base._failed is not None or self._error_word[0]:
+        if self.base._destroyed or self.base._failed is not None or self._error_word[0]:
             self._check_usable()
         # The call signature (bound.py): `interop.meta` inline for plain torch tensors
-        tensor = interop.TORCH_TENSOR[0]
+        tensor = TORCH_TENSOR[0]
         if type(x) is tensor:
             xs, xp = (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
         else:
@@ -223,18 +222,24 @@ class LowLatencyEngine(ShrinkMaskMethods):
         cs, ws = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
         css, cp = (None, 0) if cs is None else meta(cs)
         wss, wp = (None, 0) if ws is None else meta(ws)
-        M, E = num_max_dispatch_tokens_per_rank, num_experts
-        key = (xs, ts, css, wss, M, M.__class__, E, E.__class__, use_fp8, use_fp8.__class__, round_scale,
-               round_scale.__class__, use_ue8m0, use_ue8m0.__class__, async_finish, async_finish.__class__,
-               return_recv_hook, return_recv_hook.__class__)
+        key = (xs, ts, css, wss, num_max_dispatch_tokens_per_rank, num_max_dispatch_tokens_per_rank.__class__,
+               num_experts, num_experts.__class__, use_fp8, use_fp8.__class__, round_scale, round_scale.__class__,
+               use_ue8m0, use_ue8m0.__class__, async_finish, async_finish.__class__, return_recv_hook,
+               return_recv_hook.__class__)
         b = self._dispatches.get(key)
         if b is None:
             if bound_only:
                 return None
-            b = self._bind_dispatch(key, x, topk_idx, M, E, cs, ws, use_fp8, round_scale, use_ue8m0, async_finish,
-                                    return_recv_hook)
+            b = self._bind_dispatch(key, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cs, ws, use_fp8,
+                                    round_scale, use_ue8m0, async_finish, return_recv_hook)
+        return self._run_dispatch(b, x, topk_idx, xp, tp, cp, wp, cs, ws)
+
+    def _run_dispatch(self, b: BoundDispatch, x, topk_idx, xp: int, tp: int, cp: int, wp: int, cs, ws):
+        """The per-call work of the bound dispatch `b` (bound.py): the address check, the outputs and the handle
+        (views of the call's allocation), the patch of the launch's pointers (`xp`, `tp`: x and topk_idx; `cp`, `wp`:
+        the stats `cs`, `ws`, 0 without), the launch and its stream order. Returns `dispatch`'s tuple."""
         (torch, hook, async_, check_x, stream, patch, send_u, send, recv_free, bind_recv, x_alloc, sf_alloc,
-         group_alloc, views, hl, handle_const, carver) = b
+         group_alloc, views, hl, handle_const, carver, enter, leave) = b
         if check_x and xp & 15:
             raise ValueError('x must start at a 16-byte aligned address')
         current = stream()
@@ -271,8 +276,7 @@ class LowLatencyEngine(ShrinkMaskMethods):
             send(current)
             return recv_out, recv_count, handle, empty_overlap(), make_hook(
                 stream, recv_free, (rb, x, topk_idx, recv_x, sf, group, cs, ws))
-        comm = base.comm_stream
-        enter, leave = self._order_events
+        comm = self.base.comm_stream
         enter.record(current)
         comm.wait_event(enter)
         send(comm)
@@ -292,8 +296,6 @@ class LowLatencyEngine(ShrinkMaskMethods):
         b = bind_dispatch(self, p, bool(return_recv_hook), bool(async_finish))
         if p.kind == 'torch' and not _INT64:
             _INT64.append(sys.modules['torch'].int64)
-        if not b.hook:
-            self._order_events = self._events()
         if len(self._dispatches) >= MAX_BOUND:
             self._dispatches.clear()
         self._dispatches[key] = b
@@ -319,10 +321,9 @@ class LowLatencyEngine(ShrinkMaskMethods):
         Returns:
             `(combined_x [N, H] bfloat16, event, hook)`.
         """
-        base = self.base
-        if base._destroyed or base._failed is not None or self._error_word[0]:
+        if self.base._destroyed or self.base._failed is not None or self._error_word[0]:
             self._check_usable()
-        tensor = interop.TORCH_TENSOR[0]
+        tensor = TORCH_TENSOR[0]
         if type(x) is tensor:
             xs, xp = (x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
         else:
@@ -339,16 +340,23 @@ class LowLatencyEngine(ShrinkMaskMethods):
         # (the handle's dispatch signature, by identity: its `HandleLayout`; None never matches a bound combine)
         hs = handle.__dict__.get('_sig') if type(handle) is LLHandle else None
         os_, op = (None, 0) if out is None else meta(out)
-        stats = combine_wait_recv_cost_stats
-        ss, sp = (None, 0) if stats is None else meta(stats)
+        ss, sp = (None, 0) if combine_wait_recv_cost_stats is None else meta(combine_wait_recv_cost_stats)
         key = (xs, ts, wts, hs, os_, ss, use_logfmt, use_logfmt.__class__, zero_copy, zero_copy.__class__,
                async_finish, async_finish.__class__, return_recv_hook, return_recv_hook.__class__)
         b = self._combines.get(key)
         if b is None:
             b = self._bind_combine(key, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                   return_recv_hook, out, stats)
+                                   return_recv_hook, out, combine_wait_recv_cost_stats)
+        return self._run_combine(b, x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats, xp, tp, wp,
+                                 op, sp)
+
+    def _run_combine(self, b: BoundCombine, x, topk_idx, topk_weights, handle, out, stats, xp: int, tp: int, wp: int,
+                     op: int, sp: int):
+        """The per-call work of the bound combine `b` (bound.py): the address and origin checks, the output, the
+        patch of the launch's pointers (`xp`, `tp`, `wp`, `op`, `sp`: x, topk_idx, topk_weights, out and the stats,
+        0 where None), the launch and its stream order. Returns `combine`'s tuple."""
         (torch, hook, async_, zero, check_x, check_out, stream, patch, send_u, send, recv_free, bind_recv,
-         out_alloc, call_alloc, combine_call_word, _, _) = b
+         out_alloc, call_alloc, combine_call_word, enter, leave) = b
         if check_x and xp & 15:
             raise ValueError('x must start at a 16-byte aligned address')
         if check_out and op & 15:
@@ -375,13 +383,12 @@ class LowLatencyEngine(ShrinkMaskMethods):
             return combined, empty_overlap(), make_hook(
                 stream, recv_free, (rb, x, topk_idx, topk_weights, handle, call, combined, stats))
         patch(send_u, xp, g0, tp, wp, op, g0 + combine_call_word, sp)
-        comm = base.comm_stream
-        enter, leave = self._order_events
+        comm = self.base.comm_stream
         enter.record(current)
         comm.wait_event(enter)
         send(comm)
         if async_:
-            return combined, self._leave_comm(hs.kind, current, comm, True, (
+            return combined, self._leave_comm(handle._sig.kind, current, comm, True, (
                 x, topk_idx, topk_weights, combined, handle._group, stats)), None
         leave.record(comm)
         current.wait_event(leave)
@@ -397,8 +404,6 @@ class LowLatencyEngine(ShrinkMaskMethods):
         if getattr(handle, 'engine_id', None) != id(self) or hl is None:
             raise ValueError('handle comes from another buffer\'s low_latency_dispatch')
         b = bind_combine(self, p, hl, bool(return_recv_hook), bool(async_finish))
-        if not b.hook:
-            self._order_events = self._events()
         if len(self._combines) >= MAX_BOUND:
             self._combines.clear()
         self._combines[key] = b
@@ -416,7 +421,7 @@ class LowLatencyEngine(ShrinkMaskMethods):
         the staging buffer the next `combine(..., zero_copy=True)` reads; write the expert outputs into it."""
         if not isinstance(handle, LLHandle) or getattr(handle, 'engine_id', None) != id(self):
             raise TypeError('handle must come from this buffer\'s low_latency_dispatch')
-        M, H, E = handle[2], handle[3], handle[4]
+        M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         L, T = E // self.num_ranks, self.num_ranks * M
         half = self._num_combines % 2
         key = (half, L, T, H, handle.kind)

@@ -2,6 +2,7 @@
 and the argument checks (`LLPlanner`); nothing here touches a GPU. See feature.py and kernels_cu/ep_ll.cu."""
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -148,7 +149,8 @@ def get_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     top-k up to 32, a multiple of 2 MiB. Formula (S = H/128 scales, nseg = ceil(H/512), K = 32):
     `4096 + 2 * (8E + 4*M*K*nseg + 4*E*M + R*M*(align16(4 nseg) + 2H) + M*K*2H) + 2 * E*M*2H` plus alignment."""
     check_dims(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-    layout = LLLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, NUM_MAX_TOPK)
+    layout = LLLayout(num_max_tokens=num_max_dispatch_tokens_per_rank, hidden=hidden, num_ranks=num_ranks,
+                      num_experts=num_experts, num_max_topk=NUM_MAX_TOPK)
     return _align(layout.total_bytes, SIZE_ALIGN)
 
 
@@ -158,11 +160,12 @@ def layout_for_region(num_max_tokens: int, hidden: int, num_ranks: int, num_expe
     that fits. ValueError naming the sizes if none does."""
     check_dims(num_max_tokens, hidden, num_ranks, num_experts, num_max_topk)
     candidates = [num_max_topk] if num_max_topk is not None else list(range(NUM_MAX_TOPK, 0, -1))
+    sizes = dict(num_max_tokens=num_max_tokens, hidden=hidden, num_ranks=num_ranks, num_experts=num_experts)
     for k in candidates:
-        layout = LLLayout(num_max_tokens, hidden, num_ranks, num_experts, k)
+        layout = LLLayout(**sizes, num_max_topk=k)
         if layout.total_bytes <= region_bytes:
             return layout
-    need = LLLayout(num_max_tokens, hidden, num_ranks, num_experts, candidates[-1]).total_bytes
+    need = LLLayout(**sizes, num_max_topk=candidates[-1]).total_bytes
     raise ValueError(f'the low-latency region has {region_bytes} bytes but M={num_max_tokens}, hidden={hidden}, '
                      f'R={num_ranks}, E={num_experts}, top-k {candidates[-1]} need {need}; size the buffer with '
                      f'get_low_latency_rdma_size_hint({num_max_tokens}, {hidden}, {num_ranks}, {num_experts}) = '
@@ -242,6 +245,10 @@ class LLHandle(tuple):
     """
 
     _LAZY = ('row_route', 'send_pos', 'call_info')
+    # DeepEP's tuple fields 2..4 by name
+    num_max_dispatch_tokens_per_rank = property(itemgetter(2), doc='M of the dispatch')
+    hidden = property(itemgetter(3), doc='H of the dispatch')
+    num_experts = property(itemgetter(4), doc='E of the dispatch')
 
     def __new__(cls, src_info, layout_range, num_max_tokens: int, hidden: int, num_experts: int, **extra):
         self = super().__new__(cls, (src_info, layout_range, num_max_tokens, hidden, num_experts))
@@ -392,8 +399,10 @@ class LLPlanner:
         if dispatch_wait_recv_cost_stats is not None:
             ws = self._info(dispatch_wait_recv_cost_stats, 'dispatch_wait_recv_cost_stats')
             self._expect(ws, 'dispatch_wait_recv_cost_stats', 'int64', (R,), kind)
-        return DispatchPlan(kind, num_tokens, num_topk, hidden, E, M, L, R * M, use_fp8, round_scale, use_ue8m0,
-                            xi, ti, cs, ws)
+        return DispatchPlan(kind=kind, num_tokens=num_tokens, num_topk=num_topk, hidden=hidden, num_experts=E,
+                            num_max_tokens=M, num_local_experts=L, num_rows=R * M, use_fp8=use_fp8,
+                            round_scale=round_scale, use_ue8m0=use_ue8m0, x=xi, topk_idx=ti, cumulative_stats=cs,
+                            wait_stats=ws)
 
     def plan_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, use_logfmt: Any = False,
                      zero_copy: Any = False, async_finish: Any = False, return_recv_hook: Any = False,
@@ -408,7 +417,7 @@ class LLPlanner:
         if not isinstance(handle, LLHandle):
             raise TypeError(f'handle must be the handle a low_latency_dispatch of this buffer returned, got '
                             f'{type(handle).__name__}')
-        M, hidden, E = handle[2], handle[3], handle[4]
+        M, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         R = self.layout.num_ranks
         L, T, N, K = E // R, R * M, handle.num_tokens, handle.num_topk
         xi = self._info(x, 'x')
@@ -425,6 +434,8 @@ class LLPlanner:
         if combine_wait_recv_cost_stats is not None:
             si = self._info(combine_wait_recv_cost_stats, 'combine_wait_recv_cost_stats')
             self._expect(si, 'combine_wait_recv_cost_stats', 'int64', (R,), kind)
-        return CombinePlan(kind, N, K, hidden, E, M, L, T, xi, ti, wi, oi, si, zero_copy)
+        return CombinePlan(kind=kind, num_tokens=N, num_topk=K, hidden=hidden, num_experts=E, num_max_tokens=M,
+                           num_local_experts=L, num_rows=T, x=xi, topk_idx=ti, topk_weights=wi, out=oi, wait_stats=si,
+                           zero_copy=zero_copy)
 
 

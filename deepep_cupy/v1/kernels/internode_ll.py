@@ -47,6 +47,7 @@ with `num_worst_tokens` rows; rails between domains, the intranode engine inside
 """
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -128,6 +129,11 @@ class InternodeLLHandle(tuple):
     alive), `row_of` `[rows]` int32 (hybrid row -> V1 row `j * R * M + r`, -1: dropped), `send_pos` `[T, K]` int32,
     `num_rows`, `num_recv_ptr` (the received row count's device address), `recv_count`, `num_tokens`, `num_topk`,
     `kind`, `mode_id`, `keep` (allocations the launches read)."""
+
+    # DeepEP's tuple fields 2..4 by name
+    num_max_dispatch_tokens_per_rank = property(itemgetter(2), doc='M of the dispatch')
+    hidden = property(itemgetter(3), doc='H of the dispatch')
+    num_experts = property(itemgetter(4), doc='E of the dispatch')
 
     def __new__(cls, src_info, layout_range, num_max_tokens: int, hidden: int, num_experts: int, **extra):
         self = super().__new__(cls, (src_info, layout_range, num_max_tokens, hidden, num_experts))
@@ -247,7 +253,9 @@ class InternodeLLPlanner:
         if dispatch_wait_recv_cost_stats is not None:
             ws = self._info(dispatch_wait_recv_cost_stats, 'dispatch_wait_recv_cost_stats')
             self._expect(ws, 'dispatch_wait_recv_cost_stats', 'int64', (R,), kind)
-        return InternodeDispatchPlan(kind, T, K, H, E, M, L, R * M, use_fp8, round_scale, use_ue8m0)
+        return InternodeDispatchPlan(kind=kind, num_tokens=T, num_topk=K, hidden=H, num_experts=E, num_max_tokens=M,
+                                     num_local_experts=L, num_rows=R * M, use_fp8=use_fp8, round_scale=round_scale,
+                                     use_ue8m0=use_ue8m0)
 
     def plan_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
                      return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None) -> InternodeCombinePlan:
@@ -261,7 +269,7 @@ class InternodeLLPlanner:
         if not isinstance(handle, InternodeLLHandle):
             raise TypeError(f'handle must be the handle a low_latency_dispatch of this buffer returned, got '
                             f'{type(handle).__name__}')
-        M, H, E = handle[2], handle[3], handle[4]
+        M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         R = self.num_ranks
         L, T, N, K = E // R, R * M, handle.num_tokens, handle.num_topk
         kind = handle.kind
@@ -274,7 +282,8 @@ class InternodeLLPlanner:
         if combine_wait_recv_cost_stats is not None:
             si = self._info(combine_wait_recv_cost_stats, 'combine_wait_recv_cost_stats')
             self._expect(si, 'combine_wait_recv_cost_stats', 'int64', (R,), kind)
-        return InternodeCombinePlan(kind, N, K, H, E, M, zero_copy)
+        return InternodeCombinePlan(kind=kind, num_tokens=N, num_topk=K, hidden=H, num_experts=E, num_max_tokens=M,
+                                    zero_copy=zero_copy)
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------------
