@@ -363,7 +363,11 @@ def serving_replay_parser() -> argparse.ArgumentParser:
                                   'environment: VLLM_DEEPEP_BUFFER_SIZE_MB, VLLM_MOE_DP_CHUNK_SIZE, VLLM_DBO_COMM_SMS,'
                                   '\n'
                                   'SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK, ...); every output checked bit for '
-                                  'bit against host\nreferences. Runs on 1, 2 or 4 ranks sharing one GPU.')
+                                  'bit against host\nreferences. Runs on 1, 2 or 4 ranks sharing one GPU in one '
+                                  'scale-up domain, or across several (internode\nmode: 2x1, 2x2, 4x1, 2x4 domains x '
+                                  'ranks; DEEPEP_CUPY_SCALEUP_SIZE=<ranks per domain> with\n'
+                                  'DEEPEP_CUPY_RAIL_TRANSPORT=loopback or nccl), checked there against the internode '
+                                  'references.')
     p.add_argument('--num-tokens', type=int, default=128,
                    help='normal-mode (prefill) tokens of rank 0 (rank r: max(1, num_tokens - r))')
     p.add_argument('--num-ll-tokens', type=int, default=32,
@@ -371,7 +375,8 @@ def serving_replay_parser() -> argparse.ArgumentParser:
                         'max tokens per rank (vLLM 256, SGLang 128 by default)')
     p.add_argument('--num-prefill-tokens', type=int, default=0,
                    help='tokens per rank of sglang_normal_prefill_growth (0: what DeepEP\'s default configs hold in '
-                        'flight, more than SGLang\'s FP8-sized buffer has slots for)')
+                        'flight, more than SGLang\'s FP8-sized buffer has slots for, inside one domain or across '
+                        'several)')
     p.add_argument('--hidden', type=int, default=2048,
                    help='hidden size (vLLM\'s low-latency cases need one of 2048, 2560, 3072, 4096, 5120, 6144, 7168, '
                         '8192; FP8 UE8M0 a multiple of 512)')

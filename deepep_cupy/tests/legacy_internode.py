@@ -84,26 +84,9 @@ class Case:
                     num_tokens_per_expert=per_expert)
 
     def _orders(self):
-        """Per token and destination domain, in order of the domain's last (first) top-k slot: its destination ranks
-        in order of their last (first) top-k slot: `[N, D, S]` int64 each, -1 padded."""
+        """`legacy_reference.domain_orders` of this rank's tokens (cached)."""
         if getattr(self, '_order_cache', None) is None:
-            topk, S, D = self.topks[self.rank], self.S, self.D
-            by = {}
-            for name, pick in (('last', max), ('first', min)):
-                out = torch.full((topk.shape[0], D, S), -1, dtype=torch.int64)
-                for t, row in enumerate(ref.owners(topk, self.E, self.R).tolist()):
-                    slot = {}
-                    for k, d in enumerate(row):
-                        if d >= 0:
-                            slot[d] = k if name == 'last' or d not in slot else slot[d]
-                    doms = {}
-                    for d, k in slot.items():
-                        doms[d // S] = pick(doms.get(d // S, k), k)
-                    for i, m in enumerate(sorted(doms, key=doms.get)):
-                        for j, d in enumerate(sorted((d for d in slot if d // S == m), key=slot.get)):
-                            out[t, i, j] = d
-                by[name] = out
-            self._order_cache = (by['last'], by['first'])
+            self._order_cache = ref.domain_orders(self.topks[self.rank], self.E, self.R, self.D)
         return self._order_cache
 
     def expected_combine(self, biases, weight_fill=None):

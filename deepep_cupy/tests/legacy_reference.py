@@ -179,3 +179,27 @@ def combine(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks
         got = per_rank[d.clamp(min=0), torch.arange(N)]
         w = torch.where((d >= 0).unsqueeze(1), w + got, w)
     return acc.to(torch.bfloat16), w
+
+
+def domain_orders(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_domains: int):
+    """`(by_last, by_first)`, `[N, D, S]` int64 each (D domains of S = R / D ranks): per token its destination domains
+    in order of their last (first) top-k slot (a domain's = the last (first) slot of any of its ranks), and inside each
+    its destination ranks in order of their last (first) top-k slot, padded with -1. The order of V1's two-level
+    combine across scale-up domains (rows per domain, then the domains' partials); one domain: `dest_orders`'."""
+    S, D = num_ranks // num_domains, num_domains
+    by = {}
+    for name, pick in (('last', max), ('first', min)):
+        out = torch.full((topk_idx.shape[0], D, S), -1, dtype=torch.int64)
+        for t, row in enumerate(owners(topk_idx, num_experts, num_ranks).tolist()):
+            slot = {}
+            for k, d in enumerate(row):
+                if d >= 0:
+                    slot[d] = k if name == 'last' or d not in slot else slot[d]
+            doms = {}
+            for d, k in slot.items():
+                doms[d // S] = pick(doms.get(d // S, k), k)
+            for i, m in enumerate(sorted(doms, key=doms.get)):
+                for j, d in enumerate(sorted((d for d in slot if d // S == m), key=slot.get)):
+                    out[t, i, j] = d
+        by[name] = out
+    return by['last'], by['first']

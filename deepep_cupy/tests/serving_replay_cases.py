@@ -4,12 +4,15 @@ call for call on `deep_ep` = deepep_cupy, each result checked bit for bit agains
 `serving_replay`; then the case list (`CASES`), grouped by the buffer (one framework configuration) each runs on.
 
 Every case is `run(ctx, holder)`: `ctx` a `serving_replay.Context`, `holder` the block's buffer owner (`VllmManager`,
-`SGLangBuffer`); it raises `Failure` naming the case (`ctx.what`), the tensor, the first mismatch.
+`SGLangBuffer`); it raises `Failure` naming the case (`ctx.what`), the tensor, the first mismatch. The same sequences
+run inside one scale-up domain and across several (`ctx.D`): the framework code has no other branch than vLLM's HT
+buffer arguments, and `ctx` picks the inputs and checks of the topology. `skip_reasons` says which cases a run
+leaves out, and why.
 """
 
 import gc
 from types import SimpleNamespace
-from typing import Callable, NamedTuple
+from typing import Callable, Dict, NamedTuple
 
 import torch
 
@@ -21,6 +24,7 @@ from .serving_replay import (
     FP8,
     FP8_UE8M0,
     SGLANG_EXPERT_ALIGNMENT,
+    VLLM_LL_HIDDEN_SIZES,
     VLLM_MANAGER_NUM_SMS,
     check_combined,
     check_normal,
@@ -29,6 +33,7 @@ from .serving_replay import (
     normal_input,
     prefill_tokens,
     sglang_buffer_sizes,
+    token_limit,
     vllm_configs,
     vllm_ht_buffer_kwargs,
     vllm_ll_buffer_kwargs,
@@ -42,7 +47,7 @@ class VllmManager:
     def __init__(self, ctx, low_latency: bool, fault_tolerance: bool = False):
         self.ctx = ctx
         self.kwargs = (vllm_ll_buffer_kwargs(ctx.cpu_group, ctx.Buffer, ctx.env, ctx.H, ctx.R, ctx.E, fault_tolerance)
-                       if low_latency else vllm_ht_buffer_kwargs(ctx.cpu_group, ctx.env))
+                       if low_latency else vllm_ht_buffer_kwargs(ctx.cpu_group, ctx.env, internode=ctx.D > 1))
         self.buffer = ctx.Buffer(**self.kwargs)
 
     def set_num_sms(self, num_sms: int) -> None:
@@ -53,7 +58,9 @@ class VllmManager:
 
 
 def vllm_ht_dispatch(buf, case, kind, config, previous_event=None, dbo=False):
-    """DeepEPHTPrepareAndFinalize._do_dispatch (previous_event: dbo_get_previous_event's, None without DBO)."""
+    """DeepEPHTPrepareAndFinalize._do_dispatch (previous_event: dbo_get_previous_event's, None without DBO). Returns
+    `(dispatch outputs, the layout's (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+    is_token_in_rank))`."""
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(
         topk_idx=case.topk_idx, num_experts=case.E, previous_event=previous_event, async_finish=False,
         allocate_on_comm_stream=False)
@@ -61,7 +68,7 @@ def vllm_ht_dispatch(buf, case, kind, config, previous_event=None, dbo=False):
                        num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                        topk_idx=case.topk_idx, topk_weights=case.topk_weights, expert_alignment=1, config=config,
                        previous_event=previous_event, async_finish=not dbo, allocate_on_comm_stream=False)
-    return out, in_rank
+    return out, (per_rank, per_rdma, per_expert, in_rank)
 
 
 def vllm_ht_receiver(ctx, out) -> None:
@@ -87,9 +94,9 @@ def vllm_ht_finalize(buf, handle, y, config, output, do_async: bool, previous_ev
 def vllm_ht(ctx, mgr, kind, zero=False, finalize_async=True):
     d_cfg, c_cfg = vllm_configs(ctx.Buffer, ctx.R)
     case = ctx.case(1, zero=zero)
-    out, in_rank = vllm_ht_dispatch(mgr.buffer, case, kind, d_cfg)
+    out, layout = vllm_ht_dispatch(mgr.buffer, case, kind, d_cfg)
     vllm_ht_receiver(ctx, out)
-    check_normal(case, kind, out, in_rank, 1, (d_cfg or ctx.Buffer).num_sms, ctx.what)
+    check_normal(case, kind, out, layout, 1, (d_cfg or ctx.Buffer).num_sms, ctx.what)
     output = torch.empty_like(case.x)
     vllm_ht_finalize(mgr.buffer, out[4], normal_experts(ctx, out), c_cfg, output, finalize_async)
     check_combined(case, kind, output, ctx.what)
@@ -158,7 +165,7 @@ def vllm_ll(ctx, mgr, mode, zero=False, finalize_async=True, offset=4):
     inp = ctx.ll_inputs(offset, zero=zero)
     out = vllm_ll_prepare(mgr.buffer, inp, M, mode)
     out[4]()                            # modular kernel _prepare without DBO: hook(), then the receiver
-    llp.check_dispatch(inp, out, mode, M, (), f'{ctx.what} dispatch')
+    ctx.check_ll_dispatch(inp, out, mode, M, f'{ctx.what} dispatch')
     output, hook = vllm_ll_finalize(mgr.buffer, inp, out[2], llp.combine_input(inp, out, mode, M), finalize_async)
     if hook is not None:
         hook()
@@ -196,7 +203,7 @@ def vllm_ll_dbo(ctx, mgr, mode=FP8):
     main.wait_stream(s[0])
     torch.cuda.synchronize()
     for u, (inp, d, o) in enumerate(((inps[0], d0, o0), (inps[1], d1, o1))):
-        llp.check_dispatch(inp, d, mode, M, (), f'{ctx.what} micro-batch {u} dispatch')
+        ctx.check_ll_dispatch(inp, d, mode, M, f'{ctx.what} micro-batch {u} dispatch')
         check_equal(o.cpu(), llp.combine_expected(inp, mode), f'{ctx.what} micro-batch {u} combine: combined_x')
 
 
@@ -223,7 +230,7 @@ def ll_cuda_graph(ctx, M: int, mode, step: Callable) -> None:
             getattr(static, name).copy_(getattr(inp, name))
         graph.replay()
         torch.cuda.synchronize()
-        llp.check_dispatch(inp, out, mode, M, (), f'{ctx.what} replay {offset} dispatch')
+        ctx.check_ll_dispatch(inp, out, mode, M, f'{ctx.what} replay {offset} dispatch')
         check_equal(combined.cpu(), llp.combine_expected(inp, mode), f'{ctx.what} replay {offset} combine: combined_x')
         ctx.group.barrier()
 
@@ -242,18 +249,23 @@ def vllm_ll_cuda_graph(ctx, mgr, mode=FP8):
 
 def vllm_ll_fault_tolerance(ctx, mgr, mode=FP8):
     """--enable-fault-tolerance: a buffer with enable_shrink; query_active_mask, a round, clean_buffers (the local
-    RDMA buffer zeroed, the masks cleaned), another round."""
+    RDMA buffer zeroed, the masks cleaned), another round. Across domains the masks are this rank's own and no rank
+    is masked automatically (v1/kernels/internode_ll.py), which no case relies on: the replayed calls are the same."""
     mask = torch.zeros(ctx.R, device='cuda', dtype=torch.int32)
     mgr.buffer.low_latency_query_mask_buffer(mask)
     check(mask.tolist() == [0] * ctx.R, f'{ctx.what}: no rank masked at the start, got {mask.tolist()}')
     vllm_ll(ctx, mgr, mode)
-    mgr.buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).zero_()
+    local = mgr.buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)
+    local.zero_()
     torch.cuda.synchronize()
     mgr.buffer.low_latency_clean_mask_buffer()
     torch.cuda.synchronize()
     vllm_ll(ctx, mgr, mode, offset=7)
     mgr.buffer.low_latency_query_mask_buffer(mask)
     check(mask.tolist() == [0] * ctx.R, f'{ctx.what}: no rank masked after clean_buffers, got {mask.tolist()}')
+    if ctx.D > 1:       # (no low-latency memory of its own there: the composed path keeps no signal between calls)
+        return f'clean_buffers zeroed a {local.numel()}-byte local RDMA view; masks local, no automatic shrink'
+    return None
 
 
 # ---- SGLang -------------------------------------------------------------------------------------------------------
@@ -311,7 +323,7 @@ class SGLangNormal:
         self.handle = out[4]
         if self.async_finish:
             out[5].current_stream_wait()
-        return out, in_rank
+        return out, (per_rank, per_rdma, per_expert, in_rank)
 
     def combine_a(self, y):
         return y, (self.ctx.Buffer.capture() if self.async_finish else None)
@@ -356,15 +368,15 @@ class SGLangLowLatency:
 
 
 def sglang_normal_round(ctx, disp: SGLangNormal, case: Case, kind: str, what: str) -> None:
-    out, in_rank = disp.dispatch_b(*disp.dispatch_a(normal_input(case, kind), case.topk_idx, case.topk_weights))
-    check_normal(case, kind, out, in_rank, SGLANG_EXPERT_ALIGNMENT, ctx.Buffer.num_sms, what)
+    out, layout = disp.dispatch_b(*disp.dispatch_a(normal_input(case, kind), case.topk_idx, case.topk_weights))
+    check_normal(case, kind, out, layout, SGLANG_EXPERT_ALIGNMENT, ctx.Buffer.num_sms, what)
     check_combined(case, kind, disp.combine_b(*disp.combine_a(normal_experts(ctx, out))), what)
 
 
 def sglang_ll_round(ctx, disp: SGLangLowLatency, inp, what: str) -> None:
     out = disp.dispatch_a(inp.x, inp.topk_idx)
     disp.dispatch_b(out)
-    llp.check_dispatch(inp, out, disp.mode, disp.state.M, (), f'{what} dispatch')
+    ctx.check_ll_dispatch(inp, out, disp.mode, disp.state.M, f'{what} dispatch')
     y = llp.combine_input(inp, out, disp.mode, disp.state.M)
     combined = disp.combine_b(*disp.combine_a(y, inp.topk_idx, inp.topk_weights))
     check_equal(combined.cpu(), llp.combine_expected(inp, disp.mode), f'{what} combine: combined_x')
@@ -391,12 +403,18 @@ def sglang_normal_tbo(ctx, state, kind='fp8'):
         check_combined(c, kind, r, f'{ctx.what} sub-batch {tag}')
 
 
+def normal_mode(buffer):
+    """The V1 Buffer's normal mode: `NormalMode` inside one domain, `InternodeMode` across domains (both count their
+    growths in `num_growths`)."""
+    return buffer._normal if buffer._normal is not None else buffer._internode
+
+
 def sglang_prefill_growth(ctx, state, kind='fp8'):
     n = ctx.args.num_prefill_tokens or prefill_tokens(ctx.Buffer, ctx.R)
-    expect = grows(state.sizes.num_nvl_bytes, ctx.R, n, ctx.H, ctx.K)
-    before = state.buffer._normal.num_growths
+    expect = grows(state.sizes.num_nvl_bytes, ctx.R, n, ctx.H, ctx.K, ctx.D, state.sizes.num_rdma_bytes)
+    before = normal_mode(state.buffer).num_growths
     sglang_normal_round(ctx, SGLangNormal(ctx, state), ctx.case(10, num_tokens=n), kind, ctx.what)
-    grown = state.buffer._normal.num_growths - before
+    grown = normal_mode(state.buffer).num_growths - before
     check(grown > 0 or not expect, f'{ctx.what}: {n} tokens per rank exceed the buffer\'s slots, yet it did not grow')
     return f'{n} tokens per rank, buffer grown {grown} time(s)'
 
@@ -484,6 +502,26 @@ CASES = (
        sglang_ll_cuda_graph),
     _C('sglang_auto', 'sglang_auto', 'SGLang auto: one buffer, decode and prefill alternating', sglang_auto),
 )
+
+
+def skip_reasons(cases, hidden: int, num_prefill_tokens: int, num_ranks: int, num_domains: int = 1) -> Dict[str, str]:
+    """`{case name: why this run leaves it out}` for `cases` (ReplayCase) on `num_ranks` ranks in `num_domains`
+    scale-up domains: vLLM's low-latency cases off its hidden sizes (vLLM refuses them), and the prefill case when its
+    `num_prefill_tokens` per rank exceed what a V1 Buffer of this topology ever holds (`serving_replay.token_limit`).
+    Every other sequence runs across domains too: the V1 Buffer serves each call there (v1/internode.py,
+    v1/internode_ll.py); what differs (low-latency masks local to a rank, no automatic shrink: v1/kernels/
+    internode_ll.py) no replayed sequence exercises."""
+    out = {}
+    limit = token_limit(num_ranks, num_domains)
+    where = f'{num_domains} scale-up domains of {num_ranks // num_domains}' if num_domains > 1 else \
+        f'{num_ranks} ranks in one domain'
+    for c in cases:
+        if c.block.startswith('vllm_ll') and hidden not in VLLM_LL_HIDDEN_SIZES:
+            out[c.name] = f'hidden {hidden} is not in vLLM\'s low-latency list {VLLM_LL_HIDDEN_SIZES}'
+        elif c.name == 'sglang_normal_prefill_growth' and num_prefill_tokens > limit:
+            out[c.name] = (f'{num_prefill_tokens} tokens per rank: a V1 Buffer of {where} holds at most {limit} '
+                           f'per rank')
+    return out
 
 
 def select_cases(text: str):
