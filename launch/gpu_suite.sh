@@ -368,6 +368,12 @@ legacy_internode_lane() {
         step "legacy low-latency internode $shape np=$np loopback rails" 300 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
             DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.legacy_low_latency_internode
     done
+    # vLLM's and SGLang's V1 call sequences across domains, against the internode references
+    for shape in 2x1 2x2 4x1 2x4; do
+        s=${shape#*x}; np=$(( ${shape%x*} * s ))
+        step "serving replay internode $shape np=$np loopback rails" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.serving_replay
+    done
     # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
     step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
@@ -438,6 +444,12 @@ nccl1_more_lane() {
     # The other shapes and programs over real NCCL on one GPU (beside nccl1_lane): EP 2x4 and 4x1, PP and all-gather /
     # reduce-scatter 2x2, the barrier 2x1 (each rank its own NCCL host where domains hold several ranks), and DeepEP's
     # own programs in hybrid mode (init_dist gives each rank its own NCCL host when NCCL rails share a GPU).
+    # vLLM's and SGLang's V1 call sequences across domains, against the internode references
+    for shape in 2x1 2x2 4x1 2x4; do
+        s=${shape#*x}; np=$(( ${shape%x*} * s ))
+        step "serving replay internode $shape np=$np loopback rails" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.serving_replay
+    done
     # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
     step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
@@ -472,6 +484,12 @@ nccl1_more_lane() {
 nccl_refs_lane() {
     # Programs whose own references need NCCL, at np=2 on one GPU: every rank its own NCCL host (DeepEP's init_dist
     # with DEEPEP_CUPY_NCCL_HOST_PER_RANK=1; our programs through NCCL_HOSTID=rank<g>), NCCL over sockets. Logic only.
+    # vLLM's and SGLang's V1 call sequences across domains, against the internode references
+    for shape in 2x1 2x2 4x1 2x4; do
+        s=${shape#*x}; np=$(( ${shape%x*} * s ))
+        step "serving replay internode $shape np=$np loopback rails" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
+            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.serving_replay
+    done
     # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
     step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
