@@ -441,25 +441,18 @@ nccl1_lane() {
         $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.agrs --skip-perf-test"
 }
 nccl1_more_lane() {
-    # The other shapes and programs over real NCCL on one GPU (beside nccl1_lane): EP 2x4 and 4x1, PP and all-gather /
-    # reduce-scatter 2x2, the barrier 2x1 (each rank its own NCCL host where domains hold several ranks), and DeepEP's
-    # own programs in hybrid mode (init_dist gives each rank its own NCCL host when NCCL rails share a GPU).
-    # vLLM's and SGLang's V1 call sequences across domains, against the internode references
-    for shape in 2x1 2x2 4x1 2x4; do
-        s=${shape#*x}; np=$(( ${shape%x*} * s ))
-        step "serving replay internode $shape np=$np loopback rails" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
-            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.serving_replay
-    done
-    # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
-    step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
-        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
-    local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
+    # The other EP shapes over real NCCL on one GPU (beside nccl1_lane): 4x1 and 2x4 (launch/scaleout_nccl.sh gives
+    # each rank its own NCCL host)
     local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60 --num-tokens 128 \
 --hidden 1024 --num-experts 64 --skip-perf-test --num-create-destroy 0 --skip-timeout-test"
     step "nccl1: ep hybrid 4x1 NCCL rails, all modes, graph (P1, P2)" 400 env OUT="$OUT/nccl1_4x1" RUN_TIMEOUT=190 \
         PIPELINE_PERF=0 PROG="$EPA" $ONE bash launch/scaleout_nccl.sh 4x1
     step "nccl1: ep hybrid 2x4 NCCL rails, first mode, graph (P1, P2)" 400 env OUT="$OUT/nccl1_2x4" RUN_TIMEOUT=190 \
         PIPELINE_PERF=0 PROG="$EPA --test-first-only" $ONE bash launch/scaleout_nccl.sh 2x4
+}
+nccl1_coll_lane() {
+    # PP and all-gather / reduce-scatter 2x2 and the barrier 2x1 over real NCCL on one GPU (each rank its own host)
+    local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
     step "nccl1: pp hybrid 2x2 NCCL links + timeout" 200 env $SOCK MASTER_PORT=19261 DEEPEP_CUPY_SCALEUP_SIZE=2 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $PY -m deepep_cupy.tests.pp --skip-perf-test \
         --num-tokens 256 --hidden 2048"
@@ -467,6 +460,10 @@ nccl1_more_lane() {
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $PY -m deepep_cupy.tests.agrs --skip-perf-test"
     step "nccl1: barrier hybrid 2x1 over NCCL" 200 env $SOCK MASTER_PORT=19461 DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 2 bash -c "$host exec $PY -m deepep_cupy.tests.barrier"
+}
+nccl1_deepep_lane() {
+    # DeepEP's own programs in hybrid mode over real NCCL rails on one GPU (init_dist gives each rank its own NCCL host
+    # when NCCL rails share a GPU)
     [ -d .upstream ] || { echo "no .upstream/ (DeepEP's programs): skipped" >> "$LOG"; return; }
     local RUN="$PY -m deepep_cupy.as_deep_ep" NC="DEEPEP_CUPY_RAIL_TRANSPORT=nccl"
     step "nccl1: DeepEP elastic/test_ep.py np=2 hybrid 2x1 NCCL (checks)" 500 env MASTER_PORT=19561 $NC \
@@ -484,15 +481,6 @@ nccl1_more_lane() {
 nccl_refs_lane() {
     # Programs whose own references need NCCL, at np=2 on one GPU: every rank its own NCCL host (DeepEP's init_dist
     # with DEEPEP_CUPY_NCCL_HOST_PER_RANK=1; our programs through NCCL_HOSTID=rank<g>), NCCL over sockets. Logic only.
-    # vLLM's and SGLang's V1 call sequences across domains, against the internode references
-    for shape in 2x1 2x2 4x1 2x4; do
-        s=${shape#*x}; np=$(( ${shape%x*} * s ))
-        step "serving replay internode $shape np=$np loopback rails" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
-            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.serving_replay
-    done
-    # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
-    step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
-        DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
     step "nccl refs: ep_bench np=2 (refs and a2a over NCCL, logic)" 300 env $SOCK MASTER_PORT=19961 $ONE $R 2 \
         bash -c "$host exec $PY perf/ep_bench.py --out $OUT/nccl_refs --tokens 128,512 --num-warmups 2 --num-tests 3"
@@ -512,8 +500,11 @@ faults_lane() {
     # every survivor must raise naming the phase and the dead peer, destroy and exit by itself. Logs: $OUT/faults*.
     local F="$PY -m deepep_cupy.tests.faults"
     step "faults nccl 2x1 (a rank killed at each point)" 300 $ONE $F --mode nccl --num-ranks 2 --out "$OUT/faults"
-    step "faults ipc np=2 (a rank killed at each point)" 300 $ONE $F --mode ipc --num-ranks 2 --out "$OUT/faults"
     step "faults nccl 2x2 (a rank killed at each point)" 400 $ONE $F --mode nccl --num-ranks 4 --out "$OUT/faults"
+}
+faults_ipc_lane() {
+    local F="$PY -m deepep_cupy.tests.faults"
+    step "faults ipc np=2 (a rank killed at each point)" 300 $ONE $F --mode ipc --num-ranks 2 --out "$OUT/faults"
     step "faults ipc np=4 (a rank killed at each point)" 300 $ONE $F --mode ipc --num-ranks 4 --out "$OUT/faults"
     step "faults ipc np=4 victim rank 0 (the TCP group's root)" 300 $ONE $F --mode ipc --num-ranks 4 --victim 0 \
         --out "$OUT/faults_victim0"
@@ -745,8 +736,11 @@ want firsthour && lane firsthour_lane
 want frameworks && MASTER_PORT=18761 lane frameworks_lane
 want nccl1 && MASTER_PORT=18861 lane nccl1_lane
 want nccl1 && lane nccl1_more_lane
+want nccl1 && lane nccl1_coll_lane
+want nccl1 && lane nccl1_deepep_lane
 want nccl1 && lane nccl_refs_lane
 want faults && lane faults_lane
+want faults && lane faults_ipc_lane
 want internode && lane legacy_internode_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
