@@ -499,15 +499,15 @@ faults_lane() {
     # A rank SIGKILLed at each kill point: the program starts its own ranks on GPU 0 (a dead rank ends an mpirun job);
     # every survivor must raise naming the phase and the dead peer, destroy and exit by itself. Logs: $OUT/faults*.
     local F="$PY -m deepep_cupy.tests.faults"
-    step "faults nccl 2x1 (a rank killed at each point)" 300 $ONE $F --mode nccl --num-ranks 2 --out "$OUT/faults"
-    step "faults nccl 2x2 (a rank killed at each point)" 400 $ONE $F --mode nccl --num-ranks 4 --out "$OUT/faults"
-}
-faults_ipc_lane() {
-    local F="$PY -m deepep_cupy.tests.faults"
-    step "faults ipc np=2 (a rank killed at each point)" 300 $ONE $F --mode ipc --num-ranks 2 --out "$OUT/faults"
+    case "${1:-}" in
+    nccl2) step "faults nccl 2x1 (a rank killed at each point)" 300 $ONE $F --mode nccl --num-ranks 2 --out "$OUT/faults" ;;
+    nccl4) step "faults nccl 2x2 (a rank killed at each point)" 400 $ONE $F --mode nccl --num-ranks 4 --out "$OUT/faults" ;;
+    ipc2) step "faults ipc np=2 (a rank killed at each point)" 300 $ONE $F --mode ipc --num-ranks 2 --out "$OUT/faults" ;;
+    ipc4)
     step "faults ipc np=4 (a rank killed at each point)" 300 $ONE $F --mode ipc --num-ranks 4 --out "$OUT/faults"
     step "faults ipc np=4 victim rank 0 (the TCP group's root)" 300 $ONE $F --mode ipc --num-ranks 4 --victim 0 \
-        --out "$OUT/faults_victim0"
+        --out "$OUT/faults_victim0" ;;
+    esac
 }
 deepep_lane() {
     local U=.upstream RUN="$PY -m deepep_cupy.as_deep_ep"
@@ -739,8 +739,7 @@ want nccl1 && lane nccl1_more_lane
 want nccl1 && lane nccl1_coll_lane
 want nccl1 && lane nccl1_deepep_lane
 want nccl1 && lane nccl_refs_lane
-want faults && lane faults_lane
-want faults && lane faults_ipc_lane
+for f in nccl2 nccl4 ipc2 ipc4; do want faults && lane faults_lane $f; done
 want internode && lane legacy_internode_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
