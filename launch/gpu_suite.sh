@@ -357,29 +357,28 @@ legacy_lane() {
         $PY -m deepep_cupy.tests.legacy_intranode --num-tokens 512 --hidden 2048 --skip-perf-test
 }
 legacy_internode_lane() {
-    # V1 Buffer across scale-up domains (normal mode over the hybrid engine): every handle element, rows, combine
-    # against the host reference, at 2x1, 2x2, 2x4, 4x1 over loopback rails, and 2x2 over NCCL rails (sockets).
-    local shape np s IL="$PY -m deepep_cupy.tests.legacy_internode --num-tokens 512 --hidden 2048"
-    for shape in 2x1 2x2 4x1 2x4; do
-        s=${shape#*x}; np=$(( ${shape%x*} * s ))
-        step "legacy internode $shape np=$np loopback rails" 300 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
-            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $IL
-        # low-latency mode across domains (pseudo-token hybrid calls), against the single-domain references
-        step "legacy low-latency internode $shape np=$np loopback rails" 300 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
-            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.legacy_low_latency_internode
-    done
-    # vLLM's and SGLang's V1 call sequences across domains, against the internode references
-    for shape in 2x1 2x2 4x1 2x4; do
-        s=${shape#*x}; np=$(( ${shape%x*} * s ))
-        step "serving replay internode $shape np=$np loopback rails" 600 env DEEPEP_CUPY_SCALEUP_SIZE=$s \
-            DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R $np $PY -m deepep_cupy.tests.serving_replay
-    done
-    # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0
+    # V1 Buffer across scale-up domains at one shape (domains x ranks) over loopback rails: normal mode over the hybrid
+    # engine (every handle element, rows, combine against the host reference), low-latency mode (pseudo-token hybrid
+    # calls, against the single-domain references) and vLLM's and SGLang's V1 call sequences (against the internode
+    # references)
+    local shape=$1 s np IL="$PY -m deepep_cupy.tests.legacy_internode --num-tokens 512 --hidden 2048"
+    s=${shape#*x}; np=$(( ${shape%x*} * s ))
+    local env="DEEPEP_CUPY_SCALEUP_SIZE=$s DEEPEP_CUPY_RAIL_TRANSPORT=loopback"
+    step "legacy internode $shape np=$np loopback rails" 300 env $env $ONE $R $np $IL
+    step "legacy low-latency internode $shape np=$np loopback rails" 300 env $env $ONE $R $np \
+        $PY -m deepep_cupy.tests.legacy_low_latency_internode
+    step "serving replay internode $shape np=$np loopback rails" 600 env $env $ONE $R $np \
+        $PY -m deepep_cupy.tests.serving_replay
+}
+legacy_internode_more_lane() {
+    # perf/v1_bench.py's internode rows (the two-GPU bench stage's), as a logic run: 2 domains sharing GPU 0; normal
+    # mode 2x2 over NCCL rails (sockets)
     step "v1_bench 2x1 np=2 loopback rails (internode rows, logic-grade)" 300 env DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=loopback $ONE $R 2 $PY perf/v1_bench.py --tokens 128 --hidden 2048
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export NCCL_HOSTID=rank$g;'
     step "legacy internode 2x2 np=4 NCCL rails" 300 env $SOCK MASTER_PORT=21061 DEEPEP_CUPY_SCALEUP_SIZE=2 \
-        DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $IL"
+        DEEPEP_CUPY_RAIL_TRANSPORT=nccl $ONE $R 4 bash -c "$host exec $PY -m deepep_cupy.tests.legacy_internode \
+        --num-tokens 512 --hidden 2048"
 }
 coll_lane() {
     local np=$1 prog
@@ -740,7 +739,8 @@ want nccl1 && lane nccl1_coll_lane
 want nccl1 && lane nccl1_deepep_lane
 want nccl1 && lane nccl_refs_lane
 for f in nccl2 nccl4 ipc2 ipc4; do want faults && lane faults_lane $f; done
-want internode && lane legacy_internode_lane
+for shape in 2x1 2x2 4x1 2x4; do want internode && lane legacy_internode_lane $shape; done
+want internode && lane legacy_internode_more_lane
 join
 # P2 against P1 in one run (bitwise check of both, then GPU span per call and the ratio), alone after the lanes: 2
 # domains x 1 rank sharing GPU 0, 512 and 4096 tokens, hidden 7168, top-8, 256 experts (logic-grade figures: the two
