@@ -171,6 +171,18 @@ class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
             raise ValueError(f'num_qps={num_qps} exceeds num_allocated_qps={self.num_allocated_qps} (allocated QPs are '
                              f'not enough)')
 
+    def _check_call_options(self, num_sms: int, num_qps: int, async_with_compute_stream: bool,
+                            defer_epilogue: bool) -> int:
+        """V2.5's checks of a dispatch / combine's options (`defer_epilogue` only asynchronously, `num_qps` within the
+        allocated QPs); returns `num_sms`, an explicit one rounded up to even."""
+        if defer_epilogue and not async_with_compute_stream:
+            raise ValueError('defer_epilogue=True needs async_with_compute_stream=True')
+        if num_sms:
+            num_sms = align(check_int('num_sms', num_sms), 2)
+        if num_qps:
+            self._check_qps(num_qps)
+        return num_sms
+
     # ---- dispatch / combine ------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None,
                  num_experts: Optional[int] = None, num_max_tokens_per_rank: Optional[int] = None,
@@ -193,12 +205,7 @@ class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
         """
         if do_handle_copy:
             raise ValueError('do_handle_copy must be False (DeepEP V2.5: the handle keeps topk_idx by reference)')
-        if defer_epilogue and not async_with_compute_stream:
-            raise ValueError('defer_epilogue=True needs async_with_compute_stream=True')
-        if num_sms:
-            num_sms = align(check_int('num_sms', num_sms), 2)
-        if num_qps:
-            self._check_qps(num_qps)
+        num_sms = self._check_call_options(num_sms, num_qps, async_with_compute_stream, defer_epilogue)
         out = (self._ep or self._ep_feature()).dispatch(
             x, topk_idx=topk_idx, topk_weights=topk_weights,
             cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, num_experts=num_experts,
@@ -207,11 +214,7 @@ class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
             async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
             handle=handle, do_handle_copy=False, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
             do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf)
-        if not defer_epilogue:
-            return out
-        recv_x, recv_topk_idx, recv_topk_weights, new_handle, event = out
-        event.register_hook_after_wait(lambda: (recv_x, recv_topk_idx, recv_topk_weights, new_handle))
-        return event
+        return _deferred(out) if defer_epilogue else out
 
     def combine(self, x, handle: EPHandle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
                 previous_event=None, async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
@@ -224,21 +227,12 @@ class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
         Returns:
             `(combined_x, combined_topk_weights, event)`, or with `defer_epilogue` the event.
         """
-        if defer_epilogue and not async_with_compute_stream:
-            raise ValueError('defer_epilogue=True needs async_with_compute_stream=True')
-        if num_sms:
-            num_sms = align(check_int('num_sms', num_sms), 2)
-        if num_qps:
-            self._check_qps(num_qps)
+        num_sms = self._check_call_options(num_sms, num_qps, async_with_compute_stream, defer_epilogue)
         out = (self._ep or self._ep_feature()).combine(
             x, handle, topk_weights=topk_weights, bias=bias, num_sms=num_sms, num_qps=num_qps,
             previous_event=previous_event, previous_event_before_epilogue=None,
             async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
-        if not defer_epilogue:
-            return out
-        combined_x, combined_topk_weights, event = out
-        event.register_hook_after_wait(lambda: (combined_x, combined_topk_weights))
-        return event
+        return _deferred(out) if defer_epilogue else out
 
     # ---- load balancing ----------------------------------------------------------------------------------------
     def lb_get_storage(self, kind: str = 'torch'):
@@ -292,3 +286,12 @@ class EPBuffer(V25Methods, hybrid.RailHooks, BufferBase):
         num_sms = self._lb_num_sms(num_sms)
         return self._lb_feature().reduce_grads(redundant_expert_grads, expert_grads, redundancy_mapping, num_sms,
                                                previous_event)
+
+
+def _deferred(out):
+    """V2.5's `defer_epilogue`: the event of the asynchronous call's result `out` (`(*outputs, event)`), whose
+    `wait()` / `current_stream_wait()` returns the outputs."""
+    *outputs, event = out
+    outputs = tuple(outputs)
+    event.register_hook_after_wait(lambda: outputs)
+    return event

@@ -35,7 +35,16 @@ from ..runtime.event import EventHandle, EventOverlap
 from ..runtime.rails import FLAGS_BYTES, HEADER_BYTES
 from ..runtime.sizes import align
 from .kernels import internode
-from .normal import DEFAULT_TOKENS, MAX_ATTEMPTS, TOKEN_ALIGNMENT, fit_tokens, max_tokens, needed_bytes, split_x
+from .normal import (
+    DEFAULT_TOKENS,
+    TOKEN_ALIGNMENT,
+    V1Handle,
+    dispatch_with_growth,
+    fit_tokens,
+    max_tokens,
+    needed_bytes,
+    split_x,
+)
 
 HOST_BYTES = 4096       # legacy_internode_report's words: [rail max, forwarded rows]
 
@@ -131,7 +140,7 @@ class InternodeEngine(hybrid.RailHooks, BufferBase):
 
 
 # ---- the handle --------------------------------------------------------------------------------------------------
-class InternodeHandle(tuple):
+class InternodeHandle(V1Handle):
     """DeepEP V1's internode handle (v1.2.1 order; C = `config.num_sms // 2`, D domains of S ranks, R = D * S):
     `(is_token_in_rank [N, R] bool, rdma_channel_prefix_matrix [D, C], gbl_channel_prefix_matrix [R, C],
     recv_rdma_channel_prefix_matrix [D, C], recv_rdma_rank_prefix_sum [D], recv_gbl_channel_prefix_matrix [R, C],
@@ -143,14 +152,6 @@ class InternodeHandle(tuple):
     Attributes (for combine and cached dispatch): `hybrid_handle` (the `HybridHandle`), `engine` (the
     `InternodeEngine`, kept alive), `keep` (the allocations the tensors view).
     """
-
-    def __new__(cls, items, **extra):
-        self = super().__new__(cls, items)
-        self.__dict__.update(extra)
-        return self
-
-    def __reduce__(self):
-        raise TypeError('a DeepEP V1 handle refers to GPU tensors and cannot be pickled')
 
 
 def expected_internode_handle(handle) -> InternodeHandle:
@@ -212,7 +213,8 @@ class InternodeMode:
         Returns:
             V1's `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)`.
         """
-        data, sf, T, hidden = split_x(x)
+        split = split_x(x)
+        data, _, T, hidden = split
         tshape = interop.shape_of(topk_idx, 'topk_idx')
         if len(tshape) != 2 or tshape[0] != T or not 1 <= tshape[1] <= NUM_MAX_TOPK:
             raise ValueError(f'topk_idx must be [num_tokens={T}, 1..{NUM_MAX_TOPK}], got {list(tshape)}')
@@ -224,15 +226,8 @@ class InternodeMode:
         checks.check_dtype(ii, 'is_token_in_rank', 'bool')
         checks.check_shape(ii, 'is_token_in_rank', (T, R))
         worst = num_worst_tokens > 0
-        for _ in range(MAX_ATTEMPTS):
-            eng = self.ensure(hidden, K)
-            M = eng.geometry[0]
-            over = T > M
-            if over:        # probe: send nothing, report T, learn everyone's counts
-                xs = (data[:0], sf[:0]) if sf is not None else data[:0]
-                ts, ws = topk_idx[:0], None if topk_weights is None else topk_weights[:0]
-            else:
-                xs, ts, ws = x if sf is None else (data, sf), topk_idx, topk_weights
+
+        def attempt(eng, M, over, xs, ts, ws):
             n = 0 if over else T
             call = internode.InternodeCall(eng.v1_kernels, eng.area, kind, n, n if worst else T, num_experts, C,
                                            num_worst_tokens, LegacyLayout,
@@ -243,22 +238,12 @@ class InternodeMode:
                 async_with_compute_stream=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
                 do_handle_copy=True, do_cpu_sync=not worst, do_expand=False, do_zero_padding=False,
                 use_tma_aligned_col_major_sf=False, v1=call)
-            if worst:
-                if over:
-                    # (its receive still runs: the exchange area's slots of this call must be acknowledged)
-                    _receive(eng, call, out[3], is_token_in_rank, interop.current_stream(data), out[4], async_finish)
-                    raise ValueError(f'dispatch with num_worst_tokens: this rank holds {T} tokens but the buffer '
-                                     f'has {M} slots per rank and cannot grow without a CPU sync; warm it up with a '
-                                     f'dispatch of the largest token count without num_worst_tokens (or pass a larger '
-                                     f'num_nvl_bytes) before capturing CUDA graphs')
-                break
-            self.tokens_seen = max(self.tokens_seen, call.max_num_tokens)
-            if call.max_num_tokens <= M:
-                break
-            self.ensure(hidden, K, call.max_num_tokens)      # every rank saw the same maximum: grow, then redo
-        else:
-            raise RuntimeError(f'dispatch: the buffer did not hold {call.max_num_tokens} tokens per rank after '
-                               f'{MAX_ATTEMPTS} growths (M={M})')
+            if worst and over:
+                # (its receive still runs before the refusal: the exchange area's slots of this call must be
+                # acknowledged)
+                _receive(eng, call, out[3], is_token_in_rank, interop.current_stream(data), out[4], async_finish)
+            return out, call
+        eng, out, call = dispatch_with_growth(self, x, split, K, topk_idx, topk_weights, worst, attempt)
         recv_x, recv_topk_idx, recv_topk_weights, hh, event = out
         handle, event = _receive(eng, call, hh, is_token_in_rank, interop.current_stream(data), event, async_finish)
         return recv_x, recv_topk_idx, recv_topk_weights, hh.num_recv_tokens_per_expert_list, handle, event

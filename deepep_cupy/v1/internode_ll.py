@@ -13,7 +13,7 @@ tokens) and `InternodeLLMode` (the calls: streams, hooks, zero-copy staging, mas
   of this mode (which forks the communication stream after everything the caller's stream did, hooks included).
 """
 
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from ..buffers import hybrid
 from ..buffers.base import BufferBase
@@ -122,6 +122,52 @@ class _OnStream:
         self.stream.__exit__(*exc)
 
 
+class _DispatchOutputs(NamedTuple):
+    """A dispatch's outputs, allocated before its send phase (the receive phase writes them)."""
+    recv_x: Any             # `[L, R*M, H]` float8_e4m3fn (FP8) or bfloat16
+    sf_buffer: Any          # FP8: scales `[L, H/128, R*M]` float32 (UE8M0: `[L, H/512, R*M]` int32); else None
+    recv_out: Any           # V1's recv_x: recv_x, or FP8 `(recv_x, the scales viewed [L, R*M, H/128])`
+    small: Any              # int32 `[L + L*R + N*K + worst]`: recv_count | begin | send_pos | row_of
+    recv_count: Any         # `[L]` int32
+    begin: Any              # `[L*R]` int32: the first row of each (local expert, source) pair
+    send_pos: Any           # `[N, K]` int32
+    row_of: Any             # `[worst]` int32: hybrid row -> V1 row
+    src_info: Any           # `[L, R*M]` int32
+    layout_range: Any       # `[L, R]` int64
+
+
+def _dispatch_outputs(alloc, p, num_ranks: int, num_worst: int) -> _DispatchOutputs:
+    """The outputs of the checked dispatch `p` (`DispatchPlan`) over `num_ranks` ranks, `num_worst` rows at most."""
+    L, T, H, n, K, R = p.num_local_experts, p.num_rows, p.hidden, p.num_tokens, p.num_topk, num_ranks
+    if p.use_fp8:
+        recv_x = alloc.empty((L, T, H), 'float8_e4m3fn')
+        sf_buffer = alloc.empty((L, H // 512, T), 'int32') if p.use_ue8m0 else alloc.empty((L, H // 128, T),
+                                                                                              'float32')
+        swap = (lambda a: a.transpose(1, 2)) if p.kind == 'torch' else (lambda a: a.swapaxes(1, 2))
+        recv_out = (recv_x, swap(sf_buffer))
+    else:
+        recv_x, sf_buffer = alloc.empty((L, T, H), 'bfloat16'), None
+        recv_out = recv_x
+    small = alloc.empty((L + L * R + n * K + num_worst,), 'int32')
+    return _DispatchOutputs(recv_x=recv_x, sf_buffer=sf_buffer, recv_out=recv_out, small=small,
+                            recv_count=small[:L], begin=small[L:L + L * R],
+                            send_pos=small[L + L * R:L + L * R + n * K].reshape(n, K), row_of=small[L + L * R + n * K:],
+                            src_info=alloc.empty((L, T), 'int32'), layout_range=alloc.empty((L, R), 'int64'))
+
+
+def _receive_hook(comm, anchor, receive, rows) -> Callable[[], None]:
+    """V1's `hook()` of a call whose send phase is enqueued on `comm`: the then-current stream (torch's for a torch
+    `anchor`) waits for that, then `receive(stream, rows)` runs there (once: a second call raises KeyError)."""
+    done = EventHandle(comm)
+    state = {'rows': rows}
+
+    def hook() -> None:
+        cur = interop.current_stream(anchor)
+        done.stream_wait(cur)
+        receive(cur, state.pop('rows'))
+    return hook
+
+
 def _record(kind: str, stream, tensors) -> None:
     """torch: mark `tensors` used on `stream` (the caching allocator keeps them until its work is done)."""
     if kind != 'torch':
@@ -201,71 +247,29 @@ class InternodeLLMode(ShrinkMaskMethods):
         eng.check_usable()
         k = eng.ll_kernels
         N, S, R = self.num_domains, self.num_scaleup_ranks, self.num_ranks
-        L, T, H, n, K, M, E = (p.num_local_experts, p.num_rows, p.hidden, p.num_tokens, p.num_topk, p.num_max_tokens,
-                               p.num_experts)
-        kind, fp8 = p.kind, p.use_fp8
+        L, H, n, K, M, E = p.num_local_experts, p.hidden, p.num_tokens, p.num_topk, p.num_max_tokens, p.num_experts
+        kind = p.kind
         alloc = interop.Allocator(kind)
         current = interop.current_stream(x)
-        if fp8:
-            recv_x = alloc.empty((L, T, H), 'float8_e4m3fn')
-            sf_buffer = alloc.empty((L, H // 512, T), 'int32') if p.use_ue8m0 else alloc.empty((L, H // 128, T),
-                                                                                                  'float32')
-            swap = (lambda a: a.transpose(1, 2)) if kind == 'torch' else (lambda a: a.swapaxes(1, 2))
-            recv_out = (recv_x, swap(sf_buffer))
-        else:
-            recv_x, sf_buffer = alloc.empty((L, T, H), 'bfloat16'), None
-            recv_out = recv_x
         num_pseudo, worst = ill.pseudo_tokens(M, K), ill.worst_rows(R, M, K, L)
-        small = alloc.empty((L + L * R + n * K + worst,), 'int32')
-        recv_count, begin = small[:L], small[L:L + L * R]
-        send_pos = small[L + L * R:L + L * R + n * K].reshape(n, K)
-        row_of = small[L + L * R + n * K:]
-        src_info = alloc.empty((L, T), 'int32')
-        layout_range = alloc.empty((L, R), 'int64')
+        o = _dispatch_outputs(alloc, p, R, worst)
         mask = self._mask_ptr()
-        made = (recv_x, sf_buffer, small, src_info, layout_range)
+        made = (o.recv_x, o.sf_buffer, o.small, o.src_info, o.layout_range)
 
         def send(stream):
-            with _OnStream(kind, stream):
-                pseudo_x = alloc.empty((n * K, H), 'float8_e4m3fn' if fp8 else 'bfloat16')
-                pseudo_sf = alloc.empty((n * K, H // 128), 'float32') if fp8 else None
-                pseudo_topk = alloc.empty((n * K, 1), 'int64')
-                pseudo_pos = alloc.empty((n * K, 1), 'float32')
-                if n:
-                    ill.launch_prepare(k, stream, x, topk_idx, E, R, M, mask, fp8, p.round_scale, pseudo_x, pseudo_sf,
-                                       pseudo_topk, pseudo_pos, send_pos)
-                xs = (pseudo_x, pseudo_sf) if fp8 else pseudo_x
-                rx, rtopk, rw, hh, _ = eng.feature.dispatch(
-                    xs, topk_idx=pseudo_topk, topk_weights=pseudo_pos, num_experts=E,
-                    num_max_tokens_per_rank=num_pseudo, expert_alignment=1, num_sms=0, num_qps=0,
-                    async_with_compute_stream=False, allocate_on_comm_stream=False, do_handle_copy=False,
-                    do_cpu_sync=False, do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False,
-                    v1=_WorstRows(worst))
-            inner = hh.inner
-            psum = inner.psum_num_recv_tokens_per_scaleup_rank
-            rows = ill.ReceivedRows(x=rx, topk=rtopk, weights=rw, meta=inner.recv_src_metadata,
-                                    num_rows=inner.num_recv_tokens,
-                                    num_recv_ptr=ill._ptr(psum) + 4 * (interop.shape_of(psum)[0] - 1))
-            return hh, rows, (pseudo_x, pseudo_sf, pseudo_topk, pseudo_pos, rx if not fp8 else rx[0],
-                              rx[1] if fp8 else None, rtopk, rw, inner.metadata_owner, psum)
+            return self._dispatch_send(stream, eng, p, alloc, x, topk_idx, mask, o.send_pos, num_pseudo, worst)
 
         def receive(stream, rows):
-            ill.launch_receive(k, stream, rows, N, S, num_pseudo, K, L, M, H, fp8, p.use_ue8m0, mask, recv_x,
-                               sf_buffer, src_info, layout_range, recv_count, cumulative_local_expert_recv_stats,
-                               begin, row_of)
+            ill.launch_receive(k, stream, rows, N, S, num_pseudo, K, L, M, H, p.use_fp8, p.use_ue8m0, mask, o.recv_x,
+                               o.sf_buffer, o.src_info, o.layout_range, o.recv_count,
+                               cumulative_local_expert_recv_stats, o.begin, o.row_of)
 
         hook = None
         if return_recv_hook:
             comm = self._fork(current)
             _record(kind, comm, (x, topk_idx))
             hh, rows, keep = send(comm)
-            done = EventHandle(comm)
-            state = {'rows': rows}
-
-            def hook() -> None:
-                cur = interop.current_stream(x)
-                done.stream_wait(cur)
-                receive(cur, state.pop('rows'))
+            hook = _receive_hook(comm, x, receive, rows)
             self._held = keep + (x, topk_idx)
             event = EventOverlap(None)
         elif async_finish:
@@ -279,11 +283,41 @@ class InternodeLLMode(ShrinkMaskMethods):
             hh, rows, keep = send(current)
             receive(current, rows)
             event = EventOverlap(None)
-        handle = ill.InternodeLLHandle(src_info, layout_range, M, H, E, hybrid_handle=hh, engine=eng, row_of=row_of,
-                                       send_pos=send_pos, num_rows=rows.num_rows, num_recv_ptr=rows.num_recv_ptr,
-                                       recv_count=recv_count, num_tokens=n, num_topk=K, kind=kind, mode_id=id(self),
-                                       keep=(small,) + keep)
-        return recv_out, recv_count, handle, event, hook
+        handle = ill.InternodeLLHandle(o.src_info, o.layout_range, M, H, E, hybrid_handle=hh, engine=eng,
+                                       row_of=o.row_of, send_pos=o.send_pos, num_rows=rows.num_rows,
+                                       num_recv_ptr=rows.num_recv_ptr, recv_count=o.recv_count, num_tokens=n,
+                                       num_topk=K, kind=kind, mode_id=id(self), keep=(o.small,) + keep)
+        return o.recv_out, o.recv_count, handle, event, hook
+
+    def _dispatch_send(self, stream, eng: LLInternodeEngine, p, alloc, x, topk_idx, mask: int, send_pos,
+                       num_pseudo: int, num_worst: int):
+        """A dispatch's send phase on `stream`: the pseudo tokens (`ll_internode_prepare`) and the hybrid dispatch
+        of them (`num_pseudo` per rank, `num_worst` rows at the most). Returns `(hybrid handle, ReceivedRows,
+        intermediates the receive phase reads)`."""
+        n, K, H, fp8 = p.num_tokens, p.num_topk, p.hidden, p.use_fp8
+        with _OnStream(p.kind, stream):
+            pseudo_x = alloc.empty((n * K, H), 'float8_e4m3fn' if fp8 else 'bfloat16')
+            pseudo_sf = alloc.empty((n * K, H // 128), 'float32') if fp8 else None
+            pseudo_topk = alloc.empty((n * K, 1), 'int64')
+            pseudo_pos = alloc.empty((n * K, 1), 'float32')
+            if n:
+                ill.launch_prepare(eng.ll_kernels, stream, x, topk_idx, p.num_experts, self.num_ranks,
+                                   p.num_max_tokens, mask, fp8, p.round_scale, pseudo_x, pseudo_sf, pseudo_topk,
+                                   pseudo_pos, send_pos)
+            xs = (pseudo_x, pseudo_sf) if fp8 else pseudo_x
+            rx, rtopk, rw, hh, _ = eng.feature.dispatch(
+                xs, topk_idx=pseudo_topk, topk_weights=pseudo_pos, num_experts=p.num_experts,
+                num_max_tokens_per_rank=num_pseudo, expert_alignment=1, num_sms=0, num_qps=0,
+                async_with_compute_stream=False, allocate_on_comm_stream=False, do_handle_copy=False,
+                do_cpu_sync=False, do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False,
+                v1=_WorstRows(num_worst))
+        inner = hh.inner
+        psum = inner.psum_num_recv_tokens_per_scaleup_rank
+        rows = ill.ReceivedRows(x=rx, topk=rtopk, weights=rw, meta=inner.recv_src_metadata,
+                                num_rows=inner.num_recv_tokens,
+                                num_recv_ptr=ill._ptr(psum) + 4 * (interop.shape_of(psum)[0] - 1))
+        return hh, rows, (pseudo_x, pseudo_sf, pseudo_topk, pseudo_pos, rx if not fp8 else rx[0],
+                          rx[1] if fp8 else None, rtopk, rw, inner.metadata_owner, psum)
 
     # -- combine --
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -331,13 +365,7 @@ class InternodeLLMode(ShrinkMaskMethods):
             comm = self._fork(current)
             _record(kind, comm, (x, src))
             pseudo_out, combine_x = send(comm)
-            done = EventHandle(comm)
-            state = {'rows': pseudo_out}
-
-            def hook() -> None:
-                cur = interop.current_stream(topk_idx)
-                done.stream_wait(cur)
-                receive(cur, state.pop('rows'))
+            hook = _receive_hook(comm, topk_idx, receive, pseudo_out)
             self._held = (pseudo_out, combine_x, x, handle)
             event = EventOverlap(None)
         elif async_finish:

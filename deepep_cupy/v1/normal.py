@@ -37,7 +37,7 @@ makes them per call) and the per-expert list.
 
 import functools
 import weakref
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from ..buffers.base import BUFFER_ALIGNMENT, BufferBase
 from ..features.ep.feature import EP
@@ -122,7 +122,20 @@ class NormalEngine(BufferBase):
 
 
 # ---- the handle --------------------------------------------------------------------------------------------------
-class LegacyHandle(tuple):
+class V1Handle(tuple):
+    """A DeepEP V1 normal-mode handle: V1's tuple, with what this library's calls need as attributes (`LegacyHandle`
+    inside one domain, v1/internode.py `InternodeHandle` across domains: each mode accepts only its own)."""
+
+    def __new__(cls, items, **extra):
+        self = super().__new__(cls, items)
+        self.__dict__.update(extra)
+        return self
+
+    def __reduce__(self):
+        raise TypeError('a DeepEP V1 handle refers to GPU tensors and cannot be pickled')
+
+
+class LegacyHandle(V1Handle):
     """DeepEP V1's intranode handle, `(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
     recv_src_idx, is_token_in_rank, send_head)`:
 
@@ -139,14 +152,6 @@ class LegacyHandle(tuple):
     Attributes (for combine and cached dispatch): `ep_handle` (the `EPHandle`), `ep` (the EP component),
     `engine` (the `NormalEngine`, kept alive), `with_topk` (the dispatch had top-k ids).
     """
-
-    def __new__(cls, items, **extra):
-        self = super().__new__(cls, items)
-        self.__dict__.update(extra)
-        return self
-
-    def __reduce__(self):
-        raise TypeError('a DeepEP V1 handle refers to GPU tensors and cannot be pickled')
 
 
 # `LegacyHandle(items)` without its Python-level `__new__` (a C call; the lean dispatch sets the attributes)
@@ -202,6 +207,54 @@ def split_x(x) -> Tuple[Any, Any, int, int]:
 
 
 # ---- normal mode ---------------------------------------------------------------------------------------------------
+class Attempt(NamedTuple):
+    """The try of a dispatch that held every rank's tokens (`dispatch_with_growth`)."""
+    target: Any         # what `ensure` returned for it: the EP component (one domain) or the engine (across domains)
+    out: Tuple          # the feature's dispatch result
+    layout: Any         # the try's V1 layout (`LegacyLayout`, `InternodeCall`): `max_num_tokens` of every rank
+
+
+def dispatch_with_growth(mode, x, split: Tuple[Any, Any, int, int], num_topk: int, topk_idx, topk_weights,
+                         worst: bool, attempt: Callable) -> Attempt:
+    """A non-cached V1 dispatch's grow-and-redo loop (the module docstring's Growth and No-sync rules), in one domain
+    and across domains (v1/internode.py `InternodeMode.dispatch`).
+
+    Args:
+        mode: `NormalMode` or `InternodeMode` (its `ensure`, `engine` and `tokens_seen`).
+        x, split: V1's x and its `split_x`; topk_idx, topk_weights, num_topk: the call's top-k.
+        worst: num_worst_tokens > 0 (no CPU sync: nothing can grow, a rank whose tokens do not fit raises).
+        attempt: `attempt(target, M, over, xs, ts, ws) -> (out, layout)`: one dispatch of `xs, ts, ws` (the call's
+            x, top-k ids and weights, or with `over` their first 0 rows) on `target` (`mode.ensure`'s), M slots per
+            rank.
+    """
+    data, sf, num_tokens, hidden = split
+    for _ in range(MAX_ATTEMPTS):
+        target = mode.ensure(hidden, num_topk)
+        M = mode.engine.geometry[0]
+        over = num_tokens > M
+        if over:        # probe: send nothing, report num_tokens, learn everyone's counts
+            xs = (data[:0], sf[:0]) if sf is not None else data[:0]
+            ts, ws = topk_idx[:0], None if topk_weights is None else topk_weights[:0]
+        else:
+            xs, ts, ws = x if sf is None else (data, sf), topk_idx, topk_weights
+        out, layout = attempt(target, M, over, xs, ts, ws)
+        if worst:
+            if over:
+                raise ValueError(f'dispatch with num_worst_tokens: this rank holds {num_tokens} tokens but the buffer '
+                                 f'has {M} slots per rank and cannot grow without a CPU sync; warm it up with a '
+                                 f'dispatch of the largest token count without num_worst_tokens (or pass a larger '
+                                 f'num_nvl_bytes) before capturing CUDA graphs')
+            break
+        mode.tokens_seen = max(mode.tokens_seen, layout.max_num_tokens)
+        if layout.max_num_tokens <= M:
+            break
+        mode.ensure(hidden, num_topk, layout.max_num_tokens)      # every rank saw the same maximum: grow, then redo
+    else:
+        raise RuntimeError(f'dispatch: the buffer did not hold {layout.max_num_tokens} tokens per rank after '
+                           f'{MAX_ATTEMPTS} growths (M={M})')
+    return Attempt(target=target, out=out, layout=layout)
+
+
 class NormalMode:
     """The normal-mode calls of one V1 `Buffer` (see the module docstring).
 
@@ -279,7 +332,8 @@ class NormalMode:
         Returns:
             V1's `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)`.
         """
-        data, sf, N, hidden = split_x(x)
+        split = split_x(x)
+        N = split[2]
         with_topk = topk_idx is not None
         expert_counts = None
         if not with_topk:
@@ -288,36 +342,17 @@ class NormalMode:
         K = interop.shape_of(topk_idx, 'topk_idx')[-1]
         worst = num_worst_tokens > 0
         channels = num_sms // 2
-        for _ in range(MAX_ATTEMPTS):
-            ep = self.ensure(hidden, K)
-            M = self.engine.geometry[0]
-            if N > M:       # probe: send nothing, report N, learn everyone's counts
-                over, lg = True, LegacyLayout(channels, N, None)
-                xs = (data[:0], sf[:0]) if sf is not None else data[:0]
-                ts, ws = topk_idx[:0], None if topk_weights is None else topk_weights[:0]
-            else:
-                over, lg = False, LegacyLayout(channels, N, expert_counts)
-                xs, ts, ws = x if sf is None else (data, sf), topk_idx, topk_weights
+
+        def attempt(ep, M, over, xs, ts, ws):
+            lg = LegacyLayout(channels, N, None if over else expert_counts)
             out = ep.dispatch(xs, topk_idx=ts, topk_weights=ws, num_experts=num_experts, num_max_tokens_per_rank=M,
                               expert_alignment=expert_alignment, num_sms=num_sms, previous_event=previous_event,
                               async_with_compute_stream=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
                               do_handle_copy=True, do_cpu_sync=not worst, do_expand=False, do_zero_padding=False,
                               use_tma_aligned_col_major_sf=False, num_worst_tokens=num_worst_tokens,
                               allow_previous_event_alone=True, legacy=lg)
-            if worst:
-                if over:
-                    raise ValueError(f'dispatch with num_worst_tokens: this rank holds {N} tokens but the buffer '
-                                     f'has {M} slots per rank and cannot grow without a CPU sync; warm it up with a '
-                                     f'dispatch of the largest token count without num_worst_tokens (or pass a larger '
-                                     f'num_nvl_bytes) before capturing CUDA graphs')
-                break
-            self.tokens_seen = max(self.tokens_seen, lg.max_num_tokens)
-            if lg.max_num_tokens <= M:
-                break
-            self.ensure(hidden, K, lg.max_num_tokens)      # every rank saw the same maximum: grow, then redo
-        else:
-            raise RuntimeError(f'dispatch: the buffer did not hold {lg.max_num_tokens} tokens per rank after '
-                               f'{MAX_ATTEMPTS} growths (M={M})')
+            return out, lg
+        ep, out, lg = dispatch_with_growth(self, x, split, K, topk_idx, topk_weights, worst, attempt)
         recv_x, recv_topk_idx, recv_topk_weights, ep_handle, event = out
         handle = LegacyHandle((lg.rank_prefix_matrix, lg.channel_prefix_matrix, lg.recv_channel_prefix_matrix,
                                lg.recv_src_idx, is_token_in_rank, lg.send_head),

@@ -1,15 +1,6 @@
-"""Load balancing with redundant experts (DeepEP V2.5): the feature of a buffer (plan.py: declarations and the
-mapping's bookkeeping; `kernels_cu/lb.cu`: the protocol).
-
-A redundancy mapping (int32 `[num_ranks, num_redundant]`, identical on every rank of the scale-up domain) says which
-expert each redundant slot of each rank hosts: entry `[r, c]` is the domain-local expert id `owner * L + local_idx`,
-or -1 for an empty slot. `lb_prefetch_weights` copies every hosted expert's weights from its owner into the slot
-(owners push over NVLink); `lb_reduce_grads` adds every slot's gradient into its owner's expert gradient (owners pull
-and add in FP32 in ascending (rank, slot) order: deterministic). The redundant pools live in the buffer's data region
-(the load-balancing region), at the same offset on every rank; `lb_set_plan` lays them out from a `BufferAllocator`.
-Every call is collective over the domain: each rank checks its arguments, then all ranks compare what they were given
-(one host all-gather) and raise the same error before any kernel runs when something is wrong or inconsistent.
-"""
+"""Load balancing with redundant experts (DeepEP V2.5): the feature of a buffer. plan.py: the declarations, the
+mapping's bookkeeping and (its docstring) what a redundancy mapping is and what each call does; `kernels_cu/lb.cu`:
+the protocol."""
 
 import hashlib
 from typing import Any, Dict, List, Optional, Tuple

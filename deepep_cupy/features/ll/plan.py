@@ -227,7 +227,26 @@ def combine_smem_bytes(num_experts: int, num_ranks: int) -> int:
 
 
 # ---- handle --------------------------------------------------------------------------------------------------------
-class LLHandle(tuple):
+class V1LLHandle(tuple):
+    """DeepEP's low-latency handle tuple `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+    num_experts)`, with the fields the combine needs as attributes (`LLHandle` inside one domain, v1/kernels/
+    internode_ll.py `InternodeLLHandle` across domains: each planner accepts only its own)."""
+
+    # DeepEP's tuple fields 2..4 by name
+    num_max_dispatch_tokens_per_rank = property(itemgetter(2), doc='M of the dispatch')
+    hidden = property(itemgetter(3), doc='H of the dispatch')
+    num_experts = property(itemgetter(4), doc='E of the dispatch')
+
+    def __new__(cls, src_info, layout_range, num_max_tokens: int, hidden: int, num_experts: int, **extra):
+        self = super().__new__(cls, (src_info, layout_range, num_max_tokens, hidden, num_experts))
+        self.__dict__.update(extra)
+        return self
+
+    def __reduce__(self):
+        raise TypeError('a low-latency handle refers to GPU tensors and cannot be pickled')
+
+
+class LLHandle(V1LLHandle):
     """DeepEP's low-latency handle `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)`:
     `src_info` `[L, R*M]` int32 (the token's index at its source rank), `layout_range` `[L, R]` int64
     (`begin << 32 | count` of source r's rows in expert j). Extra fields (attributes) the combine needs:
@@ -245,15 +264,6 @@ class LLHandle(tuple):
     """
 
     _LAZY = ('row_route', 'send_pos', 'call_info')
-    # DeepEP's tuple fields 2..4 by name
-    num_max_dispatch_tokens_per_rank = property(itemgetter(2), doc='M of the dispatch')
-    hidden = property(itemgetter(3), doc='H of the dispatch')
-    num_experts = property(itemgetter(4), doc='E of the dispatch')
-
-    def __new__(cls, src_info, layout_range, num_max_tokens: int, hidden: int, num_experts: int, **extra):
-        self = super().__new__(cls, (src_info, layout_range, num_max_tokens, hidden, num_experts))
-        self.__dict__.update(extra)
-        return self
 
     def __getattr__(self, name: str):
         # (only for attributes not in the instance dictionary: the lazy views)
@@ -264,13 +274,11 @@ class LLHandle(tuple):
             return view
         raise AttributeError(f'{type(self).__name__!r} object has no attribute {name!r}')
 
-    def __reduce__(self):
-        raise TypeError('a low-latency handle refers to GPU tensors and cannot be pickled')
-
 
 # ---- argument checks (pure) ----------------------------------------------------------------------------------------
 @dataclass
-class DispatchPlan:
+class CallDims:
+    """The sizes of a checked low-latency call (a dispatch's, or for a combine its dispatch's)."""
     kind: str
     num_tokens: int
     num_topk: int
@@ -279,6 +287,10 @@ class DispatchPlan:
     num_max_tokens: int
     num_local_experts: int
     num_rows: int          # T = R * M
+
+
+@dataclass
+class DispatchPlan(CallDims):
     use_fp8: bool
     round_scale: bool
     use_ue8m0: bool
@@ -289,16 +301,8 @@ class DispatchPlan:
 
 
 @dataclass
-class CombinePlan:
-    kind: str
-    num_tokens: int
-    num_topk: int
-    hidden: int
-    num_experts: int
-    num_max_tokens: int
-    num_local_experts: int
-    num_rows: int
-    x: TensorInfo
+class CombinePlan(CallDims):
+    x: Optional[TensorInfo]                 # None: not checked (`LLCallChecks.zero_copy_checks_x`)
     topk_idx: TensorInfo
     topk_weights: TensorInfo
     out: Optional[TensorInfo]
@@ -320,12 +324,19 @@ def _bool_arg(name: str, value: Any) -> bool:
     return bool(value)
 
 
-class LLPlanner:
-    """Checks low-latency call arguments against the engine's layout; runs without a GPU (CPU tensors pass when
-    `device` is -1). Every user error raises ValueError / TypeError naming the argument, before any kernel runs."""
+class LLCallChecks:
+    """The argument checks of DeepEP V1's low-latency calls, inside one NVLink domain (`LLPlanner`) and across domains
+    (v1/kernels/internode_ll.py `InternodeLLPlanner`): R = `num_ranks` ranks, arrays on `device` (CPU tensors pass
+    when it is -1). Every user error raises ValueError / TypeError naming the argument, before any kernel runs. The
+    limits on the sizes are each planner's (`_dispatch_sizes`), so is the handle (`handle_type`)."""
 
-    def __init__(self, layout: LLLayout, rank: int, device: int):
-        self.layout, self.rank, self.device = layout, rank, device
+    handle_type = V1LLHandle
+    # Whether the combine checks x with zero_copy too (it then reads the staging buffer, not x): inside one domain
+    # it does (bound.py's combine reads x's TensorInfo either way); across domains x may then be anything.
+    zero_copy_checks_x = True
+
+    def __init__(self, num_ranks: int, device: int):
+        self.num_ranks, self.device = num_ranks, device
 
     def _info(self, x: Any, name: str) -> TensorInfo:
         t = interop.tensor_info(x, name)
@@ -347,19 +358,9 @@ class LLPlanner:
         if t.ptr % 16 != 0 and t.numel > 0 and dtype in ('bfloat16', 'float8_e4m3fn'):
             raise ValueError(f'{name} must start at a 16-byte aligned address')
 
-    def _call_dims(self, num_max_tokens: Any, num_experts: Any, hidden: int, num_topk: Optional[int]) -> None:
-        lay = self.layout
-        check_dims(num_max_tokens, hidden, lay.num_ranks, num_experts, num_topk)
-        if num_max_tokens > lay.num_max_tokens:
-            raise ValueError(f'num_max_dispatch_tokens_per_rank={num_max_tokens} exceeds the {lay.num_max_tokens} '
-                             f'this buffer was laid out for')
-        if hidden > lay.hidden:
-            raise ValueError(f'hidden={hidden} exceeds the {lay.hidden} this buffer was laid out for')
-        if num_experts > lay.num_experts:
-            raise ValueError(f'num_experts={num_experts} exceeds the {lay.num_experts} this buffer was laid out for')
-        if num_topk is not None and num_topk > lay.num_max_topk:
-            raise ValueError(f'num_topk={num_topk} exceeds the {lay.num_max_topk} top-k slots this buffer has room '
-                             f'for (a larger buffer holds up to {NUM_MAX_TOPK})')
+    def _dispatch_sizes(self, num_max_tokens: Any, num_experts: Any, hidden: int, num_topk: int) -> Tuple[int, int]:
+        """Check a dispatch's M, E (as passed), hidden and top-k against the planner's limits; returns `(M, E)`."""
+        raise NotImplementedError
 
     def plan_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any,
                       cumulative_local_expert_recv_stats: Any = None, dispatch_wait_recv_cost_stats: Any = None,
@@ -379,9 +380,7 @@ class LLPlanner:
         if len(ti.shape) != 2 or ti.shape[0] != num_tokens:
             raise ValueError(f'topk_idx must be [num_tokens={num_tokens}, num_topk], got shape {list(ti.shape)}')
         num_topk = ti.shape[1]
-        M = _int_arg('num_max_dispatch_tokens_per_rank', num_max_dispatch_tokens_per_rank, 1)
-        E = _int_arg('num_experts', num_experts, 1)
-        self._call_dims(M, E, hidden, num_topk)
+        M, E = self._dispatch_sizes(num_max_dispatch_tokens_per_rank, num_experts, hidden, num_topk)
         if use_fp8 and use_ue8m0 and hidden % 512 != 0:
             raise ValueError(f'use_ue8m0 packs 4 scales (512 channels) per int32: hidden must be a multiple of 512, '
                              f'got {hidden}')
@@ -390,7 +389,7 @@ class LLPlanner:
         kind = xi.kind
         self._expect(xi, 'x', 'bfloat16', (num_tokens, hidden), kind)
         self._expect(ti, 'topk_idx', 'int64', (num_tokens, num_topk), kind)
-        R = self.layout.num_ranks
+        R = self.num_ranks
         L = E // R
         cs = ws = None
         if cumulative_local_expert_recv_stats is not None:
@@ -414,20 +413,22 @@ class LLPlanner:
         zero_copy = _bool_arg('zero_copy', zero_copy)
         if _bool_arg('async_finish', async_finish) and _bool_arg('return_recv_hook', return_recv_hook):
             raise ValueError('async_finish and return_recv_hook are mutually exclusive')
-        if not isinstance(handle, LLHandle):
+        if not isinstance(handle, self.handle_type):
             raise TypeError(f'handle must be the handle a low_latency_dispatch of this buffer returned, got '
                             f'{type(handle).__name__}')
         M, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        R = self.layout.num_ranks
+        R = self.num_ranks
         L, T, N, K = E // R, R * M, handle.num_tokens, handle.num_topk
-        xi = self._info(x, 'x')
+        xi = oi = si = None
+        if self.zero_copy_checks_x or not zero_copy:
+            xi = self._info(x, 'x')
         kind = handle.kind
-        self._expect(xi, 'x', 'bfloat16', (L, T, hidden), kind)
+        if xi is not None:
+            self._expect(xi, 'x', 'bfloat16', (L, T, hidden), kind)
         ti = self._info(topk_idx, 'topk_idx')
         self._expect(ti, 'topk_idx', 'int64', (N, K), kind)
         wi = self._info(topk_weights, 'topk_weights')
         self._expect(wi, 'topk_weights', 'float32', (N, K), kind)
-        oi = si = None
         if out is not None:
             oi = self._info(out, 'out')
             self._expect(oi, 'out', 'bfloat16', (N, hidden), kind)
@@ -439,3 +440,32 @@ class LLPlanner:
                            zero_copy=zero_copy)
 
 
+class LLPlanner(LLCallChecks):
+    """Checks low-latency call arguments against the engine's layout (one NVLink domain); runs without a GPU (CPU
+    tensors pass when `device` is -1)."""
+
+    handle_type = LLHandle
+
+    def __init__(self, layout: LLLayout, rank: int, device: int):
+        super().__init__(layout.num_ranks, device)
+        self.layout, self.rank = layout, rank
+
+    def _call_dims(self, num_max_tokens: Any, num_experts: Any, hidden: int, num_topk: Optional[int]) -> None:
+        lay = self.layout
+        check_dims(num_max_tokens, hidden, lay.num_ranks, num_experts, num_topk)
+        if num_max_tokens > lay.num_max_tokens:
+            raise ValueError(f'num_max_dispatch_tokens_per_rank={num_max_tokens} exceeds the {lay.num_max_tokens} '
+                             f'this buffer was laid out for')
+        if hidden > lay.hidden:
+            raise ValueError(f'hidden={hidden} exceeds the {lay.hidden} this buffer was laid out for')
+        if num_experts > lay.num_experts:
+            raise ValueError(f'num_experts={num_experts} exceeds the {lay.num_experts} this buffer was laid out for')
+        if num_topk is not None and num_topk > lay.num_max_topk:
+            raise ValueError(f'num_topk={num_topk} exceeds the {lay.num_max_topk} top-k slots this buffer has room '
+                             f'for (a larger buffer holds up to {NUM_MAX_TOPK})')
+
+    def _dispatch_sizes(self, num_max_tokens: Any, num_experts: Any, hidden: int, num_topk: int) -> Tuple[int, int]:
+        M = _int_arg('num_max_dispatch_tokens_per_rank', num_max_tokens, 1)
+        E = _int_arg('num_experts', num_experts, 1)
+        self._call_dims(M, E, hidden, num_topk)
+        return M, E

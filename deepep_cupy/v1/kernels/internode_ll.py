@@ -47,13 +47,12 @@ with `num_worst_tokens` rows; rails between domains, the intranode engine inside
 """
 
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from ...constants import NUM_MAX_TOPK
-from ...features.ll.plan import _bool_arg, _int_arg
+from ...features.ll.plan import LLCallChecks, V1LLHandle, _int_arg
 from ...jit.launch import PTR, KernelSpec, Param, load_kernels
 from ...runtime import interop
 
@@ -123,81 +122,22 @@ def worst_rows(num_ranks: int, num_max_tokens: int, num_topk: int, num_local_exp
 
 
 # ---- the handle ----------------------------------------------------------------------------------------------------
-class InternodeLLHandle(tuple):
+class InternodeLLHandle(V1LLHandle):
     """DeepEP's low-latency handle `(src_info [L, R*M] int32, layout_range [L, R] int64, M, hidden, num_experts)`
     across domains (values as the single-domain path's). Attributes for the combine: `hybrid_handle`, `engine` (kept
     alive), `row_of` `[rows]` int32 (hybrid row -> V1 row `j * R * M + r`, -1: dropped), `send_pos` `[T, K]` int32,
     `num_rows`, `num_recv_ptr` (the received row count's device address), `recv_count`, `num_tokens`, `num_topk`,
     `kind`, `mode_id`, `keep` (allocations the launches read)."""
 
-    # DeepEP's tuple fields 2..4 by name
-    num_max_dispatch_tokens_per_rank = property(itemgetter(2), doc='M of the dispatch')
-    hidden = property(itemgetter(3), doc='H of the dispatch')
-    num_experts = property(itemgetter(4), doc='E of the dispatch')
-
-    def __new__(cls, src_info, layout_range, num_max_tokens: int, hidden: int, num_experts: int, **extra):
-        self = super().__new__(cls, (src_info, layout_range, num_max_tokens, hidden, num_experts))
-        self.__dict__.update(extra)
-        return self
-
-    def __reduce__(self):
-        raise TypeError('a low-latency handle refers to GPU tensors and cannot be pickled')
-
 
 # ---- argument checks (pure) ----------------------------------------------------------------------------------------
-@dataclass
-class InternodeDispatchPlan:
-    kind: str
-    num_tokens: int
-    num_topk: int
-    hidden: int
-    num_experts: int
-    num_max_tokens: int
-    num_local_experts: int
-    num_rows: int               # T = R * M
-    use_fp8: bool
-    round_scale: bool
-    use_ue8m0: bool
-
-
-@dataclass
-class InternodeCombinePlan:
-    kind: str
-    num_tokens: int
-    num_topk: int
-    hidden: int
-    num_experts: int
-    num_max_tokens: int
-    zero_copy: bool
-
-
-class InternodeLLPlanner:
+class InternodeLLPlanner(LLCallChecks):
     """Checks of the low-latency calls across domains (R ranks in all), before any kernel: ValueError / TypeError
-    naming the argument. Runs without a GPU (CPU tensors pass when `device` is -1)."""
+    naming the argument. Runs without a GPU (CPU tensors pass when `device` is -1). The single-domain planner's
+    checks (features/ll/plan.py `LLCallChecks`) with the limits of the composed path (`dims`)."""
 
-    def __init__(self, num_ranks: int, device: int):
-        self.num_ranks, self.device = num_ranks, device
-
-    def _info(self, x: Any, name: str):
-        t = interop.tensor_info(x, name)
-        if t.device != self.device:
-            where = 'the host' if t.device < 0 else f'cuda:{t.device}'
-            raise ValueError(f'{name} must be on cuda:{self.device} (this rank\'s GPU), got an array on {where}')
-        return t
-
-    @staticmethod
-    def _expect(t, name: str, dtype: str, shape: Tuple[int, ...], kind: str) -> None:
-        """(features/ll/plan.py `LLPlanner._expect`'s rule: a feature imports no other feature.)"""
-        if t.kind != kind:
-            raise TypeError(f'{name} is a {t.kind} array but x is a {kind} array; pass one kind')
-        if not t.dtype_matches(dtype):
-            raise TypeError(f'{name} must be {dtype}, got {t.dtype}')
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f'{name} must have shape {list(shape)}, got {list(t.shape)}')
-        if not t.is_contiguous():
-            raise ValueError(f'{name} must be contiguous, got strides {list(t.strides)}')
-        if t.ptr % 16 != 0 and t.numel > 0 and dtype in ('bfloat16', 'float8_e4m3fn'):
-            raise ValueError(f'{name} must start at a 16-byte aligned address')
+    handle_type = InternodeLLHandle
+    zero_copy_checks_x = False
 
     def dims(self, num_max_tokens: Any, hidden: Any, num_experts: Any, num_topk: Optional[int] = None) -> None:
         R = self.num_ranks
@@ -217,73 +157,9 @@ class InternodeLLPlanner:
                 raise ValueError(f'num_max_dispatch_tokens_per_rank * num_topk = {M * num_topk} must be below '
                                  f'{MAX_PSEUDO_TOKENS}')
 
-    def plan_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                      cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
-                      round_scale=False, use_ue8m0=False, async_finish=False,
-                      return_recv_hook=False) -> InternodeDispatchPlan:
-        use_fp8, round_scale, use_ue8m0 = (_bool_arg('use_fp8', use_fp8), _bool_arg('round_scale', round_scale),
-                                           _bool_arg('use_ue8m0', use_ue8m0))
-        if _bool_arg('async_finish', async_finish) and _bool_arg('return_recv_hook', return_recv_hook):
-            raise ValueError('async_finish and return_recv_hook are mutually exclusive')
-        if use_ue8m0 and not round_scale:
-            raise ValueError('use_ue8m0=True requires round_scale=True (UE8M0 holds power-of-two scales only)')
-        xi = self._info(x, 'x')
-        if len(xi.shape) != 2:
-            raise ValueError(f'x must be 2-D [num_tokens, hidden], got shape {list(xi.shape)}')
-        T, H = xi.shape
-        ti = self._info(topk_idx, 'topk_idx')
-        if len(ti.shape) != 2 or ti.shape[0] != T:
-            raise ValueError(f'topk_idx must be [num_tokens={T}, num_topk], got shape {list(ti.shape)}')
-        K = ti.shape[1]
-        self.dims(num_max_dispatch_tokens_per_rank, H, num_experts, K)
-        M, E = int(num_max_dispatch_tokens_per_rank), int(num_experts)
-        if use_fp8 and use_ue8m0 and H % 512:
-            raise ValueError(f'use_ue8m0 packs 4 scales (512 channels) per int32: hidden must be a multiple of 512, '
-                             f'got {H}')
-        if T > M:
-            raise ValueError(f'x has {T} tokens, more than num_max_dispatch_tokens_per_rank={M}')
-        kind = xi.kind
-        self._expect(xi, 'x', 'bfloat16', (T, H), kind)
-        self._expect(ti, 'topk_idx', 'int64', (T, K), kind)
-        R = self.num_ranks
-        L = E // R
-        if cumulative_local_expert_recv_stats is not None:
-            cs = self._info(cumulative_local_expert_recv_stats, 'cumulative_local_expert_recv_stats')
-            self._expect(cs, 'cumulative_local_expert_recv_stats', 'int32', (L,), kind)
-        if dispatch_wait_recv_cost_stats is not None:
-            ws = self._info(dispatch_wait_recv_cost_stats, 'dispatch_wait_recv_cost_stats')
-            self._expect(ws, 'dispatch_wait_recv_cost_stats', 'int64', (R,), kind)
-        return InternodeDispatchPlan(kind=kind, num_tokens=T, num_topk=K, hidden=H, num_experts=E, num_max_tokens=M,
-                                     num_local_experts=L, num_rows=R * M, use_fp8=use_fp8, round_scale=round_scale,
-                                     use_ue8m0=use_ue8m0)
-
-    def plan_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
-                     return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None) -> InternodeCombinePlan:
-        if _bool_arg('use_logfmt', use_logfmt):
-            raise NotImplementedError('use_logfmt=True (DeepEP\'s LogFMT-10 combine) is not supported: its encoding '
-                                      'uses approximate hardware log2/exp2, so no host reference can check it bit for '
-                                      'bit; use BF16 combine (use_logfmt=False)')
-        zero_copy = _bool_arg('zero_copy', zero_copy)
-        if _bool_arg('async_finish', async_finish) and _bool_arg('return_recv_hook', return_recv_hook):
-            raise ValueError('async_finish and return_recv_hook are mutually exclusive')
-        if not isinstance(handle, InternodeLLHandle):
-            raise TypeError(f'handle must be the handle a low_latency_dispatch of this buffer returned, got '
-                            f'{type(handle).__name__}')
-        M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        R = self.num_ranks
-        L, T, N, K = E // R, R * M, handle.num_tokens, handle.num_topk
-        kind = handle.kind
-        if not zero_copy:
-            self._expect(self._info(x, 'x'), 'x', 'bfloat16', (L, T, H), kind)
-        self._expect(self._info(topk_idx, 'topk_idx'), 'topk_idx', 'int64', (N, K), kind)
-        self._expect(self._info(topk_weights, 'topk_weights'), 'topk_weights', 'float32', (N, K), kind)
-        if out is not None:
-            self._expect(self._info(out, 'out'), 'out', 'bfloat16', (N, H), kind)
-        if combine_wait_recv_cost_stats is not None:
-            si = self._info(combine_wait_recv_cost_stats, 'combine_wait_recv_cost_stats')
-            self._expect(si, 'combine_wait_recv_cost_stats', 'int64', (R,), kind)
-        return InternodeCombinePlan(kind=kind, num_tokens=N, num_topk=K, hidden=H, num_experts=E, num_max_tokens=M,
-                                    zero_copy=zero_copy)
+    def _dispatch_sizes(self, num_max_tokens: Any, num_experts: Any, hidden: int, num_topk: int) -> Tuple[int, int]:
+        self.dims(num_max_tokens, hidden, num_experts, num_topk)
+        return int(num_max_tokens), int(num_experts)
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------------
