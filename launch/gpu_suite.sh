@@ -86,10 +86,14 @@ step() {
     [ -n "${STEP_FILTER:-}" ] && ! [[ $name =~ $STEP_FILTER ]] && return 0
     [ -n "${STEP_EXCLUDE:-}" ] && [[ $name =~ $STEP_EXCLUDE ]] && return 0
     [ -n "${STEP_LIST:-}" ] && ! grep -qxF -- "$name" "$STEP_LIST" && return 0
-    local tmp; tmp=$(mktemp)
+    # (the step's log stays under $OUT/running/ until it ends: a run cut short brings back what the running steps
+    # printed)
+    local tmp; mkdir -p "$OUT/running"; tmp=$(mktemp -p "$OUT/running")
     echo "=== [$name] $*" >> "$tmp"
     local t0; t0=$(date +%s%N)
-    timeout --kill-after=10 "$limit" "$@" >> "$tmp" 2>&1
+    # Past the limit every process of the step gets SIGUSR1 (our rank programs dump each thread's Python stack and go
+    # on, anything else ends), then SIGKILL 15 s later.
+    timeout -s USR1 --kill-after=15 "$limit" "$@" >> "$tmp" 2>&1
     local rc=$?
     local dt=$(( ($(date +%s%N) - t0) / 1000000 ))
     local verdict=PASS; [ "$rc" -ne 0 ] && verdict="FAIL(rc=$rc)"

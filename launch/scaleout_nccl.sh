@@ -39,7 +39,9 @@ run() {
     echo "=== [$name] ($n domains x $r ranks, NCCL rails)" | tee "$log"
     local hostid=''
     [ "$n" -gt "$NGPU" ] && hostid='NCCL_HOSTID=node$d'
-    env "$@" DEEPEP_CUPY_RAIL_TRANSPORT=nccl timeout --kill-after=10 "${RUN_TIMEOUT:-900}" launch/run_local.sh \
+    # past RUN_TIMEOUT: SIGUSR1 to every process of the run (each rank dumps its threads' Python stacks into the log),
+    # SIGKILL 15 s later
+    env "$@" DEEPEP_CUPY_RAIL_TRANSPORT=nccl timeout -s USR1 --kill-after=15 "${RUN_TIMEOUT:-900}" launch/run_local.sh \
         $((n * r)) bash -c "g=\${OMPI_COMM_WORLD_RANK:-\${PMI_RANK:-0}}; d=\$((g / $r)); export \
         DEEPEP_CUPY_HOST=node\$d $hostid DEEPEP_CUPY_DEVICE=\$((d % $NGPU)); exec $PY $prog" >> "$log" 2>&1
     local rc=$?

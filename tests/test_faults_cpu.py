@@ -312,7 +312,7 @@ def test_main_reports_one_line_per_case_and_fails_on_a_bad_case(tmp_path, monkey
     assert faults.main(['--out', str(tmp_path), '--victim', '5']) == 2
 
 
-def test_a_failed_buffer_meets_live_peers_and_gives_up_on_dead_ones(monkeypatch):
+def test_a_failed_buffer_meets_live_peers_and_gives_up_on_dead_ones(monkeypatch, capsys):
     """BufferBase.destroy after a timeout: the rails are aborted first, the communication stream is waited for
     (bounded) instead of the device, and the collective teardown's host barriers run soft: with the peers alive (the
     rank that was only missing destroys as a healthy one) every barrier pairs with theirs, as from a healthy rank
@@ -367,10 +367,12 @@ def test_a_failed_buffer_meets_live_peers_and_gives_up_on_dead_ones(monkeypatch)
         buf._transports_failed = lambda: rails_failed
         buf._abort_transports = lambda: calls.append('abort transports')
         buf._wait_comm_stream = lambda: calls.append('comm stream waited')
+        buf._wait_device_idle = lambda: calls.append('device idle')
         buf.host_mapped.free = lambda: calls.append('free host-mapped')
         return buf
 
-    soft_alive = ['abort transports', 'comm stream waited', 'barrier 7', 'free', 'barrier 7', 'free host-mapped']
+    soft_alive = ['abort transports', 'comm stream waited', 'device idle', 'barrier 7', 'free', 'barrier 7',
+                  'free host-mapped']
     for failed, record, rails_failed in (('dispatch CPU wait timed out', 0, False), (None, 1, False), (None, 0, True)):
         calls.clear()
         make(failed, record, rails_failed).destroy()
@@ -378,10 +380,18 @@ def test_a_failed_buffer_meets_live_peers_and_gives_up_on_dead_ones(monkeypatch)
     calls.clear()
     buf = make('dispatch CPU wait timed out', 0, dead=True)
     buf.destroy()
-    assert calls == ['abort transports', 'comm stream waited', 'barrier 7', 'free', 'free host-mapped'], calls
+    assert calls == ['abort transports', 'comm stream waited', 'device idle', 'barrier 7', 'free',
+                     'free host-mapped'], calls
     assert buf._destroyed and buf.sym.base == 0
     buf.destroy()                                           # idempotent
     assert calls[-1] == 'free host-mapped'
+    calls.clear()
+    buf = make('dispatch CPU wait timed out', 0)            # the context is lost (NCCL faulted after its abort):
+    buf._wait_device_idle = lambda: calls.append('device idle') or RuntimeError('cudaErrorIllegalAddress')
+    buf.destroy()                                           # destroy returns, frees nothing, says why
+    assert calls == ['abort transports', 'comm stream waited', 'device idle'], calls
+    assert 'the CUDA context is lost (RuntimeError: cudaErrorIllegalAddress)' in capsys.readouterr().err
+    assert buf._destroyed
     calls.clear()
     make(None, 0).destroy()                                 # healthy: the collective teardown as before
     assert calls == ['device synchronised', 'device synchronised', 'barrier 7', 'free', 'barrier 7',
@@ -397,3 +407,39 @@ def test_a_failed_buffer_meets_live_peers_and_gives_up_on_dead_ones(monkeypatch)
     hybrid.abort(SimpleNamespace(_ep=ep))                   # aborted already: the watchdog stops, no second abort
     assert calls == ['watchdog closed', 'abort', 'watchdog closed']
     assert hybrid.failed(SimpleNamespace(_ep=ep)) and not hybrid.failed(SimpleNamespace(_ep=None))
+
+
+def test_wait_device_idle_is_bounded_and_returns_a_lost_context(monkeypatch):
+    """The failed teardown's device wait: idle -> None, a sticky CUDA error -> returned (not raised), a device that
+    stays busy -> TimeoutError at the bound (the helper thread is left behind, a daemon)."""
+    import threading
+
+    from deepep_cupy.runtime import streams
+    cupy = pytest.importorskip('cupy')
+    release = threading.Event()
+    behaviour = {}
+
+    class Runtime:
+        @staticmethod
+        def setDevice(device):                  # noqa: N802 (CUDA's name)
+            behaviour['device'] = device
+
+        @staticmethod
+        def deviceSynchronize():                # noqa: N802
+            mode = behaviour['mode']
+            if mode == 'lost':
+                raise RuntimeError('cudaErrorIllegalAddress')
+            if mode == 'busy':
+                release.wait(5.0)
+
+    monkeypatch.setattr(cupy.cuda, 'runtime', Runtime)
+    behaviour['mode'] = 'idle'
+    assert streams.wait_device_idle(3, 1.0) is None and behaviour['device'] == 3
+    behaviour['mode'] = 'lost'
+    assert 'cudaErrorIllegalAddress' in str(streams.wait_device_idle(0, 1.0))
+    behaviour['mode'] = 'busy'
+    try:
+        with pytest.raises(TimeoutError, match='still busy 0.1 s into the teardown'):
+            streams.wait_device_idle(0, 0.1)
+    finally:
+        release.set()

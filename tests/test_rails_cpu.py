@@ -494,20 +494,20 @@ def _watched_transport(N=3, R=2, g=2):
 def test_watchdog_retires_completed_exchanges_and_skips_captures():
     t, fake, events = _watched_transport()
     plan = rails.RailPlan('combine', 1, (rails.RailOp(0, 0, 'send', 0, 0, 16), rails.RailOp(0, 0, 'recv', 16, 16, 16)))
-    t.exchange(plan, SimpleNamespace(ptr=0x7))
-    assert [p for _, p in events.recorded] == [0x7] and t.watchdog.num_pending == 1
-    events.done.add(events.recorded[0][0])
+    t.exchange(plan, SimpleNamespace(ptr=0x7))  # a start event before the groups, an end event after them
+    assert [p for _, p in events.recorded] == [0x7, 0x7] and t.watchdog.num_pending == 1
+    events.done.add(events.recorded[1][0])
     t.watchdog.poll(now=1e18)                   # completed: never times out, however late the poll
     assert t.watchdog.num_pending == 0 and t.watchdog.error is None and fake.aborted == []
-    t.exchange(plan, SimpleNamespace(ptr=0x7))  # the event is reused from the pool
-    assert events.recorded[1][0] == events.recorded[0][0]
-    events.done.add(events.recorded[1][0])
+    t.exchange(plan, SimpleNamespace(ptr=0x7))  # both events are reused from the pool
+    assert {e for e, _ in events.recorded[2:]} == {e for e, _ in events.recorded[:2]}
+    events.done.add(events.recorded[3][0])
     t.watchdog.poll()
     events.capturing_streams.add(0x9)
     t.exchange(plan, SimpleNamespace(ptr=0x9))  # inside a capture: not watched
-    assert len(events.recorded) == 2 and t.watchdog.num_pending == 0
+    assert len(events.recorded) == 4 and t.watchdog.num_pending == 0
     t.destroy()
-    assert fake.destroyed == [1] and events.destroyed == [events.recorded[0][0]]
+    assert fake.destroyed == [1] and sorted(events.destroyed) == sorted({e for e, _ in events.recorded})
 
 
 def test_watchdog_aborts_a_hung_exchange_and_names_phase_and_peers():
@@ -515,14 +515,20 @@ def test_watchdog_aborts_a_hung_exchange_and_names_phase_and_peers():
     t, fake, events = _watched_transport(N=3, R=2, g=2)       # domain 1, scale-up index 0: peers ranks 0 and 4
     plan = rails.plan_exchange(t.rails, _layout(3, 2).rail_areas('data'), 'dispatch', {0: 0, 2: 0}, {0: 0, 2: 0})
     t.exchange(plan, SimpleNamespace(ptr=0x7))
-    t.watchdog.poll(now=time.monotonic() + 1.0)                # pending, within the bound
+    start = events.recorded[0][0]
+    t.watchdog.poll(now=time.monotonic() + 100.0)              # the stream has not reached it: no bound yet
     assert t.watchdog.error is None and fake.aborted == []
-    t.watchdog.poll(now=time.monotonic() + 10.0)               # past it: abort once, store the error
+    events.done.add(start)
+    now = time.monotonic()
+    t.watchdog.poll(now=now)                                   # reached: the bound runs from here
+    t.watchdog.poll(now=now + 1.0)                             # pending, within the bound
+    assert t.watchdog.error is None and fake.aborted == []
+    t.watchdog.poll(now=now + 10.0)                            # past it: abort once, store the error
     assert fake.aborted == [1]
     err = t.watchdog.error
     assert isinstance(err, TimeoutError)
     assert 'hybrid rail dispatch' in str(err) and 'rail peer ranks [0, 4]' in str(err) and '5.0 s' in str(err)
-    t.watchdog.poll(now=time.monotonic() + 20.0)
+    t.watchdog.poll(now=now + 20.0)
     assert fake.aborted == [1]
     with pytest.raises(TimeoutError, match='rail peer ranks'):
         t.exchange(plan, SimpleNamespace(ptr=0x7))
@@ -646,3 +652,80 @@ def test_nccl_error_inside_an_exchange_names_the_phase_and_the_peer():
     with pytest.raises(RuntimeError, match='hybrid notify: NCCL reported'):
         t.check()
     t.destroy()
+
+
+def test_abort_that_nccl_holds_up_reports_at_once_and_destroy_waits_for_it():
+    """ncclCommAbort blocked while a CUDA-graph replay's NCCL kernels were in flight (1xH100, sockets: the whole
+    20 s bound): the failure is raised after `ABORT_REPORT_SECS`, the abort finishes in the background, destroy waits
+    for it (bounded) and does not destroy an aborted communicator; an abort that never returns leaves it alone."""
+    import threading
+    import time
+    top = rails.rail_topology(2, 1, 0)
+    release = threading.Event()
+
+    class Comm:
+        aborts, destroys = 0, 0
+
+        def check_async_error(self):
+            raise RuntimeError('NCCL_ERROR_REMOTE_ERROR')
+
+        def abort(self):
+            Comm.aborts += 1
+            release.wait(5.0)
+
+        def destroy(self):
+            Comm.destroys += 1
+
+    t = rail_nccl.NcclRailTransport(top, 0x1000, Comm(), nccl=SimpleNamespace(NCCL_UINT8=7))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match='NCCL reported an error on the rail with peer rank 1'):
+        t.check()
+    assert time.monotonic() - t0 < rail_nccl.ABORT_REPORT_SECS + 1.0 and t.aborted and Comm.aborts == 1
+    with pytest.raises(RuntimeError, match='NCCL_ERROR_REMOTE_ERROR'):      # the stored failure, no second abort
+        t.check()
+    t.abort()
+    assert Comm.aborts == 1 and not t.wait_aborted(0.05)
+    release.set()
+    t.destroy()
+    assert t.wait_aborted(0.0) and Comm.destroys == 0
+
+    stuck = threading.Event()
+
+    class Stuck(Comm):
+        def abort(self):
+            stuck.wait(5.0)
+
+    t = rail_nccl.NcclRailTransport(top, 0x1000, Stuck(), nccl=SimpleNamespace(NCCL_UINT8=7))
+    t.abort()
+    try:
+        t.destroy(abort_wait_secs=0.05)             # returns: the communicator is left to the process exit
+    finally:
+        stuck.set()
+    assert t.comm is None
+
+
+def test_watchdog_bound_runs_from_the_exchange_start():
+    """A domain peer's wait before the exchange on the stream (bounded by the GPU timeout) reports first: the
+    exchange's bound starts once its stream reached it, however long it sat enqueued."""
+    import time
+
+    from deepep_cupy.runtime.rail_watchdog import RailWatchdog
+    fired = []
+    events = FakeEvents()
+    w = RailWatchdog(1.0, lambda phase, peers: fired.append(phase) or TimeoutError(phase), events)
+    start = w.begin(0x5)
+    w.watch(0x5, 'combine', [1], start=start)
+    now = time.monotonic()
+    w.poll(now=now + 50.0)
+    assert fired == [] and w.num_pending == 1
+    events.done.add(start)
+    w.poll(now=now + 60.0)                      # started now: 1 s from here
+    w.poll(now=now + 60.5)
+    assert fired == []
+    w.poll(now=now + 61.5)
+    assert fired == ['combine']
+    with pytest.raises(TimeoutError):           # failed: nothing more is watched
+        w.begin(0x5)
+    w = RailWatchdog(1.0, lambda phase, peers: TimeoutError(phase), events)
+    events.capturing_streams.add(0x6)
+    assert w.begin(0x6) is None                 # captured exchanges are not watched

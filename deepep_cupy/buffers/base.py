@@ -13,6 +13,7 @@ The data region belongs to one feature at a time (`claim_data_region`); the extr
 for it (V2.5 `EPBuffer`: the load-balancing pools; `EngramBuffer`: GPU tables).
 """
 
+import sys
 from typing import Any, Dict, Optional
 
 from ..constants import BUFFER_ALIGNMENT
@@ -24,7 +25,7 @@ from ..runtime.event import EventHandle
 from ..runtime.group import ProcessGroup, get_group
 from ..runtime.host_storage import HostStorage
 from ..runtime.polling import wait_until
-from ..runtime.streams import StreamOrder
+from ..runtime.streams import StreamOrder, wait_device_idle
 from ..runtime.symmetric import HostMappedMemory, SymmetricMemory, soft_barriers
 from ..runtime.topology import Topology, detect_topology, select_device
 
@@ -333,6 +334,15 @@ class BufferBase:
         self._destroy_features()
         if failed:
             self._wait_comm_stream()
+            # Kernels on other streams (the rail exchanges on the caller's, NCCL's queued behind a timed-out wait)
+            # may still use the memory: the device idle first, bounded (a TimeoutError leaves the memory allocated).
+            # A lost context (e.g. NCCL faulted after its abort) frees nothing: every call on it fails.
+            lost = self._wait_device_idle()
+            if lost is not None:
+                print(f'deepep_cupy rank {self.rank_idx}: destroy of a failed buffer: the CUDA context is lost '
+                      f'({type(lost).__name__}: {lost}); its memory is left to the process exit', file=sys.stderr,
+                      flush=True)
+                return
             self._release_collective()
             return
         try:
@@ -351,6 +361,11 @@ class BufferBase:
         if self._owns_stream:
             _release_stream(self.device, self.comm_stream)
         self.comm_stream = None
+
+    def _wait_device_idle(self) -> Optional[BaseException]:
+        """A failed buffer's teardown: every stream of this device idle, bounded by the GPU timeout plus a margin
+        (`streams.wait_device_idle`); the CUDA error if the context is lost."""
+        return wait_device_idle(self.device, self.num_gpu_timeout_secs + 30)
 
     def _wait_comm_stream(self) -> None:
         """Wait for the communication stream, bounded by the GPU timeout plus a margin (its kernels give up by then)."""

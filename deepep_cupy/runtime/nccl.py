@@ -68,28 +68,60 @@ def _row_bytes(info: interop.TensorInfo) -> int:
 ABORT_WAIT_SECS = 20.0
 
 
-def abort_bounded(comm: Any, what: str, limit: float = ABORT_WAIT_SECS) -> bool:
-    """`comm.abort()` (`ncclCommAbort`) from a helper thread, waited for at most `limit` seconds; returns whether it
-    returned. The timeout path must not hang where NCCL does: on 1xH100 over NCCL sockets, a rank whose peer had
-    already aborted and closed its sockets blocked inside `ncclCommAbort`. Past the bound the communicator is left
-    to the process's exit (a warning on stderr says so), and the caller goes on failing cleanly."""
-    failure = []
+class AbortThread:
+    """`comm.abort()` (`ncclCommAbort`) in a daemon thread, started at once; `wait` joins it, bounded.
 
-    def run():
+    NCCL may hold an abort up while its kernels are in flight: on 1xH100 over NCCL sockets, a rank whose peer had
+    already aborted and closed its sockets blocked inside `ncclCommAbort`, and a rank whose rail peer died during a
+    CUDA-graph replay waited there the whole 20 s bound. So a failure path reports its error without waiting for
+    the abort, and waits for it only where it must: before freeing memory NCCL's kernels may still use.
+
+    Args:
+        comm: the communicator (anything with `abort()`).
+        what: how warnings name it.
+        lock: held around the abort when given (acquired with a 10 s bound: the holder of an enqueue finishes it
+            first; past that the abort goes ahead, better than a hang).
+    """
+
+    def __init__(self, comm: Any, what: str, lock: Optional[threading.Lock] = None):
+        self.what, self.failure = what, None
+        self.thread = threading.Thread(target=self._run, args=(comm, lock), name='deepep_cupy-nccl-abort',
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, comm: Any, lock: Optional[threading.Lock]) -> None:
+        locked = lock.acquire(timeout=10.0) if lock is not None else False
         try:
             comm.abort()
-        except Exception as e:  # noqa: BLE001 (reported below: the abort is the failure path already)
-            failure.append(e)
-    thread = threading.Thread(target=run, name='deepep_cupy-nccl-abort', daemon=True)
-    thread.start()
-    thread.join(limit)
-    if thread.is_alive():
-        print(f'deepep_cupy: ncclCommAbort of {what} did not return within {limit:.0f} s; left to the process exit',
-              file=sys.stderr, flush=True)
-        return False
-    if failure:
-        print(f'deepep_cupy: ncclCommAbort of {what} failed: {failure[0]}', file=sys.stderr, flush=True)
-    return True
+        except Exception as e:  # noqa: BLE001 (reported by wait: the abort is the failure path already)
+            self.failure = e
+        finally:
+            if locked:
+                lock.release()
+
+    def wait(self, limit: float = ABORT_WAIT_SECS) -> bool:
+        """Join the abort for at most `limit` seconds; whether it returned (a warning on stderr when it did not, or
+        failed: the communicator is then left to the process's exit)."""
+        self.thread.join(limit)
+        if self.thread.is_alive():
+            print(f'deepep_cupy: ncclCommAbort of {self.what} did not return within {limit:.0f} s; left to the '
+                  f'process exit', file=sys.stderr, flush=True)
+            return False
+        if self.failure is not None:
+            print(f'deepep_cupy: ncclCommAbort of {self.what} failed: {self.failure}', file=sys.stderr, flush=True)
+            self.failure = None
+        return True
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
+def abort_bounded(comm: Any, what: str, limit: float = ABORT_WAIT_SECS) -> bool:
+    """`comm.abort()` (`ncclCommAbort`) from a helper thread, waited for at most `limit` seconds; returns whether it
+    returned. The timeout path must not hang where NCCL does (`AbortThread`). Past the bound the communicator is left
+    to the process's exit (a warning on stderr says so), and the caller goes on failing cleanly."""
+    return AbortThread(comm, what).wait(limit)
 
 
 def exchange_unique_id(group: ProcessGroup) -> Any:

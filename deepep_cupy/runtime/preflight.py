@@ -266,7 +266,10 @@ def exit_if_main(error: ImportError, module_name: str, build_parser: Callable) -
 
 def run(main: Callable[..., int], *args) -> int:
     """Run a program's `main(*args)`: a `SetupError` or a missing optional package is reported once per job, as one
-    line, and gives exit status 1; everything else propagates unchanged."""
+    line, and gives exit status 1; everything else propagates unchanged. SIGUSR1 dumps every thread's Python stack
+    to stderr and the program goes on (launch/gpu_suite.sh and launch/scaleout_nccl.sh send it to a run past its time
+    before they stop it, so a hang shows where each rank waited; mpirun forwards it to the ranks)."""
+    _dump_stacks_on_sigusr1()
     try:
         return main(*args)
     except SetupError as e:
@@ -277,3 +280,12 @@ def run(main: Callable[..., int], *args) -> int:
             raise
         report(setup)
     return 1
+
+
+def _dump_stacks_on_sigusr1() -> None:
+    import faulthandler
+    import signal
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (AttributeError, ValueError, RuntimeError):     # no SIGUSR1 (Windows), or not the main thread
+        pass

@@ -5,8 +5,12 @@ import threading
 from typing import Any, Callable, Optional
 
 from .group import ProcessGroup
-from .nccl import abort_bounded
+from .nccl import ABORT_WAIT_SECS, AbortThread
 from .rails import HEADER_BYTES, RailPlan, RailTopology, ScaleoutTransport, exchange_rail_unique_ids
+
+# How long `abort` waits for ncclCommAbort before the caller goes on to raise its error (the abort usually returns by
+# then; when NCCL holds it up, it finishes in the background and `destroy` waits for it).
+ABORT_REPORT_SECS = 0.5
 
 
 class NcclRailTransport(ScaleoutTransport):
@@ -31,6 +35,9 @@ class NcclRailTransport(ScaleoutTransport):
         # Every call on the communicator holds it: the watchdog thread's abort must never run beside the main
         # thread's enqueue or error query on the same communicator (NCCL does not allow that; an abort frees it).
         self._lock = threading.Lock()
+        # `abort` runs once, from whichever thread comes first (the watchdog's, or the caller's); `_abort` is it.
+        self._abort_guard = threading.Lock()
+        self._abort: Optional[AbortThread] = None
         # Called after each chunk's group with (chunk, stream): pipelining bumps a chunk counter there (P2).
         self.after_chunk: Optional[Callable[[int, Any], None]] = None
         # Bounds exchanges no host wait covers (runtime/rail_watchdog.py); `watch_timeouts` sets it.
@@ -163,6 +170,9 @@ class NcclRailTransport(ScaleoutTransport):
         self._check_usable()
         nccl, uint8 = self.nccl, self.nccl.NCCL_UINT8
         failure = None
+        start = None
+        if self.watchdog is not None and plan.num_chunks:
+            start = self.watchdog.begin(stream.ptr)     # the exchange's bound runs from when the stream reaches it
         with self._lock:
             self._check_usable()            # (the watchdog may have aborted meanwhile)
             self.last_phase = plan.phase
@@ -184,7 +194,7 @@ class NcclRailTransport(ScaleoutTransport):
         if failure is not None:
             raise self._nccl_failed(plan.phase, f'{type(failure).__name__}: {failure}') from failure
         if self.watchdog is not None and plan.num_chunks:
-            self.watchdog.watch(stream.ptr, plan.phase, plan.peers)
+            self.watchdog.watch(stream.ptr, plan.phase, plan.peers, start=start)
 
     def check(self) -> None:
         """Raise the watchdog's timeout, or NCCL's asynchronous error, if any (host polling loops call it while
@@ -202,21 +212,34 @@ class NcclRailTransport(ScaleoutTransport):
             raise self._nccl_failed(self.last_phase, reason)
 
     def abort(self) -> None:
-        """`ncclCommAbort` once, from whichever thread comes first (the holder of an enqueue finishes it first;
-        after 10 s the abort goes ahead regardless, better than a hang)."""
-        locked = self._lock.acquire(timeout=10.0)
-        try:
-            if not self.aborted and self.comm is not None:
-                self.aborted = True
-                abort_bounded(self.comm, 'the NCCL rail communicator')
-            super().abort()
-        finally:
-            if locked:
-                self._lock.release()
+        """`ncclCommAbort` once, from whichever thread comes first, in a helper thread (`nccl.AbortThread`, holding
+        the communicator's lock: the holder of an enqueue finishes it first): waited for `ABORT_REPORT_SECS` here,
+        then left to finish in the background, so that the error is raised at once even where NCCL holds the abort up
+        (on 1xH100 over sockets, 20 s while a CUDA-graph replay's NCCL kernels were in flight). The transport counts
+        as aborted from the start: no other call reaches the communicator. `destroy` waits for the abort."""
+        with self._abort_guard:
+            if self.aborted:
+                return
+            self.aborted = True
+            if self.comm is None:
+                return
+            self._abort = AbortThread(self.comm, 'the NCCL rail communicator', self._lock)
+        self._abort.thread.join(ABORT_REPORT_SECS)
 
-    def destroy(self) -> None:
+    def wait_aborted(self, limit: float = ABORT_WAIT_SECS) -> bool:
+        """Wait (bounded) for an abort begun by `abort`; whether NCCL's kernels of this communicator can be taken as
+        gone (no abort begun, or it returned)."""
+        return self._abort is None or self._abort.wait(limit)
+
+    def destroy(self, abort_wait_secs: float = ABORT_WAIT_SECS) -> None:
+        """Stop the watchdog, wait (at most `abort_wait_secs`) for an abort in flight, and destroy the communicator if
+        it was never aborted. An abort that does not return leaves the communicator (and its lock) to the process's
+        exit."""
         if self.watchdog is not None:
             self.watchdog.close()
+        if not self.wait_aborted(abort_wait_secs):
+            self.comm = None
+            return
         with self._lock:
             if self.comm is not None:
                 comm, self.comm = self.comm, None

@@ -3,11 +3,15 @@
 With CPU sync the host polls the notify's counts, bounded, and aborts the rail communicators on timeout. Without it
 (no-sync and cached dispatches, combines, barriers) nothing on the host waits for an exchange: a rail peer that never
 arrives leaves NCCL's kernels spinning, and the caller's next synchronisation hangs. The watchdog closes that hole as
-torch's NCCL watchdog does: every exchange enqueued outside a CUDA-graph capture records an event after its last
-group; a daemon thread queries the pending events, and one still pending after the timeout aborts the transport
+torch's NCCL watchdog does: every exchange enqueued outside a CUDA-graph capture records an event before its first
+group and one after its last; a daemon thread queries the pending events, and an exchange still pending `timeout_s`
+after its stream reached it (the first event completed) aborts the transport
 (`ncclCommAbort`, which NCCL allows from another thread: the spinning kernels return, so the synchronisation that
 hung returns too) and stores a `TimeoutError` naming the phase and the rail peers, raised by the transport's next
-call. Exchanges captured into a CUDA graph are not watched (a replay does not pass through Python).
+call. Exchanges captured into a CUDA graph are not watched (a replay does not pass through Python). The bound runs
+from the exchange's start, not from its enqueue: kernels before it on the stream may wait for a peer of the domain
+themselves (bounded by the GPU timeout), and that wait, naming the peer it waited for, must report first (seen on
+1xH100 over NCCL sockets: a rank whose domain peer died reported its rail peer instead, both bounds being 8 s).
 
 The thread puts itself in thread-local stream-capture mode before its first query (as torch's NCCL watchdog does):
 in the default global mode, an event query from any thread while another thread captures a CUDA graph invalidates
@@ -93,7 +97,8 @@ class RailWatchdog:
             raise ValueError(f'timeout_s must be positive, got {timeout_s}')
         self.timeout_s, self.on_timeout, self.events, self.poll_s = float(timeout_s), on_timeout, events, poll_s
         self.error: Optional[BaseException] = None
-        self._pending: List[Tuple[int, float, str, Tuple[int, ...]]] = []
+        # (end event, start event or None, deadline or None until the start completed, phase, peers)
+        self._pending: List[Tuple[int, Optional[int], Optional[float], str, Tuple[int, ...]]] = []
         self._pool: List[int] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -107,8 +112,21 @@ class RailWatchdog:
         if self.error is not None:
             raise self.error
 
-    def watch(self, stream_ptr: int, phase: str, peers: Sequence[int]) -> None:
-        """Record an event on `stream_ptr` after an exchange with `peers` (rail peer domains) and bound it."""
+    def begin(self, stream_ptr: int) -> Optional[int]:
+        """Record the event that marks an exchange's start on `stream_ptr` (before its first group); pass it to
+        `watch`. None inside a CUDA-graph capture (not watched)."""
+        self.raise_if_failed()
+        capturing = getattr(self.events, 'capturing', None)
+        if capturing is not None and capturing(stream_ptr):
+            return None
+        with self._lock:
+            event = self._pool.pop() if self._pool else self.events.create()
+        self.events.record(event, stream_ptr)
+        return event
+
+    def watch(self, stream_ptr: int, phase: str, peers: Sequence[int], start: Optional[int] = None) -> None:
+        """Record an event on `stream_ptr` after an exchange with `peers` (rail peer domains) and bound it: from the
+        completion of `start` (`begin`'s event), or, without one, from now."""
         self.raise_if_failed()
         capturing = getattr(self.events, 'capturing', None)
         if capturing is not None and capturing(stream_ptr):
@@ -116,8 +134,9 @@ class RailWatchdog:
         with self._lock:
             event = self._pool.pop() if self._pool else self.events.create()
         self.events.record(event, stream_ptr)
+        deadline = None if start is not None else time.monotonic() + self.timeout_s
         with self._lock:
-            self._pending.append((event, time.monotonic() + self.timeout_s, phase, tuple(peers)))
+            self._pending.append((event, start, deadline, phase, tuple(peers)))
         self.start()
         self._wake.set()
 
@@ -129,25 +148,28 @@ class RailWatchdog:
                 self._thread.start()
 
     def poll(self, now: Optional[float] = None) -> None:
-        """One pass (the thread's loop body; tests call it directly): retire completed exchanges, fire on the first
-        one past its deadline."""
+        """One pass (the thread's loop body; tests call it directly): retire completed exchanges, start the bound of
+        those their stream reached, fire on the first one past its deadline."""
         now = time.monotonic() if now is None else now
         expired = None
         with self._lock:
             keep = []
             for item in self._pending:
-                event, deadline, phase, peers = item
+                event, start, deadline, phase, peers = item
                 if self.events.query(event):
                     self._pool.append(event)
-                elif deadline <= now and expired is None and self.error is None:
+                    if start is not None:
+                        self._pool.append(start)
+                    continue
+                if deadline is None and self.events.query(start):
+                    deadline = now + self.timeout_s
+                    item = (event, start, deadline, phase, peers)
+                if deadline is not None and deadline <= now and expired is None and self.error is None:
                     expired = item
-                else:
-                    keep.append(item)
-            if expired is not None:
-                keep.append(expired)        # the aborted exchange's event stays pending until the abort lands
+                keep.append(item)   # (the aborted exchange's events stay pending until the abort lands)
             self._pending = keep
         if expired is not None:
-            self.error = self.on_timeout(expired[2], expired[3])
+            self.error = self.on_timeout(expired[3], expired[4])
 
     @property
     def num_pending(self) -> int:
@@ -189,7 +211,7 @@ class RailWatchdog:
             self._thread.join(timeout=1.0)
             self._thread = None
         with self._lock:
-            events = [e for e, *_ in self._pending] + self._pool
+            events = [e for item in self._pending for e in item[:2] if e is not None] + self._pool
             self._pending, self._pool = [], []
         for e in events:
             try:

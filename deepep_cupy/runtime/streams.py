@@ -227,3 +227,28 @@ class DeferredRecordOverlap(EventOverlap):
         self._deferred = None
         self.event.stream_wait(stream)
         return self._after_wait(release_handle)
+
+
+def wait_device_idle(device: int, limit: float) -> Optional[BaseException]:
+    """Wait, bounded, until every stream of this process on `device` is idle (`cudaDeviceSynchronize` in a helper
+    thread, joined for at most `limit` seconds): a failed buffer's teardown does it before freeing memory that
+    kernels on other streams than its own may still use (rail exchanges on the caller's stream, NCCL kernels queued
+    behind a timed-out wait). Returns None once idle, or the CUDA error the synchronisation raised (e.g. a sticky
+    `cudaErrorIllegalAddress`: the context is lost); raises TimeoutError if the device is still busy at the bound."""
+    import threading
+    outcome = []
+
+    def run():
+        import cupy
+        try:
+            cupy.cuda.runtime.setDevice(device)
+            cupy.cuda.runtime.deviceSynchronize()
+            outcome.append(None)
+        except Exception as e:  # noqa: BLE001 (returned to the caller, which reports it)
+            outcome.append(e)
+    thread = threading.Thread(target=run, name='deepep_cupy-device-idle', daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        raise TimeoutError(f'device {device} was still busy {limit:g} s into the teardown of a failed buffer')
+    return outcome[0]
