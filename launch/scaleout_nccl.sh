@@ -61,8 +61,10 @@ for shape in "${shapes[@]}"; do
         # shellcheck disable=SC2086
         run "hybrid $shape NCCL socket (an NCCL host per domain, sharing GPUs)" "$n" "$r" $SOCKETS
         # shellcheck disable=SC2086
+        # (NCCL's connection set-up and proxy in the log: where a rank of a pipelined run waits)
         run "hybrid $shape NCCL P2 pipelined (an NCCL host per domain)" "$n" "$r" $SOCKETS \
-            DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32
+            DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32 NCCL_DEBUG=INFO \
+            NCCL_DEBUG_SUBSYS=INIT,P2P,NET,PROXY
         continue
     fi
     run "hybrid $shape NCCL" "$n" "$r"
