@@ -428,11 +428,12 @@ nccl1_lane() {
     local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export DEEPEP_CUPY_HOST=node$g NCCL_HOSTID=node$g;'
     local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 20 --num-cpu-timeout-secs 40 --num-tokens 128 \
 --hidden 1024 --num-experts 64 --skip-perf-test"
+    # (P2 over sockets between ranks sharing the GPU: the first mode only, its many small NCCL groups are slow there)
     step "nccl1: ep hybrid 2x1 NCCL rails, all modes, graph, errors, missing rank (P1, P2)" 340 env \
-        OUT="$OUT/nccl1_2x1" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 \
+        OUT="$OUT/nccl1_2x1" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 P2_ARGS=--test-first-only \
         PROG="$EPA --num-create-destroy 1" $ONE bash launch/scaleout_nccl.sh 2x1
     step "nccl1: ep hybrid 2x2 NCCL rails, all modes, deterministic, graph (P1, P2)" 340 env \
-        OUT="$OUT/nccl1_2x2" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 \
+        OUT="$OUT/nccl1_2x2" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 P2_ARGS=--test-first-only \
         PROG="$EPA --num-create-destroy 0 --deterministic --skip-timeout-test --skip-error-test" $ONE bash \
         launch/scaleout_nccl.sh 2x2
     # (ports of their own: a rank of a run the step before killed may still hold the lane's)
@@ -449,7 +450,7 @@ nccl1_more_lane() {
     local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 30 --num-cpu-timeout-secs 60 --num-tokens 128 \
 --hidden 1024 --num-experts 64 --skip-perf-test --num-create-destroy 0 --skip-timeout-test"
     step "nccl1: ep hybrid 4x1 NCCL rails, all modes, graph (P1, P2)" 400 env OUT="$OUT/nccl1_4x1" RUN_TIMEOUT=190 \
-        PIPELINE_PERF=0 PROG="$EPA" $ONE bash launch/scaleout_nccl.sh 4x1
+        PIPELINE_PERF=0 PROG="$EPA" P2_ARGS=--test-first-only $ONE bash launch/scaleout_nccl.sh 4x1
     step "nccl1: ep hybrid 2x4 NCCL rails, first mode, graph (P1, P2)" 400 env OUT="$OUT/nccl1_2x4" RUN_TIMEOUT=190 \
         PIPELINE_PERF=0 PROG="$EPA --test-first-only" $ONE bash launch/scaleout_nccl.sh 2x4
 }

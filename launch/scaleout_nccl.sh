@@ -9,7 +9,8 @@
 #
 #   bash launch/scaleout_nccl.sh [SHAPE...]        SHAPE = NxR (domains x ranks per domain), default: 2x1 2x2 2x4
 #
-# Each shape also runs with the pipelined dispatch (P2: DEEPEP_CUPY_HYBRID_PIPELINE=1, 32 rows per payload chunk),
+# Each shape also runs with the pipelined dispatch (P2: DEEPEP_CUPY_HYBRID_PIPELINE=1, 32 rows per payload chunk;
+# P2_ARGS: more arguments for its runs where domains share GPUs, e.g. --test-first-only: many more NCCL groups per call),
 # and at the end perf/hybrid_pipeline.py times P2 against P1 at 2x1 (512 and 4096 tokens, hidden 7168; bitwise check
 # of both first; skip with PIPELINE_PERF=0).
 #
@@ -62,7 +63,8 @@ for shape in "${shapes[@]}"; do
         run "hybrid $shape NCCL socket (an NCCL host per domain, sharing GPUs)" "$n" "$r" $SOCKETS
         # shellcheck disable=SC2086
         # (NCCL's connection set-up and proxy in the log: where a rank of a pipelined run waits)
-        run "hybrid $shape NCCL P2 pipelined (an NCCL host per domain)" "$n" "$r" $SOCKETS \
+        PROG="${PROG:-"-m deepep_cupy.tests.ep $ARGS"} ${P2_ARGS:-}" \
+            run "hybrid $shape NCCL P2 pipelined (an NCCL host per domain)" "$n" "$r" $SOCKETS \
             DEEPEP_CUPY_HYBRID_PIPELINE=1 DEEPEP_CUPY_HYBRID_PIPELINE_ROWS=32 NCCL_DEBUG=INFO \
             NCCL_DEBUG_SUBSYS=INIT,P2P,NET,PROXY
         continue

@@ -160,10 +160,20 @@ def check_dispatch(case: Case, out, use_fp8: bool, alignment: int, do_expand: bo
                 check(bool((recv_topk_weights[gaps] == 0).all()), f'{what} zero padding of weights')
 
 
-def run_modes(buf: ElasticBuffer, case: Case, first_only: bool) -> int:
-    """All modes of enumerate_ep_modes; returns the number of checked calls."""
+PROGRESS_SECS = 20.0        # run_modes' progress line: after this long without one
+
+
+def run_modes(buf: ElasticBuffer, case: Case, first_only: bool, log=None) -> int:
+    """All modes of enumerate_ep_modes; returns the number of checked calls. `log`: a progress line through it every
+    `PROGRESS_SECS` (slow transports, e.g. NCCL sockets between ranks sharing a GPU, tell slow from stuck)."""
     num_checked = 0
-    for (copy, alignment, use_fp8, num_bias, with_prev, async_mode, alloc_comm) in enumerate_ep_modes(first_only):
+    t0 = last = time.perf_counter()
+    modes = list(enumerate_ep_modes(first_only))
+    for i, (copy, alignment, use_fp8, num_bias, with_prev, async_mode, alloc_comm) in enumerate(modes):
+        now = time.perf_counter()
+        if log is not None and now - last >= PROGRESS_SECS:
+            log(f'[check] {i} of {len(modes)} modes done ({num_checked} calls, {now - t0:.0f} s)')
+            last = now
         tag = (f'[copy={copy} align={alignment} fp8={use_fp8} bias={num_bias} prev={with_prev} async={async_mode} '
                f'alloc_comm={alloc_comm}]')
         x = case.x_fp8 if use_fp8 else case.x
@@ -477,7 +487,7 @@ def main(argv=None) -> int:
         case = make_case(args, group, rank, num_ranks, args.seed)
         if not args.skip_check:
             t0 = time.perf_counter()
-            n = run_modes(buf, case, args.test_first_only)
+            n = run_modes(buf, case, args.test_first_only, log)
             torch.cuda.synchronize()
             log(f'[check] {n} dispatch/combine calls bitwise equal to the references '
                 f'({time.perf_counter() - t0:.1f} s)')
