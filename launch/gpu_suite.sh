@@ -495,7 +495,8 @@ nccl_refs_lane() {
     local t p=20161
     for t in bucket/test_reduce_scatter.py bucket/test_all_gather.py bucket/test_session.py bucket/test_mixed.py; do
         step "nccl refs: DeepEP v25 $t np=2 (its references over NCCL)" 400 env MASTER_PORT=$p \
-            DEEPEP_CUPY_NCCL_HOST_PER_RANK=1 $ONE $PY -m deepep_cupy.as_deep_ep .upstream/v25/tests/$t --num-processes 2
+            DEEPEP_CUPY_NCCL_HOST_PER_RANK=1 PYTHONFAULTHANDLER=1 $ONE $PY -m deepep_cupy.as_deep_ep \
+            .upstream/v25/tests/$t --num-processes 2
         p=$((p + 100))
     done
 }
