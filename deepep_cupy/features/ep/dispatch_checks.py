@@ -2,7 +2,7 @@
 (a cached dispatch's handle or the call's arguments), topk_idx's layout, the optional arrays. Pure: no GPU, no buffer;
 each user error raises `ValueError` / `TypeError` naming the argument."""
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from ...runtime import checks
 from ...runtime.interop import TensorInfo
@@ -10,9 +10,7 @@ from ...runtime.sizes import ceil_div
 from . import layout
 from .handle import EPHandle
 from .legacy import LegacyLayout
-
-if TYPE_CHECKING:
-    from .plan import EPSettings
+from .settings import EPSettings
 
 
 class XArgs(NamedTuple):
@@ -34,7 +32,7 @@ class Routing(NamedTuple):
     do_cpu_sync: bool
 
 
-def check_x(s: 'EPSettings', x) -> XArgs:
+def check_x(s: EPSettings, x) -> XArgs:
     """`x` (a tensor or an (x_fp8, sf) pair) and its scale factors, checked."""
     fp8 = isinstance(x, (tuple, list))
     if fp8:
@@ -69,7 +67,7 @@ def check_x(s: 'EPSettings', x) -> XArgs:
     return XArgs(fp8=fp8, x=x, xi=xi, sf=sf, sfi=sfi, num_sf=num_sf)
 
 
-def resolve_routing(s: 'EPSettings', xi: TensorInfo, handle: Optional[EPHandle], topk_idx, num_experts,
+def resolve_routing(s: EPSettings, xi: TensorInfo, handle: Optional[EPHandle], topk_idx, num_experts,
                     num_max_tokens_per_rank, expert_alignment, do_cpu_sync) -> Routing:
     """The routing of a cached dispatch (the handle's, the arguments checked against it) or of a new one (the
     arguments with their defaults)."""
@@ -108,7 +106,7 @@ def resolve_routing(s: 'EPSettings', xi: TensorInfo, handle: Optional[EPHandle],
                     num_max_tokens_per_rank=handle.num_max_tokens_per_rank, do_cpu_sync=False)
 
 
-def check_topk_idx(s: 'EPSettings', kind: str, topk_idx, num_tokens: int, num_experts: int,
+def check_topk_idx(s: EPSettings, kind: str, topk_idx, num_tokens: int, num_experts: int,
                    legacy: Optional[LegacyLayout]) -> TensorInfo:
     """topk_idx's layout (its values are checked on the GPU) and V1's expert counts."""
     ti = checks.info(topk_idx, 'topk_idx', s.device)
@@ -127,7 +125,7 @@ def check_topk_idx(s: 'EPSettings', kind: str, topk_idx, num_tokens: int, num_ex
     return ti
 
 
-def check_side_arrays(s: 'EPSettings', kind: str, topk_weights, stats, num_tokens: int, num_topk: int,
+def check_side_arrays(s: EPSettings, kind: str, topk_weights, stats, num_tokens: int, num_topk: int,
                       num_local_experts: int) -> None:
     """topk_weights `[num_tokens, num_topk]` float32 and cumulative_local_expert_recv_stats `[L]` int32, if given."""
     if topk_weights is not None:

@@ -17,28 +17,10 @@ from .dispatch_checks import check_side_arrays, check_topk_idx, check_x, resolve
 from .handle import EPHandle
 from .kernels import COMBINE_CHUNK_ROWS, COMBINE_CHUNK_SIGNAL_BYTES, NOTIFY_THREADS
 from .legacy import LegacyLayout
+from .settings import EPSettings
 
 NUM_MAX_NOTIFY_SMEM_BYTES = 200 * 1024
 DIRECT_QPS, HYBRID_QPS = 17, 129        # DeepEP's num_allocated_qps for 0 (hybrid: 65 on MT4131 NICs)
-
-
-@dataclass(frozen=True)
-class EPSettings:
-    """What the plans know of the buffer (plain values)."""
-    device: int                        # this rank's CUDA device (-1 in CPU tests)
-    num_ranks: int                     # R: ranks of the scale-up domain
-    rank: int                          # this rank's index in it
-    owner_id: int                      # identity of the EP component (a handle names the buffer that made it)
-    num_max_tokens_per_rank: int       # the buffer's default M
-    num_topk: int                      # the buffer's top-k (0: any up to 32)
-    num_bytes: int                     # bytes of the data region
-    data_offset: int                   # where the data region starts in the symmetric buffer
-    sym_num_bytes: int                 # end of the data region in the symmetric buffer (its size without extras)
-    num_device_sms: int
-    allow_multiple_reduction: bool
-    prefer_overlap_with_compute: bool
-    nvlink_gbs: float
-    default_num_sms: int = 0           # SMs of a dispatch given num_sms=0 (`ElasticBuffer.set_num_sms`; 0: the policy)
 
 
 # ---- SM and QP policy ----------------------------------------------------------------------------------------------
