@@ -432,10 +432,10 @@ nccl1_lane() {
     step "nccl1: ep hybrid 2x1 NCCL rails, all modes, graph, errors, missing rank (P1, P2)" 340 env \
         OUT="$OUT/nccl1_2x1" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 P2_ARGS=--test-first-only \
         PROG="$EPA --num-create-destroy 1" $ONE bash launch/scaleout_nccl.sh 2x1
-    step "nccl1: ep hybrid 2x2 NCCL rails, all modes, deterministic, graph (P1, P2)" 340 env \
+    step "nccl1: ep hybrid 2x2 NCCL rails, all modes, deterministic, pressure, graph (P1, P2)" 340 env \
         OUT="$OUT/nccl1_2x2" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 P2_ARGS=--test-first-only \
-        PROG="$EPA --num-create-destroy 0 --deterministic --skip-timeout-test --skip-error-test" $ONE bash \
-        launch/scaleout_nccl.sh 2x2
+        PROG="$EPA --num-create-destroy 0 --deterministic --skip-timeout-test --skip-error-test --do-pressure-test \
+--num-pressure-seeds 8" $ONE bash launch/scaleout_nccl.sh 2x2
     # (ports of their own: a rank of a run the step before killed may still hold the lane's)
     step "nccl1: pp hybrid 2x1 NCCL links + timeout" 150 env $SOCK MASTER_PORT=19061 DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl PYTHONFAULTHANDLER=1 \
