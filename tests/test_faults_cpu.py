@@ -390,8 +390,18 @@ def test_a_failed_buffer_meets_live_peers_and_gives_up_on_dead_ones(monkeypatch,
     buf._wait_device_idle = lambda: calls.append('device idle') or RuntimeError('cudaErrorIllegalAddress')
     buf.destroy()                                           # destroy returns, frees nothing, says why
     assert calls == ['abort transports', 'comm stream waited', 'device idle'], calls
-    assert 'the CUDA context is lost (RuntimeError: cudaErrorIllegalAddress)' in capsys.readouterr().err
+    assert 'freed nothing (RuntimeError: cudaErrorIllegalAddress)' in capsys.readouterr().err
     assert buf._destroyed
+    calls.clear()
+    buf = make('dispatch CPU wait timed out', 0)            # the device stays busy past the bound: the same
+
+    def busy():
+        calls.append('device idle')
+        raise TimeoutError('device 0 was still busy 38 s into the teardown of a failed buffer')
+    buf._wait_device_idle = busy
+    buf.destroy()
+    assert calls == ['abort transports', 'comm stream waited', 'device idle'], calls
+    assert 'freed nothing (TimeoutError: device 0 was still busy' in capsys.readouterr().err
     calls.clear()
     make(None, 0).destroy()                                 # healthy: the collective teardown as before
     assert calls == ['device synchronised', 'device synchronised', 'barrier 7', 'free', 'barrier 7',

@@ -326,20 +326,23 @@ class BufferBase:
             self._teardown(failed=True)
 
     def _teardown(self, failed: bool) -> None:
-        """The collective teardown. A failed buffer waits for its communication stream (bounded; if the stream does not
-        finish, the memory is left allocated rather than freed under a running kernel); a healthy one synchronises
-        the device."""
+        """The collective teardown. A failed buffer waits, bounded, for its communication stream and then for the whole
+        device (kernels on other streams may still use the memory: the rail exchanges run on the caller's stream, and
+        NCCL's kernels queued behind a timed-out wait); if either stays busy, or the CUDA context is lost (e.g. NCCL
+        faulted after its abort), it frees nothing, says so on stderr and returns: the memory is left to the process
+        exit rather than freed under a running kernel, and the caller, who has the buffer's error already, gets no
+        second one. A healthy buffer synchronises the device."""
         import cupy
         self._destroyed = True
         self._destroy_features()
         if failed:
-            self._wait_comm_stream()
-            # Kernels on other streams (the rail exchanges on the caller's, NCCL's queued behind a timed-out wait)
-            # may still use the memory: the device idle first, bounded (a TimeoutError leaves the memory allocated).
-            # A lost context (e.g. NCCL faulted after its abort) frees nothing: every call on it fails.
-            lost = self._wait_device_idle()
+            try:
+                self._wait_comm_stream()
+                lost = self._wait_device_idle()
+            except TimeoutError as e:
+                lost = e
             if lost is not None:
-                print(f'deepep_cupy rank {self.rank_idx}: destroy of a failed buffer: the CUDA context is lost '
+                print(f'deepep_cupy rank {self.rank_idx}: destroy of a failed buffer freed nothing '
                       f'({type(lost).__name__}: {lost}); its memory is left to the process exit', file=sys.stderr,
                       flush=True)
                 return
