@@ -425,7 +425,6 @@ nccl1_lane() {
     # Domain d = node<d> for us (DEEPEP_CUPY_HOST) and for NCCL (NCCL_HOSTID), so NCCL accepts two rail members on one
     # GPU and joins them with sockets over the loopback (launch/scaleout_nccl.sh sets both). Each EP shape runs P1 and
     # P2 (pipelined).
-    local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export DEEPEP_CUPY_HOST=node$g NCCL_HOSTID=node$g;'
     local EPA="-m deepep_cupy.tests.ep --num-gpu-timeout-secs 20 --num-cpu-timeout-secs 40 --num-tokens 128 \
 --hidden 1024 --num-experts 64 --skip-perf-test"
     # (P2 over sockets between ranks sharing the GPU: the first mode only, its many small NCCL groups are slow there)
@@ -436,6 +435,10 @@ nccl1_lane() {
         OUT="$OUT/nccl1_2x2" RUN_TIMEOUT=160 PYTHONFAULTHANDLER=1 PIPELINE_PERF=0 P2_ARGS=--test-first-only \
         PROG="$EPA --num-create-destroy 0 --deterministic --skip-timeout-test --skip-error-test --do-pressure-test \
 --num-pressure-seeds 8" $ONE bash launch/scaleout_nccl.sh 2x2
+}
+nccl1_pp_lane() {
+    # PP 2x1 over NCCL links and all-gather / reduce-scatter 2x1 over NCCL rails, with their timeout / failure cases
+    local host='g=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}; export DEEPEP_CUPY_HOST=node$g NCCL_HOSTID=node$g;'
     # (ports of their own: a rank of a run the step before killed may still hold the lane's)
     step "nccl1: pp hybrid 2x1 NCCL links + timeout" 150 env $SOCK MASTER_PORT=19061 DEEPEP_CUPY_SCALEUP_SIZE=1 \
         DEEPEP_CUPY_RAIL_TRANSPORT=nccl PYTHONFAULTHANDLER=1 \
@@ -476,6 +479,11 @@ nccl1_deepep_lane() {
     step "nccl1: DeepEP elastic/test_ep.py np=4 hybrid 2x2 NCCL (checks)" 600 env MASTER_PORT=19661 $NC \
         DEEPEP_CUPY_SCALEUP_SIZE=2 $ONE $RUN .upstream/head/tests/elastic/test_ep.py --num-processes 4 \
         --num-tokens 128 --hidden 2048 --skip-perf-test
+}
+nccl1_deepep2_lane() {
+    # DeepEP's test_agrs.py and V2.5 pp/test_pp.py in hybrid mode over real NCCL rails on one GPU
+    [ -d .upstream ] || return
+    local RUN="$PY -m deepep_cupy.as_deep_ep" NC="DEEPEP_CUPY_RAIL_TRANSPORT=nccl"
     step "nccl1: DeepEP elastic/test_agrs.py np=2 hybrid 2x1 NCCL" 400 env MASTER_PORT=19761 $NC \
         DEEPEP_CUPY_SCALEUP_SIZE=1 $ONE $RUN .upstream/head/tests/elastic/test_agrs.py --num-processes 2
     step "nccl1: DeepEP v25 pp/test_pp.py np=2 hybrid 2x1 NCCL" 400 env MASTER_PORT=19861 $NC \
@@ -743,6 +751,8 @@ want nccl1 && MASTER_PORT=18861 lane nccl1_lane
 want nccl1 && lane nccl1_more_lane
 want nccl1 && lane nccl1_coll_lane
 want nccl1 && lane nccl1_deepep_lane
+want nccl1 && lane nccl1_pp_lane
+want nccl1 && lane nccl1_deepep2_lane
 want nccl1 && lane nccl_refs_lane
 for f in nccl2 nccl4 ipc2 ipc4; do want faults && lane faults_lane $f; done
 for shape in 2x1 2x2 4x1 2x4; do want internode && lane legacy_internode_lane $shape; done
