@@ -53,6 +53,8 @@
 #              without expansion): the EP rank program at 1/2/4/8 ranks sharing GPU 0 (bit-exact checks; no-sync
 #              dispatches take the fused kernel), the missing-rank check without CPU sync, the V1 adapter and DeepEP's
 #              test_ep.py with it (parallel; perf1 profiles the fused default and the two kernels alone)
+# SUITE_SECS=N bounds the whole run to N seconds (each step's limit shrinks to what is left; steps with no time left
+# are recorded as SKIP(time)): set it a little under a device call's limit.
 # STEP_FILTER=REGEX keeps only the steps whose names match (e.g. STEP_FILTER='test_pp|gate' ... deepep gate);
 # STEP_EXCLUDE=REGEX drops the steps whose names match (e.g. STEP_EXCLUDE='MPS|baseline'); STEP_LIST=FILE keeps only
 # the steps named in FILE, one exact name per line. launch/verify_steps.txt is the verification of a one-GPU machine in
@@ -69,6 +71,7 @@ mkdir -p "$OUT"
 LOG=$OUT/suite.log
 SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
+SUITE_END=$(( $(date +%s) + ${SUITE_SECS:-0} ))
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export DEEPEP_CUPY_JIT_CACHE_DIR=${DEEPEP_CUPY_JIT_CACHE_DIR:-/tmp/deepep_cupy_jit}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -86,6 +89,17 @@ step() {
     [ -n "${STEP_FILTER:-}" ] && ! [[ $name =~ $STEP_FILTER ]] && return 0
     [ -n "${STEP_EXCLUDE:-}" ] && [[ $name =~ $STEP_EXCLUDE ]] && return 0
     [ -n "${STEP_LIST:-}" ] && ! grep -qxF -- "$name" "$STEP_LIST" && return 0
+    # SUITE_SECS: the whole run's budget (a device call's limit). A step gets at most what is left of it less 20 s, so
+    # that it ends (with its stack dumps) before the call does; a step with under 30 s left is recorded as skipped.
+    if [ -n "${SUITE_SECS:-}" ]; then
+        local left=$(( SUITE_END - $(date +%s) - 20 ))
+        if [ "$left" -lt 30 ]; then
+            { flock 9; printf '%-58s %-12s %8d ms\n' "$name" "SKIP(time)" 0 >> "$SUMMARY"; } \
+                9>> /tmp/deepep_cupy_gpu_suite.lock
+            return 0
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     # (the step's log stays under $OUT/running/ until it ends: a run cut short brings back what the running steps
     # printed)
     local tmp; mkdir -p "$OUT/running"; tmp=$(mktemp -p "$OUT/running")
