@@ -139,24 +139,36 @@ def _world(R=3, Ek=6, K=3, Hs=16, sizes=(5, 0, 7), seed=0):
     return out
 
 
+def _last_slots(topk_row, L):
+    """Destination rank -> the last top-k slot of the token that goes to it."""
+    last = {}
+    for k, e in enumerate(topk_row.tolist()):
+        if e >= 0:
+            last[e // L] = k
+    return last
+
+
+def _destination_row(x, topk, w, t, d, L):
+    """What destination rank d returns for token t (FP32 view of its bfloat16 row): the sum over its local slots k
+    (ascending) of bf16(bf16(row * 2^(e % 4 - 2)) * w_k), rounded once."""
+    y = torch.zeros(x.shape[1])
+    for k, e in enumerate(topk[t].tolist()):
+        if e >= 0 and e // L == d:
+            row = (x[t].float() * 2.0 ** (e % 4 - 2)).to(torch.bfloat16)
+            y = y + (row.float() * w[t, k]).to(torch.bfloat16).float()
+    return y.to(torch.bfloat16).float()
+
+
 def _brute_force(x, topk, w, Ek, R):
-    """Per token: destinations in the order of their last top-k slot, each returning the sum over its local slots k
-    (ascending) of bf16(bf16(row * 2^(e % 4 - 2)) * w_k); FP32 sum over destinations, one rounding."""
+    """Per token: destinations in the order of their last top-k slot, each returning `_destination_row`; FP32 sum
+    over destinations, one rounding."""
     L = Ek // R
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     for t in range(x.shape[0]):
-        last = {}
-        for k, e in enumerate(topk[t].tolist()):
-            if e >= 0:
-                last[e // L] = k
+        last = _last_slots(topk[t], L)
         acc = torch.zeros(x.shape[1])
         for d in sorted(last, key=last.get):
-            y = torch.zeros(x.shape[1])
-            for k, e in enumerate(topk[t].tolist()):
-                if e >= 0 and e // L == d:
-                    row = (x[t].float() * 2.0 ** (e % 4 - 2)).to(torch.bfloat16)
-                    y = y + (row.float() * w[t, k]).to(torch.bfloat16).float()
-            acc = acc + y.to(torch.bfloat16).float()
+            acc = acc + _destination_row(x, topk, w, t, d, L)
         out[t] = acc.to(torch.bfloat16)
     return out
 
@@ -186,10 +198,7 @@ def _brute_force_domains(x, topk, w, Ek, R, D):
     L, S = Ek // R, R // D
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     for t in range(x.shape[0]):
-        last = {}
-        for k, e in enumerate(topk[t].tolist()):
-            if e >= 0:
-                last[e // L] = k
+        last = _last_slots(topk[t], L)
         dom_last = {}
         for d, k in last.items():
             dom_last[d // S] = max(dom_last.get(d // S, k), k)
@@ -197,12 +206,7 @@ def _brute_force_domains(x, topk, w, Ek, R, D):
         for m in sorted(dom_last, key=dom_last.get):
             part = torch.zeros(x.shape[1])
             for d in sorted((d for d in last if d // S == m), key=last.get):
-                y = torch.zeros(x.shape[1])
-                for k, e in enumerate(topk[t].tolist()):
-                    if e >= 0 and e // L == d:
-                        row = (x[t].float() * 2.0 ** (e % 4 - 2)).to(torch.bfloat16)
-                        y = y + (row.float() * w[t, k]).to(torch.bfloat16).float()
-                part = part + y.to(torch.bfloat16).float()
+                part = part + _destination_row(x, topk, w, t, d, L)
             acc = acc + part.to(torch.bfloat16).float()
         out[t] = acc.to(torch.bfloat16)
     return out
