@@ -112,10 +112,6 @@ class AbortThread:
             self.failure = None
         return True
 
-    @property
-    def done(self) -> bool:
-        return not self.thread.is_alive()
-
 
 def abort_bounded(comm: Any, what: str, limit: float = ABORT_WAIT_SECS) -> bool:
     """`comm.abort()` (`ncclCommAbort`) from a helper thread, waited for at most `limit` seconds; returns whether it

@@ -112,9 +112,8 @@ class RailWatchdog:
         if self.error is not None:
             raise self.error
 
-    def begin(self, stream_ptr: int) -> Optional[int]:
-        """Record the event that marks an exchange's start on `stream_ptr` (before its first group); pass it to
-        `watch`. None inside a CUDA-graph capture (not watched)."""
+    def _record(self, stream_ptr: int) -> Optional[int]:
+        """An event (from the pool) recorded on `stream_ptr`; None inside a CUDA-graph capture (not watched)."""
         self.raise_if_failed()
         capturing = getattr(self.events, 'capturing', None)
         if capturing is not None and capturing(stream_ptr):
@@ -124,16 +123,17 @@ class RailWatchdog:
         self.events.record(event, stream_ptr)
         return event
 
+    def begin(self, stream_ptr: int) -> Optional[int]:
+        """Record the event that marks an exchange's start on `stream_ptr` (before its first group); pass it to
+        `watch`. None inside a CUDA-graph capture (not watched)."""
+        return self._record(stream_ptr)
+
     def watch(self, stream_ptr: int, phase: str, peers: Sequence[int], start: Optional[int] = None) -> None:
         """Record an event on `stream_ptr` after an exchange with `peers` (rail peer domains) and bound it: from the
         completion of `start` (`begin`'s event), or, without one, from now."""
-        self.raise_if_failed()
-        capturing = getattr(self.events, 'capturing', None)
-        if capturing is not None and capturing(stream_ptr):
+        event = self._record(stream_ptr)
+        if event is None:
             return
-        with self._lock:
-            event = self._pool.pop() if self._pool else self.events.create()
-        self.events.record(event, stream_ptr)
         deadline = None if start is not None else time.monotonic() + self.timeout_s
         with self._lock:
             self._pending.append((event, start, deadline, phase, tuple(peers)))
